@@ -1,0 +1,425 @@
+"""Bytes -> a request, or a `Rejected` answer saying exactly what is wrong and where.
+
+The checks run in the order the spec fixes (section 4): the file (size, UTF-8), the JSON (syntax, duplicate
+keys, non-finite numbers, depth, lone surrogates), the shape (type tag, fields, JSON types, via msgspec with the
+limits annotated on the Structs), then the rules a schema cannot say (id equals stem, unique launch names,
+artifact path form, one-line `why`). Policy checks (a workspace's ceilings) are separate: `check_policy`.
+
+The stdlib parser is used for the JSON stage because msgspec silently keeps the last of duplicate keys, which
+another client's parser may resolve the other way; we refuse them instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Final
+
+import msgspec
+
+from channel import limits as L
+from channel.errors import CODES
+from channel.messages import (
+    ErrorInfo,
+    Launch,
+    Policy,
+    Rejected,
+    Request,
+    SleepRequest,
+)
+
+_ID_RE: Final = re.compile(L.ID_PATTERN)
+_CONTROL_RE: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_WHY_BAD_RE: Final = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+
+
+class RequestError(Exception):
+    """A request fault, carrying its code, a message for the model, and the JSON path."""
+
+    def __init__(self, code: str, message: str, path: str | None = None) -> None:
+        assert code in CODES, code
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.path = path
+
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(code=self.code, message=self.message, path=self.path)
+
+
+def is_valid_id(stem: str) -> bool:
+    return _ID_RE.fullmatch(stem) is not None
+
+
+def rejected(request_id: str, err: RequestError) -> Rejected:
+    return Rejected(protocol=L.PROTOCOL_VERSION, id=request_id, error=err.info())
+
+
+def decode_request(data: bytes, stem: str) -> Request | Rejected:
+    """Decode one committed request file named `<stem>.json`.
+
+    `stem` must already be a valid id (names that are not cannot be answered and never reach here).
+    """
+    try:
+        return parse_request(data, stem)
+    except RequestError as err:
+        return rejected(stem, err)
+
+
+def parse_request(data: bytes, stem: str) -> Request:
+    """Like `decode_request`, raising `RequestError` instead of returning a `Rejected`."""
+    if len(data) > L.REQUEST_MAX_BYTES:
+        raise RequestError(
+            "request.too_large",
+            f"the request is {len(data)} bytes; the limit is {L.REQUEST_MAX_BYTES} bytes",
+        )
+    obj = _parse_json(data)
+    if not isinstance(obj, dict):
+        raise RequestError("request.not_object", "the request must be a JSON object", "$")
+    try:
+        req: Request = msgspec.convert(obj, Request)
+    except msgspec.ValidationError as exc:
+        if _depth(obj) > L.JSON_MAX_DEPTH:
+            raise _too_deep() from None
+        raise _shape_error(obj, str(exc)) from None
+    if req.id != stem:
+        raise RequestError(
+            "request.id.mismatch",
+            f"id {req.id!r} differs from the file name's stem {stem!r}; write <id>.json with the same id",
+            "$.id",
+        )
+    if isinstance(req, SleepRequest):
+        _check_sleep(req)
+    return req
+
+
+# --- the JSON stage ---------------------------------------------------------------------------------------
+
+
+class _Duplicate(Exception):
+    pass
+
+
+class _NonFinite(Exception):
+    pass
+
+
+class _OutOfRange(Exception):
+    pass
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _Duplicate(k)
+            seen.add(k)
+    return d
+
+
+def _no_constant(name: str) -> Any:
+    raise _NonFinite(name)
+
+
+def _float(text: str) -> float:
+    f = float(text)
+    if f in (float("inf"), float("-inf")):
+        raise _OutOfRange(text)
+    return f
+
+
+def _too_deep() -> RequestError:
+    return RequestError(
+        "json.too_deep", f"objects and arrays are nested more than {L.JSON_MAX_DEPTH} levels deep", None
+    )
+
+
+def _parse_json(data: bytes) -> Any:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(
+            "request.invalid_utf8",
+            f"the file is not valid UTF-8 (bad byte at offset {exc.start}); write the request as UTF-8 JSON",
+        ) from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant, parse_float=_float)
+    except _Duplicate as exc:
+        raise RequestError(
+            "json.duplicate_key", f"the key {_quote(str(exc))} appears twice in one object; keep one"
+        ) from None
+    except _NonFinite as exc:
+        raise RequestError(
+            "json.non_finite", f"{exc} is not a JSON number; use a finite number or null"
+        ) from None
+    except _OutOfRange as exc:
+        raise RequestError(
+            "json.number_out_of_range", f"the number {_quote(str(exc)[:40])} is out of range"
+        ) from None
+    except RecursionError:
+        raise _too_deep() from None
+    except json.JSONDecodeError as exc:
+        raise RequestError(
+            "json.syntax", f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    if "\\u" in text or "\\U" in text:
+        _check_surrogates(obj, "$")
+    return obj
+
+
+def _check_surrogates(obj: Any, path: str) -> None:
+    def bad(s: str) -> bool:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    if isinstance(obj, str):
+        if bad(obj):
+            raise RequestError(
+                "request.lone_surrogate",
+                "a string contains half of a UTF-16 surrogate pair (an unpaired \\ud800-\\udfff escape)",
+                path,
+            )
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if bad(k):
+                raise RequestError(
+                    "request.lone_surrogate", "an object key contains an unpaired surrogate escape", path
+                )
+            _check_surrogates(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_surrogates(v, f"{path}[{i}]")
+
+
+def _depth(obj: Any) -> int:
+    if isinstance(obj, dict):
+        return 1 + max((_depth(v) for v in obj.values()), default=0)
+    if isinstance(obj, list):
+        return 1 + max((_depth(v) for v in obj), default=0)
+    return 0
+
+
+# --- the shape stage: msgspec's validation errors -> codes -----------------------------------------------
+
+_AT_RE: Final = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.S)
+_FIELD_RE: Final = re.compile(r"field `(?P<field>[^`]*)`")
+_LAUNCH_FIELD_RE: Final = re.compile(r"^\$\.launches\[\d+\]\.(?P<field>\w+)(?P<item>\[\d+\])?$")
+_TOP_FIELD_RE: Final = re.compile(r"^\$\.(?P<field>\w+)(?P<item>\[\d+\])?$")
+_SUBMIT_FIELD_RE: Final = re.compile(r"^\$\.submit\.(?P<field>\w+)$")
+
+
+def _shape_error(obj: dict[str, Any], text: str) -> RequestError:
+    m = _AT_RE.match(text)
+    assert m is not None
+    msg, path = m.group("msg"), m.group("path") or "$"
+    verb = obj.get("type")
+    if msg.startswith("Object missing required field"):
+        field = _FIELD_RE.search(msg)
+        name = field.group("field") if field else "?"
+        if path == "$" and name == "type":
+            return RequestError("request.type.missing", _type_help("the request has no `type`"), "$.type")
+        return RequestError("field.missing", f"{_join(path, name)} is required but absent", _join(path, name))
+    if msg.startswith("Object contains unknown field"):
+        field = _FIELD_RE.search(msg)
+        name = field.group("field") if field else "?"
+        return RequestError(
+            "field.unknown",
+            f"{_join(path, name)} is not a field of this request; remove it (see kernel.json or the spec)",
+            _join(path, name),
+        )
+    if path == "$.type":
+        return RequestError("request.type.unknown", _type_help(f"type {_quote(str(verb))} is unknown"), path)
+    if ", got " in msg:
+        expected = msg.removeprefix("Expected ").split(",")[0].strip("`")
+        got = msg.rsplit("got ", 1)[1].strip("`")
+        if path == "$.protocol":
+            return RequestError(
+                "request.protocol.unsupported",
+                f"protocol must be the integer {L.PROTOCOL_VERSION}, got a {got}",
+                path,
+            )
+        return RequestError("field.type", f"{path} must be {_article(expected)}, got {_article(got)}", path)
+    return _constraint_error(str(verb), path, msg)
+
+
+def _constraint_error(verb: str, path: str, msg: str) -> RequestError:
+    if path == "$.protocol":
+        return RequestError(
+            "request.protocol.unsupported",
+            f'this kernel speaks protocol {L.PROTOCOL_VERSION}; set "protocol": {L.PROTOCOL_VERSION}',
+            path,
+        )
+    if path == "$.id":
+        return RequestError(
+            "request.id.invalid",
+            f"id must match {L.ID_PATTERN} (lowercase letters, digits, '-'; at most 64)",
+            path,
+        )
+    scope, field, item = _scope(verb, path)
+    kind = _kind(msg, is_item=item)
+    code = f"{scope}.{field}.{kind}"
+    if code not in CODES:  # e.g. an array element: launch.artifacts[i] -> launch.artifact
+        code = f"{scope}.{field.removesuffix('s')}.{kind}"
+    if code not in CODES:
+        code = f"{scope}.{field.removesuffix('s')}.invalid"
+    if code not in CODES:  # pragma: no cover - a constraint added to a Struct without a code
+        raise AssertionError(f"no error code for {scope}.{field} ({msg})")
+    limit = msg.split("<=")[-1].split(">=")[-1].strip() if ("<=" in msg or ">=" in msg) else ""
+    return RequestError(code, _constraint_message(path, msg, kind, limit), path)
+
+
+def _scope(verb: str, path: str) -> tuple[str, str, bool]:
+    if (m := _LAUNCH_FIELD_RE.match(path)) and verb == "sleep":
+        return "launch", m.group("field"), m.group("item") is not None
+    if m := _SUBMIT_FIELD_RE.match(path):
+        return "submit", m.group("field"), False
+    if verb == "cancel" and re.fullmatch(r"\$\.launches\[\d+\]", path):
+        return "cancel", "name", False
+    if m := _TOP_FIELD_RE.match(path):
+        return verb, m.group("field"), m.group("item") is not None
+    return verb, "field", False  # pragma: no cover
+
+
+def _kind(msg: str, *, is_item: bool) -> str:
+    if "matching regex" in msg:
+        return "invalid"
+    if "of length >=" in msg:
+        return "empty"
+    if "of length <=" in msg:
+        return "too_many" if msg.startswith("Expected `array`") else "too_long"
+    return "out_of_range"
+
+
+def _constraint_message(path: str, msg: str, kind: str, limit: str) -> str:
+    if kind == "invalid":
+        pattern = msg.split("matching regex ", 1)[1].strip("'")
+        return f"{path} must match {pattern}"
+    if kind == "empty":
+        return f"{path} must not be empty"
+    if kind == "too_long":
+        return f"{path} is longer than {limit} characters; shorten it"
+    if kind == "too_many":
+        return f"{path} has more than {limit} entries"
+    return f"{path} is out of range; it must be {msg.rsplit('`', 1)[-1].strip()}"
+
+
+# --- rules a schema cannot say ---------------------------------------------------------------------------
+
+
+def _check_sleep(req: SleepRequest) -> None:
+    names: set[str] = set()
+    for i, launch in enumerate(req.launches):
+        at = f"$.launches[{i}]"
+        if launch.name in names:
+            raise RequestError(
+                "launch.name.duplicate",
+                f"two launches are named {launch.name!r}; names must be unique within a sleep",
+                f"{at}.name",
+            )
+        names.add(launch.name)
+        _check_launch(launch, at)
+
+
+def _check_launch(launch: Launch, at: str) -> None:
+    if not launch.command.strip():
+        raise RequestError(
+            "launch.command.empty", f"{at}.command is blank; give a shell command", f"{at}.command"
+        )
+    if _CONTROL_RE.search(launch.command):
+        raise RequestError(
+            "launch.command.invalid",
+            f"{at}.command contains a control character (only tab and newline are allowed)",
+            f"{at}.command",
+        )
+    if launch.concurrency > launch.array:
+        raise RequestError(
+            "launch.concurrency.out_of_range",
+            f"{at}.concurrency is {launch.concurrency} but the array has {launch.array} tasks; "
+            "use 0..array (0 = all at once)",
+            f"{at}.concurrency",
+        )
+    for j, path in enumerate(launch.artifacts):
+        if reason := artifact_path_problem(path):
+            raise RequestError(
+                "launch.artifact.invalid", f"{at}.artifacts[{j}] {reason}", f"{at}.artifacts[{j}]"
+            )
+    if _WHY_BAD_RE.search(launch.why):
+        raise RequestError("launch.why.multiline", f"{at}.why must be one line of text", f"{at}.why")
+
+
+def artifact_path_problem(path: str) -> str | None:
+    """Why `path` is not an acceptable artifact path, or None. Shared with the kernel's copy-out."""
+    if path.startswith("/"):
+        return "must be relative to the workspace root, not absolute"
+    if path.startswith("~"):
+        return "must not start with '~'"
+    if "\\" in path:
+        return "must use '/' as the separator (no backslashes)"
+    if _CONTROL_RE.search(path) or "\n" in path or "\t" in path:
+        return "must not contain control characters"
+    parts = path.split("/")
+    if any(p == "" for p in parts):
+        return "must not contain empty parts ('//' or a trailing '/')"
+    if any(p in (".", "..") for p in parts):
+        return "must not contain '.' or '..' parts"
+    return None
+
+
+# --- policy ----------------------------------------------------------------------------------------------
+
+
+def check_policy(req: SleepRequest, policy: Policy) -> None:
+    """Raise `RequestError` if the sleep asks for more than the workspace's policy allows."""
+    for i, launch in enumerate(req.launches):
+        at = f"$.launches[{i}]"
+        if launch.minutes > policy.max_minutes:
+            raise RequestError(
+                "policy.minutes",
+                f"{at}.minutes is {launch.minutes}; this workspace allows at most {policy.max_minutes}",
+                f"{at}.minutes",
+            )
+        if launch.gpus > policy.max_gpus:
+            raise RequestError(
+                "policy.gpus",
+                f"{at}.gpus is {launch.gpus}; this workspace allows at most {policy.max_gpus}",
+                f"{at}.gpus",
+            )
+    if req.submit is not None:
+        if policy.submit is None:
+            raise RequestError(
+                "policy.submit_disabled",
+                "this workspace has no evaluation contract, so submit is unavailable (kernel.json policy.submit)",
+                "$.submit",
+            )
+        if req.submit.eval_minutes is not None and req.submit.eval_minutes > policy.max_minutes:
+            raise RequestError(
+                "policy.eval_minutes",
+                f"$.submit.eval_minutes is {req.submit.eval_minutes}; "
+                f"this workspace allows at most {policy.max_minutes}",
+                "$.submit.eval_minutes",
+            )
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if re.fullmatch(r"\w+", name) else f"{path}[{json.dumps(name)}]"
+
+
+def _quote(s: str) -> str:
+    return json.dumps(s[:64])
+
+
+def _article(t: str) -> str:
+    t = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "null": "null"}.get(t, t)
+    return f"an {t}" if t[:1] in "aeiou" else f"a {t}"
+
+
+def _type_help(prefix: str) -> str:
+    return f"{prefix}; use one of: sleep, cancel, status, queue, history"

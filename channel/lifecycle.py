@@ -1,0 +1,106 @@
+"""The lifecycle of a sleep and of its tasks, as transition tables.
+
+Every state change in the kernel goes through `next_sleep_state` / `next_task_state`; a transition not in the
+table raises `IllegalTransition` (a kernel bug, never the agent's fault). The spec's state tables are generated
+from `SLEEP_TRANSITIONS` and `TASK_TRANSITIONS`.
+
+A sleep moves received -> validated -> snapshotted -> submitted -> running -> gathered -> woken. Every cheap
+refusal happens before every expensive step, so `rejected` is reachable only from the first three states.
+A task moves PENDING -> RUNNING -> a terminal state; `cancel` and scheduler verdicts may end it from either.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Final
+
+
+class SleepEvent(StrEnum):
+    VALIDATE = "validate"  # decoded, within policy and budget; charged
+    REJECT = "reject"  # refused; nothing charged, nothing run
+    SNAPSHOT = "snapshot"  # the workspace's tree is committed under a kernel ref
+    SUBMIT = "submit"  # every task was handed to the backend (job ids recorded)
+    START = "start"  # the first task began running
+    GATHER = "gather"  # every task is terminal; results collected, artifacts delivered
+    WAKE = "wake"  # the wake files are written and the budget refunded
+
+
+class TaskEvent(StrEnum):
+    START = "start"
+    FINISH = "finish"  # ended on its own: COMPLETED, FAILED, TIMEOUT, OUT_OF_MEMORY
+    CANCEL = "cancel"  # cancelled by the agent or the kernel
+    LOSE = "lose"  # the scheduler says NODE_FAIL, PREEMPTED or the job vanished
+
+
+SLEEP_TRANSITIONS: Final[dict[tuple[str, SleepEvent], str]] = {
+    ("received", SleepEvent.VALIDATE): "validated",
+    ("received", SleepEvent.REJECT): "rejected",
+    ("validated", SleepEvent.SNAPSHOT): "snapshotted",
+    ("validated", SleepEvent.REJECT): "rejected",
+    ("snapshotted", SleepEvent.SUBMIT): "submitted",
+    ("snapshotted", SleepEvent.REJECT): "rejected",
+    ("submitted", SleepEvent.START): "running",
+    # every task may end before the kernel sees any of them run (a checkpoint has no tasks at all)
+    ("submitted", SleepEvent.GATHER): "gathered",
+    ("running", SleepEvent.GATHER): "gathered",
+    ("gathered", SleepEvent.WAKE): "woken",
+}
+
+SLEEP_TERMINAL: Final = frozenset({"woken", "rejected"})
+
+TASK_TRANSITIONS: Final[dict[tuple[str, TaskEvent], frozenset[str]]] = {
+    ("PENDING", TaskEvent.START): frozenset({"RUNNING"}),
+    ("PENDING", TaskEvent.CANCEL): frozenset({"CANCELLED"}),
+    ("PENDING", TaskEvent.FINISH): frozenset({"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}),
+    ("PENDING", TaskEvent.LOSE): frozenset({"NODE_FAIL", "PREEMPTED", "VANISHED"}),
+    ("RUNNING", TaskEvent.FINISH): frozenset({"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}),
+    ("RUNNING", TaskEvent.CANCEL): frozenset({"CANCELLED"}),
+    ("RUNNING", TaskEvent.LOSE): frozenset({"NODE_FAIL", "PREEMPTED", "VANISHED"}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the lifecycle does not allow: a kernel bug."""
+
+
+def next_sleep_state(state: str, event: SleepEvent) -> str:
+    try:
+        return SLEEP_TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransition(f"sleep in state {state!r} cannot {event.value}") from None
+
+
+def next_task_state(state: str, event: TaskEvent, outcome: str | None = None) -> str:
+    """The task's next state. `outcome` picks among the event's allowed states (e.g. FINISH -> FAILED)."""
+    allowed = TASK_TRANSITIONS.get((state, event))
+    if allowed is None:
+        raise IllegalTransition(f"task in state {state!r} cannot {event.value}")
+    if outcome is None:
+        if len(allowed) != 1:
+            raise IllegalTransition(f"task event {event.value} from {state!r} needs one of {sorted(allowed)}")
+        return next(iter(allowed))
+    if outcome not in allowed:
+        raise IllegalTransition(f"task in state {state!r} cannot {event.value} into {outcome!r}")
+    return outcome
+
+
+def sleep_states() -> list[str]:
+    """Every sleep state in lifecycle order."""
+    order = ["received"]
+    for (src, _), dst in SLEEP_TRANSITIONS.items():
+        for s in (src, dst):
+            if s not in order:
+                order.append(s)
+    return order
+
+
+def render_tables() -> str:
+    """The lifecycle tables as markdown, for spec/PROTOCOL.md."""
+    lines = ["| sleep state | event | next state |", "|---|---|---|"]
+    lines += [f"| `{s}` | `{e.value}` | `{d}` |" for (s, e), d in SLEEP_TRANSITIONS.items()]
+    lines += ["", "| task state | event | next states |", "|---|---|---|"]
+    lines += [
+        f"| `{s}` | `{e.value}` | {', '.join(f'`{x}`' for x in sorted(d))} |"
+        for (s, e), d in TASK_TRANSITIONS.items()
+    ]
+    return "\n".join(lines) + "\n"

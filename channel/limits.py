@@ -1,0 +1,43 @@
+"""Every protocol limit, stated once.
+
+The Structs in `channel.messages` annotate their fields with these numbers (so the JSON Schema carries them),
+the decoder enforces them, `kernel.json` publishes them to the tool, and `spec/PROTOCOL.md` quotes them.
+Policy limits (a workspace's ceilings, set by the operator) live in `channel.messages.Policy`; the numbers here
+are the protocol's absolute bounds, which no policy can widen.
+"""
+
+from typing import Final
+
+PROTOCOL_VERSION: Final = 1
+
+REQUEST_MAX_BYTES: Final = 64 * 1024
+JSON_MAX_DEPTH: Final = 16
+
+ID_PATTERN: Final = r"^[a-z0-9][a-z0-9-]{0,63}$"
+NAME_PATTERN: Final = r"^[a-z0-9][a-z0-9-]{0,31}$"
+
+MAX_LAUNCHES: Final = 8
+COMMAND_MAX_CHARS: Final = 2000
+MINUTES_MIN: Final = 1
+MINUTES_DEFAULT: Final = 30
+MINUTES_CEILING: Final = 7 * 24 * 60  # no policy may allow more than a week
+GPUS_CEILING: Final = 64
+ARRAY_MAX: Final = 16
+MAX_ARTIFACTS: Final = 8
+ARTIFACT_MAX_CHARS: Final = 500
+WHY_MAX_CHARS: Final = 200
+NOTE_MAX_CHARS: Final = 2000
+REPORT_MAX_CHARS: Final = 8000
+CANCEL_MAX_NAMES: Final = MAX_LAUNCHES * 4
+HISTORY_MAX: Final = 100
+HISTORY_DEFAULT: Final = 20
+
+# Kernel-written sizes.
+TAIL_MAX_CHARS: Final = 8000
+
+# Policy defaults (operator-configurable per workspace, never above the ceilings above).
+POLICY_MAX_MINUTES: Final = 240
+POLICY_MAX_GPUS: Final = 8
+BUDGET_LAUNCHES: Final = 100
+BUDGET_SLEEPS: Final = 50
+BUDGET_GPU_HOURS: Final = 100.0

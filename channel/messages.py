@@ -1,0 +1,372 @@
+"""Every message of the protocol as a strict msgspec Struct.
+
+Requests (agent -> kernel), answers (kernel -> agent), the wake, and the kernel-written `kernel.json` and
+`budget.json`. Requests and answers are tagged unions on the `type` field. All Structs are frozen and refuse
+unknown fields; request fields carry their limits (from `channel.limits`) so that the generated JSON Schema and
+the decoder agree by construction. Decoding lives in `channel.decode`; this module only declares shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from channel import limits as L
+
+# --- reusable field types -------------------------------------------------------------------------------
+
+RequestId = Annotated[str, Meta(pattern=L.ID_PATTERN, description="client-chosen id, equal to the file stem")]
+LaunchName = Annotated[str, Meta(pattern=L.NAME_PATTERN)]
+Protocol = Annotated[int, Meta(ge=L.PROTOCOL_VERSION, le=L.PROTOCOL_VERSION)]
+Timestamp = Annotated[str, Meta(description="RFC 3339 UTC timestamp, e.g. 2026-11-30T12:00:00.000Z")]
+
+TaskState = Literal[
+    "PENDING",
+    "RUNNING",
+    "COMPLETED",
+    "FAILED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "CANCELLED",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "VANISHED",
+]
+TERMINAL_TASK_STATES: Final[frozenset[str]] = frozenset(
+    {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "NODE_FAIL", "PREEMPTED", "VANISHED"}
+)
+
+SleepState = Literal[
+    "received", "validated", "snapshotted", "submitted", "running", "gathered", "woken", "rejected"
+]
+
+
+class _Strict(Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+# --- requests ------------------------------------------------------------------------------------------
+
+
+class Launch(_Strict, frozen=True):
+    """One staged job (or job array) of a sleep."""
+
+    name: LaunchName
+    command: Annotated[str, Meta(min_length=1, max_length=L.COMMAND_MAX_CHARS)]
+    minutes: Annotated[int, Meta(ge=L.MINUTES_MIN, le=L.MINUTES_CEILING)] = L.MINUTES_DEFAULT
+    gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING)] = 0
+    array: Annotated[int, Meta(ge=1, le=L.ARRAY_MAX)] = 1
+    concurrency: Annotated[int, Meta(ge=0, le=L.ARRAY_MAX)] = 0
+    artifacts: Annotated[
+        tuple[Annotated[str, Meta(min_length=1, max_length=L.ARTIFACT_MAX_CHARS)], ...],
+        Meta(max_length=L.MAX_ARTIFACTS),
+    ] = ()
+    why: Annotated[str, Meta(max_length=L.WHY_MAX_CHARS)] = ""
+
+
+class Submit(_Strict, frozen=True):
+    """A request for a paired baseline/candidate evaluation of the sleep's snapshot."""
+
+    report: Annotated[str, Meta(min_length=1, max_length=L.REPORT_MAX_CHARS)]
+    eval_minutes: Annotated[int, Meta(ge=L.MINUTES_MIN, le=L.MINUTES_CEILING)] | None = None
+
+
+class _Request(_Strict, tag_field="type", frozen=True):
+    protocol: Protocol
+    id: RequestId
+
+
+class SleepRequest(_Request, tag="sleep", frozen=True):
+    """Commit staged launches (0 = checkpoint) and an optional submit; park until all jobs end."""
+
+    launches: Annotated[tuple[Launch, ...], Meta(max_length=L.MAX_LAUNCHES)] = ()
+    submit: Submit | None = None
+    note: Annotated[str, Meta(max_length=L.NOTE_MAX_CHARS)] = ""
+
+
+class CancelRequest(_Request, tag="cancel", frozen=True):
+    """Cancel running launches of the current sleep (empty list = all of them)."""
+
+    launches: Annotated[tuple[LaunchName, ...], Meta(max_length=L.CANCEL_MAX_NAMES)] = ()
+
+
+class StatusRequest(_Request, tag="status", frozen=True):
+    """What the kernel knows of this workspace: current sleep, tasks, budget."""
+
+
+class QueueRequest(_Request, tag="queue", frozen=True):
+    """This kernel's jobs across all workspaces."""
+
+
+class HistoryRequest(_Request, tag="history", frozen=True):
+    """This workspace's past sleeps, newest first."""
+
+    limit: Annotated[int, Meta(ge=1, le=L.HISTORY_MAX)] = L.HISTORY_DEFAULT
+
+
+Request = SleepRequest | CancelRequest | StatusRequest | QueueRequest | HistoryRequest
+REQUEST_TYPES: Final = (SleepRequest, CancelRequest, StatusRequest, QueueRequest, HistoryRequest)
+VERBS: Final[tuple[str, ...]] = ("sleep", "cancel", "status", "queue", "history")
+
+# --- shared pieces of answers ----------------------------------------------------------------------------
+
+
+class Budget(_Strict, frozen=True):
+    """What the workspace may still spend. `reserved_gpu_hours` is held by running work and refunded as measured."""
+
+    launches: int
+    sleeps: int
+    gpu_hours: float
+    reserved_gpu_hours: float = 0.0
+
+
+class ErrorInfo(_Strict, frozen=True):
+    code: str
+    message: str
+    path: str | None = None
+
+
+class JobRef(_Strict, frozen=True):
+    launch: str
+    task: int
+    job_id: str | None = None
+
+
+class TaskView(_Strict, frozen=True):
+    launch: str
+    task: int
+    state: TaskState
+    job_id: str | None = None
+    exit_code: int | None = None
+    elapsed_s: float | None = None
+
+
+class SleepView(_Strict, frozen=True):
+    id: str
+    seq: int
+    state: SleepState
+    created_at: Timestamp
+    note: str = ""
+    tasks: tuple[TaskView, ...] = ()
+
+
+class KernelRef(_Strict, frozen=True):
+    name: str
+    version: str
+
+
+class QueueEntry(_Strict, frozen=True):
+    mine: bool
+    workspace: str
+    launch: str
+    task: int
+    state: TaskState
+    minutes: int
+    gpus: int
+    why: str = ""
+    elapsed_s: float | None = None
+
+
+class HistoryLaunch(_Strict, frozen=True):
+    name: str
+    array: int
+    states: tuple[TaskState, ...]
+    why: str = ""
+
+
+class HistoryEntry(_Strict, frozen=True):
+    id: str
+    seq: int
+    state: SleepState
+    created_at: Timestamp
+    woken_at: Timestamp | None = None
+    note: str = ""
+    launches: tuple[HistoryLaunch, ...] = ()
+    verdict: str | None = None
+
+
+# --- answers ---------------------------------------------------------------------------------------------
+
+
+class _Answer(_Strict, tag_field="type", frozen=True):
+    protocol: int
+    id: str
+
+
+class Accepted(_Answer, tag="accepted", frozen=True):
+    """A sleep was validated, charged and its jobs submitted."""
+
+    sleep_seq: int
+    jobs: tuple[JobRef, ...]
+    budget: Budget
+
+
+class Rejected(_Answer, tag="rejected", frozen=True):
+    """The request was refused; nothing was done and nothing was charged."""
+
+    error: ErrorInfo
+
+
+class StatusAnswer(_Answer, tag="status", frozen=True):
+    kernel: KernelRef
+    budget: Budget
+    sleep: SleepView | None = None
+
+
+class QueueAnswer(_Answer, tag="queue", frozen=True):
+    jobs: tuple[QueueEntry, ...]
+
+
+class HistoryAnswer(_Answer, tag="history", frozen=True):
+    sleeps: tuple[HistoryEntry, ...]
+
+
+class Cancelled(_Answer, tag="cancelled", frozen=True):
+    sleep: str
+    cancelled: tuple[JobRef, ...]
+    budget: Budget
+
+
+Answer = Accepted | Rejected | StatusAnswer | QueueAnswer | HistoryAnswer | Cancelled
+ANSWER_TYPES: Final = (Accepted, Rejected, StatusAnswer, QueueAnswer, HistoryAnswer, Cancelled)
+
+# --- the wake --------------------------------------------------------------------------------------------
+
+
+class Artifact(_Strict, frozen=True):
+    """An artifact delivered into the channel, with evidence of what was delivered."""
+
+    path: str
+    delivered: str
+    size: int
+    sha256: str
+
+
+class SkippedArtifact(_Strict, frozen=True):
+    path: str
+    reason: str
+
+
+class TaskResult(_Strict, frozen=True):
+    launch: str
+    task: int
+    state: TaskState
+    job_id: str | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    elapsed_s: float | None = None
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    artifacts: tuple[Artifact, ...] = ()
+    skipped: tuple[SkippedArtifact, ...] = ()
+    why: str = ""
+    hint: str | None = None
+
+
+Outcome = Literal["improved", "not_improved", "failed", "unchanged"]
+
+
+class Verdict(_Strict, frozen=True):
+    outcome: Outcome
+    metric: str
+    direction: Literal["higher", "lower"]
+    base_value: float | None = None
+    candidate_value: float | None = None
+    delta: float | None = None
+    min_delta: float | None = None
+    min_relative: float | None = None
+    seed: int | None = None
+    failed_side: Literal["base", "candidate"] | None = None
+    reason: str | None = None
+    baseline_reused: bool = False
+    base_commit: str | None = None
+    candidate_commit: str | None = None
+
+
+class Wake(_Strict, frozen=True):
+    """`wakes/<sleep-id>.json`: everything the agent needs when its sleep ends."""
+
+    protocol: int
+    id: str
+    seq: int
+    created_at: Timestamp
+    woken_at: Timestamp
+    budget: Budget
+    note: str = ""
+    tasks: tuple[TaskResult, ...] = ()
+    verdict: Verdict | None = None
+    refunded_gpu_hours: float = 0.0
+
+
+# --- kernel-written channel files ------------------------------------------------------------------------
+
+
+class EvalContract(_Strict, frozen=True):
+    """The operator's evaluation contract for `submit`; agents read it, never set it."""
+
+    command: str
+    metric: str
+    direction: Literal["higher", "lower"] = "higher"
+    min_delta: float | None = None
+    min_relative: float | None = None
+    eval_minutes: int = L.MINUTES_DEFAULT
+    gpus: int = 0
+    seed: bool = True
+
+
+class Policy(_Strict, frozen=True):
+    """A workspace's ceilings, set by the operator."""
+
+    max_minutes: int = L.POLICY_MAX_MINUTES
+    max_gpus: int = L.POLICY_MAX_GPUS
+    max_concurrent_gpus: int = L.POLICY_MAX_GPUS
+    network: bool = False
+    submit: EvalContract | None = None
+
+
+class Limits(_Strict, frozen=True):
+    """The protocol's limits as published to clients in `kernel.json`."""
+
+    request_max_bytes: int = L.REQUEST_MAX_BYTES
+    json_max_depth: int = L.JSON_MAX_DEPTH
+    id_pattern: str = L.ID_PATTERN
+    name_pattern: str = L.NAME_PATTERN
+    max_launches: int = L.MAX_LAUNCHES
+    command_max_chars: int = L.COMMAND_MAX_CHARS
+    minutes_default: int = L.MINUTES_DEFAULT
+    array_max: int = L.ARRAY_MAX
+    max_artifacts: int = L.MAX_ARTIFACTS
+    artifact_max_chars: int = L.ARTIFACT_MAX_CHARS
+    why_max_chars: int = L.WHY_MAX_CHARS
+    note_max_chars: int = L.NOTE_MAX_CHARS
+    report_max_chars: int = L.REPORT_MAX_CHARS
+
+
+class KernelInfo(_Strict, frozen=True):
+    """`kernel.json`: who is answering this channel and under which limits."""
+
+    protocol: int
+    kernel: KernelRef
+    workspace: str
+    limits: Limits
+    policy: Policy
+    verbs: tuple[str, ...]
+    tool_sha256: str
+
+
+class BudgetFile(_Strict, frozen=True):
+    """`budget.json`: the workspace's budget as of `updated_at`."""
+
+    protocol: int
+    budget: Budget
+    updated_at: Timestamp
+
+
+_encoder: Final = msgspec.json.Encoder()
+
+
+def encode(msg: Struct) -> bytes:
+    """The canonical encoding of any protocol message (compact JSON, newline-terminated)."""
+    return _encoder.encode(msg) + b"\n"

@@ -1,0 +1,120 @@
+"""Every file name of the protocol, in one place.
+
+`ChannelPaths` names the files inside a workspace's channel. They are single path components (or tuples of
+them) relative to the channel directory, because `channel.safefs` only ever opens one component at a time
+relative to a directory fd. `RunPaths` names the kernel-owned run directories, which live outside every
+workspace and which the job wrapper writes into.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from channel.decode import is_valid_id
+
+CHANNEL_DIR: Final = ".syscall"
+
+
+class ChannelPaths:
+    """Names inside `<workspace>/.syscall/`."""
+
+    TOOL: Final = "syscall"
+    KERNEL_JSON: Final = "kernel.json"
+    BUDGET_JSON: Final = "budget.json"
+    STAGED: Final = "staged.json"
+    REQUESTS: Final = "requests"
+    ANSWERS: Final = "answers"
+    WAKES: Final = "wakes"
+    RESULTS: Final = "results"
+    SUBDIRS: Final = (REQUESTS, ANSWERS, WAKES, RESULTS)
+
+    @staticmethod
+    def request(request_id: str) -> str:
+        return f"{request_id}.json"
+
+    @staticmethod
+    def request_temp(request_id: str) -> str:
+        return f".{request_id}.tmp"
+
+    @staticmethod
+    def answer(request_id: str) -> str:
+        return f"{request_id}.json"
+
+    @staticmethod
+    def wake_json(sleep_id: str) -> str:
+        return f"{sleep_id}.json"
+
+    @staticmethod
+    def wake_md(sleep_id: str) -> str:
+        return f"{sleep_id}.md"
+
+    @staticmethod
+    def result_dir(seq: int, launch: str, task: int | None) -> tuple[str, ...]:
+        """Components under `results/` for one task's artifacts (`task` is None for a single-task launch)."""
+        return (str(seq), launch) if task is None else (str(seq), launch, str(task))
+
+    @staticmethod
+    def committed_request_id(name: str) -> str | None:
+        """The id of a committed request file name, or None if the name is not one.
+
+        Temp files (`.<id>.tmp`) are in flight and not requests; any other name is junk the kernel removes.
+        """
+        if name.endswith(".json"):
+            stem = name[:-5]
+            if is_valid_id(stem):
+                return stem
+        return None
+
+    @staticmethod
+    def is_temp(name: str) -> bool:
+        return name.startswith(".") and name.endswith(".tmp")
+
+
+@dataclass(frozen=True, slots=True)
+class RunPaths:
+    """Kernel-owned run directories: `<run_dir>/<workspace>/<seq>/<launch>[.<task>]/`.
+
+    The launch directory holds `command.txt` and `job.sh`. A single-task launch writes its task files there too;
+    an array task `k` writes them into the sibling `<launch>.<k>/`.
+    """
+
+    run_dir: Path
+    workspace: str
+    seq: int
+    launch: str
+
+    COMMAND: Final = "command.txt"
+    JOB_SCRIPT: Final = "job.sh"
+    STDOUT: Final = "stdout"
+    STDERR: Final = "stderr"
+    EXIT_CODE: Final = "exit-code"
+    STARTED: Final = "started"
+    ENDED: Final = "ended"
+    ARTIFACTS: Final = "artifacts"
+    ARTIFACTS_LOG: Final = "artifacts.log"
+    SCHEDULER_OUT: Final = "scheduler.out"
+
+    @property
+    def sleep_dir(self) -> Path:
+        return self.run_dir / self.workspace / str(self.seq)
+
+    @property
+    def launch_dir(self) -> Path:
+        return self.sleep_dir / self.launch
+
+    def task_dir(self, task: int, array: int) -> Path:
+        return self.launch_dir if array == 1 else self.sleep_dir / f"{self.launch}.{task}"
+
+    def task_file(self, task: int, array: int, name: str) -> Path:
+        return self.task_dir(task, array) / name
+
+
+def workspace_key(resolved_path: str | os.PathLike[str]) -> str:
+    """A stable, filesystem-safe id for an (already resolved, absolute) workspace path."""
+    p = os.fspath(resolved_path)
+    base = "".join(c if c.isalnum() or c in "-_" else "-" for c in os.path.basename(p))[:32] or "ws"
+    return f"{base}-{hashlib.sha256(p.encode()).hexdigest()[:10]}"

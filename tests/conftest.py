@@ -1,0 +1,58 @@
+"""Shared test configuration.
+
+Tests that need a real component (bubblewrap, the throwaway Slurm cluster) carry the `bwrap` or `slurm` marker
+and call `need(...)`. Outside CI a missing component skips the test; with `CI=true` it fails it, because CI must
+exercise the real thing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def need(component: str, available: bool, why: str) -> None:
+    """Skip (locally) or fail (in CI) when `component` is not available."""
+    if available:
+        return
+    message = f"{component} is not available: {why}"
+    if IN_CI:
+        pytest.fail(f"{message} (CI=true: tests needing {component} must run)")
+    pytest.skip(message)
+
+
+def bwrap_works() -> tuple[bool, str]:
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return False, "bwrap is not installed (apt-get install bubblewrap)"
+    probe = subprocess.run(
+        [exe, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--proc", "/proc", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if probe.returncode != 0:
+        return False, f"bwrap cannot create namespaces here: {probe.stderr.strip()}"
+    return True, ""
+
+
+@pytest.fixture(scope="session")
+def bwrap_available() -> None:
+    ok, why = bwrap_works()
+    need("bubblewrap", ok, why)
+
+
+@pytest.fixture(scope="session")
+def slurm_conf() -> Path:
+    """The SLURM_CONF of the throwaway cluster that `./dev test` started."""
+    conf = os.environ.get("SLURM_CONF")
+    ok = bool(conf) and Path(conf or "").is_file() and shutil.which("sbatch") is not None
+    need("slurm", ok, "no throwaway cluster is running (run the tests through ./dev test)")
+    return Path(conf or "")
