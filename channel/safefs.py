@@ -1,0 +1,483 @@
+"""Hostile-safe file I/O on agent-controlled directories: the only code that touches a channel.
+
+The agent owns its workspace and runs concurrently with the kernel, so any name in `.syscall/` may at any moment
+be a symlink, FIFO, hardlink, directory, sparse or growing file, or the channel itself may be swapped. Every
+operation here therefore works on directory fds opened `O_DIRECTORY|O_NOFOLLOW`, takes single-component names
+relative to them, opens with `O_NOFOLLOW` (and `O_NONBLOCK` for reads), decides on `fstat` of the open fd, and
+never re-resolves a path string after a check. Writes never open an existing name: they go to a fresh
+`O_EXCL` temp file that is renamed over the target, so a planted symlink or hardlink is replaced, not written
+through. The one path string resolved is the kernel-trusted workspace path, and `Channel.check` re-verifies
+what it leads to against the identity recorded at enrollment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import secrets
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Final, Self
+
+from channel.decode import is_valid_id
+from channel.limits import REQUEST_MAX_BYTES
+from channel.paths import CHANNEL_DIR, ChannelPaths
+
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening or reading a planted FIFO must not block a kernel thread. O_NOCTTY: a planted tty must
+# not become our controlling terminal.
+_READ_FLAGS: Final = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+_TEMP_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_CHUNK: Final = 1 << 20
+_NAME_MAX: Final = 255
+KERNEL_TEMP_PREFIX: Final = ".kernel-"
+_TEMP_SUFFIX: Final = ".tmp"
+
+
+class SafeFsError(Exception):
+    """Base of the channel filesystem refusals (an `OSError` from the world is not one of these)."""
+
+
+class ChannelMoved(SafeFsError):
+    """The workspace or its channel is not the enrolled directory any more (gone, symlink, swapped, wrong owner)."""
+
+
+class Refused(SafeFsError):
+    """A channel entry the kernel will not read, write or enter. `reason` is stable short text."""
+
+    def __init__(self, reason: str, name: str | None = None) -> None:
+        self.reason = reason
+        self.name = name
+        super().__init__(reason if name is None else f"{_shown(name)}: {reason}")
+
+
+def _shown(name: str) -> str:
+    """A name safe to put in a log line or message: escaped, never raw odd bytes, capped."""
+    text = ascii(name)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_name(name: str) -> str:
+    """Return `name` if it is a single path component, else raise ValueError saying what is wrong."""
+    if not isinstance(name, str):
+        raise ValueError(f"a file name must be a str, got {type(name).__name__}")
+    if name in ("", ".", ".."):
+        raise ValueError(f"file name {_shown(name)} is not a single path component")
+    if "/" in name or "\0" in name:
+        raise ValueError(f"file name {_shown(name)} contains '/' or NUL; only single components are allowed")
+    try:
+        encoded = os.fsencode(name)
+    except UnicodeEncodeError:
+        raise ValueError(f"file name {_shown(name)} cannot be encoded for the filesystem") from None
+    if len(encoded) > _NAME_MAX:
+        raise ValueError(f"file name {_shown(name)} is longer than {_NAME_MAX} bytes")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What enrollment records about a channel directory, to recognise it later."""
+
+    dev: int
+    ino: int
+    uid: int
+
+    @classmethod
+    def of_fd(cls, fd: int) -> Identity:
+        st = os.fstat(fd)
+        return cls(dev=st.st_dev, ino=st.st_ino, uid=st.st_uid)
+
+
+def open_dir(path: str | os.PathLike[str]) -> int:
+    """Open a kernel-trusted absolute directory path (final component not followed if a symlink)."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        raise ValueError(f"open_dir needs an absolute path, got {text!r}")
+    return os.open(text, _DIR_FLAGS)
+
+
+def _open_subdir(dir_fd: int, name: str, uid: int, shown_as: str) -> int:
+    """Open `name` under `dir_fd` as a directory owned by `uid`, or raise Refused."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise Refused("missing", shown_as) from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Refused("not a directory", shown_as) from None
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != uid:
+        os.close(fd)
+        raise Refused(f"owned by uid {st.st_uid}, not {uid}", shown_as)
+    return fd
+
+
+def _open_channel_fd(workspace: str) -> int:
+    try:
+        ws_fd = open_dir(workspace)
+    except OSError as e:
+        raise ChannelMoved(f"workspace {workspace!r} cannot be opened as a directory: {e.strerror}") from None
+    try:
+        return os.open(CHANNEL_DIR, _DIR_FLAGS, dir_fd=ws_fd)
+    except OSError as e:
+        what = "is a symlink or not a directory" if e.errno in (errno.ELOOP, errno.ENOTDIR) else e.strerror
+        raise ChannelMoved(f"{workspace}/{CHANNEL_DIR} {what}") from None
+    finally:
+        os.close(ws_fd)
+
+
+def open_channel(
+    workspace: str | os.PathLike[str], expected: Identity | None = None, *, create: bool = False
+) -> Channel:
+    """Open `<workspace>/.syscall` as a `Channel`.
+
+    With `expected`, the directory must be the one enrolled (same dev, inode, owner), else ChannelMoved. Without
+    it, the channel must be owned by this process's user: the kernel runs as the user who owns the workspaces,
+    so a channel owned by anyone else was not made for us. `create=True` (enrollment, or repair) creates the
+    channel and its subdirectories where missing; an existing subdirectory must be a real directory.
+    """
+    ws = os.fspath(workspace)
+    if create:
+        try:
+            ws_fd = open_dir(ws)
+        except OSError as e:
+            raise ChannelMoved(f"workspace {ws!r} cannot be opened as a directory: {e.strerror}") from None
+        try:
+            os.mkdir(CHANNEL_DIR, 0o755, dir_fd=ws_fd)
+        except FileExistsError:
+            pass
+        finally:
+            os.close(ws_fd)
+    fd = _open_channel_fd(ws)
+    try:
+        identity = Identity.of_fd(fd)
+        if expected is not None and identity != expected:
+            raise ChannelMoved(f"{ws}/{CHANNEL_DIR} is not the enrolled directory ({identity} != {expected})")
+        if expected is None and identity.uid != os.geteuid():
+            raise ChannelMoved(
+                f"{ws}/{CHANNEL_DIR} is owned by uid {identity.uid}, not by us ({os.geteuid()})"
+            )
+        channel = Channel(ws, fd, identity)
+    except BaseException:
+        os.close(fd)
+        raise
+    if create:
+        try:
+            for sub in ChannelPaths.SUBDIRS:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(sub, 0o755, dir_fd=fd)
+                os.close(channel.subdir(sub))
+        except BaseException:
+            channel.close()
+            raise
+    return channel
+
+
+class Channel:
+    """An open channel directory fd, with every operation the kernel performs on it."""
+
+    def __init__(self, workspace: str, fd: int, identity: Identity) -> None:
+        self.workspace = workspace
+        self._fd = fd
+        self.identity = identity
+
+    @property
+    def fd(self) -> int:
+        if self._fd < 0:
+            raise ValueError("the channel is closed")
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def check(self) -> None:
+        """Raise ChannelMoved unless `<workspace>/.syscall` still leads to this very directory."""
+        fd = _open_channel_fd(self.workspace)
+        try:
+            now = Identity.of_fd(fd)
+        finally:
+            os.close(fd)
+        if now != self.identity:
+            raise ChannelMoved(
+                f"{self.workspace}/{CHANNEL_DIR} was replaced ({now} is not the enrolled {self.identity})"
+            )
+
+    def subdir(self, name: str) -> int:
+        """An fd of the direct subdirectory `name` (not followed if a symlink, same owner); the caller closes it."""
+        return _open_subdir(self.fd, check_name(name), self.identity.uid, name)
+
+    def list_requests(self) -> tuple[list[str], list[str]]:
+        """(committed request ids, sorted; junk names to remove, sorted). In-flight temp files are neither."""
+        dfd = self.subdir(ChannelPaths.REQUESTS)
+        try:
+            names = os.listdir(dfd)
+        finally:
+            os.close(dfd)
+        ids: list[str] = []
+        junk: list[str] = []
+        for name in names:
+            request_id = ChannelPaths.committed_request_id(name)
+            if request_id is not None:
+                ids.append(request_id)
+            elif not ChannelPaths.is_temp(name):
+                junk.append(name)
+        return sorted(ids), sorted(junk)
+
+    def read_request(self, request_id: str, cap: int = REQUEST_MAX_BYTES) -> bytes:
+        """The bytes of `requests/<id>.json`, at most `cap`; Refused for anything but a plain small file."""
+        if not is_valid_id(request_id):
+            raise ValueError(f"{_shown(request_id)} is not a valid request id")
+        dfd = self.subdir(ChannelPaths.REQUESTS)
+        try:
+            return read_capped_at(dfd, ChannelPaths.request(request_id), cap)
+        finally:
+            os.close(dfd)
+
+    def remove_request(self, name: str) -> None:
+        """Remove `requests/<name>` (a file, or an empty directory); a name already gone is fine.
+
+        A non-empty directory is Refused rather than walked: deleting an agent-controlled tree safely is not
+        worth it for junk.
+        """
+        check_name(name)
+        dfd = self.subdir(ChannelPaths.REQUESTS)
+        try:
+            _remove_at(dfd, name)
+        finally:
+            os.close(dfd)
+
+    def write_file(self, subdir: str | None, name: str, data: bytes, mode: int = 0o644) -> None:
+        """Atomically make `<subdir>/<name>` (or `<name>` in the channel itself) hold `data`."""
+        if subdir is None:
+            write_atomic_at(self.fd, name, data, mode)
+            return
+        dfd = self.subdir(subdir)
+        try:
+            write_atomic_at(dfd, name, data, mode)
+        finally:
+            os.close(dfd)
+
+    def delivery_dir(self, components: tuple[str, ...]) -> int:
+        """Create/open `results/<c1>/<c2>/...` one level at a time under the channel fd; the caller closes it.
+
+        A level that is a symlink, a file, or owned by someone else is Refused, so nothing is written through it.
+        """
+        if not components:
+            raise ValueError("delivery_dir needs at least one component under results/")
+        for c in components:
+            check_name(c)
+        cur = self.subdir(ChannelPaths.RESULTS)
+        shown = ChannelPaths.RESULTS
+        try:
+            for c in components:
+                shown = f"{shown}/{c}"
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(c, 0o755, dir_fd=cur)
+                nxt = _open_subdir(cur, c, self.identity.uid, shown)
+                os.close(cur)
+                cur = nxt
+        except BaseException:
+            os.close(cur)
+            raise
+        return cur
+
+
+def _remove_at(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        try:
+            os.rmdir(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise Refused("a non-empty directory", name) from None
+            raise
+
+
+def read_capped_at(dir_fd: int, name: str, cap: int) -> bytes:
+    """Read `dir_fd/name` if it is a regular, singly-linked file of at most `cap` bytes; else Refused."""
+    check_name(name)
+    if cap < 0:
+        raise ValueError(f"cap must be >= 0, got {cap}")
+    # A pre-screen so that a FIFO or device is normally not even opened; the fstat after opening decides.
+    try:
+        pre = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        raise Refused("vanished", name) from None
+    if stat.S_ISLNK(pre.st_mode):
+        raise Refused("a symlink", name)
+    if not stat.S_ISREG(pre.st_mode):
+        raise Refused("not a regular file", name)
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise Refused("vanished", name) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Refused("a symlink", name) from None
+        raise Refused(f"cannot be opened ({errno.errorcode.get(e.errno or 0, e.errno)})", name) from None
+    try:
+        return read_capped_fd(fd, cap, name)
+    finally:
+        os.close(fd)
+
+
+def read_capped_fd(fd: int, cap: int, name: str | None = None) -> bytes:
+    """Read an open file from its current offset: at most cap+1 bytes are ever read, whatever `st_size` says.
+
+    Refused unless it is a regular file with one link, at most `cap` bytes, and unchanged while read.
+    """
+    before = os.fstat(fd)
+    if not stat.S_ISREG(before.st_mode):
+        raise Refused("not a regular file", name)
+    if before.st_nlink == 0:
+        raise Refused("vanished", name)
+    if before.st_nlink != 1:
+        # A hardlink may lead to a file outside the channel; reading it would make our errors an oracle.
+        raise Refused(f"hardlinked (st_nlink={before.st_nlink})", name)
+    chunks: list[bytes] = []
+    total = 0
+    while total <= cap:
+        chunk = os.read(fd, min(cap + 1 - total, _CHUNK))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    if total > cap:
+        raise Refused(f"larger than {cap} bytes", name)
+    after = os.fstat(fd)
+    if (after.st_size, after.st_mtime_ns, after.st_nlink) != (before.st_size, before.st_mtime_ns, 1) or (
+        total != after.st_size
+    ):
+        raise Refused("changed while being read", name)
+    return b"".join(chunks)
+
+
+def _new_temp(dir_fd: int) -> tuple[str, int]:
+    for _ in range(16):
+        tmp = f"{KERNEL_TEMP_PREFIX}{secrets.token_hex(8)}{_TEMP_SUFFIX}"
+        try:
+            return tmp, os.open(tmp, _TEMP_FLAGS, 0o600, dir_fd=dir_fd)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "could not create a unique temp file (16 random names taken)")
+
+
+def _commit(dir_fd: int, tmp: str, name: str) -> None:
+    try:
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+            raise Refused("a directory is in the way", name) from None
+        raise
+    os.fsync(dir_fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _discard(dir_fd: int, tmp: str) -> None:
+    with contextlib.suppress(OSError):  # the original failure is what the caller needs to see
+        os.unlink(tmp, dir_fd=dir_fd)
+
+
+def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
+    """Make `dir_fd/name` hold `data`: a random O_EXCL temp, fchmod, write, fsync, rename, fsync of the dir.
+
+    Whatever was at `name` (a symlink, a hardlink to a victim) is replaced, never written through. On any failure
+    the temp file is removed and the old `name` is untouched.
+    """
+    check_name(name)
+    tmp, fd = _new_temp(dir_fd)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _commit(dir_fd, tmp, name)
+    except BaseException:
+        _discard(dir_fd, tmp)
+        raise
+
+
+def copy_atomic_at(dir_fd: int, name: str, src_fd: int, limit: int, mode: int = 0o644) -> tuple[int, str]:
+    """Stream the regular file `src_fd` (from offset 0) into `dir_fd/name` atomically; return (size, sha256 hex).
+
+    Refused if the source is not a regular file or holds more than `limit` bytes (checked while streaming, not
+    from `st_size`, since the source may still be growing); nothing is left behind then.
+    """
+    check_name(name)
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    st = os.fstat(src_fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise Refused("source is not a regular file", name)
+    if st.st_size > limit:
+        raise Refused(f"larger than {limit} bytes", name)
+    digest = hashlib.sha256()
+    size = 0
+    tmp, fd = _new_temp(dir_fd)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            while True:
+                chunk = os.pread(src_fd, min(_CHUNK, limit + 1 - size), size)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > limit:
+                    raise Refused(f"larger than {limit} bytes", name)
+                digest.update(chunk)
+                _write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _commit(dir_fd, tmp, name)
+    except BaseException:
+        _discard(dir_fd, tmp)
+        raise
+    return size, digest.hexdigest()
+
+
+def kernel_temps(names: Iterable[str]) -> list[str]:
+    """The names among `names` that are this module's temp files (left behind only if the kernel was killed)."""
+    return [
+        n
+        for n in names
+        if n.startswith(KERNEL_TEMP_PREFIX)
+        and n.endswith(_TEMP_SUFFIX)
+        and len(n) == len(KERNEL_TEMP_PREFIX) + 16 + len(_TEMP_SUFFIX)
+    ]
+
+
+def sweep_kernel_temps(dir_fd: int) -> int:
+    """Remove the kernel's own leftover temp files in `dir_fd` (call once at startup); return how many."""
+    stale = kernel_temps(os.listdir(dir_fd))
+    for tmp in stale:
+        _discard(dir_fd, tmp)
+    return len(stale)
