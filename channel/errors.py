@@ -19,14 +19,16 @@ CODES: Final[dict[str, Code]] = {
     # 4.1 the file
     "request.too_large": Code("4.1", "the request file is larger than the request size limit"),
     "request.invalid_utf8": Code("4.1", "the request file is not valid UTF-8"),
-    "request.lone_surrogate": Code("4.1", "a string escapes half of a UTF-16 surrogate pair"),
     "request.unreadable": Code("4.1", "the request is not a regular, singly-linked file the kernel can read"),
     # 4.2 JSON
     "json.syntax": Code("4.2", "the file is not one well-formed JSON document"),
     "json.duplicate_key": Code("4.2", "an object repeats a key"),
     "json.non_finite": Code("4.2", "NaN, Infinity or -Infinity appears (not JSON)"),
-    "json.number_out_of_range": Code("4.2", "a number does not fit a 64-bit float"),
+    "json.number_out_of_range": Code(
+        "4.2", "an integer outside the signed 64-bit range, or a number that overflows a 64-bit float"
+    ),
     "json.too_deep": Code("4.2", "objects and arrays are nested deeper than the depth limit"),
+    "request.lone_surrogate": Code("4.2", "a string escapes half of a UTF-16 surrogate pair"),
     # 4.3 shape
     "request.not_object": Code("4.3", "the document is not a JSON object"),
     "request.type.missing": Code("4.3", "the object has no `type`"),

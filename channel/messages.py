@@ -108,7 +108,8 @@ class HistoryRequest(_Request, tag="history", frozen=True):
 
 Request = SleepRequest | CancelRequest | StatusRequest | QueueRequest | HistoryRequest
 REQUEST_TYPES: Final = (SleepRequest, CancelRequest, StatusRequest, QueueRequest, HistoryRequest)
-VERBS: Final[tuple[str, ...]] = ("sleep", "cancel", "status", "queue", "history")
+Verb = Literal["sleep", "cancel", "status", "queue", "history"]
+VERBS: Final[tuple[Verb, ...]] = ("sleep", "cancel", "status", "queue", "history")
 
 # --- shared pieces of answers ----------------------------------------------------------------------------
 
@@ -324,6 +325,8 @@ class Policy(_Strict, frozen=True):
     max_concurrent_gpus: int = L.POLICY_MAX_GPUS
     network: bool = False
     submit: EvalContract | None = None
+    # the verbs this workspace may use (an operator may withhold `queue`, which shows other workspaces' jobs)
+    verbs: tuple[Verb, ...] = VERBS
 
 
 class Limits(_Strict, frozen=True):
