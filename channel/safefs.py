@@ -342,7 +342,7 @@ def read_capped_at(dir_fd: int, name: str, cap: int) -> bytes:
 
 
 def read_capped_fd(fd: int, cap: int, name: str | None = None) -> bytes:
-    """Read an open file from its current offset: at most cap+1 bytes are ever read, whatever `st_size` says.
+    """Read an open file from its start: at most cap+1 bytes are ever read, whatever `st_size` says.
 
     Refused unless it is a regular file with one link, at most `cap` bytes, and unchanged while read.
     """
@@ -354,6 +354,7 @@ def read_capped_fd(fd: int, cap: int, name: str | None = None) -> bytes:
     if before.st_nlink != 1:
         # A hardlink may lead to a file outside the channel; reading it would make our errors an oracle.
         raise Refused(f"hardlinked (st_nlink={before.st_nlink})", name)
+    os.lseek(fd, 0, os.SEEK_SET)
     chunks: list[bytes] = []
     total = 0
     while total <= cap:

@@ -1,0 +1,717 @@
+"""`channel.safefs` against a hostile agent, on REAL directories.
+
+pyfakefs emulates dir_fd and O_NOFOLLOW by joining strings, so it cannot show any of this; every test here plants
+the attack in a tmp_path and checks both that the kernel refuses and that nothing outside the channel was read
+or modified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from channel.limits import REQUEST_MAX_BYTES
+from channel.paths import CHANNEL_DIR, ChannelPaths
+from channel.safefs import (
+    KERNEL_TEMP_PREFIX,
+    Channel,
+    ChannelMoved,
+    Identity,
+    Refused,
+    copy_atomic_at,
+    open_channel,
+    open_dir,
+    read_capped_at,
+    read_capped_fd,
+    sweep_kernel_temps,
+    write_atomic_at,
+)
+
+CAP = REQUEST_MAX_BYTES
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Fail instead of hanging: SIGALRM interrupts a blocking syscall in the main thread."""
+
+    def expire(signum: int, frame: FrameType | None) -> None:
+        raise TimeoutError(f"blocked for more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(autouse=True)
+def no_fd_leak() -> Iterator[None]:
+    before = open_fds()
+    yield
+    leaked = open_fds() - before
+    assert not leaked, f"file descriptors leaked: {sorted(leaked)}"
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    return workspace
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A directory outside the workspace that the agent would like the kernel to read or write."""
+    d = tmp_path / "outside"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def ch(ws: Path) -> Iterator[Channel]:
+    with open_channel(ws, create=True) as channel:
+        yield channel
+
+
+def chan(ws: Path) -> Path:
+    return ws / CHANNEL_DIR
+
+
+def requests_dir(ws: Path) -> Path:
+    return chan(ws) / ChannelPaths.REQUESTS
+
+
+def refusal(excinfo: pytest.ExceptionInfo[Refused]) -> str:
+    return excinfo.value.reason
+
+
+# --- enrollment and identity -------------------------------------------------------------------------------
+
+
+def test_enrollment_creates_the_channel_and_its_subdirectories(ws: Path) -> None:
+    with open_channel(ws, create=True) as channel:
+        assert Identity.of_fd(channel.fd) == channel.identity
+        st_chan = os.stat(chan(ws))
+        assert channel.identity == Identity(st_chan.st_dev, st_chan.st_ino, st_chan.st_uid)
+    for sub in ChannelPaths.SUBDIRS:
+        assert stat.S_ISDIR(os.lstat(chan(ws) / sub).st_mode)
+    # Re-opening with the recorded identity works; enrolling twice is harmless.
+    with open_channel(ws, channel.identity) as again, open_channel(ws, channel.identity, create=True):
+        again.check()
+
+
+def test_a_channel_that_is_a_symlink_is_never_followed(ws: Path, outside: Path) -> None:
+    chan(ws).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(ChannelMoved, match="symlink"):
+        open_channel(ws)
+    with pytest.raises(ChannelMoved):
+        open_channel(ws, create=True)
+    assert list(outside.iterdir()) == [], "enrollment created something through the symlink"
+
+
+def test_enrollment_refuses_a_planted_symlink_subdirectory(ws: Path, outside: Path) -> None:
+    chan(ws).mkdir()
+    (chan(ws) / ChannelPaths.ANSWERS).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(Refused) as e:
+        open_channel(ws, create=True)
+    assert refusal(e) == "not a directory"
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("swap", ["other-directory", "symlink-to-the-enrolled-directory", "gone", "file"])
+def test_a_channel_swapped_after_enrollment_is_detected(ws: Path, swap: str) -> None:
+    with open_channel(ws, create=True) as channel:
+        enrolled = channel.identity
+        chan(ws).rename(ws / "moved")
+        if swap == "other-directory":
+            chan(ws).mkdir()
+        elif swap == "symlink-to-the-enrolled-directory":
+            # Same dev and inode behind the link: only O_NOFOLLOW tells them apart.
+            chan(ws).symlink_to(ws / "moved", target_is_directory=True)
+        elif swap == "file":
+            chan(ws).write_bytes(b"")
+        with pytest.raises(ChannelMoved):
+            channel.check()
+        with pytest.raises(ChannelMoved):
+            open_channel(ws, enrolled)
+
+
+def test_a_removed_workspace_is_channel_moved(tmp_path: Path) -> None:
+    ws = tmp_path / "gone"
+    ws.mkdir()
+    with open_channel(ws, create=True) as channel:
+        for sub in ChannelPaths.SUBDIRS:
+            (chan(ws) / sub).rmdir()
+        chan(ws).rmdir()
+        ws.rmdir()
+        with pytest.raises(ChannelMoved, match="cannot be opened"):
+            channel.check()
+
+
+def test_a_channel_owned_by_someone_else_is_refused(ws: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("changing a directory's owner needs root")
+    with open_channel(ws, create=True) as channel:
+        enrolled = channel.identity
+    os.chown(chan(ws), enrolled.uid + 4242, -1)
+    with pytest.raises(ChannelMoved, match="uid"):
+        open_channel(ws)
+    with pytest.raises(ChannelMoved):
+        open_channel(ws, enrolled)
+
+
+def test_a_subdirectory_owned_by_someone_else_is_refused(ch: Channel, ws: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("changing a directory's owner needs root")
+    os.chown(chan(ws) / ChannelPaths.WAKES, ch.identity.uid + 4242, -1)
+    with pytest.raises(Refused, match="owned by uid"):
+        ch.write_file(ChannelPaths.WAKES, "s.json", b"{}")
+    assert os.listdir(chan(ws) / ChannelPaths.WAKES) == []
+
+
+def test_open_dir_needs_an_absolute_path_and_does_not_follow_a_final_symlink(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="absolute"):
+        open_dir("relative/dir")
+    (tmp_path / "link").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(OSError, match=r"Not a directory|Too many levels of symbolic links"):
+        open_dir(tmp_path / "link")
+
+
+def test_a_closed_channel_refuses_use(ws: Path) -> None:
+    channel = open_channel(ws, create=True)
+    channel.close()
+    channel.close()
+    with pytest.raises(ValueError, match="closed"):
+        channel.list_requests()
+
+
+# --- reading requests ---------------------------------------------------------------------------------------
+
+
+def test_a_committed_request_is_read(ch: Channel, ws: Path) -> None:
+    body = b'{"protocol": 1, "id": "abc", "type": "status"}'
+    (requests_dir(ws) / "abc.json").write_bytes(body)
+    assert ch.read_request("abc") == body
+
+
+def test_a_request_of_exactly_the_cap_is_read_and_one_byte_more_is_refused(ch: Channel, ws: Path) -> None:
+    (requests_dir(ws) / "full.json").write_bytes(b"x" * CAP)
+    assert len(ch.read_request("full")) == CAP
+    (requests_dir(ws) / "over.json").write_bytes(b"x" * (CAP + 1))
+    with pytest.raises(Refused) as e:
+        ch.read_request("over")
+    assert refusal(e) == f"larger than {CAP} bytes"
+
+
+def test_a_fifo_planted_as_a_request_is_refused_without_blocking(ch: Channel, ws: Path) -> None:
+    os.mkfifo(requests_dir(ws) / "fifo.json")
+    with deadline(3), pytest.raises(Refused) as e:
+        ch.read_request("fifo")
+    assert refusal(e) == "not a regular file"
+
+
+def test_a_fifo_that_slipped_past_the_prescreen_is_decided_by_fstat_without_blocking(tmp_path: Path) -> None:
+    # The race where a regular file is swapped for a FIFO between the pre-screen and the open: what was
+    # opened is judged, and a FIFO with a live writer (so a read would block forever) is never read.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        with deadline(3), pytest.raises(Refused) as e:
+            read_capped_fd(reader, CAP)
+        assert refusal(e) == "not a regular file"
+    finally:
+        os.close(writer)
+        os.close(reader)
+
+
+def test_a_symlinked_request_is_never_followed(ch: Channel, ws: Path, outside: Path) -> None:
+    secret = outside / "secret.json"
+    secret.write_bytes(b'{"id": "abc", "token": "SECRET"}')
+    before = secret.stat()
+    (requests_dir(ws) / "abc.json").symlink_to(secret)
+    with pytest.raises(Refused) as e:
+        ch.read_request("abc")
+    assert refusal(e) == "a symlink"
+    assert "SECRET" not in str(e.value)
+    assert secret.read_bytes() == b'{"id": "abc", "token": "SECRET"}'
+    assert secret.stat().st_mtime_ns == before.st_mtime_ns
+
+
+def test_a_symlinked_requests_directory_is_never_followed(ch: Channel, ws: Path, outside: Path) -> None:
+    (outside / "abc.json").write_bytes(b"{}")
+    requests_dir(ws).rmdir()
+    requests_dir(ws).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(Refused, match="not a directory"):
+        ch.list_requests()
+    with pytest.raises(Refused, match="not a directory"):
+        ch.read_request("abc")
+    with pytest.raises(Refused, match="not a directory"):
+        ch.remove_request("abc.json")
+    assert os.listdir(outside) == ["abc.json"]
+
+
+def test_a_hardlinked_request_is_refused(ch: Channel, ws: Path, outside: Path) -> None:
+    victim = outside / "state.json"
+    victim.write_bytes(b'{"kernel": "private"}')
+    os.link(victim, requests_dir(ws) / "abc.json")
+    with pytest.raises(Refused) as e:
+        ch.read_request("abc")
+    assert refusal(e) == "hardlinked (st_nlink=2)"
+
+
+def test_a_directory_planted_as_a_request_is_refused(ch: Channel, ws: Path) -> None:
+    (requests_dir(ws) / "abc.json").mkdir()
+    with pytest.raises(Refused) as e:
+        ch.read_request("abc")
+    assert refusal(e) == "not a regular file"
+
+
+def test_a_request_that_vanished_is_refused(ch: Channel) -> None:
+    with pytest.raises(Refused) as e:
+        ch.read_request("never-written")
+    assert refusal(e) == "vanished"
+
+
+def test_a_sparse_gigabyte_is_refused_after_reading_at_most_cap_plus_one_bytes(ch: Channel, ws: Path) -> None:
+    big = requests_dir(ws) / "big.json"
+    with big.open("wb") as f:
+        f.truncate(1 << 30)
+    started = time.monotonic()
+    with pytest.raises(Refused) as e:
+        ch.read_request("big")
+    assert refusal(e) == f"larger than {CAP} bytes"
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        with pytest.raises(Refused):
+            read_capped_fd(fd, CAP)
+        assert os.lseek(fd, 0, os.SEEK_CUR) == CAP + 1
+    finally:
+        os.close(fd)
+    assert time.monotonic() - started < 2, "reading looks like it went through the whole gigabyte"
+
+
+def test_a_request_that_keeps_growing_is_refused_without_chasing_it(ch: Channel, ws: Path) -> None:
+    path = requests_dir(ws) / "grow.json"
+    path.write_bytes(b"")
+    stop = threading.Event()
+
+    def append_forever() -> None:
+        with path.open("ab", buffering=0) as f:
+            while not stop.is_set():
+                f.write(b"x" * 4096)
+
+    writer = threading.Thread(target=append_forever)
+    writer.start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        limit = time.monotonic() + 5
+        while path.stat().st_size <= CAP:
+            assert time.monotonic() < limit, "the writer thread did not grow the file"
+        with pytest.raises(Refused):
+            ch.read_request("grow")
+        with pytest.raises(Refused) as e:
+            read_capped_fd(fd, CAP)
+        assert refusal(e) in (f"larger than {CAP} bytes", "changed while being read")
+        assert os.lseek(fd, 0, os.SEEK_CUR) <= CAP + 1
+        assert writer.is_alive(), "the read only returned once the file stopped growing"
+    finally:
+        stop.set()
+        writer.join()
+        os.close(fd)
+
+
+def test_invalid_request_ids_are_value_errors_not_paths(ch: Channel) -> None:
+    for bad in ("../x", "a/b", "", "UPPER", "..", "x.json"):
+        with pytest.raises(ValueError, match="not a valid request id"):
+            ch.read_request(bad)
+
+
+# --- listing and removing -----------------------------------------------------------------------------------
+
+
+def test_list_requests_separates_committed_temp_and_junk(ch: Channel, ws: Path) -> None:
+    rq = os.fsencode(requests_dir(ws))
+    committed = [b"a.json", b"b-1.json", b"1764460800000-3fa9c2d1.json"]
+    temps = [b".c.tmp", b".1764460800000-3fa9c2d1.tmp"]
+    junk_names = [
+        b"Bad.json",  # uppercase is not an id
+        b"-a.json",  # an id starts with a letter or digit
+        b"x.txt",  # wrong suffix
+        b"a.json.bak",
+        b".json",  # empty stem
+        b"\xff\xfe.json",  # odd bytes
+        b"\xc3\xa9.json",  # non-ASCII
+        b"x\n.json",  # newline
+        b"\x1b[31m.json",  # terminal escape
+        b"a" * 65 + b".json",  # id too long
+    ]
+    for name in committed + temps + junk_names:
+        with open(os.path.join(rq, name), "wb"):
+            pass
+    os.mkdir(os.path.join(rq, b"emptydir"))
+    ids, junk = ch.list_requests()
+    assert ids == ["1764460800000-3fa9c2d1", "a", "b-1"]
+    assert sorted(os.fsencode(n) for n in junk) == sorted([*junk_names, b"emptydir"])
+
+    for junk_name in junk:
+        ch.remove_request(junk_name)
+    assert sorted(os.listdir(rq)) == sorted(committed + temps)
+    assert ch.list_requests() == (["1764460800000-3fa9c2d1", "a", "b-1"], [])
+
+
+def test_refusals_never_echo_odd_bytes_raw(ch: Channel, ws: Path) -> None:
+    rq = os.fsencode(requests_dir(ws))
+    name = b"\x1b]0;pwned\x07\xff"
+    os.mkfifo(os.path.join(rq, name))
+    dfd = os.open(rq, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(Refused) as e:
+            read_capped_at(dfd, os.fsdecode(name), CAP)
+    finally:
+        os.close(dfd)
+    assert str(e.value).isascii()
+    assert "\x1b" not in str(e.value)
+    assert "\x07" not in str(e.value)
+
+
+def test_remove_request_is_fine_with_a_missing_file_and_refuses_a_full_directory(
+    ch: Channel, ws: Path
+) -> None:
+    ch.remove_request("not-there.json")
+    full = requests_dir(ws) / "full"
+    full.mkdir()
+    (full / "inside").write_bytes(b"keep")
+    with pytest.raises(Refused) as e:
+        ch.remove_request("full")
+    assert refusal(e) == "a non-empty directory"
+    assert (full / "inside").read_bytes() == b"keep"
+
+
+def test_remove_request_removes_a_symlink_not_its_target(ch: Channel, ws: Path, outside: Path) -> None:
+    target = outside / "keep.json"
+    target.write_bytes(b"keep")
+    (requests_dir(ws) / "x.json").symlink_to(target)
+    ch.remove_request("x.json")
+    assert not os.path.lexists(requests_dir(ws) / "x.json")
+    assert target.read_bytes() == b"keep"
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+
+
+def kernel_temps_in(d: Path) -> list[str]:
+    return [n for n in os.listdir(d) if n.startswith(KERNEL_TEMP_PREFIX)]
+
+
+def test_write_file_is_atomic_with_the_requested_mode(ch: Channel, ws: Path) -> None:
+    ch.write_file(ChannelPaths.ANSWERS, "abc.json", b'{"v": 1}', mode=0o640)
+    ch.write_file(ChannelPaths.ANSWERS, "abc.json", b'{"v": 2}', mode=0o640)
+    ch.write_file(None, ChannelPaths.KERNEL_JSON, b"{}")
+    answer = chan(ws) / ChannelPaths.ANSWERS / "abc.json"
+    assert answer.read_bytes() == b'{"v": 2}'
+    assert stat.S_IMODE(answer.stat().st_mode) == 0o640
+    assert (chan(ws) / ChannelPaths.KERNEL_JSON).read_bytes() == b"{}"
+    assert stat.S_IMODE((chan(ws) / ChannelPaths.KERNEL_JSON).stat().st_mode) == 0o644
+    assert kernel_temps_in(chan(ws) / ChannelPaths.ANSWERS) == []
+    assert kernel_temps_in(chan(ws)) == []
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hardlink"])
+def test_an_atomic_write_over_a_planted_link_replaces_the_name_and_spares_the_target(
+    ch: Channel, ws: Path, outside: Path, plant: str
+) -> None:
+    victim = outside / "victim"
+    victim.write_bytes(b"precious")
+    for where in (chan(ws) / ChannelPaths.ANSWERS / "abc.json", chan(ws) / ChannelPaths.BUDGET_JSON):
+        if plant == "symlink":
+            where.symlink_to(victim)
+        else:
+            os.link(victim, where)
+    ch.write_file(ChannelPaths.ANSWERS, "abc.json", b"answer")
+    ch.write_file(None, ChannelPaths.BUDGET_JSON, b"budget")
+    for where, data in (
+        (chan(ws) / ChannelPaths.ANSWERS / "abc.json", b"answer"),
+        (chan(ws) / ChannelPaths.BUDGET_JSON, b"budget"),
+    ):
+        st_where = os.lstat(where)
+        assert stat.S_ISREG(st_where.st_mode)
+        assert st_where.st_nlink == 1
+        assert where.read_bytes() == data
+    assert victim.read_bytes() == b"precious"
+    assert victim.stat().st_nlink == 1
+
+
+def test_writing_into_a_symlinked_subdirectory_is_refused(ch: Channel, ws: Path, outside: Path) -> None:
+    wakes = chan(ws) / ChannelPaths.WAKES
+    wakes.rmdir()
+    wakes.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(Refused) as e:
+        ch.write_file(ChannelPaths.WAKES, "s.md", b"wake")
+    assert refusal(e) == "not a directory"
+    assert os.listdir(outside) == []
+
+
+def test_a_failed_write_leaves_no_temp_file_and_the_old_content(ch: Channel, ws: Path) -> None:
+    answers = chan(ws) / ChannelPaths.ANSWERS
+    (answers / "blocked.json").mkdir()
+    (answers / "blocked.json" / "x").write_bytes(b"")
+    with pytest.raises(Refused) as e:
+        ch.write_file(ChannelPaths.ANSWERS, "blocked.json", b"{}")
+    assert refusal(e) == "a directory is in the way"
+    assert kernel_temps_in(answers) == []
+    assert os.listdir(answers / "blocked.json") == ["x"]
+
+
+def test_sweep_removes_only_the_kernels_own_leftover_temps(ch: Channel, ws: Path) -> None:
+    answers = chan(ws) / ChannelPaths.ANSWERS
+    leftover = f"{KERNEL_TEMP_PREFIX}{'0' * 16}.tmp"
+    (answers / leftover).write_bytes(b"half")
+    (answers / ".agent.tmp").write_bytes(b"")
+    (answers / "a.json").write_bytes(b"{}")
+    dfd = ch.subdir(ChannelPaths.ANSWERS)
+    try:
+        assert sweep_kernel_temps(dfd) == 1
+    finally:
+        os.close(dfd)
+    assert sorted(os.listdir(answers)) == [".agent.tmp", "a.json"]
+
+
+# --- delivery -----------------------------------------------------------------------------------------------
+
+
+def test_delivery_dir_creates_the_tree_under_results(ch: Channel, ws: Path) -> None:
+    components = ChannelPaths.result_dir(3, "train", 1)
+    dfd = ch.delivery_dir(components)
+    try:
+        write_atomic_at(dfd, "curve.json", b"[1, 2]")
+    finally:
+        os.close(dfd)
+    assert (chan(ws) / ChannelPaths.RESULTS / "3" / "train" / "1" / "curve.json").read_bytes() == b"[1, 2]"
+    os.close(ch.delivery_dir(components))  # opening an existing tree again is fine
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_delivery_through_a_planted_symlink_is_refused(
+    ch: Channel, ws: Path, outside: Path, depth: int
+) -> None:
+    components = ("3", "train", "0")
+    results = chan(ws) / ChannelPaths.RESULTS
+    parent = results.joinpath(*components[:depth])
+    parent.mkdir(parents=True, exist_ok=True)
+    (parent / components[depth]).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(Refused) as e:
+        ch.delivery_dir(components)
+    assert refusal(e) == "not a directory"
+    assert e.value.name == "/".join((ChannelPaths.RESULTS, *components[: depth + 1]))
+    assert os.listdir(outside) == [], "something was created through the symlink"
+
+
+def test_delivery_with_results_itself_a_symlink_is_refused(ch: Channel, ws: Path, outside: Path) -> None:
+    results = chan(ws) / ChannelPaths.RESULTS
+    results.rmdir()
+    results.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(Refused, match="not a directory"):
+        ch.delivery_dir(("1", "a"))
+    assert os.listdir(outside) == []
+
+
+def test_delivery_with_a_file_planted_at_a_level_is_refused(ch: Channel, ws: Path) -> None:
+    (chan(ws) / ChannelPaths.RESULTS / "1").write_bytes(b"")
+    with pytest.raises(Refused, match="not a directory"):
+        ch.delivery_dir(("1", "a"))
+
+
+# --- copy ---------------------------------------------------------------------------------------------------
+
+
+def test_copy_streams_the_source_and_reports_size_and_sha256(tmp_path: Path, outside: Path) -> None:
+    data = os.urandom(3 * (1 << 20) + 17)
+    src = tmp_path / "artifact"
+    src.write_bytes(data)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    victim = outside / "victim"
+    victim.write_bytes(b"precious")
+    (dst / "out.bin").symlink_to(victim)
+    dfd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    sfd = os.open(src, os.O_RDONLY)
+    try:
+        os.lseek(sfd, 1000, os.SEEK_SET)  # the copy starts at the beginning whatever the offset
+        size, digest = copy_atomic_at(dfd, "out.bin", sfd, limit=len(data))
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert (size, digest) == (len(data), hashlib.sha256(data).hexdigest())
+    assert (dst / "out.bin").read_bytes() == data
+    assert not os.path.islink(dst / "out.bin")
+    assert victim.read_bytes() == b"precious"
+
+
+def test_copy_above_the_limit_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    src = tmp_path / "artifact"
+    src.write_bytes(b"y" * 5000)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    dfd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    sfd = os.open(src, os.O_RDONLY)
+    try:
+        with pytest.raises(Refused) as e:
+            copy_atomic_at(dfd, "out.bin", sfd, limit=4999)
+        assert refusal(e) == "larger than 4999 bytes"
+        assert copy_atomic_at(dfd, "out.bin", sfd, limit=5000)[0] == 5000
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert os.listdir(dst) == ["out.bin"]
+
+
+def test_copy_of_a_source_growing_past_the_limit_is_refused_midstream(tmp_path: Path) -> None:
+    # st_size says it fits; the bytes actually there do not (the job is still writing): the streamed count decides.
+    src = tmp_path / "artifact"
+    src.write_bytes(b"z" * 100)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    dfd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    sfd = os.open(src, os.O_RDONLY)
+    try:
+        size, _ = copy_atomic_at(dfd, "ok", sfd, limit=100)
+        assert size == 100
+        with src.open("ab") as f:
+            f.write(b"z" * 100)
+        with pytest.raises(Refused, match="larger than 150 bytes"):
+            copy_atomic_at(dfd, "grown", sfd, limit=150)
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert sorted(os.listdir(dst)) == ["ok"]
+
+
+def test_copy_failing_midstream_removes_its_temp(tmp_path: Path) -> None:
+    src = tmp_path / "artifact"
+    src.write_bytes(b"data")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    dfd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    sfd = os.open(src, os.O_WRONLY)  # a regular file, but reading it fails (EBADF) after the temp exists
+    try:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            copy_atomic_at(dfd, "out", sfd, limit=100)
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert os.listdir(dst) == []
+
+
+def test_copy_refuses_a_fifo_source(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    dfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    sfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with deadline(3), pytest.raises(Refused, match="source is not a regular file"):
+            copy_atomic_at(dfd, "out", sfd, limit=100)
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert sorted(os.listdir(tmp_path)) == ["fifo"]
+
+
+# --- names --------------------------------------------------------------------------------------------------
+
+BAD_NAMES = ["", ".", "..", "a/b", "../x", "/etc/passwd", "x/", "a\0b", "n" * 256, "\ud800"]
+
+
+@pytest.mark.parametrize("bad", BAD_NAMES, ids=ascii)
+def test_names_that_are_not_single_components_are_value_errors(
+    ch: Channel, ws: Path, tmp_path: Path, bad: str
+) -> None:
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    dfd = ch.subdir(ChannelPaths.ANSWERS)
+    sfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        calls: list[Callable[[], object]] = [
+            lambda: write_atomic_at(dfd, bad, b"x"),
+            lambda: read_capped_at(dfd, bad, CAP),
+            lambda: copy_atomic_at(dfd, bad, sfd, 10),
+            lambda: ch.subdir(bad),
+            lambda: ch.remove_request(bad),
+            lambda: ch.write_file(bad, "ok.json", b"x"),
+            lambda: ch.write_file(ChannelPaths.ANSWERS, bad, b"x"),
+            lambda: ch.delivery_dir(("1", bad)),
+            lambda: ch.delivery_dir((bad, "1")),
+        ]
+        for call in calls:
+            with pytest.raises(ValueError, match=r"file name|single path component"):
+                call()
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_delivery_dir_needs_a_component(ch: Channel) -> None:
+    with pytest.raises(ValueError, match="at least one component"):
+        ch.delivery_dir(())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(min_size=0, max_size=260))
+def test_any_name_is_refused_or_stays_one_entry_in_its_directory(name: str) -> None:
+    with tempfile.TemporaryDirectory() as top:
+        inner = os.path.join(top, "d")
+        os.mkdir(inner)
+        dfd = os.open(inner, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            write_atomic_at(dfd, name, b"payload")
+        except ValueError:
+            assert os.listdir(inner) == []
+        else:
+            assert os.listdir(inner) == [name]
+            assert read_capped_at(dfd, name, 100) == b"payload"
+        finally:
+            os.close(dfd)
+        assert os.listdir(top) == ["d"], "a write escaped its directory"
+
+
+_byte_names = st.binary(min_size=1, max_size=80).filter(lambda b: b"/" not in b and b"\0" not in b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(_byte_names, max_size=12).map(lambda s: s - {b".", b".."}))
+def test_list_requests_puts_every_name_in_exactly_one_class(names: set[bytes]) -> None:
+    with tempfile.TemporaryDirectory() as top, open_channel(top, create=True) as channel:
+        rq = os.path.join(os.fsencode(top), os.fsencode(CHANNEL_DIR), b"requests")
+        for n in names:
+            with open(os.path.join(rq, n), "wb"):
+                pass
+        ids, junk = channel.list_requests()
+        committed = {os.fsencode(ChannelPaths.request(i)) for i in ids}
+        junk_b = {os.fsencode(j) for j in junk}
+        temps = {n for n in names if n.startswith(b".") and n.endswith(b".tmp")}
+        assert committed | junk_b | temps == names
+        assert len(committed) + len(junk_b) + len(temps) == len(names), "a name fell in two classes"
+        assert ids == sorted(ids)
+        for request_id in ids:
+            assert request_id.isascii()
+            assert channel.read_request(request_id) == b""
