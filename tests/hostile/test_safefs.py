@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import signal
 import stat
 import tempfile
@@ -341,6 +342,29 @@ def test_a_request_that_keeps_growing_is_refused_without_chasing_it(ch: Channel,
         os.close(fd)
 
 
+def test_st_size_is_never_trusted(tmp_path: Path) -> None:
+    # procfs files are regular, singly linked and report st_size 0 whatever they hold: a lying st_size.
+    fd = os.open("/proc/self/status", os.O_RDONLY)
+    try:
+        assert os.fstat(fd).st_size == 0
+        with pytest.raises(Refused, match="larger than 100 bytes"):
+            read_capped_fd(fd, 100)
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 101
+    finally:
+        os.close(fd)
+
+
+def test_reading_starts_at_the_beginning_whatever_the_fd_offset(tmp_path: Path) -> None:
+    f = tmp_path / "r.json"
+    f.write_bytes(b'{"a": 1}')
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.lseek(fd, 0, os.SEEK_END)
+        assert read_capped_fd(fd, CAP) == b'{"a": 1}'
+    finally:
+        os.close(fd)
+
+
 def test_invalid_request_ids_are_value_errors_not_paths(ch: Channel) -> None:
     for bad in ("../x", "a/b", "", "UPPER", "..", "x.json"):
         with pytest.raises(ValueError, match="not a valid request id"):
@@ -460,6 +484,28 @@ def test_an_atomic_write_over_a_planted_link_replaces_the_name_and_spares_the_ta
         assert where.read_bytes() == data
     assert victim.read_bytes() == b"precious"
     assert victim.stat().st_nlink == 1
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hardlink"])
+def test_a_link_planted_at_the_temp_name_is_neither_followed_nor_reused(
+    ch: Channel, ws: Path, outside: Path, monkeypatch: pytest.MonkeyPatch, plant: str
+) -> None:
+    # Temp names are random, so an agent can only win this by guessing; force the guess right to show that even
+    # then the temp is created fresh (O_EXCL) and the next random name is used.
+    victim = outside / "victim"
+    victim.write_bytes(b"precious")
+    answers = chan(ws) / ChannelPaths.ANSWERS
+    guessed = answers / f"{KERNEL_TEMP_PREFIX}{'a' * 16}.tmp"
+    if plant == "symlink":
+        guessed.symlink_to(victim)
+    else:
+        os.link(victim, guessed)
+    names = iter(["a" * 16, "b" * 16])
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(names))
+    ch.write_file(ChannelPaths.ANSWERS, "abc.json", b"answer")
+    assert (answers / "abc.json").read_bytes() == b"answer"
+    assert victim.read_bytes() == b"precious"
+    assert os.path.lexists(guessed), "the agent's file was not ours to remove"
 
 
 def test_writing_into_a_symlinked_subdirectory_is_refused(ch: Channel, ws: Path, outside: Path) -> None:
@@ -586,8 +632,23 @@ def test_copy_above_the_limit_is_refused_and_leaves_nothing(tmp_path: Path) -> N
     assert os.listdir(dst) == ["out.bin"]
 
 
-def test_copy_of_a_source_growing_past_the_limit_is_refused_midstream(tmp_path: Path) -> None:
-    # st_size says it fits; the bytes actually there do not (the job is still writing): the streamed count decides.
+def test_copy_counts_the_bytes_streamed_not_st_size(tmp_path: Path) -> None:
+    # A procfs file says st_size 0 and holds more: the streamed count decides, and nothing is left behind.
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    dfd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    sfd = os.open("/proc/self/status", os.O_RDONLY)
+    try:
+        assert os.fstat(sfd).st_size == 0
+        with pytest.raises(Refused, match="larger than 100 bytes"):
+            copy_atomic_at(dfd, "status", sfd, limit=100)
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert os.listdir(dst) == []
+
+
+def test_copy_of_a_source_grown_past_the_limit_is_refused(tmp_path: Path) -> None:
     src = tmp_path / "artifact"
     src.write_bytes(b"z" * 100)
     dst = tmp_path / "dst"
