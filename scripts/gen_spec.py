@@ -1,0 +1,178 @@
+"""Regenerate the parts of `spec/` that are derived from `channel/`.
+
+- `spec/schema/v1/*.json`: JSON Schema (draft 2020-12) of every message, from the msgspec Structs.
+- the blocks of `spec/PROTOCOL.md` between `<!-- BEGIN GENERATED: name -->` and `<!-- END GENERATED: name -->`:
+  `limits` (channel.limits), `codes` (channel.errors.CODES) and `lifecycle` (channel.lifecycle.render_tables()).
+
+Run `.venv/bin/python scripts/gen_spec.py` after changing any of those; `--check` exits 1 (writing nothing) when
+a committed file differs, which is what tests/unit/test_spec_sync.py asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from channel import limits as L  # noqa: E402
+from channel.errors import CODES  # noqa: E402
+from channel.lifecycle import render_tables  # noqa: E402
+from channel.messages import Answer, BudgetFile, KernelInfo, Request, Wake  # noqa: E402
+
+SPEC = ROOT / "spec" / "PROTOCOL.md"
+SCHEMA_DIR = ROOT / "spec" / "schema" / "v1"
+REGENERATE = ".venv/bin/python scripts/gen_spec.py"
+SCHEMA_BASE = "https://syscall-kernel.invalid/spec/schema/v1/"
+
+SCHEMAS: dict[str, tuple[Any, str]] = {
+    "request.json": (Request, "A request file, `requests/<id>.json` (agent -> kernel)."),
+    "answer.json": (Answer, "An answer file, `answers/<id>.json` (kernel -> agent)."),
+    "wake.json": (Wake, "A wake, `wakes/<sleep-id>.json` (kernel -> agent)."),
+    "kernel.json": (KernelInfo, "`kernel.json`: the kernel, its limits and the workspace's policy."),
+    "budget.json": (BudgetFile, "`budget.json`: the workspace's remaining budget."),
+}
+
+# What each protocol limit bounds. Every public name in channel.limits must appear here (the sync test checks).
+LIMIT_DOCS: dict[str, str] = {
+    "PROTOCOL_VERSION": "the protocol version; `protocol` in every message",
+    "REQUEST_MAX_BYTES": "size of a request file, in bytes",
+    "JSON_MAX_DEPTH": "nesting of objects and arrays in a request (the top-level object is depth 1)",
+    "ID_PATTERN": "a request id (and so a request file's stem)",
+    "NAME_PATTERN": "a launch name",
+    "MAX_LAUNCHES": "launches in one sleep",
+    "COMMAND_MAX_CHARS": "a launch's `command`, in characters",
+    "MINUTES_MIN": "smallest `minutes` / `eval_minutes`",
+    "MINUTES_DEFAULT": "`minutes` when omitted",
+    "MINUTES_CEILING": "largest `minutes` / `eval_minutes` any policy may allow",
+    "GPUS_CEILING": "largest `gpus` any policy may allow",
+    "ARRAY_MAX": "largest `array` (tasks of one launch)",
+    "MAX_ARTIFACTS": "artifact paths of one launch",
+    "ARTIFACT_MAX_CHARS": "one artifact path, in characters",
+    "WHY_MAX_CHARS": "a launch's `why`, in characters",
+    "NOTE_MAX_CHARS": "a sleep's `note`, in characters",
+    "REPORT_MAX_CHARS": "a submit's `report`, in characters",
+    "CANCEL_MAX_NAMES": "names in one `cancel`",
+    "HISTORY_MAX": "largest `limit` of `history`",
+    "HISTORY_DEFAULT": "`limit` of `history` when omitted",
+    "TAIL_MAX_CHARS": "each stdout/stderr tail in a wake, in characters (kernel-written)",
+    "POLICY_MAX_MINUTES": "default policy: `max_minutes`",
+    "POLICY_MAX_GPUS": "default policy: `max_gpus` and `max_concurrent_gpus`",
+    "BUDGET_LAUNCHES": "default budget: launches of a newly enrolled workspace",
+    "BUDGET_SLEEPS": "default budget: sleeps of a newly enrolled workspace",
+    "BUDGET_GPU_HOURS": "default budget: GPU-hours of a newly enrolled workspace",
+}
+
+SECTION_TITLES = {
+    "4.1": "the file",
+    "4.2": "JSON",
+    "4.3": "shape",
+    "4.4": "sleep and launches",
+    "4.5": "submit",
+    "4.6": "other verbs",
+    "5": "policy",
+    "6": "kernel state and budget",
+}
+
+_BLOCK_RE = re.compile(
+    r"(<!-- BEGIN GENERATED: (?P<name>[a-z]+) -->\n).*?(<!-- END GENERATED: (?P=name) -->)", re.S
+)
+
+
+def limit_names() -> list[str]:
+    return [n for n in vars(L) if n.isupper() and not n.startswith("_")]
+
+
+def render_limits() -> str:
+    lines = ["| name | value | bounds |", "|---|---|---|"]
+    for name in limit_names():
+        value = getattr(L, name)
+        lines.append(f"| `{name}` | `{value}` | {LIMIT_DOCS[name]} |")
+    return "\n".join(lines) + "\n"
+
+
+def _section_key(section: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in section.split("."))
+
+
+def render_codes() -> str:
+    lines = ["| code | section | meaning |", "|---|---|---|"]
+    for code, c in sorted(CODES.items(), key=lambda kv: _section_key(kv[1].section)):
+        lines.append(f"| `{code}` | {c.section} ({SECTION_TITLES[c.section]}) | {c.meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def generated_blocks() -> dict[str, str]:
+    return {"limits": render_limits(), "codes": render_codes(), "lifecycle": render_tables()}
+
+
+def render_spec(text: str) -> str:
+    """`text` with every generated block rewritten. Raises if a block is missing."""
+    blocks = generated_blocks()
+    seen: set[str] = set()
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in blocks:
+            raise SystemExit(f"{SPEC}: unknown generated block {name!r}")
+        seen.add(name)
+        return m.group(1) + blocks[name] + m.group(3)
+
+    out = _BLOCK_RE.sub(sub, text)
+    if missing := set(blocks) - seen:
+        raise SystemExit(f"{SPEC}: missing generated blocks {sorted(missing)}")
+    return out
+
+
+def render_schema(name: str) -> str:
+    tp, description = SCHEMAS[name]
+    body = msgspec.json.schema(tp)
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA_BASE + name,
+        "$comment": f"generated from channel/messages.py by {REGENERATE}; do not edit",
+        "description": description,
+        **body,
+    }
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+
+
+def expected_files() -> dict[Path, str]:
+    files = {SCHEMA_DIR / name: render_schema(name) for name in SCHEMAS}
+    files[SPEC] = render_spec(SPEC.read_text(encoding="utf-8"))
+    return files
+
+
+def outdated() -> list[Path]:
+    """Files whose committed content differs from what this script generates."""
+    return [p for p, text in expected_files().items() if not p.exists() or p.read_text("utf-8") != text]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="Regenerate spec/ from channel/.")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if anything is outdated")
+    args = ap.parse_args()
+    if args.check:
+        stale = outdated()
+        for p in stale:
+            print(f"outdated: {p.relative_to(ROOT)}", file=sys.stderr)
+        if stale:
+            print(f"regenerate with: {REGENERATE}", file=sys.stderr)
+        return 1 if stale else 0
+    SCHEMA_DIR.mkdir(parents=True, exist_ok=True)
+    for path, text in expected_files().items():
+        if not path.exists() or path.read_text("utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
