@@ -1,0 +1,203 @@
+"""The jail a job's command runs in: pure argv and env builders for bwrap, apptainer and none.
+
+The jailed process is hostile (threat-model.md): it must see only its own tree (read-write), a scratch home and
+tmp, and read-only system directories; never the run directory, the kernel's state or another workspace; no
+network unless the policy allows it; no capability; a new session (no `TIOCSTI` into the kernel's terminal); an
+environment built from an allowlist, never inherited. Visibility is decided by what is bound in, so the run
+directory, the state directory and the workspaces are simply never bound; `hide` masks any of them that happens to
+live below a directory that is bound (an operator who puts `state_dir` under `/opt`, say).
+
+The argv is built here and rendered into the job wrapper by `kernel.jobscript`; paths that only exist on the node
+(the scratch tree) and env values only known there (the array index, `CUDA_VISIBLE_DEVICES`) are filled in by the
+wrapper through the tokens below.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import msgspec
+
+JailKind = Literal["bwrap", "apptainer", "none"]
+
+# Tokens the wrapper replaces (whole arguments only) on the node.
+TREE_TOKEN: Final = "@@SYSCALL_TREE@@"
+HOME_TOKEN: Final = "@@SYSCALL_HOME@@"
+WORK_TOKEN: Final = "@@SYSCALL_WORK@@"
+ENV_TOKEN: Final = "@@SYSCALL_ENV@@"
+COMMAND_TOKEN: Final = "@@SYSCALL_COMMAND@@"
+
+JAIL_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_LANG: Final = "C.UTF-8"
+SEED_VAR: Final = "EVAL_SEED"
+INDEX_VARS: Final = ("SWEEP_INDEX", "SLURM_ARRAY_TASK_ID")
+# Forwarded from the node's environment when set there (the scheduler assigns GPUs).
+FORWARD_VARS: Final = ("CUDA_VISIBLE_DEVICES",)
+
+DEFAULT_SYSTEM_DIRS: Final = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt")
+# /etc is bound file by file: the rest of it (shadow, ssh host keys, the kernel's own config) stays out of sight.
+DEFAULT_ETC: Final = (
+    "/etc/alternatives",
+    "/etc/ca-certificates",
+    "/etc/ssl",
+    "/etc/group",
+    "/etc/passwd",
+    "/etc/nsswitch.conf",
+    "/etc/host.conf",
+    "/etc/hosts",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/mime.types",
+    "/etc/protocols",
+    "/etc/services",
+    "/etc/timezone",
+)
+NETWORK_ETC: Final = ("/etc/resolv.conf", "/etc/gai.conf")
+
+NONE_WARNING: Final = (
+    "jail = 'none': jobs run WITHOUT a jail and can read the kernel's state, the run directories and every "
+    "workspace this user can; use only on a single-user laptop"
+)
+
+
+class JailPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How jobs are jailed; the kernel config chooses it (`none` only when it says so explicitly)."""
+
+    kind: JailKind = "bwrap"
+    network: bool = False
+    image: str | None = None  # the apptainer image
+    bwrap: str = "bwrap"
+    apptainer: str = "apptainer"
+    system_dirs: tuple[str, ...] = DEFAULT_SYSTEM_DIRS
+    etc: tuple[str, ...] = DEFAULT_ETC
+    hide: tuple[str, ...] = ()  # kernel directories to mask if they lie below a bound directory
+
+
+@dataclass(frozen=True, slots=True)
+class JailPaths:
+    """Where the job's tree and scratch live on the node (same path inside the jail)."""
+
+    tree: str
+    home: str
+    work: str
+
+
+TEMPLATE_PATHS: Final = JailPaths(TREE_TOKEN, HOME_TOKEN, WORK_TOKEN)
+
+
+def jail_env(
+    *,
+    home: str,
+    task_index: int | None = None,
+    eval_seed: str | None = None,
+    forwarded: Mapping[str, str] | None = None,
+    lang: str = DEFAULT_LANG,
+) -> dict[str, str]:
+    """The whole environment of the jailed command: an allowlist, nothing inherited."""
+    env = {"PATH": JAIL_PATH, "LANG": lang, "HOME": home, "TMPDIR": "/tmp"}
+    if task_index is not None:
+        for name in INDEX_VARS:
+            env[name] = str(task_index)
+    if eval_seed is not None:
+        env[SEED_VAR] = eval_seed
+    for name in FORWARD_VARS:
+        if forwarded is not None and name in forwarded:
+            env[name] = forwarded[name]
+    return env
+
+
+def env_args(kind: JailKind, env: Mapping[str, str]) -> list[str]:
+    """The env as jail arguments (the wrapper's copy of this function is tested against this one)."""
+    out: list[str] = []
+    for key in sorted(env):
+        if kind == "bwrap":
+            out += ["--setenv", key, env[key]]
+        elif kind == "apptainer":
+            out += ["--env", f"{key}={env[key]}"]
+    return out
+
+
+def _under(path: str, parent: str) -> bool:
+    path, parent = os.path.normpath(path), os.path.normpath(parent)
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _abs(path: str, what: str) -> str:
+    if not path.startswith("/") and path not in (TREE_TOKEN, HOME_TOKEN, WORK_TOKEN):
+        raise ValueError(f"jail {what} must be an absolute path, got {path!r}")
+    return path
+
+
+def bwrap_argv(policy: JailPolicy, paths: JailPaths, env: Sequence[str], command: str) -> list[str]:
+    """bwrap argv per slurm.md; `env` is the output of `env_args` (or `[ENV_TOKEN]` in a template)."""
+    tree, home = _abs(paths.tree, "tree"), _abs(paths.home, "home")
+    argv = [
+        policy.bwrap,
+        "--unshare-user",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-uts",
+        "--unshare-cgroup",
+    ]
+    if not policy.network:
+        argv.append("--unshare-net")
+    argv += ["--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    argv += ["--hostname", "syscall-job"]
+    bound = [*policy.system_dirs, *policy.etc, *(NETWORK_ETC if policy.network else ())]
+    for d in bound:
+        _abs(d, "system path")
+        argv += ["--ro-bind-try", d, d]
+    for h in policy.hide:
+        _abs(h, "hidden path")
+        if any(_under(h, d) for d in bound):
+            argv += ["--tmpfs", h]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    argv += ["--bind", home, home, "--bind", tree, tree, "--chdir", tree]
+    argv += list(env)
+    argv += ["--", "sh", "-c", command]
+    return argv
+
+
+def apptainer_argv(
+    policy: JailPolicy, paths: JailPaths, env: Sequence[str], command: str, *, gpus: int
+) -> list[str]:
+    """apptainer argv per slurm.md (`--containall` does not isolate the network, so `--net --network none`)."""
+    if not policy.image:
+        raise ValueError("jail 'apptainer' needs an image (jail.image in the kernel config)")
+    tree, home, work = _abs(paths.tree, "tree"), _abs(paths.home, "home"), _abs(paths.work, "work")
+    argv = [policy.apptainer, "exec", "--containall", "--cleanenv"]
+    if not policy.network:
+        argv += ["--net", "--network", "none"]
+    if gpus > 0:
+        argv.append("--nv")
+    argv += ["--bind", tree, "--pwd", tree, "--home", home, "--workdir", work]
+    argv += list(env)
+    argv += [policy.image, "sh", "-c", command]
+    return argv
+
+
+def none_argv(command: str) -> list[str]:
+    """No jail: the command runs as the wrapper's child with the allowlisted env and cwd in the tree."""
+    return ["sh", "-c", command]
+
+
+def build_argv(
+    policy: JailPolicy, paths: JailPaths, env: Sequence[str], command: str, *, gpus: int = 0
+) -> list[str]:
+    match policy.kind:
+        case "bwrap":
+            return bwrap_argv(policy, paths, env, command)
+        case "apptainer":
+            return apptainer_argv(policy, paths, env, command, gpus=gpus)
+        case "none":
+            return none_argv(command)
+
+
+def template_argv(policy: JailPolicy, *, gpus: int = 0) -> list[str]:
+    """The argv with node-side tokens, for the job wrapper to fill in."""
+    return build_argv(policy, TEMPLATE_PATHS, [ENV_TOKEN], COMMAND_TOKEN, gpus=gpus)
