@@ -1,0 +1,71 @@
+"""The Slurm backend's pure core: sbatch argv, squeue/sacct commands and parsers, classification.
+
+No I/O here: the backend runs the commands and feeds their exit status and text to these functions, so every
+Slurm quirk is covered by table tests on golden text (tests/unit/test_slurm_*.py) and proven against a real
+throwaway cluster (tests/integration/test_slurm_cluster.py).
+"""
+
+from kernel.slurm.classify import (
+    Classification,
+    Resolution,
+    classify_exit_file,
+    classify_state,
+    pending_verdict,
+    poll_interval,
+    resolve_task,
+)
+from kernel.slurm.errors import SlurmOutputError
+from kernel.slurm.ids import JobId, parse_job_id
+from kernel.slurm.query import (
+    SacctResult,
+    SacctRow,
+    SqueueResult,
+    SqueueRow,
+    TaskKey,
+    parse_sacct,
+    parse_squeue,
+    read_sacct,
+    read_squeue,
+    sacct_argv,
+    squeue_argv,
+)
+from kernel.slurm.submit import (
+    SbatchJob,
+    SbatchPolicy,
+    Submitted,
+    job_name,
+    parse_job_name,
+    parse_sbatch_output,
+    render_sbatch_argv,
+)
+
+__all__ = [
+    "Classification",
+    "JobId",
+    "Resolution",
+    "SacctResult",
+    "SacctRow",
+    "SbatchJob",
+    "SbatchPolicy",
+    "SlurmOutputError",
+    "SqueueResult",
+    "SqueueRow",
+    "Submitted",
+    "TaskKey",
+    "classify_exit_file",
+    "classify_state",
+    "job_name",
+    "parse_job_id",
+    "parse_job_name",
+    "parse_sacct",
+    "parse_sbatch_output",
+    "parse_squeue",
+    "pending_verdict",
+    "poll_interval",
+    "read_sacct",
+    "read_squeue",
+    "render_sbatch_argv",
+    "resolve_task",
+    "sacct_argv",
+    "squeue_argv",
+]
