@@ -24,6 +24,7 @@ import msgspec
 from channel import limits as L
 from channel.errors import CODES
 from channel.messages import (
+    CancelRequest,
     ErrorInfo,
     Launch,
     Policy,
@@ -100,6 +101,7 @@ def parse_request(data: bytes, stem: str) -> Request:
         # deeper than the Structs, so these JSON-stage checks only need to run when the shape check fails.
         _check_json_limits(obj)
         raise _shape_error(obj, str(exc)) from None
+    _check_trailing_newlines(req)
     if req.id != stem:
         raise RequestError(
             "request.id.mismatch",
@@ -294,7 +296,8 @@ def _shape_error(obj: dict[str, Any], text: str) -> RequestError:
             _join(path, name),
         )
     if path == "$.type":
-        return RequestError("request.type.unknown", _type_help(f"type {_quote(str(verb))} is unknown"), path)
+        shown = _quote(verb) if isinstance(verb, str) else json.dumps(verb)[:ECHO_MAX_CHARS]
+        return RequestError("request.type.unknown", _type_help(f"type {shown} is unknown"), path)
     if ", got " in msg:
         expected = msg.removeprefix("Expected ").split(",")[0].strip("`")
         got = msg.rsplit("got ", 1)[1].strip("`")
@@ -367,6 +370,25 @@ def _constraint_message(path: str, msg: str, kind: str, limit: str) -> str:
     if kind == "too_many":
         return f"{path} has more than {limit} entries"
     return f"{path} is out of range; it must be {msg.rsplit('`', 1)[-1].strip()}"
+
+
+def _check_trailing_newlines(req: Request) -> None:
+    """Finish the pattern checks: Python's `$` also matches before a final newline, JSON Schema's does not.
+
+    The published patterns keep the portable `^...$` form, so the one input where Python disagrees with every
+    other regex engine (a value ending in "\n") is refused here, with the pattern's own code.
+    """
+    if req.id.endswith("\n"):
+        raise _constraint_error(str(req.__struct_config__.tag), "$.id", f"matching regex '{L.ID_PATTERN}'")
+    if isinstance(req, SleepRequest):
+        for i, launch in enumerate(req.launches):
+            if launch.name.endswith("\n"):
+                path = f"$.launches[{i}].name"
+                raise _constraint_error("sleep", path, f"matching regex '{L.NAME_PATTERN}'")
+    elif isinstance(req, CancelRequest):
+        for i, name in enumerate(req.launches):
+            if name.endswith("\n"):
+                raise _constraint_error("cancel", f"$.launches[{i}]", f"matching regex '{L.NAME_PATTERN}'")
 
 
 # --- rules a schema cannot say ---------------------------------------------------------------------------
