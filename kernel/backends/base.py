@@ -1,0 +1,117 @@
+"""What every backend is given and must do: the JobSpec and the Backend protocol.
+
+A JobSpec describes one launch of one sleep (a single job or an array) completely: where its run directory is,
+which snapshot it runs, how it is jailed, and its resources. `kernel.jobscript` turns it into the launch's
+`command.txt` and `job.sh`; a backend only decides where and when `job.sh` runs (a local child process, or an
+sbatch job) and how to stop it. Completion is always read from the wrapper's `exit-code` files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Final, Literal, Protocol
+
+import msgspec
+from msgspec import Meta
+
+from channel import limits as L
+from channel.paths import RunPaths
+from kernel.jail import JailPolicy
+
+DEFAULT_ARTIFACT_MAX_BYTES: Final = 64 * 1024 * 1024
+DEFAULT_ARTIFACT_TOTAL_MAX_BYTES: Final = 256 * 1024 * 1024
+
+
+class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One launch of one sleep, as every backend runs it."""
+
+    workspace: str  # the workspace key (channel.paths.workspace_key)
+    workspace_path: str  # the resolved workspace directory, whose .git holds the snapshot
+    seq: int
+    launch: Annotated[str, Meta(pattern=L.NAME_PATTERN)]
+    run_dir: str
+    command: str
+    commit: str
+    tree: str
+    minutes: Annotated[int, Meta(ge=L.MINUTES_MIN, le=L.MINUTES_CEILING)]
+    array: Annotated[int, Meta(ge=1, le=L.ARRAY_MAX)] = 1
+    concurrency: Annotated[int, Meta(ge=0, le=L.ARRAY_MAX)] = 0  # 0 = the whole array at once
+    gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING)] = 0
+    artifacts: tuple[str, ...] = ()
+    jail: JailPolicy = JailPolicy()
+    eval_seed: str | None = None
+    scratch: str | None = None  # node scratch base; None = the node's TMPDIR or /tmp
+    artifact_max_bytes: int = DEFAULT_ARTIFACT_MAX_BYTES
+    artifact_total_max_bytes: int = DEFAULT_ARTIFACT_TOTAL_MAX_BYTES
+    kill_grace_s: float = 5.0
+
+    @property
+    def paths(self) -> RunPaths:
+        return RunPaths(Path(self.run_dir), self.workspace, self.seq, self.launch)
+
+    @property
+    def key(self) -> str:
+        """Unique per launch across the kernel: `<workspace>/<seq>/<launch>`."""
+        return f"{self.workspace}/{self.seq}/{self.launch}"
+
+    @property
+    def job_name(self) -> str:
+        """The scheduler-visible name; it carries the sleep so a restarted kernel can look before resubmitting."""
+        return f"syscall-{self.workspace}-{self.seq}-{self.launch}"
+
+    @property
+    def width(self) -> int:
+        """How many tasks may run at once."""
+        return self.array if self.concurrency == 0 else min(self.concurrency, self.array)
+
+    def task_dir(self, task: int) -> Path:
+        return self.paths.task_dir(task, self.array)
+
+
+TaskStatus = Literal["pending", "running", "finished"]
+
+
+class TaskRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    key: str  # JobSpec.key
+    task: int
+    job_id: str
+
+
+class TaskExit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A task's wrapper is gone and its exit-code file is in place (read it with kernel.jobscript.read_exit)."""
+
+    key: str
+    task: int
+    task_dir: str
+
+
+class Recovered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a restarted backend found in the run directories."""
+
+    running: tuple[TaskRef, ...]
+    finished: tuple[TaskRef, ...]
+    requeued: tuple[TaskRef, ...]  # recorded but never started: queued again
+    lost: tuple[TaskRef, ...]  # started, gone without an exit-code: one was written saying so
+
+
+class Backend(Protocol):
+    """Runs job wrappers. Non-blocking methods are sync; waiting ones are async and named wait_*."""
+
+    name: str
+
+    async def submit(self, spec: JobSpec) -> list[TaskRef]:
+        """Queue every task of the launch (job.sh must already be written); idempotent per spec.key."""
+        ...
+
+    async def cancel(self, key: str, tasks: Sequence[int] | None = None) -> list[TaskRef]:
+        """Stop the launch's tasks (all when `tasks` is None); returns those that had not finished."""
+        ...
+
+    async def recover(self, run_dir: Path) -> Recovered:
+        """Rebuild what is running and what finished from the run directories after a restart."""
+        ...
+
+    async def wait_any_exit(self) -> TaskExit:
+        """The next task to finish (its exit-code file is in place)."""
+        ...

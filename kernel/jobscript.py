@@ -1,0 +1,170 @@
+"""The one writer of a launch's `command.txt` and `job.sh`, and the kernel-side reader of what the wrapper wrote.
+
+`job.sh` is `kernel/wrapper.py` (stdlib Python 3.8+, so sbatch runs it as is) with the launch's configuration
+embedded as a JSON literal; every backend runs the same file. The layout it writes per task is `RunPaths`'; the
+`exit-code` file is one JSON object (`ExitRecord`), written last and atomically. A backend that finds a wrapper
+gone without an `exit-code` (SIGKILL after the grace, a lost node) writes one itself through `write_exit`, so
+every finished task has exactly one explanation.
+
+Materialisation reads the snapshot straight from git objects (`ls-tree` + `cat-file --batch`) rather than
+`git worktree add` or `git archive`: a checkout or archive applies the workspace's attributes and filter
+drivers and a worktree writes admin files into the workspace's repository and leaves a `.git` link in the tree;
+reading objects runs nothing the workspace chose, writes nothing into its repository and leaves no `.git` behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Final
+
+import msgspec
+
+from channel.paths import RunPaths
+from kernel import jail as J
+from kernel import wrapper as W
+from kernel.backends.base import JobSpec
+from kernel.snapshot import git_env
+
+WRAPPER_SOURCE: Final = Path(W.__file__)
+# RunPaths' file names are dataclass fields (slots), so they are read from an instance, not the class.
+NAMES: Final = RunPaths(Path("/"), "-", 0, "-")
+CONFIG_LINE: Final = "CONFIG_JSON: str | None = None  # @@SYSCALL_CONFIG@@"
+
+# Exit codes: the command's own status, 128+N for a signal, or these (exit-code's `kind` disambiguates).
+EXIT_EMPTY_COMMAND: Final = W.EXIT_EMPTY_COMMAND  # command.txt empty or blank
+EXIT_MATERIALISE_FAILED: Final = W.EXIT_MATERIALISE_FAILED  # the snapshot could not be written to scratch
+EXIT_TERMINATED: Final = W.EXIT_TERMINATED  # SIGTERM/SIGINT/SIGHUP: cancel or the scheduler
+EXIT_TIMEOUT: Final = W.EXIT_TIMEOUT  # SIGUSR2: the walltime (Slurm's --signal=B:USR2, the local backend)
+EXIT_WRAPPER_ERROR: Final = W.EXIT_WRAPPER_ERROR  # bad configuration, bad task index, jail would not start
+EXIT_LOST: Final = 125  # the wrapper vanished without writing exit-code (written by the backend)
+
+ExitKind = str  # one of W.KIND_* or KIND_LOST / KIND_CANCELLED
+KIND_LOST: Final = "lost"
+KIND_CANCELLED: Final = "cancelled"  # cancelled before it ever started (written by the backend)
+
+
+class ExitRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    code: int
+    kind: ExitKind
+    signal: str | None = None
+    command_code: int | None = None
+    finished_at: str | None = None
+    host: str | None = None
+    detail: str | None = None
+
+
+class ArtifactRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    path: str
+    status: str  # "copied" | "skipped"
+    size: int | None = None
+    sha256: str | None = None
+    reason: str | None = None
+
+
+def wrapper_config(spec: JobSpec) -> dict[str, object]:
+    """The configuration `job.sh` embeds (pure)."""
+    paths = spec.paths
+    env = J.jail_env(home=J.HOME_TOKEN, eval_seed=spec.eval_seed)
+    return {
+        "version": 1,
+        "key": spec.key,
+        "launch_dir": str(paths.launch_dir),
+        "array": spec.array,
+        "git": {
+            "workspace": spec.workspace_path,
+            "commit": spec.commit,
+            "tree": spec.tree,
+            "env": git_env(spec.workspace_path),
+        },
+        "jail": {"kind": spec.jail.kind, "argv": J.template_argv(spec.jail, gpus=spec.gpus)},
+        "env": env,
+        "index_vars": list(J.INDEX_VARS),
+        "forward_vars": list(J.FORWARD_VARS),
+        "artifacts": list(spec.artifacts),
+        "artifact_max_bytes": spec.artifact_max_bytes,
+        "artifact_total_max_bytes": spec.artifact_total_max_bytes,
+        "scratch": spec.scratch,
+        "kill_grace_s": spec.kill_grace_s,
+    }
+
+
+def render_job_script(spec: JobSpec, source: str | None = None) -> str:
+    """`kernel/wrapper.py` with the launch's configuration embedded (pure apart from reading the template)."""
+    text = WRAPPER_SOURCE.read_text() if source is None else source
+    if text.count(CONFIG_LINE) != 1:
+        raise RuntimeError(f"{WRAPPER_SOURCE}: expected exactly one configuration marker line")
+    literal = json.dumps(wrapper_config(spec), sort_keys=True)
+    return text.replace(CONFIG_LINE, f"CONFIG_JSON: str | None = {literal!r}")
+
+
+def _write_atomic(directory: Path, name: str, data: bytes, mode: int) -> None:
+    tmp = directory / f".{name}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, directory / name)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def write_launch(spec: JobSpec) -> Path:
+    """Create the launch directory with `command.txt` and `job.sh` (idempotent); returns job.sh's path."""
+    launch_dir = spec.paths.launch_dir
+    launch_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write_atomic(launch_dir, NAMES.COMMAND, spec.command.encode(), 0o600)
+    _write_atomic(launch_dir, NAMES.JOB_SCRIPT, render_job_script(spec).encode(), 0o700)
+    return launch_dir / NAMES.JOB_SCRIPT
+
+
+def read_exit(task_dir: Path) -> ExitRecord | None:
+    """The task's exit record, or None while it has none."""
+    try:
+        data = (task_dir / NAMES.EXIT_CODE).read_bytes()
+    except FileNotFoundError:
+        return None
+    return msgspec.json.decode(data, type=ExitRecord)
+
+
+def write_exit(task_dir: Path, record: ExitRecord) -> None:
+    """Write an exit record on the wrapper's behalf (it died without one, or never started)."""
+    task_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write_atomic(task_dir, NAMES.EXIT_CODE, msgspec.json.encode(record) + b"\n", 0o644)
+
+
+def read_timestamp(task_dir: Path, name: str) -> datetime | None:
+    """`started` or `ended` as an aware datetime, or None when absent."""
+    try:
+        text = (task_dir / name).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def read_artifact_log(task_dir: Path) -> list[ArtifactRecord]:
+    try:
+        lines = (task_dir / NAMES.ARTIFACTS_LOG).read_bytes().splitlines()
+    except FileNotFoundError:
+        return []
+    return [msgspec.json.decode(line, type=ArtifactRecord) for line in lines if line.strip()]
+
+
+def wrapper_env(base: Mapping[str, str], *, task: int, tmpdir: str | None = None) -> dict[str, str]:
+    """The environment a backend starts `job.sh` with: nothing of the kernel's own (secrets stay out)."""
+    env = {"PATH": base.get("PATH", J.JAIL_PATH), "LANG": "C.UTF-8", "SWEEP_INDEX": str(task)}
+    if tmpdir is not None:
+        env["TMPDIR"] = tmpdir
+    for name in J.FORWARD_VARS:
+        if name in base:
+            env[name] = base[name]
+    return env

@@ -1,0 +1,545 @@
+#!/usr/bin/env python3
+"""The job wrapper: what runs on the node for one task of a launch, for every backend (local now, Slurm too).
+
+`kernel.jobscript` renders this file into `<launch dir>/job.sh` with its configuration embedded (sbatch copies
+the script away, so it cannot read a sidecar). It is Python 3.8+ and stdlib only, because it runs on compute
+nodes with whatever python3 they have, and because containment checks and atomic writes are far easier to get
+right here than in sh. Everything it writes goes into the kernel-owned task directory, OUTSIDE the jail:
+
+    started, stdout, stderr, ended, artifacts/, artifacts.log (JSON lines), exit-code (JSON, written last,
+    atomically: temp file + rename)
+
+Steps: find the task index (SLURM_ARRAY_TASK_ID or SWEEP_INDEX); read command.txt; materialise the snapshot into
+node scratch straight from git objects (ls-tree + cat-file: no checkout machinery, so no hook, no filter, no
+`.git` in the tree and nothing written into the workspace's repository); run `sh -c COMMAND` in the jail;
+copy declared artifacts out of the tree (contained, regular files, size-capped, every skip logged); remove the
+scratch; write exit-code. SIGTERM/SIGINT/SIGHUP (cancel, scheduler) and SIGUSR2 (the walltime warning) stop the
+jail and are recorded, so a killed job still leaves an exit-code that says why.
+
+Exit codes (the process status and `code` in exit-code): the command's own status, 128+N if a signal N killed it,
+or one of the EXIT_* codes below; exit-code's `kind` tells them apart unambiguously.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from datetime import datetime, timezone
+from typing import IO, Any
+
+EXIT_EMPTY_COMMAND = 120
+EXIT_MATERIALISE_FAILED = 121
+EXIT_TERMINATED = 122
+EXIT_TIMEOUT = 123
+EXIT_WRAPPER_ERROR = 124
+
+KIND_EXITED = "exited"
+KIND_SIGNALED = "signaled"
+KIND_EMPTY = "empty_command"
+KIND_MATERIALISE = "materialise_failed"
+KIND_TERMINATED = "terminated"
+KIND_TIMEOUT = "timeout"
+KIND_WRAPPER = "wrapper_error"
+
+TREE_TOKEN = "@@SYSCALL_TREE@@"
+HOME_TOKEN = "@@SYSCALL_HOME@@"
+WORK_TOKEN = "@@SYSCALL_WORK@@"
+ENV_TOKEN = "@@SYSCALL_ENV@@"
+COMMAND_TOKEN = "@@SYSCALL_COMMAND@@"
+
+# Replaced by kernel.jobscript with the JSON text of this task's configuration.
+CONFIG_JSON: str | None = None  # @@SYSCALL_CONFIG@@
+
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class WrapperError(Exception):
+    """A failure with the exit-code kind it maps to."""
+
+    def __init__(self, kind: str, code: int, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.code = code
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # noqa: UP017 (datetime.UTC is 3.11+)
+
+
+def write_atomic(directory: str, name: str, data: bytes) -> None:
+    """Create `directory/name` with `data` via a fresh temp file and rename, fsyncing file and directory."""
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, os.path.join(directory, name))
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def task_index(array: int, environ: dict[str, str]) -> int:
+    raw = environ.get("SLURM_ARRAY_TASK_ID") or environ.get("SWEEP_INDEX")
+    if raw is None:
+        if array == 1:
+            return 0
+        raise WrapperError(
+            KIND_WRAPPER, EXIT_WRAPPER_ERROR, "array task without SLURM_ARRAY_TASK_ID or SWEEP_INDEX"
+        )
+    if not raw.isdigit() or not 0 <= int(raw) < array:
+        raise WrapperError(KIND_WRAPPER, EXIT_WRAPPER_ERROR, f"task index {raw!r} is not in 0..{array - 1}")
+    return int(raw)
+
+
+def task_dir_for(launch_dir: str, index: int, array: int) -> str:
+    """Mirror of channel.paths.RunPaths.task_dir."""
+    if array == 1:
+        return launch_dir
+    return f"{launch_dir.rstrip('/')}.{index}"
+
+
+def env_args(kind: str, env: dict[str, str]) -> list[str]:
+    """Mirror of kernel.jail.env_args (a unit test keeps the two equal)."""
+    out: list[str] = []
+    for key in sorted(env):
+        if kind == "bwrap":
+            out += ["--setenv", key, env[key]]
+        elif kind == "apptainer":
+            out += ["--env", f"{key}={env[key]}"]
+    return out
+
+
+def render_argv(
+    template: list[str], kind: str, tree: str, home: str, work: str, env: dict[str, str], command: str
+) -> list[str]:
+    """Fill the jail template's whole-argument tokens with node-side values."""
+    values = {TREE_TOKEN: tree, HOME_TOKEN: home, WORK_TOKEN: work, COMMAND_TOKEN: command}
+    out: list[str] = []
+    for arg in template:
+        if arg == ENV_TOKEN:
+            out += env_args(kind, env)
+        else:
+            out.append(values.get(arg, arg))
+    return out
+
+
+def job_env(config: dict[str, Any], index: int, home: str, environ: dict[str, str]) -> dict[str, str]:
+    env = {k: (home if v == HOME_TOKEN else v) for k, v in config["env"].items()}
+    for name in config["index_vars"]:
+        env[name] = str(index)
+    for name in config["forward_vars"]:
+        if name in environ:
+            env[name] = environ[name]
+    return env
+
+
+# --- materialising the snapshot -----------------------------------------------------------------------------
+
+
+def valid_tree_path(path: bytes) -> bool:
+    parts = path.split(b"/")
+    return bool(path) and all(p not in (b"", b".", b"..") and p.lower() != b".git" for p in parts)
+
+
+def _dir_fd(root_fd: int, rel: bytes, cache: dict[bytes, int]) -> int:
+    """The fd of directory `rel` below the tree (created as needed, never through a symlink)."""
+    if not rel:
+        return root_fd
+    if rel in cache:
+        return cache[rel]
+    parent, _, name = rel.rpartition(b"/")
+    pfd = _dir_fd(root_fd, parent, cache)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o755, dir_fd=pfd)
+    fd = os.open(name, _O_DIR, dir_fd=pfd)
+    cache[rel] = fd
+    return fd
+
+
+def _read_exact(stream: IO[bytes], n: int) -> bytes:
+    chunks = []
+    while n > 0:
+        chunk = stream.read(min(n, 1 << 20))
+        if not chunk:
+            raise WrapperError(KIND_MATERIALISE, EXIT_MATERIALISE_FAILED, "git cat-file output ended early")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
+    """Write the snapshot's files into the empty directory `tree`; returns the number of entries written."""
+
+    def fail(message: str) -> WrapperError:
+        return WrapperError(KIND_MATERIALISE, EXIT_MATERIALISE_FAILED, message)
+
+    dot_git = os.path.join(git["workspace"], ".git")
+    try:
+        gfd = os.open(dot_git, _O_DIR)
+    except OSError as e:
+        raise fail(f"cannot open {dot_git} as a real directory: {e.strerror}") from None
+    env = dict(git["env"])
+    env["GIT_DIR"] = f"/proc/self/fd/{gfd}"
+    env.pop("GIT_WORK_TREE", None)
+    env.pop("GIT_INDEX_FILE", None)
+
+    def run(args: list[str], **kw: Any) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            ["git", "--no-pager", *args], env=env, cwd=scratch, pass_fds=(gfd,), capture_output=True, **kw
+        )
+
+    try:
+        commit = git["commit"]
+        got = run(["rev-parse", "--verify", f"{commit}^{{tree}}"])
+        if got.returncode != 0:
+            raise fail(f"snapshot {commit} is not in {dot_git}: {got.stderr.decode(errors='replace')}")
+        if got.stdout.decode().strip() != git["tree"]:
+            raise fail(f"snapshot {commit} does not have tree {git['tree']}")
+        listing = run(["ls-tree", "-r", "-z", "--full-tree", commit])
+        if listing.returncode != 0:
+            raise fail(f"git ls-tree failed: {listing.stderr.decode(errors='replace')}")
+        entries = []
+        for rec in listing.stdout.split(b"\0"):
+            if not rec:
+                continue
+            meta, _, path = rec.partition(b"\t")
+            mode, kind, oid = meta.split(b" ")
+            if not valid_tree_path(path):
+                raise fail(f"snapshot holds an unsafe path {path!r}")
+            entries.append((mode, kind, oid, path))
+        oids = os.path.join(scratch, "oids")
+        with open(oids, "wb") as f:
+            f.writelines(oid + b"\n" for mode, kind, oid, path in entries if kind == b"blob")
+        root_fd = os.open(tree, _O_DIR)
+        cache: dict[bytes, int] = {}
+        try:
+            with open(oids, "rb") as stdin:
+                proc = subprocess.Popen(
+                    ["git", "cat-file", "--batch"],
+                    stdin=stdin,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    env=env,
+                    cwd=scratch,
+                    pass_fds=(gfd,),
+                )
+            assert proc.stdout is not None
+            try:
+                for mode, kind, oid, path in entries:
+                    parent, _, name = path.rpartition(b"/")
+                    pfd = _dir_fd(root_fd, parent, cache)
+                    if kind != b"blob":  # a submodule: only its (empty) directory
+                        os.mkdir(name, 0o755, dir_fd=pfd)
+                        continue
+                    header = proc.stdout.readline().split()
+                    if len(header) != 3 or header[0] != oid or header[1] != b"blob":
+                        raise fail(f"git cat-file could not read blob {oid.decode()}")
+                    data = _read_exact(proc.stdout, int(header[2]))
+                    _read_exact(proc.stdout, 1)
+                    if mode == b"120000":
+                        os.symlink(data, name, dir_fd=pfd)
+                        continue
+                    perm = 0o755 if mode == b"100755" else 0o644
+                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, perm, dir_fd=pfd)
+                    try:
+                        view = memoryview(data)
+                        while view:
+                            view = view[os.write(fd, view) :]
+                    finally:
+                        os.close(fd)
+            finally:
+                proc.stdout.close()
+                proc.kill()
+                proc.wait()
+        finally:
+            for fd in cache.values():
+                os.close(fd)
+            os.close(root_fd)
+        return len(entries)
+    except OSError as e:
+        raise fail(f"materialising the snapshot failed: {e}") from None
+    finally:
+        os.close(gfd)
+
+
+# --- artifacts ---------------------------------------------------------------------------------------------
+
+
+def valid_artifact(rel: str) -> str | None:
+    """Why the declared artifact path is refused, or None."""
+    if not rel or rel.startswith("/") or rel.startswith("~") or "\\" in rel or "\0" in rel:
+        return "not a relative path"
+    if any(p in ("", ".", "..") for p in rel.split("/")):
+        return "has an empty, '.' or '..' component"
+    return None
+
+
+def _open_contained(tree: str, rel: str) -> int:
+    """Open `tree/rel` for reading without following any symlink below `tree`."""
+    fd = os.open(tree, _O_DIR)
+    try:
+        parts = rel.split("/")
+        for part in parts[:-1]:
+            nfd = os.open(part, _O_DIR, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def copy_artifacts(
+    tree: str, declared: list[str], out_dir: str, log_path: str, max_bytes: int, max_total: int
+) -> list[dict[str, Any]]:
+    """Copy each declared artifact out of the (no longer running) job's tree; log one JSON line per artifact."""
+    records: list[dict[str, Any]] = []
+    total = 0
+    real_tree = os.path.realpath(tree)
+    for rel in declared:
+        rec: dict[str, Any] = {"path": rel}
+        reason = valid_artifact(rel)
+        if reason is None:
+            target = os.path.realpath(os.path.join(real_tree, rel))
+            if not target.startswith(real_tree + os.sep):
+                reason = "resolves outside the job's tree (symlink escape)"
+        if reason is None:
+            try:
+                fd = _open_contained(real_tree, os.path.relpath(target, real_tree))
+            except FileNotFoundError:
+                reason = "not found in the job's tree"
+            except OSError as e:
+                reason = f"cannot be opened inside the tree: {e.strerror}"
+        if reason is None:
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    reason = "not a regular file"
+                else:
+                    limit = min(max_bytes, max_total - total)
+                    h = hashlib.sha256()
+                    chunks = []
+                    size = 0
+                    while True:
+                        chunk = os.read(fd, 1 << 20)
+                        if not chunk:
+                            break
+                        size += len(chunk)
+                        if size > limit:
+                            break
+                        h.update(chunk)
+                        chunks.append(chunk)
+                    if size > limit:
+                        if limit < max_bytes:
+                            reason = f"would exceed the total artifact cap of {max_total} bytes"
+                        else:
+                            reason = f"larger than the artifact cap of {max_bytes} bytes"
+                    else:
+                        dest_dir = os.path.join(out_dir, os.path.dirname(rel))
+                        os.makedirs(dest_dir, exist_ok=True)
+                        write_atomic(dest_dir, os.path.basename(rel), b"".join(chunks))
+                        total += size
+                        rec.update(status="copied", size=size, sha256=h.hexdigest())
+            finally:
+                os.close(fd)
+        if reason is not None:
+            rec.update(status="skipped", reason=reason)
+        records.append(rec)
+    with open(log_path, "w") as log:
+        for rec in records:
+            log.write(json.dumps(rec, sort_keys=True) + "\n")
+    return records
+
+
+def remove_tree(path: str) -> None:
+    def fix(func: Any, p: str, exc: Any) -> None:
+        # A job may leave directories without write or search permission; restore them and retry.
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.unlink(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=fix)
+
+
+# --- running -----------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Runs the jail; turns scheduler/cancel signals into a recorded reason and a kill of the jail."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.reason: str | None = None
+        self.signal_name: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def stopped_for(self) -> str | None:
+        return self.reason
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.reason != KIND_TIMEOUT:  # a walltime warning stays the reason even if a TERM follows
+            self.reason = KIND_TIMEOUT if signum == signal.SIGUSR2 else KIND_TERMINATED
+            self.signal_name = signal.Signals(signum).name
+        self._stop()
+
+    def _stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        timer = threading.Timer(self.grace, self._kill, (proc.pid,))
+        timer.daemon = True
+        timer.start()
+
+    @staticmethod
+    def _kill(pgid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+    def run(self, argv: list[str], cwd: str, env: dict[str, str], stdout: int, stderr: int) -> int:
+        # bwrap's --die-with-parent is tied to the thread that forked it: this (main) thread lives to the end.
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+        if self.reason is not None:
+            self._stop()
+        return self.proc.wait()
+
+
+def exit_record(kind: str, code: int, **extra: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {"code": code, "kind": kind}
+    rec.update(extra)
+    return rec
+
+
+def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -> tuple[str, dict[str, Any]]:
+    """Run one task; returns (task dir, exit record). Raises WrapperError only before the task dir is known."""
+    launch_dir = config["launch_dir"]
+    array = int(config["array"])
+    index = task_index(array, environ)
+    tdir = task_dir_for(launch_dir, index, array)
+    os.makedirs(tdir, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):  # a rerun (requeue) must not look finished
+        os.unlink(os.path.join(tdir, "exit-code"))
+    write_atomic(tdir, "started", (now_rfc3339() + "\n").encode())
+    out_fd = os.open(
+        os.path.join(tdir, "stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644
+    )
+    err_fd = os.open(
+        os.path.join(tdir, "stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644
+    )
+
+    def note(text: str) -> None:
+        os.write(err_fd, (f"[syscall-wrapper] {text}\n").encode("utf-8", "replace"))
+
+    scratch = None
+    try:
+        with open(os.path.join(launch_dir, "command.txt"), "rb") as f:
+            command = f.read().decode("utf-8", "replace")
+        if not command.strip():
+            note("command.txt is empty: nothing to run")
+            return tdir, exit_record(KIND_EMPTY, EXIT_EMPTY_COMMAND)
+        base = config.get("scratch") or environ.get("TMPDIR") or "/tmp"
+        scratch = tempfile.mkdtemp(prefix="syscall-job-", dir=base)
+        tree, home, work = (os.path.join(scratch, n) for n in ("tree", "home", "work"))
+        for d in (tree, home, work):
+            os.mkdir(d, 0o700)
+        try:
+            materialise(config["git"], tree, scratch)
+        except WrapperError as e:
+            note(str(e))
+            return tdir, exit_record(e.kind, e.code)
+        if runner.reason is not None:
+            note(f"stopped by {runner.signal_name} before the command started")
+            code = EXIT_TIMEOUT if runner.reason == KIND_TIMEOUT else EXIT_TERMINATED
+            return tdir, exit_record(runner.reason, code, signal=runner.signal_name)
+        env = job_env(config, index, home, environ)
+        kind = config["jail"]["kind"]
+        argv = render_argv(config["jail"]["argv"], kind, tree, home, work, env, command)
+        try:
+            status = runner.run(argv, tree, env, out_fd, err_fd)
+        except OSError as e:
+            note(f"the jail could not be started: {e}")
+            return tdir, exit_record(KIND_WRAPPER, EXIT_WRAPPER_ERROR)
+        write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
+        cmd_code = status if status >= 0 else 128 - status
+        reason = runner.stopped_for()  # a signal handler may have set it while the jail ran
+        if reason is not None:
+            code = EXIT_TIMEOUT if reason == KIND_TIMEOUT else EXIT_TERMINATED
+            rec = exit_record(reason, code, signal=runner.signal_name, command_code=cmd_code)
+        elif status < 0:
+            rec = exit_record(KIND_SIGNALED, cmd_code, signal=signal.Signals(-status).name)
+        else:
+            rec = exit_record(KIND_EXITED, status)
+        try:
+            copy_artifacts(
+                tree,
+                list(config["artifacts"]),
+                os.path.join(tdir, "artifacts"),
+                os.path.join(tdir, "artifacts.log"),
+                int(config["artifact_max_bytes"]),
+                int(config["artifact_total_max_bytes"]),
+            )
+        except OSError as e:
+            note(f"copying artifacts failed: {e}")
+        return tdir, rec
+    finally:
+        if scratch is not None:
+            remove_tree(scratch)
+        os.close(out_fd)
+        os.close(err_fd)
+
+
+def main() -> int:
+    config = json.loads(CONFIG_JSON) if CONFIG_JSON else None
+    if config is None:
+        sys.stderr.write("syscall job wrapper: no configuration embedded (render it with kernel.jobscript)\n")
+        return EXIT_WRAPPER_ERROR
+    runner = Runner(float(config.get("kill_grace_s", 5.0)))
+    runner.install()
+    environ = dict(os.environ)
+    try:
+        tdir, rec = main_task(config, environ, runner)
+    except WrapperError as e:
+        sys.stderr.write(f"syscall job wrapper: {e}\n")
+        return e.code
+    rec["finished_at"] = now_rfc3339()
+    rec["host"] = os.uname().nodename
+    write_atomic(tdir, "exit-code", (json.dumps(rec, sort_keys=True) + "\n").encode())
+    return int(rec["code"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
