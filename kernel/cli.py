@@ -1,0 +1,231 @@
+"""`syscall-kernel`: serve, enroll, status, demo.
+
+Exit codes: 0 ok; 1 the operation was refused or failed (the message says why); 2 bad invocation or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import anyio
+import msgspec
+
+from kernel import log
+from kernel.budget import Balance
+from kernel.config import Config, ConfigError, load
+from kernel.store import Store, StoreError
+
+EXAMPLES = """examples:
+  syscall-kernel serve --config /etc/syscall-kernel/config.toml
+  syscall-kernel enroll ~/agents/run-17 --launches 40 --sleeps 20 --gpu-hours 12.5
+  syscall-kernel status --json
+"""
+
+
+class TaskStatus(msgspec.Struct, frozen=True):
+    launch: str
+    task: int
+    state: str
+    job_id: str | None
+
+
+class SleepStatus(msgspec.Struct, frozen=True):
+    id: str
+    seq: int
+    state: str
+    created_at: str
+    tasks: tuple[TaskStatus, ...]
+
+
+class WorkspaceStatus(msgspec.Struct, frozen=True):
+    key: str
+    path: str
+    watch: str
+    problem: str | None
+    budget: dict[str, float | int]
+    sleep: SleepStatus | None
+
+
+class KernelStatus(msgspec.Struct, frozen=True):
+    state_dir: str
+    workspaces: tuple[WorkspaceStatus, ...]
+    live_sleeps: int
+    live_jobs: int
+    requests: int
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="syscall-kernel",
+        description="The agent-facing job kernel: watches enrolled workspaces' channels and answers them.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def config_opt(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--config",
+            metavar="FILE",
+            help="TOML config (default: $SYSCALL_KERNEL_CONFIG, /etc/syscall-kernel/config.toml)",
+        )
+
+    s = sub.add_parser("serve", help="run the kernel (as a systemd Type=notify service or in a terminal)")
+    config_opt(s)
+    e = sub.add_parser("enroll", help="enroll a workspace (or refresh it and set its budget)")
+    e.add_argument("workspace", help="the workspace directory (a git repository)")
+    e.add_argument("--launches", type=int, metavar="N", help="launches left in the budget")
+    e.add_argument("--sleeps", type=int, metavar="N", help="sleeps left in the budget")
+    e.add_argument("--gpu-hours", type=float, metavar="X", help="GPU-hours left in the budget")
+    config_opt(e)
+    st = sub.add_parser("status", help="workspaces, budgets, sleeps and jobs in flight (read from the store)")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    config_opt(st)
+    sub.add_parser("demo", help="run the kernel's main job on the embedded local backend")
+    return p
+
+
+def _config(path: str | None) -> Config:
+    return load(path)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kernel.service import serve
+
+    cfg = _config(args.config)
+    log.setup()
+    log.event("starting", config=cfg.source, state_dir=cfg.state_dir, watch=cfg.watch, pid=os.getpid())
+    anyio.run(serve, cfg)
+    return 0
+
+
+def cmd_enroll(args: argparse.Namespace) -> int:
+    from kernel.enroll import EnrollError, Grant, enroll
+    from kernel.install import ToolMissing, ToolSource
+
+    cfg = _config(args.config)
+    for name in ("launches", "sleeps", "gpu_hours"):
+        v = getattr(args, name)
+        if v is not None and (v < 0 or v != v):
+            print(f"syscall-kernel enroll: --{name.replace('_', '-')} must be >= 0, got {v}", file=sys.stderr)
+            return 2
+    try:
+        tool = ToolSource.bundled()
+        store = Store.open(cfg.db_path)
+    except (ToolMissing, StoreError, OSError) as exc:
+        print(f"syscall-kernel enroll: {exc}", file=sys.stderr)
+        return 1
+    try:
+        done = enroll(store, cfg, args.workspace, tool, Grant(args.launches, args.sleeps, args.gpu_hours))
+    except EnrollError as exc:
+        print(f"syscall-kernel enroll: refused: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    row = done.row
+    b = row.balance.to_message()
+    verb = "enrolled" if done.created else "refreshed"
+    print(f"{verb} {row.path} as {row.key} (watch: {row.watch})")
+    print(f"  budget: {b.launches} launches, {b.sleeps} sleeps, {b.gpu_hours:g} GPU-hours")
+    print(
+        f"  channel: {row.path}/.syscall (device {row.identity.dev}, inode {row.identity.ino}, uid {row.identity.uid})"
+    )
+    if done.adopted_new_channel:
+        print("  note: the channel had been replaced since the last enrollment; the new one is now recorded")
+    if done.tool_note is not None:
+        print("  the tool was (re)installed; .syscall/tool-news.md says what is new")
+    if done.excluded:
+        print("  added /.syscall/ to .git/info/exclude")
+    return 0
+
+
+def _status(cfg: Config) -> KernelStatus:
+    store = Store.open(cfg.db_path, readonly=True)
+    try:
+        out = []
+        for ws in store.workspaces():
+            s = store.current_sleep(ws.key)
+            sleep = None
+            if s is not None:
+                tasks = tuple(
+                    TaskStatus(j.launch, j.task, j.state, j.job_id) for j in store.jobs_of(ws.key, s.seq)
+                )
+                sleep = SleepStatus(s.id, s.seq, s.state, s.created_at, tasks)
+            out.append(WorkspaceStatus(ws.key, ws.path, ws.watch, ws.problem, _budget(ws.balance), sleep))
+        counts = store.counts()
+        return KernelStatus(
+            cfg.state_dir, tuple(out), counts["live_sleeps"], counts["live_jobs"], counts["requests"]
+        )
+    finally:
+        store.close()
+
+
+def _budget(b: Balance) -> dict[str, float | int]:
+    m = b.to_message()
+    return {
+        "launches": m.launches,
+        "sleeps": m.sleeps,
+        "gpu_hours": m.gpu_hours,
+        "reserved_gpu_hours": m.reserved_gpu_hours,
+    }
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    cfg = _config(args.config)
+    try:
+        st = _status(cfg)
+    except StoreError as exc:
+        print(f"syscall-kernel status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(st).decode() + "\n")
+        return 0
+    print(f"state: {st.state_dir}")
+    print(
+        f"{len(st.workspaces)} workspaces, {st.live_sleeps} sleeps and {st.live_jobs} jobs in flight, "
+        f"{st.requests} requests recorded"
+    )
+    for w in st.workspaces:
+        b = w.budget
+        print(f"- {w.key}  {w.path}  [{w.watch}]")
+        print(
+            f"    budget: {b['launches']} launches, {b['sleeps']} sleeps, {b['gpu_hours']:g} GPU-hours "
+            f"({b['reserved_gpu_hours']:g} reserved)"
+        )
+        if w.problem:
+            print(f"    problem: {w.problem}")
+        if w.sleep is not None:
+            states: dict[str, int] = {}
+            for t in w.sleep.tasks:
+                states[t.state] = states.get(t.state, 0) + 1
+            summary = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "no tasks"
+            print(f"    sleep {w.sleep.id} (seq {w.sleep.seq}): {w.sleep.state}; {summary}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    print(
+        "syscall-kernel demo: the demo is not built yet; it arrives with job execution "
+        "(snapshot, jail and the local backend)",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {"serve": cmd_serve, "enroll": cmd_enroll, "status": cmd_status, "demo": cmd_demo}
+    try:
+        return handlers[args.command](args)
+    except ConfigError as exc:
+        print(f"syscall-kernel: bad config: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

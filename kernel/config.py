@@ -1,0 +1,196 @@
+"""The kernel's configuration: one TOML file decoded into strict, frozen msgspec Structs.
+
+Unknown keys, wrong types and out-of-range values are refused with the file and the dotted key named, so a typo
+never silently falls back to a default. Relative paths are resolved against the config file's directory.
+`state_dir` defaults to systemd's `$STATE_DIRECTORY` (set by `StateDirectory=`), else `~/.local/state`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Final, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from channel import limits as L
+from channel.messages import EvalContract, Policy
+
+ENV_CONFIG: Final = "SYSCALL_KERNEL_CONFIG"
+DEFAULT_CONFIG_PATHS: Final = (Path("/etc/syscall-kernel/config.toml"),)
+
+WatchMode = Literal["auto", "inotify", "poll"]
+
+
+class ConfigError(Exception):
+    """Bad configuration: the message names the file and the key."""
+
+
+class _Strict(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class Defaults(_Strict, frozen=True, kw_only=True):
+    """Budgets and policy given to a workspace at enrollment (the `enroll` flags override the budgets)."""
+
+    launches: Annotated[int, Meta(ge=0, le=10**9)] = L.BUDGET_LAUNCHES
+    sleeps: Annotated[int, Meta(ge=0, le=10**9)] = L.BUDGET_SLEEPS
+    gpu_hours: Annotated[float, Meta(ge=0, le=10**7)] = L.BUDGET_GPU_HOURS
+    max_minutes: Annotated[int, Meta(ge=L.MINUTES_MIN, le=L.MINUTES_CEILING)] = L.POLICY_MAX_MINUTES
+    max_gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING)] = L.POLICY_MAX_GPUS
+    max_concurrent_gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING * L.ARRAY_MAX)] = L.POLICY_MAX_GPUS
+    network: bool = False
+    submit: EvalContract | None = None
+
+    def policy(self) -> Policy:
+        return Policy(
+            max_minutes=self.max_minutes,
+            max_gpus=self.max_gpus,
+            max_concurrent_gpus=self.max_concurrent_gpus,
+            network=self.network,
+            submit=self.submit,
+        )
+
+
+class SlurmConfig(_Strict, frozen=True, kw_only=True):
+    """Site settings for the Slurm backend (used by the execution layer)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    extra_args: tuple[str, ...] = ()
+    poll_seconds: Annotated[float, Meta(gt=0, le=3600)] = 10.0
+    submit_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+
+
+class Config(_Strict, frozen=True, kw_only=True):
+    state_dir: str = ""
+    run_dir: str = ""
+    backend: Literal["local", "slurm"] = "local"
+    jail: Literal["bwrap", "apptainer", "none"] = "bwrap"
+    watch: WatchMode = "auto"
+    workspaces: tuple[str, ...] = ()
+    # The ground truth: every channel is listed this often whatever the watcher says.
+    rescan_seconds: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    # How often channels in polling mode are listed.
+    poll_seconds: Annotated[float, Meta(gt=0, le=600)] = 0.5
+    # Fairness: at most this many requests of one workspace per pass, and this many in all.
+    batch_per_workspace: Annotated[int, Meta(ge=1, le=10_000)] = 8
+    batch_per_pass: Annotated[int, Meta(ge=1, le=100_000)] = 256
+    # A pass running longer than this marks the service unhealthy (systemd's watchdog then restarts it).
+    stall_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+    defaults: Defaults = Defaults()
+    slurm: SlurmConfig = SlurmConfig()
+    # Where this config came from (not a TOML key: filled in by `load`).
+    source: str = ""
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir)
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.state_dir) / "state.sqlite"
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+
+_AT_RE: Final = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_FIELD_RE: Final = re.compile(r"field `(?P<field>[^`]*)`")
+
+
+def _key_of(path: str, msg: str) -> str:
+    key = path.lstrip(".").replace("[", ".").replace("]", "")
+    field = _FIELD_RE.search(msg)
+    if field and ("unknown field" in msg or "missing required field" in msg):
+        key = f"{key}.{field.group('field')}" if key else field.group("field")
+    return key
+
+
+def _friendly(text: str) -> tuple[str, str]:
+    m = _AT_RE.match(text)
+    assert m is not None
+    msg, path = m.group("msg"), m.group("path") or ""
+    key = _key_of(path, msg)
+    if msg.startswith("Object contains unknown field"):
+        return key, "is not a known setting (check its spelling; see deploy/config.example.toml)"
+    if msg.startswith("Object missing required field"):
+        return key, "is required"
+    return key, msg[0].lower() + msg[1:] if msg else msg
+
+
+def parse(text: str, source: str = "<config>", *, env: dict[str, str] | None = None) -> Config:
+    """Decode TOML text into a `Config`, resolving paths; ConfigError names `source` and the key."""
+    env = dict(os.environ) if env is None else env
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    if "source" in raw:
+        raise ConfigError(f"{source}: key 'source' is not a known setting")
+    try:
+        cfg = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        key, why = _friendly(str(exc))
+        raise ConfigError(f"{source}: key '{key}' {why}") from None
+    return _resolve(cfg, source, env)
+
+
+def _resolve(cfg: Config, source: str, env: dict[str, str]) -> Config:
+    base = Path(source).resolve().parent if source and not source.startswith("<") else Path.cwd()
+
+    def absolute(value: str) -> str:
+        p = Path(os.path.expanduser(value))
+        return str(p if p.is_absolute() else base / p)
+
+    if cfg.state_dir:
+        state = absolute(cfg.state_dir)
+    elif env.get("STATE_DIRECTORY"):
+        # systemd may pass several colon-separated directories; the first is ours.
+        state = env["STATE_DIRECTORY"].split(":")[0]
+    else:
+        xdg = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+        state = os.path.join(xdg, "syscall-kernel")
+    run = absolute(cfg.run_dir) if cfg.run_dir else os.path.join(state, "runs")
+    for i, pattern in enumerate(cfg.workspaces):
+        if not pattern.strip():
+            raise ConfigError(f"{source}: key 'workspaces.{i}' is empty")
+    globs = tuple(absolute(p) for p in cfg.workspaces)
+    if cfg.defaults.max_gpus > cfg.defaults.max_concurrent_gpus:
+        raise ConfigError(
+            f"{source}: key 'defaults.max_gpus' ({cfg.defaults.max_gpus}) is above "
+            f"'defaults.max_concurrent_gpus' ({cfg.defaults.max_concurrent_gpus}); no launch could ever run"
+        )
+    if cfg.batch_per_workspace > cfg.batch_per_pass:
+        raise ConfigError(f"{source}: key 'batch_per_workspace' is above 'batch_per_pass'")
+    return msgspec.structs.replace(cfg, state_dir=state, run_dir=run, workspaces=globs, source=source)
+
+
+def load(path: str | os.PathLike[str] | None = None, *, env: dict[str, str] | None = None) -> Config:
+    """Load the config from `path`, else `$SYSCALL_KERNEL_CONFIG`, else /etc/syscall-kernel/config.toml if it
+    exists, else the built-in defaults."""
+    env = dict(os.environ) if env is None else env
+    chosen: Path | None = None
+    if path is not None:
+        chosen = Path(path)
+    elif env.get(ENV_CONFIG):
+        chosen = Path(env[ENV_CONFIG])
+    else:
+        chosen = next((p for p in DEFAULT_CONFIG_PATHS if p.is_file()), None)
+    if chosen is None:
+        return parse("", "<defaults>", env=env)
+    try:
+        text = chosen.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{chosen}: config file not found") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{chosen}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{chosen}: cannot read the config file: {exc.strerror}") from None
+    return parse(text, str(chosen), env=env)

@@ -1,0 +1,354 @@
+"""Enrollment: making a workspace's channel and recording who it is.
+
+`enroll` checks that the workspace is a directory this kernel may use (a real directory owned by us, a git
+repository whose `.git` is a real directory, not tracking `.syscall/`), creates the channel through `safefs`,
+installs the tool, adds `.syscall/` to `.git/info/exclude`, records the channel's (device, inode, owner) with its
+budget and policy, and then writes `kernel.json` and `budget.json`. Re-enrolling is idempotent: it refreshes the
+tool and the kernel-written files and keeps the budget unless new grants are given. An operator's explicit
+`enroll` adopts a channel that was replaced (and says so); automatic enrollment at start never does.
+
+Git is run only to ask whether `.syscall/` is tracked, with every config-driven program neutralised (no hooks,
+no fsmonitor, no global/system config, no HOME) through `GIT_CONFIG_*` variables, because the repository's own
+config is the agent's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import stat
+import subprocess
+from dataclasses import dataclass, replace
+from typing import Final
+
+import msgspec
+
+from channel import limits as L
+from channel import safefs
+from channel.messages import BudgetFile, KernelInfo, KernelRef, Limits, encode
+from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
+from kernel import budget, watch
+from kernel.budget import Balance
+from kernel.config import Config
+from kernel.install import ToolSource, install
+from kernel.store import Store, WorkspaceRow, timestamp
+
+KERNEL_NAME: Final = "syscall-kernel"
+EXCLUDE_LINE: Final = f"/{CHANNEL_DIR}/"
+_EXCLUDE_CAP: Final = 1024 * 1024
+_GIT_NEUTRAL: Final = (
+    ("core.fsmonitor", "false"),
+    ("core.hooksPath", "/dev/null"),
+    ("core.untrackedCache", "false"),
+    ("core.sshCommand", "false"),
+    ("credential.helper", ""),
+    ("protocol.allow", "never"),
+)
+
+
+def kernel_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("syscall-kernel")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def kernel_ref() -> KernelRef:
+    return KernelRef(name=KERNEL_NAME, version=kernel_version())
+
+
+class EnrollError(Exception):
+    """The workspace cannot be enrolled; the message says why and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Budgets an operator sets at enrollment; None keeps the current value (or the config default if new)."""
+
+    launches: int | None = None
+    sleeps: int | None = None
+    gpu_hours: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Enrolled:
+    row: WorkspaceRow
+    created: bool
+    tool_note: str | None
+    adopted_new_channel: bool
+    excluded: bool
+
+
+def git_env(workspace: str) -> dict[str, str]:
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C",
+        "LC_ALL": "C",
+        "GIT_DIR": os.path.join(workspace, ".git"),
+        "GIT_WORK_TREE": workspace,
+        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "GIT_CONFIG_SYSTEM": "/dev/null",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_TERMINAL_PROMPT": "0",
+        "GIT_OPTIONAL_LOCKS": "0",
+        "GIT_CONFIG_COUNT": str(len(_GIT_NEUTRAL) + 1),
+    }
+    for i, (k, v) in enumerate((*_GIT_NEUTRAL, ("safe.directory", workspace))):
+        env[f"GIT_CONFIG_KEY_{i}"] = k
+        env[f"GIT_CONFIG_VALUE_{i}"] = v
+    return env
+
+
+def tracked_channel_files(workspace: str) -> list[str]:
+    """Paths under `.syscall/` that the workspace's git index tracks (should be none)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--", CHANNEL_DIR],
+            cwd=workspace,
+            env=git_env(workspace),
+            capture_output=True,
+            timeout=60,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except FileNotFoundError:
+        raise EnrollError(
+            "git is not installed; the kernel needs it to check and snapshot workspaces"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise EnrollError(f"{workspace}: `git ls-files` did not finish within 60 s") from None
+    if out.returncode != 0:
+        first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
+        raise EnrollError(
+            f"{workspace}: git cannot read the repository: {first[0] if first else out.returncode}"
+        )
+    return [p.decode("utf-8", "replace") for p in out.stdout.split(b"\0") if p]
+
+
+def check_workspace(path: str) -> str:
+    """The resolved workspace path, or EnrollError saying why this kernel may not use it."""
+    if not path:
+        raise EnrollError("no workspace path given")
+    resolved = os.path.realpath(path)
+    try:
+        st = os.stat(resolved)
+    except FileNotFoundError:
+        raise EnrollError(f"{path}: no such directory") from None
+    except OSError as exc:
+        raise EnrollError(f"{path}: cannot be examined: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise EnrollError(f"{path}: not a directory")
+    if st.st_uid != os.geteuid():
+        raise EnrollError(
+            f"{path}: owned by uid {st.st_uid}, but this kernel runs as uid {os.geteuid()}; run one kernel per "
+            "user, as the user who owns the workspaces"
+        )
+    if not os.access(resolved, os.W_OK | os.X_OK):
+        raise EnrollError(f"{path}: this kernel cannot write into it")
+    try:
+        git = os.lstat(os.path.join(resolved, ".git"))
+    except FileNotFoundError:
+        raise EnrollError(f"{path}: not a git repository (run `git init` there first)") from None
+    if not stat.S_ISDIR(git.st_mode):
+        raise EnrollError(
+            f"{path}: .git is a {'symlink' if stat.S_ISLNK(git.st_mode) else 'file'}, not a directory; the "
+            "kernel snapshots only repositories whose .git is a real directory (no worktrees or links)"
+        )
+    tracked = tracked_channel_files(resolved)
+    if tracked:
+        shown = ", ".join(tracked[:3]) + (" ..." if len(tracked) > 3 else "")
+        raise EnrollError(
+            f"{path}: the repository tracks {len(tracked)} file(s) under {CHANNEL_DIR}/ ({shown}); the channel "
+            f"must never be committed. Remove it from the index (`git rm -r --cached {CHANNEL_DIR}`), commit, "
+            "and enroll again"
+        )
+    return resolved
+
+
+def ensure_excluded(workspace: str) -> bool:
+    """Add `/.syscall/` to `.git/info/exclude` (through dir fds: `.git` is the agent's). True if it was added."""
+    ws_fd = safefs.open_dir(workspace)
+    try:
+        try:
+            git_fd = os.open(
+                ".git", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ws_fd
+            )
+        except OSError as exc:
+            raise EnrollError(f"{workspace}/.git cannot be opened as a directory: {exc.strerror}") from None
+    finally:
+        os.close(ws_fd)
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir("info", 0o755, dir_fd=git_fd)
+        try:
+            info_fd = os.open(
+                "info", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=git_fd
+            )
+        except OSError as exc:
+            raise EnrollError(f"{workspace}/.git/info is not a directory: {exc.strerror}") from None
+    finally:
+        os.close(git_fd)
+    try:
+        try:
+            current = safefs.read_capped_at(info_fd, "exclude", _EXCLUDE_CAP)
+        except safefs.Refused as exc:
+            if exc.reason != "vanished":
+                raise EnrollError(
+                    f"{workspace}/.git/info/exclude: {exc.reason}; replace it with a plain file"
+                ) from None
+            current = b""
+        lines = {line.strip() for line in current.decode("utf-8", "replace").splitlines()}
+        if lines & {EXCLUDE_LINE, f"{CHANNEL_DIR}/", CHANNEL_DIR, f"/{CHANNEL_DIR}"}:
+            return False
+        sep = b"" if not current or current.endswith(b"\n") else b"\n"
+        added = f"# syscall-kernel's channel (never committed)\n{EXCLUDE_LINE}\n".encode()
+        safefs.write_atomic_at(info_fd, "exclude", current + sep + added)
+        return True
+    finally:
+        os.close(info_fd)
+
+
+def _balance_for(cfg: Config, existing: WorkspaceRow | None, grant: Grant) -> Balance:
+    base = (
+        existing.balance
+        if existing is not None
+        else Balance(
+            launches=cfg.defaults.launches,
+            sleeps=cfg.defaults.sleeps,
+            gpu_s=budget.gpu_seconds(cfg.defaults.gpu_hours),
+        )
+    )
+    return Balance(
+        launches=base.launches if grant.launches is None else grant.launches,
+        sleeps=base.sleeps if grant.sleeps is None else grant.sleeps,
+        gpu_s=base.gpu_s if grant.gpu_hours is None else budget.gpu_seconds(grant.gpu_hours),
+        reserved_gpu_s=base.reserved_gpu_s,
+    )
+
+
+def kernel_json(row: WorkspaceRow, tool: ToolSource) -> bytes:
+    from channel.messages import VERBS
+
+    return encode(
+        KernelInfo(
+            protocol=L.PROTOCOL_VERSION,
+            kernel=kernel_ref(),
+            workspace=row.path,
+            limits=Limits(),
+            policy=row.policy,
+            verbs=VERBS,
+            tool_sha256=tool.sha256,
+        )
+    )
+
+
+def budget_json(balance: Balance, now: str) -> bytes:
+    return encode(BudgetFile(protocol=L.PROTOCOL_VERSION, budget=balance.to_message(), updated_at=now))
+
+
+def enroll(
+    store: Store,
+    cfg: Config,
+    path: str,
+    tool: ToolSource,
+    grant: Grant = Grant(),
+    *,
+    explicit: bool = True,
+    mounts: list[tuple[str, str]] | None = None,
+) -> Enrolled:
+    """Enroll (or refresh) one workspace. EnrollError when it is refused."""
+    for name, v in (("launches", grant.launches), ("sleeps", grant.sleeps), ("gpu-hours", grant.gpu_hours)):
+        if v is not None and v < 0:
+            raise EnrollError(f"--{name} must be >= 0, got {v}")
+    resolved = check_workspace(path)
+    key = workspace_key(resolved)
+    existing = store.workspace(key)
+    adopted = False
+    try:
+        ch = safefs.open_channel(resolved, create=True)
+    except safefs.ChannelMoved as exc:
+        raise EnrollError(f"{path}: the channel cannot be made: {exc}") from None
+    except safefs.Refused as exc:
+        raise EnrollError(f"{path}: {CHANNEL_DIR}/{exc}; remove it and enroll again") from None
+    with ch:
+        if existing is not None and existing.identity != ch.identity:
+            if not explicit:
+                raise EnrollError(
+                    f"{path}: {CHANNEL_DIR} is not the directory enrolled before ({ch.identity} != "
+                    f"{existing.identity}); not serving it. Check the workspace, then run "
+                    f"`syscall-kernel enroll {resolved}` to adopt the new channel"
+                )
+            adopted = True
+        try:
+            note = install(ch, tool)
+        except safefs.Refused as exc:
+            raise EnrollError(f"{path}: cannot install the tool: {exc}") from None
+        added = ensure_excluded(resolved)
+        now = timestamp()
+        fstype = watch.fs_type_of(resolved, watch.read_mounts() if mounts is None else mounts)
+        row = WorkspaceRow(
+            key=key,
+            path=resolved,
+            identity=ch.identity,
+            balance=_balance_for(cfg, existing, grant),
+            policy=cfg.defaults.policy(),
+            tool_sha256=tool.sha256,
+            watch=watch.choose_mode(cfg.watch, fstype),
+            enrolled_at=existing.enrolled_at if existing is not None else now,
+            problem=None,
+        )
+        with store.transaction():
+            store.put_workspace(row)
+        # Side effects after the commit: the channel's kernel-written files.
+        ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool))
+        ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
+    return Enrolled(
+        row=row, created=existing is None, tool_note=note, adopted_new_channel=adopted, excluded=added
+    )
+
+
+def expand_globs(patterns: tuple[str, ...]) -> list[str]:
+    """Directories matched by the config's `workspaces` globs, resolved and deduplicated, sorted."""
+    found: set[str] = set()
+    for pattern in patterns:
+        for match in glob.glob(pattern):
+            if os.path.isdir(match):
+                found.add(os.path.realpath(match))
+    return sorted(found)
+
+
+_budget_file_decoder: Final = msgspec.json.Decoder(BudgetFile)
+
+
+def write_budget(ch: safefs.Channel, balance: Balance, now: str, *, only_if_changed: bool = False) -> None:
+    if only_if_changed:
+        try:
+            current = _budget_file_decoder.decode(
+                safefs.read_capped_at(ch.fd, ChannelPaths.BUDGET_JSON, 65536)
+            )
+            if current.budget == balance.to_message():
+                return
+        except (safefs.Refused, msgspec.DecodeError):
+            pass
+    ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(balance, now))
+
+
+def refresh(store: Store, ch: safefs.Channel, row: WorkspaceRow, tool: ToolSource) -> str | None:
+    """At start, for an enrolled workspace: reinstall the tool if it changed, and rewrite `kernel.json` and
+    `budget.json` where they differ from the store (a crash may have left them stale). Returns the tool note."""
+    if row.tool_sha256 != tool.sha256:
+        with store.transaction():
+            store.put_workspace(replace(row, tool_sha256=tool.sha256))
+    note = install(ch, tool)
+    wanted = kernel_json(row, tool)
+    try:
+        current: bytes | None = safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024)
+    except safefs.Refused:
+        current = None
+    if current != wanted:
+        ch.write_file(None, ChannelPaths.KERNEL_JSON, wanted)
+    write_budget(ch, row.balance, timestamp(), only_if_changed=True)
+    return note

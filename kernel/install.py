@@ -1,0 +1,111 @@
+"""Installing the agent's tool into a channel, and saying what changed when it is refreshed.
+
+The kernel ships `tool/syscall.py`; enrollment (and every start) installs it as `.syscall/syscall` (mode 0755)
+whenever the channel's copy differs from the kernel's, and then writes `.syscall/tool-news.md`, a short note on
+what is new (version, verbs and options added or removed), so an agent whose tool changed under it can tell.
+The comparison is pure (`summarize`, `news`); the writes go through `channel.safefs`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import re
+from dataclasses import dataclass
+from typing import Final
+
+from channel import safefs
+from channel.paths import ChannelPaths
+
+TOOL_NEWS: Final = "tool-news.md"
+TOOL_MODE: Final = 0o755
+# The tool is one stdlib file; anything much larger in the channel is not a copy of it.
+TOOL_READ_CAP: Final = 4 * 1024 * 1024
+
+_VERSION_RE: Final = re.compile(
+    rb"""^(?:__version__|VERSION|TOOL_VERSION)\s*=\s*["']([^"'\n]{1,40})["']""", re.M
+)
+_VERB_RE: Final = re.compile(rb"""add_parser\(\s*["']([a-z][a-z0-9-]{0,30})["']""")
+_FLAG_RE: Final = re.compile(rb"""["'](--[a-z][a-z0-9-]{0,40})["']""")
+
+
+class ToolMissing(Exception):
+    """The kernel's own copy of the tool cannot be read (a broken installation)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSource:
+    data: bytes
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    @classmethod
+    def bundled(cls) -> ToolSource:
+        """The tool shipped with this kernel (`tool/syscall.py`)."""
+        try:
+            return cls(importlib.resources.files("tool").joinpath("syscall.py").read_bytes())
+        except (FileNotFoundError, ModuleNotFoundError) as exc:
+            raise ToolMissing(f"the kernel's copy of the tool (tool/syscall.py) is missing: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSummary:
+    version: str | None
+    verbs: frozenset[str]
+    flags: frozenset[str]
+
+
+def summarize(src: bytes) -> ToolSummary:
+    m = _VERSION_RE.search(src)
+    return ToolSummary(
+        version=m.group(1).decode("ascii", "replace") if m else None,
+        verbs=frozenset(v.decode() for v in _VERB_RE.findall(src)),
+        flags=frozenset(f.decode() for f in _FLAG_RE.findall(src)),
+    )
+
+
+def news(old: bytes | None, new: bytes) -> str:
+    """A short markdown note on what `new` changes relative to `old` (None: no previous copy was readable)."""
+    n = summarize(new)
+    new_sha = hashlib.sha256(new).hexdigest()
+    lines = ["# The syscall tool was updated", ""]
+    if old is None:
+        lines.append(f"Installed version {n.version or '(unversioned)'} (sha256 {new_sha[:16]}).")
+    else:
+        o = summarize(old)
+        old_sha = hashlib.sha256(old).hexdigest()
+        lines.append(
+            f"From version {o.version or '(unversioned)'} (sha256 {old_sha[:16]}) "
+            f"to {n.version or '(unversioned)'} (sha256 {new_sha[:16]})."
+        )
+        for label, items in (
+            ("New verbs", n.verbs - o.verbs),
+            ("Removed verbs", o.verbs - n.verbs),
+            ("New options", n.flags - o.flags),
+            ("Removed options", o.flags - n.flags),
+        ):
+            if items:
+                lines.append(f"- {label}: {', '.join(f'`{x}`' for x in sorted(items))}")
+    lines += ["", "Run `python3 .syscall/syscall --help` (and `<verb> --help`) for details.", ""]
+    return "\n".join(lines)
+
+
+def installed_copy(ch: safefs.Channel) -> bytes | None:
+    """The channel's current tool bytes, or None if absent or not a plain file."""
+    try:
+        return safefs.read_capped_at(ch.fd, ChannelPaths.TOOL, TOOL_READ_CAP)
+    except safefs.Refused:
+        return None
+
+
+def install(ch: safefs.Channel, tool: ToolSource) -> str | None:
+    """Make `.syscall/syscall` the kernel's copy. Returns the news note if it was (re)installed, else None."""
+    current = installed_copy(ch)
+    if current == tool.data:
+        return None
+    note = news(current, tool.data)
+    ch.write_file(None, ChannelPaths.TOOL, tool.data, TOOL_MODE)
+    ch.write_file(None, TOOL_NEWS, note.encode())
+    return note

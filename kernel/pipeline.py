@@ -1,0 +1,515 @@
+"""The request pipeline: channel file -> decode -> decide -> record -> answer, exactly once per request.
+
+For each request: read it through `safefs` (a FIFO, symlink, hardlink or oversized file is refused and answered
+`rejected`), hash it, and look the (workspace, id) up in the store. A known id with the same bytes gets its stored
+answer again; with other bytes it is refused (`request.id.reused`). A new request is decoded, decided by the pure
+rules in `kernel.rules`, and recorded together with its answer in ONE transaction, committed before the answer
+file is written and the request file removed. A kernel killed anywhere in between finds the request again and
+replays the stored answer, so every request is answered exactly once.
+
+Sleeps and cancels go further: the transaction records the request without an answer (plus the sleep, its
+PENDING tasks and the charge, or the cancel's refunds); after the commit the executor is called
+(`kernel.executor`), and only then is the answer recorded and written. Such an unanswered request is resumed at
+start (`recover`) or when its file is seen again.
+
+Work is bounded: each pass serves at most `batch_per_workspace` requests of one workspace and
+`batch_per_pass` in all, round-robin (`rules.plan_pass`), and a channel's listing is reused until its backlog
+is drained, so a channel holding 10,000 requests costs one listing per 10,000 answers and never starves others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Final
+
+from channel import limits as L
+from channel import safefs
+from channel.decode import RequestError, decode_request, parse_request, rejected
+from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
+from channel.messages import (
+    Accepted,
+    Cancelled,
+    CancelRequest,
+    HistoryAnswer,
+    HistoryRequest,
+    JobRef,
+    QueueAnswer,
+    QueueRequest,
+    Rejected,
+    SleepRequest,
+    StatusAnswer,
+    StatusRequest,
+    encode,
+)
+from channel.paths import ChannelPaths
+from kernel import rules
+from kernel.budget import Balance, refund_sleep
+from kernel.config import Config
+from kernel.enroll import kernel_ref, write_budget
+from kernel.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
+from kernel.log import event
+from kernel.store import RequestRow, SleepRow, StoreWorker, WorkspaceRow, timestamp
+
+# Junk names (not `<id>.json`, not a temp file) removed per listing; the rest go at the next listing.
+JUNK_PER_LISTING: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """A recorded sleep or cancel waiting for the executor, then for its answer."""
+
+    kind: str  # "sleep" | "cancel"
+    key: str
+    request_id: str
+    seq: int
+    names: tuple[str, ...] = ()
+    received: float = 0.0
+
+
+class Pipeline:
+    def __init__(
+        self,
+        cfg: Config,
+        worker: StoreWorker,
+        executor: Executor,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.worker = worker
+        self.store = worker.store
+        self.executor = executor
+        self.clock = clock
+        self.kernel = kernel_ref()
+        self.workspaces: dict[str, WorkspaceRow] = {}
+        self.backlog: dict[str, deque[str]] = {}
+        self.dirty: set[str] = set()
+        self._stuck: dict[str, set[str]] = {}
+        self._after: str | None = None
+        self._problems: dict[str, str] = {}
+        self.pass_started: float | None = None
+        self.answered = 0
+        self.last_pass_ms = 0.0
+
+    # --- scheduling ---------------------------------------------------------------------------------------
+
+    def set_workspaces(self, rows: list[WorkspaceRow]) -> None:
+        self.workspaces = {r.key: r for r in rows}
+        for key in list(self.backlog):
+            if key not in self.workspaces:
+                del self.backlog[key]
+        self.dirty &= set(self.workspaces)
+
+    def mark(self, key: str) -> None:
+        if key in self.workspaces:
+            self.dirty.add(key)
+
+    def mark_all(self) -> None:
+        self.dirty.update(self.workspaces)
+
+    def has_work(self) -> bool:
+        return bool(self.dirty) or any(self.backlog.values())
+
+    def _pending(self) -> dict[str, int]:
+        pending = {k: len(q) for k, q in self.backlog.items() if q}
+        for k in self.dirty:
+            pending.setdefault(k, self.cfg.batch_per_workspace)
+        return pending
+
+    async def run_pass(self) -> int:
+        """Serve one bounded, fair pass; return how many requests were handled."""
+        plan, self._after = rules.plan_pass(
+            self._pending(), self._after, self.cfg.batch_per_workspace, self.cfg.batch_per_pass
+        )
+        if not plan:
+            return 0
+        started = self.pass_started = self.clock()
+        try:
+            handled, conts = await self.worker.call(self._pass_sync, plan)
+            for c in conts:
+                await self.advance(c)
+        finally:
+            self.pass_started = None
+            self.last_pass_ms = (self.clock() - started) * 1000
+        return handled
+
+    # --- the synchronous part of a pass (worker thread) ---------------------------------------------------
+
+    def _pass_sync(self, plan: list[tuple[str, int]]) -> tuple[int, list[Continuation]]:
+        conts: list[Continuation] = []
+        handled = 0
+        for key, n in plan:
+            ws = self.workspaces.get(key)
+            if ws is None:
+                self.dirty.discard(key)
+                continue
+            queue = self.backlog.setdefault(key, deque())
+            try:
+                with safefs.open_channel(ws.path, ws.identity) as ch:
+                    if not queue and key in self.dirty:
+                        self.dirty.discard(key)
+                        self._list(ws, ch, queue)
+                    self._clear_problem(ws)
+                    for _ in range(n):
+                        if not queue:
+                            break
+                        c = self._one(ws, ch, queue.popleft())
+                        handled += 1
+                        if c is not None:
+                            conts.append(c)
+            except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+                queue.clear()
+                self.dirty.discard(key)
+                self._set_problem(ws, f"{type(exc).__name__}: {exc}")
+        return handled, conts
+
+    def _list(self, ws: WorkspaceRow, ch: safefs.Channel, queue: deque[str]) -> None:
+        ids, junk = ch.list_requests()
+        stuck = self._stuck.get(ws.key)
+        if stuck:
+            stuck &= set(ids)
+            ids = [i for i in ids if i not in stuck]
+        queue.extend(ids)
+        if junk:
+            removed = 0
+            for name in junk[:JUNK_PER_LISTING]:
+                try:
+                    ch.remove_request(name)
+                    removed += 1
+                except (safefs.Refused, OSError):
+                    pass
+            event("junk_removed", ws=ws.key, count=removed, first=junk[0])
+            if len(junk) > JUNK_PER_LISTING:
+                self.dirty.add(ws.key)
+
+    def _set_problem(self, ws: WorkspaceRow, problem: str) -> None:
+        if self._problems.get(ws.key) != problem:
+            self._problems[ws.key] = problem
+            event("channel_problem", logging.WARNING, ws=ws.key, problem=problem)
+            with self.store.transaction():
+                self.store.set_problem(ws.key, problem)
+
+    def _clear_problem(self, ws: WorkspaceRow) -> None:
+        if self._problems.pop(ws.key, None) is not None:
+            event("channel_ok", ws=ws.key)
+            with self.store.transaction():
+                self.store.set_problem(ws.key, None)
+
+    def _deliver(
+        self, ch: safefs.Channel, ws: WorkspaceRow, rid: str, answer: bytes, outcome: str, received: float
+    ) -> None:
+        """Write the (recorded) answer, then remove the request. A failed write keeps the request for a retry."""
+        try:
+            ch.write_file(ChannelPaths.ANSWERS, ChannelPaths.answer(rid), answer)
+        except safefs.Refused as exc:
+            # The agent blocked its own answer (a directory in the way): the answer stays in the store.
+            event("answer_blocked", logging.WARNING, ws=ws.key, id=rid, reason=exc.reason)
+        except OSError as exc:
+            event("answer_failed", logging.WARNING, ws=ws.key, id=rid, error=exc.strerror or str(exc))
+            return
+        try:
+            ch.remove_request(ChannelPaths.request(rid))
+        except safefs.Refused:
+            self._stuck.setdefault(ws.key, set()).add(rid)
+        except OSError as exc:
+            event("request_not_removed", logging.WARNING, ws=ws.key, id=rid, error=exc.strerror)
+        self.answered += 1
+        ms = (self.clock() - received) * 1000
+        event("answered", ws=ws.key, id=rid, outcome=outcome, ms=f"{ms:.2f}")
+
+    def _one(self, ws: WorkspaceRow, ch: safefs.Channel, rid: str) -> Continuation | None:
+        received = self.clock()
+        try:
+            data = ch.read_request(rid)
+        except safefs.Refused as exc:
+            if exc.reason == "vanished":
+                return None
+            code = "request.too_large" if exc.reason.startswith("larger than") else "request.unreadable"
+            err = RequestError(
+                code,
+                f"requests/{rid}.json is {exc.reason}; write a regular file of at most "
+                f"{L.REQUEST_MAX_BYTES} bytes and rename it into requests/ (the tool does this)",
+            )
+            self._deliver(ch, ws, rid, encode(rejected(rid, err)), f"rejected:{code}", received)
+            return None
+        digest = hashlib.sha256(data).hexdigest()
+        known = self.store.request(ws.key, rid)
+        if known is not None:
+            if known.sha256 != digest:
+                err = RequestError(
+                    "request.id.reused",
+                    f"id {rid!r} was used before (at {known.received_at}) by a request with different content; "
+                    "use a new id for a new request",
+                    "$.id",
+                )
+                self._deliver(ch, ws, rid, encode(rejected(rid, err)), "rejected:request.id.reused", received)
+                return None
+            if known.answer is None:
+                return self._resume(known)
+            self._deliver(ch, ws, rid, known.answer, "replayed", received)
+            return None
+        now = timestamp(received)
+        decoded = decode_request(data, rid)
+        match decoded:
+            case Rejected():
+                answer = encode(decoded)
+                self._record(ws.key, rid, digest, "invalid", now, answer)
+                self._deliver(ch, ws, rid, answer, f"rejected:{decoded.error.code}", received)
+                return None
+            case StatusRequest() | QueueRequest() | HistoryRequest():
+                with self.store.transaction():
+                    answer = encode(self._read_only(ws.key, decoded, received))
+                    self.store.insert_request(
+                        RequestRow(ws.key, rid, digest, _verb(decoded), now, None, None, answer, now)
+                    )
+                self._deliver(ch, ws, rid, answer, _verb(decoded), received)
+                return None
+            case SleepRequest():
+                return self._sleep(ws, ch, rid, digest, data, decoded, now, received)
+            case CancelRequest():
+                return self._cancel(ws, ch, rid, digest, data, decoded, now, received)
+        raise AssertionError(f"unhandled request type {type(decoded).__name__}")  # pragma: no cover
+
+    def _record(self, key: str, rid: str, digest: str, kind: str, now: str, answer: bytes) -> None:
+        with self.store.transaction():
+            self.store.insert_request(RequestRow(key, rid, digest, kind, now, None, None, answer, now))
+
+    def _read_only(
+        self, key: str, req: StatusRequest | QueueRequest | HistoryRequest, now: float
+    ) -> StatusAnswer | QueueAnswer | HistoryAnswer:
+        ws = self.store.workspace(key)
+        assert ws is not None
+        match req:
+            case StatusRequest():
+                latest = self.store.current_sleep(key) or next(iter(self.store.sleeps(key, 1)), None)
+                jobs = self.store.jobs_of(key, latest.seq) if latest else []
+                return rules.status_answer(req.id, self.kernel, ws, latest, jobs, now)
+            case QueueRequest():
+                return rules.queue_answer(req.id, key, self.store.live_jobs(), now)
+            case HistoryRequest():
+                sleeps = self.store.sleeps(key, req.limit)
+                return rules.history_answer(req.id, [(s, self.store.jobs_of(key, s.seq)) for s in sleeps])
+
+    def _sleep(
+        self,
+        ws: WorkspaceRow,
+        ch: safefs.Channel,
+        rid: str,
+        digest: str,
+        data: bytes,
+        req: SleepRequest,
+        now: str,
+        received: float,
+    ) -> Continuation | None:
+        refusal: RequestError | None = None
+        with self.store.transaction():
+            row = self.store.workspace(ws.key)
+            assert row is not None
+            seq = self.store.next_seq(ws.key)
+            try:
+                acc = rules.accept_sleep(row, self.store.current_sleep(ws.key), req, seq, now)
+            except RequestError as err:
+                refusal = err
+                answer = encode(rejected(rid, err))
+                self.store.insert_request(
+                    RequestRow(ws.key, rid, digest, "sleep", now, None, None, answer, now)
+                )
+            else:
+                self.store.insert_sleep(
+                    SleepRow(
+                        workspace=ws.key,
+                        seq=seq,
+                        id=rid,
+                        state=next_sleep_state("received", SleepEvent.VALIDATE),
+                        note=req.note,
+                        submit=None if req.submit is None else encode(req.submit),
+                        created_at=now,
+                        woken_at=None,
+                        verdict=None,
+                    )
+                )
+                self.store.insert_jobs(acc.jobs)
+                self.store.set_balance(ws.key, acc.balance)
+                self.store.insert_request(
+                    RequestRow(ws.key, rid, digest, "sleep", now, seq, data, None, None)
+                )
+        if refusal is not None:
+            self._deliver(ch, ws, rid, encode(rejected(rid, refusal)), f"rejected:{refusal.code}", received)
+            return None
+        write_budget(ch, acc.balance, now)
+        event("sleep_recorded", ws=ws.key, id=rid, seq=seq, launches=len(req.launches), tasks=len(acc.jobs))
+        return Continuation("sleep", ws.key, rid, seq, received=received)
+
+    def _cancel(
+        self,
+        ws: WorkspaceRow,
+        ch: safefs.Channel,
+        rid: str,
+        digest: str,
+        data: bytes,
+        req: CancelRequest,
+        now: str,
+        received: float,
+    ) -> Continuation | None:
+        refusal: RequestError | None = None
+        with self.store.transaction():
+            row = self.store.workspace(ws.key)
+            assert row is not None
+            current = self.store.current_sleep(ws.key)
+            jobs = self.store.jobs_of(ws.key, current.seq) if current else []
+            try:
+                plan = rules.plan_cancel(row, current, jobs, req, now)
+            except RequestError as err:
+                refusal = err
+                answer = encode(rejected(rid, err))
+                self.store.insert_request(
+                    RequestRow(ws.key, rid, digest, "cancel", now, None, None, answer, now)
+                )
+            else:
+                for job in plan.now_cancelled:
+                    self.store.update_job(job)
+                self.store.set_balance(ws.key, plan.balance)
+                self.store.insert_request(
+                    RequestRow(ws.key, rid, digest, "cancel", now, plan.sleep.seq, data, None, None)
+                )
+        if refusal is not None:
+            self._deliver(ch, ws, rid, encode(rejected(rid, refusal)), f"rejected:{refusal.code}", received)
+            return None
+        write_budget(ch, plan.balance, now)
+        event("cancel_recorded", ws=ws.key, id=rid, seq=plan.sleep.seq, tasks=len(plan.targets))
+        return Continuation("cancel", ws.key, rid, plan.sleep.seq, req.launches, received=received)
+
+    def _resume(self, row: RequestRow) -> Continuation:
+        assert row.sleep_seq is not None, row
+        assert row.body is not None, row
+        names: tuple[str, ...] = ()
+        if row.type == "cancel":
+            req = parse_request(row.body, row.id)
+            assert isinstance(req, CancelRequest)
+            names = req.launches
+        return Continuation(row.type, row.workspace, row.id, row.sleep_seq, names, received=self.clock())
+
+    # --- continuations: executor calls between two worker steps -------------------------------------------
+
+    def _order(self, c: Continuation) -> SleepOrder:
+        ws = self.store.workspace(c.key)
+        sleep = self.store.sleep(c.key, c.seq)
+        row = self.store.request(c.key, sleep.id if sleep else c.request_id)
+        assert ws is not None
+        assert sleep is not None
+        assert row is not None
+        assert row.body is not None
+        req = parse_request(row.body, sleep.id)
+        assert isinstance(req, SleepRequest)
+        return SleepOrder(
+            workspace=ws, sleep=sleep, request=req, jobs=tuple(self.store.jobs_of(c.key, c.seq))
+        )
+
+    async def advance(self, c: Continuation) -> None:
+        """Call the executor for a recorded sleep or cancel, then record and deliver its answer."""
+        order = await self.worker.call(self._order, c)
+        try:
+            if c.kind == "sleep":
+                try:
+                    refs = await self.executor.dispatch(order)
+                except DispatchRefused as refusal:
+                    await self.worker.call(self._refuse_sleep, c, order, refusal.error)
+                    return
+                await self.worker.call(self._finish_sleep, c, refs)
+            else:
+                await self.executor.cancel(order, c.names)
+                await self.worker.call(self._finish_cancel, c, order)
+        except ExecutorUnavailable as exc:
+            event("executor_unavailable", logging.WARNING, ws=c.key, id=c.request_id, error=str(exc))
+
+    def _answer_and_deliver(
+        self, c: Continuation, make: Callable[[WorkspaceRow], bytes], outcome: str
+    ) -> None:
+        with self.store.transaction():
+            ws = self.store.workspace(c.key)
+            known = self.store.request(c.key, c.request_id)
+            assert ws is not None
+            assert known is not None
+            answer = known.answer if known.answer is not None else make(ws)
+            if known.answer is None:
+                self.store.set_answer(c.key, c.request_id, answer, timestamp(self.clock()))
+        try:
+            with safefs.open_channel(ws.path, ws.identity) as ch:
+                write_budget(ch, ws.balance, timestamp(self.clock()), only_if_changed=True)
+                self._deliver(ch, ws, c.request_id, answer, outcome, c.received)
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+            self._set_problem(ws, f"{type(exc).__name__}: {exc}")
+
+    def _finish_sleep(self, c: Continuation, refs: tuple[JobRef, ...]) -> None:
+        def make(ws: WorkspaceRow) -> bytes:
+            return encode(
+                Accepted(
+                    protocol=L.PROTOCOL_VERSION,
+                    id=c.request_id,
+                    sleep_seq=c.seq,
+                    jobs=refs,
+                    budget=ws.balance.to_message(),
+                )
+            )
+
+        self._answer_and_deliver(c, make, "accepted")
+
+    def _refuse_sleep(self, c: Continuation, order: SleepOrder, err: RequestError) -> None:
+        now = timestamp(self.clock())
+        with self.store.transaction():
+            ws = self.store.workspace(c.key)
+            sleep = self.store.sleep(c.key, c.seq)
+            assert ws is not None
+            assert sleep is not None
+            if sleep.state != "rejected":
+                jobs = self.store.jobs_of(c.key, c.seq)
+                balance: Balance = refund_sleep(
+                    ws.balance, len(order.request.launches), sum(j.reserved_gpu_s for j in jobs)
+                )
+                for j in jobs:
+                    if j.state == "PENDING":
+                        state = next_task_state(j.state, TaskEvent.CANCEL)
+                        self.store.update_job(
+                            replace(j, state=state, reserved_gpu_s=0, ended_at=now, updated_at=now)
+                        )
+                self.store.set_balance(c.key, balance)
+                self.store.set_sleep_state(c.key, c.seq, next_sleep_state(sleep.state, SleepEvent.REJECT))
+        self._answer_and_deliver(c, lambda ws: encode(rejected(c.request_id, err)), f"rejected:{err.code}")
+
+    def _finish_cancel(self, c: Continuation, order: SleepOrder) -> None:
+        wanted = set(c.names) or {j.launch for j in order.jobs}
+        targets = [
+            j for j in order.jobs if j.launch in wanted and j.state in ("PENDING", "RUNNING", "CANCELLED")
+        ]
+
+        def make(ws: WorkspaceRow) -> bytes:
+            return encode(
+                Cancelled(
+                    protocol=L.PROTOCOL_VERSION,
+                    id=c.request_id,
+                    sleep=order.sleep.id,
+                    cancelled=rules.job_refs(targets),
+                    budget=ws.balance.to_message(),
+                )
+            )
+
+        self._answer_and_deliver(c, make, "cancelled")
+
+    # --- start-up -----------------------------------------------------------------------------------------
+
+    async def recover(self) -> int:
+        """Resume every request recorded but not answered (a crash interrupted it); return how many."""
+        rows = await self.worker.call(self.store.unanswered)
+        for row in rows:
+            if row.workspace in self.workspaces:
+                await self.advance(self._resume(row))
+        return len(rows)
+
+
+def _verb(req: StatusRequest | QueueRequest | HistoryRequest) -> str:
+    return str(req.__struct_config__.tag)

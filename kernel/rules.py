@@ -1,0 +1,260 @@
+"""The pipeline's decisions, as pure functions of recorded state (no I/O, no clock: `now` is passed in).
+
+- `accept_sleep`: policy, one-sleep-at-a-time, and budget -> the charged balance and the tasks to record.
+- `plan_cancel`: which live tasks a cancel names, and the balance after refunding those never submitted.
+- `status_answer`, `queue_answer`, `history_answer`: the read-only answers, built from store rows.
+- `plan_pass`: which workspaces get how many requests in one pass (bounded, round-robin, so that one flooding
+  channel cannot starve the others).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Final
+
+import msgspec
+
+from channel import limits as L
+from channel.decode import RequestError, check_policy
+from channel.lifecycle import TaskEvent, next_task_state
+from channel.messages import (
+    CancelRequest,
+    HistoryAnswer,
+    HistoryEntry,
+    HistoryLaunch,
+    JobRef,
+    KernelRef,
+    QueueAnswer,
+    QueueEntry,
+    SleepRequest,
+    SleepView,
+    StatusAnswer,
+    TaskView,
+    Verdict,
+)
+from kernel import budget
+from kernel.budget import Balance
+from kernel.store import JobRow, SleepRow, WorkspaceRow
+
+_verdict_decoder: Final = msgspec.json.Decoder(Verdict)
+
+
+def parse_time(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+
+
+def elapsed(job: JobRow, now: float) -> float | None:
+    if job.started_at is None:
+        return None
+    end = parse_time(job.ended_at) if job.ended_at else now
+    return round(max(0.0, end - parse_time(job.started_at)), 3)
+
+
+# --- sleep and cancel ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    balance: Balance
+    jobs: tuple[JobRow, ...]
+
+
+def accept_sleep(
+    ws: WorkspaceRow, current: SleepRow | None, req: SleepRequest, seq: int, now: str
+) -> Acceptance:
+    """Decide a sleep: RequestError (nothing charged) or the charged balance and the PENDING tasks to record.
+
+    Cheap refusals in the spec's order: policy, then kernel state, then budget.
+    """
+    check_policy(req, ws.policy)
+    if current is not None:
+        raise RequestError(
+            "sleep.in_progress",
+            f"sleep {current.id!r} (seq {current.seq}) has not woken yet; one sleep at a time per workspace "
+            "(wait for its wake, or cancel its launches)",
+            None,
+        )
+    charged = budget.charge_sleep(ws.balance, req.launches)
+    jobs = tuple(
+        JobRow(
+            workspace=ws.key,
+            seq=seq,
+            launch=launch.name,
+            task=task,
+            array_size=launch.array,
+            concurrency=launch.concurrency,
+            command=launch.command,
+            minutes=launch.minutes,
+            gpus=launch.gpus,
+            artifacts=launch.artifacts,
+            why=launch.why,
+            reserved_gpu_s=budget.task_cost(launch),
+            state="PENDING",
+            updated_at=now,
+        )
+        for launch in req.launches
+        for task in range(launch.array)
+    )
+    return Acceptance(balance=charged, jobs=jobs)
+
+
+@dataclass(frozen=True, slots=True)
+class CancelPlan:
+    sleep: SleepRow
+    # Every live task the cancel names (the answer lists them).
+    targets: tuple[JobRow, ...]
+    # Those never handed to a backend: cancelled now, reservation refunded in full.
+    now_cancelled: tuple[JobRow, ...]
+    balance: Balance
+
+
+def plan_cancel(
+    ws: WorkspaceRow, current: SleepRow | None, jobs: Sequence[JobRow], req: CancelRequest, now: str
+) -> CancelPlan:
+    if current is None:
+        raise RequestError("cancel.no_sleep", "there is no sleep in progress to cancel", None)
+    names = {j.launch for j in jobs}
+    for i, name in enumerate(req.launches):
+        if name not in names:
+            known = ", ".join(sorted(names)) or "none"
+            raise RequestError(
+                "cancel.unknown_launch",
+                f"{name!r} is not a launch of sleep {current.id!r} (its launches: {known})",
+                f"$.launches[{i}]",
+            )
+    wanted = set(req.launches) or names
+    targets = tuple(j for j in jobs if j.launch in wanted and j.state in ("PENDING", "RUNNING"))
+    balance = ws.balance
+    cancelled: list[JobRow] = []
+    for j in targets:
+        if j.job_id is None and j.state == "PENDING":
+            balance = budget.release(balance, j.reserved_gpu_s, 0)
+            state = next_task_state(j.state, TaskEvent.CANCEL)
+            cancelled.append(replace(j, state=state, reserved_gpu_s=0, ended_at=now, updated_at=now))
+    return CancelPlan(sleep=current, targets=targets, now_cancelled=tuple(cancelled), balance=balance)
+
+
+def job_refs(jobs: Sequence[JobRow]) -> tuple[JobRef, ...]:
+    return tuple(JobRef(launch=j.launch, task=j.task, job_id=j.job_id) for j in jobs)
+
+
+# --- read-only answers -----------------------------------------------------------------------------------
+
+
+def sleep_view(s: SleepRow, jobs: Sequence[JobRow], now: float) -> SleepView:
+    return SleepView(
+        id=s.id,
+        seq=s.seq,
+        state=s.state,  # type: ignore[arg-type]  # the store only holds lifecycle states
+        created_at=s.created_at,
+        note=s.note,
+        tasks=tuple(
+            TaskView(
+                launch=j.launch,
+                task=j.task,
+                state=j.state,  # type: ignore[arg-type]
+                job_id=j.job_id,
+                exit_code=j.exit_code,
+                elapsed_s=elapsed(j, now),
+            )
+            for j in jobs
+        ),
+    )
+
+
+def status_answer(
+    request_id: str,
+    kernel: KernelRef,
+    ws: WorkspaceRow,
+    latest: SleepRow | None,
+    jobs: Sequence[JobRow],
+    now: float,
+) -> StatusAnswer:
+    return StatusAnswer(
+        protocol=L.PROTOCOL_VERSION,
+        id=request_id,
+        kernel=kernel,
+        budget=ws.balance.to_message(),
+        sleep=None if latest is None else sleep_view(latest, jobs, now),
+    )
+
+
+def queue_answer(request_id: str, ws_key: str, live: Sequence[JobRow], now: float) -> QueueAnswer:
+    return QueueAnswer(
+        protocol=L.PROTOCOL_VERSION,
+        id=request_id,
+        jobs=tuple(
+            QueueEntry(
+                mine=j.workspace == ws_key,
+                workspace=j.workspace,
+                launch=j.launch,
+                task=j.task,
+                state=j.state,  # type: ignore[arg-type]
+                minutes=j.minutes,
+                gpus=j.gpus,
+                why=j.why,
+                elapsed_s=elapsed(j, now),
+            )
+            for j in live
+        ),
+    )
+
+
+def history_answer(request_id: str, sleeps: Sequence[tuple[SleepRow, Sequence[JobRow]]]) -> HistoryAnswer:
+    entries = []
+    for s, jobs in sleeps:
+        launches: dict[str, list[JobRow]] = {}
+        for j in jobs:
+            launches.setdefault(j.launch, []).append(j)
+        verdict = _verdict_decoder.decode(s.verdict).outcome if s.verdict else None
+        entries.append(
+            HistoryEntry(
+                id=s.id,
+                seq=s.seq,
+                state=s.state,  # type: ignore[arg-type]
+                created_at=s.created_at,
+                woken_at=s.woken_at,
+                note=s.note,
+                launches=tuple(
+                    HistoryLaunch(
+                        name=name,
+                        array=tasks[0].array_size,
+                        states=tuple(t.state for t in tasks),  # type: ignore[misc]
+                        why=tasks[0].why,
+                    )
+                    for name, tasks in launches.items()
+                ),
+                verdict=verdict,
+            )
+        )
+    return HistoryAnswer(protocol=L.PROTOCOL_VERSION, id=request_id, sleeps=tuple(entries))
+
+
+# --- fairness --------------------------------------------------------------------------------------------
+
+
+def plan_pass(
+    pending: Mapping[str, int], after: str | None, per_workspace: int, per_pass: int
+) -> tuple[list[tuple[str, int]], str | None]:
+    """Round-robin over the workspaces with pending work, starting after `after`.
+
+    Each gets at most `per_workspace` requests and the pass at most `per_pass` in all. Returns the plan and the
+    key to start after next time, so workspaces cut off by `per_pass` go first in the next pass.
+    """
+    keys = sorted(k for k, n in pending.items() if n > 0)
+    if not keys:
+        return [], after
+    i = bisect.bisect_right(keys, after) if after is not None else 0
+    plan: list[tuple[str, int]] = []
+    left, last = per_pass, after
+    for key in keys[i:] + keys[:i]:
+        if left <= 0:
+            break
+        n = min(per_workspace, pending[key], left)
+        plan.append((key, n))
+        left -= n
+        last = key
+    return plan, last

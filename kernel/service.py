@@ -1,0 +1,309 @@
+"""`syscall-kernel serve`: the long-running service, one anyio task group.
+
+Start: enroll the config's `workspaces` globs, refresh every enrolled channel (tool, kernel.json, budget.json,
+leftover temp files), watch each channel (inotify, or polling on network filesystems), let the executor recover,
+resume interrupted requests, then tell systemd READY=1. Serve: wait for an event, a poll tick or the periodic
+rescan, then run one bounded, fair pipeline pass, and repeat. WATCHDOG=1 is sent only while the watcher thread is
+alive and no pass has run longer than `stall_seconds` (the ping task itself runs on the loop, so a stuck loop stops
+it too). SIGTERM/SIGINT: STOPPING=1, finish the pass in progress (no new one starts), stop the watcher, close the
+store; unhandled requests stay on disk for the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from channel import safefs
+from channel.paths import ChannelPaths
+from kernel import enroll as enrollment
+from kernel import log
+from kernel.config import Config
+from kernel.executor import Executor, PendingExecutor
+from kernel.install import ToolSource
+from kernel.notify import Notifier
+from kernel.pipeline import Pipeline
+from kernel.store import Store, StoreWorker, WorkspaceRow
+from kernel.watch import Watcher, choose_mode, fs_type_of, read_mounts
+
+# Keys queued from the inotify thread; the thread never queues a key twice, so this bounds distinct channels with
+# fresh events between two passes. Beyond it, the watcher asks for a full rescan instead.
+EVENT_STREAM_SIZE = 4096
+STATUS_EVERY_S = 5.0
+
+ExecutorFactory = Callable[[StoreWorker], Executor]
+
+
+class Service:
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        notifier: Notifier,
+        tool: ToolSource,
+        executor_factory: ExecutorFactory = PendingExecutor,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.worker = StoreWorker(store)
+        self.notifier = notifier
+        self.tool = tool
+        self.executor = executor_factory(self.worker)
+        self.pipeline = Pipeline(cfg, self.worker, self.executor)
+        self.clock = clock
+        self.watcher: Watcher | None = None
+        self.polled: set[str] = set()
+        self.stopping = False
+        self._wait_scope: anyio.CancelScope | None = None
+        self._data_version = -1
+
+    # --- health -------------------------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        if self.stopping:
+            return False
+        if self.watcher is not None and not self.watcher.healthy():
+            return False
+        started = self.pipeline.pass_started
+        return started is None or time.time() - started < self.cfg.stall_seconds
+
+    def status_line(self) -> str:
+        n = len(self.pipeline.workspaces)
+        watched = n - len(self.polled)
+        return (
+            f"serving {n} workspaces ({watched} inotify, {len(self.polled)} poll); "
+            f"{self.pipeline.answered} requests answered; last pass {self.pipeline.last_pass_ms:.1f} ms"
+        )
+
+    def is_stopping(self) -> bool:
+        return self.stopping
+
+    def stop(self, why: str) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        log.event("stopping", reason=why)
+        self.notifier.stopping(f"draining ({why}): finishing the pass in progress")
+        if self._wait_scope is not None:
+            self._wait_scope.cancel()
+
+    # --- start-up (worker thread) -------------------------------------------------------------------------
+
+    def _startup(self) -> list[WorkspaceRow]:
+        for path in enrollment.expand_globs(self.cfg.workspaces):
+            if self.store.workspace_by_path(path) is not None:
+                continue
+            try:
+                done = enrollment.enroll(self.store, self.cfg, path, self.tool, explicit=False)
+                log.event("enrolled", ws=done.row.key, path=done.row.path, watch=done.row.watch)
+            except enrollment.EnrollError as exc:
+                log.event("enroll_refused", logging.WARNING, path=path, reason=str(exc))
+        mounts = read_mounts()
+        rows = []
+        for row in self.store.workspaces():
+            mode = choose_mode(self.cfg.watch, fs_type_of(row.path, mounts))
+            if mode != row.watch:
+                with self.store.transaction():
+                    self.store.set_watch(row.key, mode)
+                row = self.store.workspace(row.key) or row
+            rows.append(row)
+            self._refresh(row)
+        self._data_version = self._read_data_version()
+        return rows
+
+    def _refresh(self, row: WorkspaceRow) -> None:
+        try:
+            with safefs.open_channel(row.path, row.identity) as ch:
+                note = enrollment.refresh(self.store, ch, row, self.tool)
+                if note is not None:
+                    log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
+                safefs.sweep_kernel_temps(ch.fd)
+                answers = ch.subdir(ChannelPaths.ANSWERS)
+                try:
+                    safefs.sweep_kernel_temps(answers)
+                finally:
+                    os.close(answers)
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+            log.event("channel_problem", logging.WARNING, ws=row.key, problem=f"{type(exc).__name__}: {exc}")
+
+    def _read_data_version(self) -> int:
+        # Changes when another process (an `enroll`) commits to the store.
+        return int(self.store._one("PRAGMA data_version")[0])
+
+    def _reload_if_changed(self) -> list[WorkspaceRow] | None:
+        version = self._read_data_version()
+        if version == self._data_version:
+            return None
+        self._data_version = version
+        rows = self.store.workspaces()
+        known = self.pipeline.workspaces
+        for row in rows:
+            old = known.get(row.key)
+            if old is None or old.identity != row.identity:
+                self._refresh(row)
+        return rows
+
+    # --- watches ------------------------------------------------------------------------------------------
+
+    def _watch_all(self, rows: list[WorkspaceRow], only: set[str] | None = None) -> None:
+        for row in rows:
+            if only is not None and row.key not in only:
+                continue
+            if row.watch == "poll" or self.watcher is None:
+                self.polled.add(row.key)
+                continue
+            try:
+                with safefs.open_channel(row.path, row.identity) as ch:
+                    fd = ch.subdir(ChannelPaths.REQUESTS)
+                    try:
+                        self.watcher.add(row.key, fd)
+                    finally:
+                        os.close(fd)
+                self.polled.discard(row.key)
+            except (safefs.ChannelMoved, safefs.Refused) as exc:
+                # Left to the rescan, which reports it and re-watches once the channel is back.
+                log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc))
+            except OSError as exc:
+                # E.g. the inotify watch limit: poll this channel instead of missing it.
+                self.polled.add(row.key)
+                log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc), fallback="poll")
+
+    def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
+        old = self.pipeline.workspaces
+        self.pipeline.set_workspaces(rows)
+        new_keys = {r.key for r in rows}
+        for key in set(old) - new_keys:
+            self.polled.discard(key)
+            if self.watcher is not None:
+                self.watcher.remove(key)
+        changed = {r.key for r in rows if r.key not in old or old[r.key].identity != r.identity}
+        if changed:
+            self._watch_all(rows, changed)
+            for key in changed:
+                self.pipeline.mark(key)
+
+    # --- the service --------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        send, recv = anyio.create_memory_object_stream[str](EVENT_STREAM_SIZE)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._signals)
+            try:
+                rows = await self.worker.call(self._startup)
+                if self.cfg.watch != "poll" or any(r.watch != "poll" for r in rows):
+                    self.watcher = Watcher(send)
+                    self.watcher.start()
+                self.pipeline.set_workspaces(rows)
+                await self.worker.call(self._watch_all, rows)
+                await self.executor.recover()
+                resumed = await self.pipeline.recover()
+                self.pipeline.mark_all()
+                log.event("ready", workspaces=len(rows), polled=len(self.polled), resumed=resumed)
+                self.notifier.ready(self.status_line())
+                tg.start_soon(self._pinger)
+                tg.start_soon(self.executor.run)
+                with recv:
+                    await self._loop(recv)
+            finally:
+                tg.cancel_scope.cancel()
+                if self.watcher is not None:
+                    self.watcher.stop()
+                    await anyio.to_thread.run_sync(self.watcher.join, 10.0)
+                send.close()
+        log.event("stopped", answered=self.pipeline.answered)
+
+    def _take(self, key: str) -> None:
+        if self.watcher is not None:
+            self.watcher.consumed(key)
+        if key:
+            self.pipeline.mark(key)
+
+    async def _loop(self, recv: MemoryObjectReceiveStream[str]) -> None:
+        now = self.clock()
+        next_rescan = now + self.cfg.rescan_seconds
+        next_tick = now + self.cfg.poll_seconds
+        next_status = now + STATUS_EVERY_S
+        while not self.stopping:
+            if not self.pipeline.has_work():
+                timeout = max(0.0, min(next_rescan, next_tick) - self.clock())
+                with anyio.move_on_after(timeout) as scope:
+                    self._wait_scope = scope
+                    if not self.stopping:
+                        self._take(await recv.receive())
+                self._wait_scope = None
+            while True:
+                try:
+                    self._take(recv.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            if self.watcher is not None:
+                if self.watcher.take_overflow():
+                    log.event("rescan", reason="event overflow")
+                    self.pipeline.mark_all()
+                lost = self.watcher.take_lost()
+                if lost:
+                    await self.worker.call(self._watch_all, list(self.pipeline.workspaces.values()), lost)
+                    for key in lost:
+                        self.pipeline.mark(key)
+            now = self.clock()
+            if now >= next_tick:
+                next_tick = now + self.cfg.poll_seconds
+                for key in self.polled:
+                    self.pipeline.mark(key)
+                rows = await self.worker.call(self._reload_if_changed)
+                if rows is not None:
+                    await self.worker.call(self._apply_rows, rows)
+            if now >= next_rescan:
+                next_rescan = now + self.cfg.rescan_seconds
+                self.pipeline.mark_all()
+                unwatched = {
+                    k for k in self.pipeline.workspaces if k not in self.polled and self.watcher is not None
+                } - {k for k in self.pipeline.workspaces if self.watcher and self.watcher.watching(k)}
+                if unwatched:
+                    await self.worker.call(
+                        self._watch_all, list(self.pipeline.workspaces.values()), unwatched
+                    )
+                resumed = await self.pipeline.recover()
+                if resumed:
+                    log.event("resumed", count=resumed)
+            if now >= next_status:
+                next_status = now + STATUS_EVERY_S
+                self.notifier.status(self.status_line())
+            if self.is_stopping():
+                break
+            await self.pipeline.run_pass()
+            await anyio.lowlevel.checkpoint()
+
+    async def _pinger(self) -> None:
+        interval = self.notifier.watchdog_interval
+        if interval is None:
+            return
+        while True:
+            if self.healthy():
+                self.notifier.watchdog()
+            await anyio.sleep(interval)
+
+    async def _signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                self.stop(signal.Signals(signum).name)
+
+
+async def serve(cfg: Config, *, executor_factory: ExecutorFactory = PendingExecutor) -> None:
+    store = Store.open(cfg.db_path)
+    notifier = Notifier.from_env()
+    try:
+        svc = Service(cfg, store, notifier, ToolSource.bundled(), executor_factory)
+        await svc.run()
+    finally:
+        notifier.close()
+        store.close()

@@ -1,0 +1,529 @@
+"""The kernel's durable state: one sqlite database in `state_dir`.
+
+WAL with `synchronous=FULL`: a committed transaction survives a power cut, and `syscall-kernel status` can read
+while the service writes. The rule the pipeline follows is that every state change is committed here BEFORE its
+side effect (an answer file, a budget.json, a job submission), so a kernel killed at any instant resumes from the
+store without losing or repeating anything. Tables: workspaces (identity, budget, policy), requests (unique per
+workspace and id, with the content hash and the exact answer bytes), sleeps, and jobs (one row per task, with the
+columns execution needs). Budgets are exact integers (GPU-seconds).
+
+One `Store` is used by one thread at a time (the pipeline's worker); sqlite's own locking serialises processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from channel.messages import Policy
+from channel.safefs import Identity
+from kernel.budget import Balance
+
+SCHEMA_VERSION: Final = 1
+
+_SCHEMA: Final = """
+CREATE TABLE workspaces (
+    key             TEXT PRIMARY KEY,
+    path            TEXT NOT NULL UNIQUE,
+    dev             INTEGER NOT NULL,
+    ino             INTEGER NOT NULL,
+    uid             INTEGER NOT NULL,
+    launches        INTEGER NOT NULL CHECK (launches >= 0),
+    sleeps          INTEGER NOT NULL CHECK (sleeps >= 0),
+    gpu_s           INTEGER NOT NULL CHECK (gpu_s >= 0),
+    reserved_gpu_s  INTEGER NOT NULL DEFAULT 0 CHECK (reserved_gpu_s >= 0),
+    policy          BLOB NOT NULL,
+    tool_sha256     TEXT NOT NULL,
+    watch           TEXT NOT NULL,
+    enrolled_at     TEXT NOT NULL,
+    problem         TEXT
+) STRICT;
+
+CREATE TABLE requests (
+    workspace       TEXT NOT NULL REFERENCES workspaces(key),
+    id              TEXT NOT NULL,
+    sha256          TEXT NOT NULL,
+    type            TEXT NOT NULL,
+    received_at     TEXT NOT NULL,
+    sleep_seq       INTEGER,
+    body            BLOB,
+    answer          BLOB,
+    answered_at     TEXT,
+    PRIMARY KEY (workspace, id)
+) STRICT;
+CREATE INDEX requests_open ON requests(workspace) WHERE answer IS NULL;
+
+CREATE TABLE sleeps (
+    workspace       TEXT NOT NULL REFERENCES workspaces(key),
+    seq             INTEGER NOT NULL,
+    id              TEXT NOT NULL,
+    state           TEXT NOT NULL,
+    note            TEXT NOT NULL,
+    submit          BLOB,
+    created_at      TEXT NOT NULL,
+    woken_at        TEXT,
+    verdict         BLOB,
+    PRIMARY KEY (workspace, seq),
+    UNIQUE (workspace, id)
+) STRICT;
+
+CREATE TABLE jobs (
+    workspace       TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    launch          TEXT NOT NULL,
+    task            INTEGER NOT NULL,
+    array_size      INTEGER NOT NULL,
+    concurrency     INTEGER NOT NULL,
+    command         TEXT NOT NULL,
+    minutes         INTEGER NOT NULL,
+    gpus            INTEGER NOT NULL,
+    artifacts       BLOB NOT NULL,
+    why             TEXT NOT NULL,
+    reserved_gpu_s  INTEGER NOT NULL,
+    state           TEXT NOT NULL,
+    backend         TEXT,
+    job_id          TEXT,
+    exit_code       INTEGER,
+    signal          INTEGER,
+    started_at      TEXT,
+    ended_at        TEXT,
+    run_dir         TEXT,
+    updated_at      TEXT NOT NULL,
+    PRIMARY KEY (workspace, seq, launch, task),
+    FOREIGN KEY (workspace, seq) REFERENCES sleeps(workspace, seq)
+) STRICT;
+CREATE INDEX jobs_live ON jobs(state) WHERE state IN ('PENDING', 'RUNNING');
+"""
+
+T = TypeVar("T")
+
+LIVE_TASK_STATES: Final = ("PENDING", "RUNNING")
+
+
+def timestamp(at: float | None = None) -> str:
+    """RFC 3339 UTC with milliseconds, as every protocol message uses."""
+    t = time.time() if at is None else at
+    whole = time.gmtime(t)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", whole) + f".{int((t % 1) * 1000):03d}Z"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceRow:
+    key: str
+    path: str
+    identity: Identity
+    balance: Balance
+    policy: Policy
+    tool_sha256: str
+    watch: str
+    enrolled_at: str
+    problem: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    workspace: str
+    id: str
+    sha256: str
+    type: str
+    received_at: str
+    sleep_seq: int | None
+    # The request itself, kept for requests that must be resumed after a crash (sleep, cancel).
+    body: bytes | None
+    answer: bytes | None
+    answered_at: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SleepRow:
+    workspace: str
+    seq: int
+    id: str
+    state: str
+    note: str
+    submit: bytes | None
+    created_at: str
+    woken_at: str | None
+    verdict: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    workspace: str
+    seq: int
+    launch: str
+    task: int
+    array_size: int
+    concurrency: int
+    command: str
+    minutes: int
+    gpus: int
+    artifacts: tuple[str, ...]
+    why: str
+    reserved_gpu_s: int
+    state: str
+    backend: str | None = None
+    job_id: str | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    run_dir: str | None = None
+    updated_at: str = ""
+
+
+_policy_decoder: Final = msgspec.json.Decoder(Policy)
+_artifacts_decoder: Final = msgspec.json.Decoder(tuple[str, ...])
+
+
+class StoreError(Exception):
+    """The state store cannot be used (wrong schema version, unreadable file)."""
+
+
+class Store:
+    """The sqlite state store. Use `Store.open`; write only inside `transaction()`."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self._conn = conn
+        self.path = path
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, readonly: bool = False) -> Store:
+        p = Path(path)
+        if readonly:
+            if not p.exists():
+                raise StoreError(f"no state store at {p} (has the kernel run, or a workspace been enrolled?)")
+            conn = sqlite3.connect(
+                f"file:{p}?mode=ro", uri=True, isolation_level=None, check_same_thread=False, timeout=10
+            )
+        else:
+            p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            conn = sqlite3.connect(p, isolation_level=None, check_same_thread=False, timeout=30)
+        store = cls(conn, p)
+        try:
+            store._setup(readonly=readonly)
+        except BaseException:
+            conn.close()
+            raise
+        return store
+
+    def _setup(self, *, readonly: bool) -> None:
+        c = self._conn
+        c.execute("PRAGMA busy_timeout = 30000")
+        c.execute("PRAGMA foreign_keys = ON")
+        if readonly:
+            version = c.execute("PRAGMA user_version").fetchone()[0]
+            if version != SCHEMA_VERSION:
+                raise StoreError(f"{self.path}: schema version {version}, this kernel reads {SCHEMA_VERSION}")
+            return
+        mode = c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode != "wal":
+            raise StoreError(
+                f"{self.path}: sqlite refused WAL mode (got {mode}); put state_dir on a local disk"
+            )
+        # FULL: the WAL is fsynced at every commit, so "committed before the side effect" holds across power loss.
+        c.execute("PRAGMA synchronous = FULL")
+        with self.transaction():
+            version = c.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
+                for stmt in _SCHEMA.split(";"):
+                    if stmt.strip():
+                        c.execute(stmt)
+                c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            elif version != SCHEMA_VERSION:
+                raise StoreError(f"{self.path}: schema version {version}, this kernel needs {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        self._conn.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """BEGIN IMMEDIATE ... COMMIT (durable on return), ROLLBACK on any exception."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def _one(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        return self._conn.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        return self._conn.execute(sql, args).fetchall()
+
+    # --- workspaces ---------------------------------------------------------------------------------------
+
+    _WS_COLS: Final = (
+        "key, path, dev, ino, uid, launches, sleeps, gpu_s, reserved_gpu_s, policy, tool_sha256, watch, "
+        "enrolled_at, problem"
+    )
+
+    @staticmethod
+    def _ws(row: Any) -> WorkspaceRow:
+        return WorkspaceRow(
+            key=row[0],
+            path=row[1],
+            identity=Identity(dev=row[2], ino=row[3], uid=row[4]),
+            balance=Balance(launches=row[5], sleeps=row[6], gpu_s=row[7], reserved_gpu_s=row[8]),
+            policy=_policy_decoder.decode(row[9]),
+            tool_sha256=row[10],
+            watch=row[11],
+            enrolled_at=row[12],
+            problem=row[13],
+        )
+
+    def workspace(self, key: str) -> WorkspaceRow | None:
+        row = self._one(f"SELECT {self._WS_COLS} FROM workspaces WHERE key = ?", (key,))
+        return None if row is None else self._ws(row)
+
+    def workspace_by_path(self, path: str) -> WorkspaceRow | None:
+        row = self._one(f"SELECT {self._WS_COLS} FROM workspaces WHERE path = ?", (path,))
+        return None if row is None else self._ws(row)
+
+    def workspaces(self) -> list[WorkspaceRow]:
+        return [self._ws(r) for r in self._all(f"SELECT {self._WS_COLS} FROM workspaces ORDER BY key")]
+
+    def put_workspace(self, ws: WorkspaceRow) -> None:
+        self._conn.execute(
+            f"INSERT INTO workspaces ({self._WS_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
+            "ON CONFLICT(key) DO UPDATE SET path=excluded.path, dev=excluded.dev, ino=excluded.ino, "
+            "uid=excluded.uid, launches=excluded.launches, sleeps=excluded.sleeps, gpu_s=excluded.gpu_s, "
+            "reserved_gpu_s=excluded.reserved_gpu_s, policy=excluded.policy, tool_sha256=excluded.tool_sha256, "
+            "watch=excluded.watch, problem=excluded.problem",
+            (
+                ws.key,
+                ws.path,
+                ws.identity.dev,
+                ws.identity.ino,
+                ws.identity.uid,
+                ws.balance.launches,
+                ws.balance.sleeps,
+                ws.balance.gpu_s,
+                ws.balance.reserved_gpu_s,
+                msgspec.json.encode(ws.policy),
+                ws.tool_sha256,
+                ws.watch,
+                ws.enrolled_at,
+                ws.problem,
+            ),
+        )
+
+    def set_balance(self, key: str, b: Balance) -> None:
+        self._conn.execute(
+            "UPDATE workspaces SET launches=?, sleeps=?, gpu_s=?, reserved_gpu_s=? WHERE key=?",
+            (b.launches, b.sleeps, b.gpu_s, b.reserved_gpu_s, key),
+        )
+
+    def set_problem(self, key: str, problem: str | None) -> None:
+        self._conn.execute("UPDATE workspaces SET problem=? WHERE key=?", (problem, key))
+
+    def set_watch(self, key: str, watch: str) -> None:
+        self._conn.execute("UPDATE workspaces SET watch=? WHERE key=?", (watch, key))
+
+    # --- requests -----------------------------------------------------------------------------------------
+
+    _REQ_COLS: Final = "workspace, id, sha256, type, received_at, sleep_seq, body, answer, answered_at"
+
+    def request(self, workspace: str, request_id: str) -> RequestRow | None:
+        row = self._one(
+            f"SELECT {self._REQ_COLS} FROM requests WHERE workspace=? AND id=?", (workspace, request_id)
+        )
+        return None if row is None else RequestRow(*row)
+
+    def insert_request(self, r: RequestRow) -> None:
+        self._conn.execute(
+            f"INSERT INTO requests ({self._REQ_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+            (
+                r.workspace,
+                r.id,
+                r.sha256,
+                r.type,
+                r.received_at,
+                r.sleep_seq,
+                r.body,
+                r.answer,
+                r.answered_at,
+            ),
+        )
+
+    def set_answer(self, workspace: str, request_id: str, answer: bytes, at: str) -> None:
+        self._conn.execute(
+            "UPDATE requests SET answer=?, answered_at=? WHERE workspace=? AND id=?",
+            (answer, at, workspace, request_id),
+        )
+
+    def unanswered(self) -> list[RequestRow]:
+        """Requests recorded but not yet answered (a sleep whose dispatch a crash interrupted)."""
+        rows = self._all(f"SELECT {self._REQ_COLS} FROM requests WHERE answer IS NULL ORDER BY received_at")
+        return [RequestRow(*r) for r in rows]
+
+    def count_requests(self, workspace: str | None = None) -> int:
+        if workspace is None:
+            return int(self._one("SELECT count(*) FROM requests")[0])
+        return int(self._one("SELECT count(*) FROM requests WHERE workspace=?", (workspace,))[0])
+
+    # --- sleeps -------------------------------------------------------------------------------------------
+
+    _SLEEP_COLS: Final = "workspace, seq, id, state, note, submit, created_at, woken_at, verdict"
+
+    def next_seq(self, workspace: str) -> int:
+        return int(
+            self._one("SELECT coalesce(max(seq), 0) + 1 FROM sleeps WHERE workspace=?", (workspace,))[0]
+        )
+
+    def insert_sleep(self, s: SleepRow) -> None:
+        self._conn.execute(
+            f"INSERT INTO sleeps ({self._SLEEP_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+            (s.workspace, s.seq, s.id, s.state, s.note, s.submit, s.created_at, s.woken_at, s.verdict),
+        )
+
+    def sleep(self, workspace: str, seq: int) -> SleepRow | None:
+        row = self._one(
+            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND seq=?", (workspace, seq)
+        )
+        return None if row is None else SleepRow(*row)
+
+    def current_sleep(self, workspace: str) -> SleepRow | None:
+        """The workspace's sleep that has not ended (woken or rejected), if any."""
+        row = self._one(
+            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND state NOT IN ('woken', 'rejected') "
+            "ORDER BY seq DESC LIMIT 1",
+            (workspace,),
+        )
+        return None if row is None else SleepRow(*row)
+
+    def sleeps(self, workspace: str, limit: int) -> list[SleepRow]:
+        rows = self._all(
+            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? ORDER BY seq DESC LIMIT ?",
+            (workspace, limit),
+        )
+        return [SleepRow(*r) for r in rows]
+
+    def live_sleeps(self) -> list[SleepRow]:
+        rows = self._all(
+            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE state NOT IN ('woken', 'rejected') "
+            "ORDER BY workspace, seq"
+        )
+        return [SleepRow(*r) for r in rows]
+
+    def set_sleep_state(self, workspace: str, seq: int, state: str, *, woken_at: str | None = None) -> None:
+        self._conn.execute(
+            "UPDATE sleeps SET state=?, woken_at=coalesce(?, woken_at) WHERE workspace=? AND seq=?",
+            (state, woken_at, workspace, seq),
+        )
+
+    # --- jobs ---------------------------------------------------------------------------------------------
+
+    _JOB_COLS: Final = (
+        "workspace, seq, launch, task, array_size, concurrency, command, minutes, gpus, artifacts, why, "
+        "reserved_gpu_s, state, backend, job_id, exit_code, signal, started_at, ended_at, run_dir, updated_at"
+    )
+
+    @staticmethod
+    def _job(row: Any) -> JobRow:
+        values = list(row)
+        values[9] = _artifacts_decoder.decode(values[9])
+        return JobRow(*values)
+
+    def insert_jobs(self, jobs: Sequence[JobRow]) -> None:
+        self._conn.executemany(
+            f"INSERT INTO jobs ({self._JOB_COLS}) VALUES ({','.join('?' * 21)})",
+            [
+                (
+                    j.workspace,
+                    j.seq,
+                    j.launch,
+                    j.task,
+                    j.array_size,
+                    j.concurrency,
+                    j.command,
+                    j.minutes,
+                    j.gpus,
+                    msgspec.json.encode(j.artifacts),
+                    j.why,
+                    j.reserved_gpu_s,
+                    j.state,
+                    j.backend,
+                    j.job_id,
+                    j.exit_code,
+                    j.signal,
+                    j.started_at,
+                    j.ended_at,
+                    j.run_dir,
+                    j.updated_at,
+                )
+                for j in jobs
+            ],
+        )
+
+    def jobs_of(self, workspace: str, seq: int) -> list[JobRow]:
+        rows = self._all(
+            f"SELECT {self._JOB_COLS} FROM jobs WHERE workspace=? AND seq=? ORDER BY rowid", (workspace, seq)
+        )
+        return [self._job(r) for r in rows]
+
+    def live_jobs(self) -> list[JobRow]:
+        rows = self._all(
+            f"SELECT {self._JOB_COLS} FROM jobs WHERE state IN ('PENDING', 'RUNNING') "
+            "ORDER BY workspace, seq, rowid"
+        )
+        return [self._job(r) for r in rows]
+
+    def update_job(self, job: JobRow) -> None:
+        """Write a job's mutable columns (state, backend ids, outcome, times, run dir)."""
+        self._conn.execute(
+            "UPDATE jobs SET state=?, backend=?, job_id=?, exit_code=?, signal=?, started_at=?, ended_at=?, "
+            "run_dir=?, reserved_gpu_s=?, updated_at=? WHERE workspace=? AND seq=? AND launch=? AND task=?",
+            (
+                job.state,
+                job.backend,
+                job.job_id,
+                job.exit_code,
+                job.signal,
+                job.started_at,
+                job.ended_at,
+                job.run_dir,
+                job.reserved_gpu_s,
+                job.updated_at,
+                job.workspace,
+                job.seq,
+                job.launch,
+                job.task,
+            ),
+        )
+
+    def counts(self) -> dict[str, int]:
+        """Figures for STATUS= lines and `syscall-kernel status`."""
+        return {
+            "workspaces": int(self._one("SELECT count(*) FROM workspaces")[0]),
+            "requests": int(self._one("SELECT count(*) FROM requests")[0]),
+            "live_sleeps": int(
+                self._one("SELECT count(*) FROM sleeps WHERE state NOT IN ('woken', 'rejected')")[0]
+            ),
+            "live_jobs": int(self._one("SELECT count(*) FROM jobs WHERE state IN ('PENDING', 'RUNNING')")[0]),
+        }
+
+
+class StoreWorker:
+    """Runs store work on one worker thread at a time, off the event loop (an fsync must not stall it)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._limiter = anyio.CapacityLimiter(1)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the worker; it may use `self.store` and channel files. Not abandoned on cancel, so a
+        started step always finishes (and commits or rolls back) before shutdown proceeds."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
