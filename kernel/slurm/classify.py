@@ -217,7 +217,7 @@ def resolve_task(
     if exit_code is not None:
         seen = _from_acct(acct, our_uid, cancelled_by_kernel, requeues) if acct else None
         if seen is None and row is not None:
-            seen = classify_state(row.state, our_uid=our_uid, cancelled_by_kernel=cancelled_by_kernel)
+            seen = _from_row(row, cancelled_by_kernel, requeues)
         c = classify_exit_file(exit_code, seen)
         return Resolution("done", c.state, c.hint, exit_code=exit_code)
     if acct is not None:
@@ -234,7 +234,7 @@ def resolve_task(
         if accounting.status == "unknown":
             return Resolution("wait")
         return Resolution("done", "VANISHED", VANISHED_HINT)
-    c = classify_state(row.state, cancelled_by_kernel=cancelled_by_kernel, requeues=requeues)
+    c = _from_row(row, cancelled_by_kernel, requeues)
     if not c.recognized:
         return Resolution("wait")  # listed in the queue, so it exists: an unknown state there is not an end
     if not c.terminal:
@@ -253,6 +253,12 @@ def resolve_task(
     if c.state == "CANCELLED" and not cancelled_by_kernel:
         return Resolution("done", "CANCELLED", "cancelled outside the kernel (by scancel or the scheduler)")
     return Resolution("done", c.state, c.hint)
+
+
+def _from_row(row: SqueueRow, by_kernel: bool, requeues: bool) -> Classification:
+    # squeue has no exit status; Slurm only says COMPLETED for status 0 without a signal.
+    status = 0 if row.state == "COMPLETED" else None
+    return classify_state(row.state, status, None, cancelled_by_kernel=by_kernel, requeues=requeues)
 
 
 def _from_acct(acct: SacctRow, our_uid: int | None, by_kernel: bool, requeues: bool) -> Classification:
