@@ -1,0 +1,71 @@
+"""Config: TOML into strict Structs; every bad key is named with its file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kernel.config import ConfigError, load, parse
+
+
+def test_defaults_without_a_file_use_state_directory_from_systemd() -> None:
+    cfg = parse("", "<defaults>", env={"STATE_DIRECTORY": "/var/lib/syscall-kernel:/other"})
+    assert cfg.state_dir == "/var/lib/syscall-kernel"
+    assert cfg.run_dir == "/var/lib/syscall-kernel/runs"
+    assert cfg.watch == "auto"
+    assert cfg.defaults.launches == 100
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text('state_dir = "state"\nworkspaces = ["agents/*"]\n[defaults]\ngpu_hours = 2.5\n')
+    cfg = load(f, env={})
+    assert cfg.state_dir == str(tmp_path / "state")
+    assert cfg.workspaces == (str(tmp_path / "agents/*"),)
+    assert cfg.defaults.gpu_hours == 2.5
+    assert cfg.source == str(f)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("stat_dir = '/x'", "key 'stat_dir' is not a known setting"),
+        ("[defaults]\nlaunchs = 3", "key 'defaults.launchs' is not a known setting"),
+        ("watch = 'fanotify'", "key 'watch'"),
+        ("[defaults]\nlaunches = true", "key 'defaults.launches'"),
+        ("[defaults]\nlaunches = -1", "key 'defaults.launches'"),
+        ("[defaults]\nmax_minutes = 100000", "key 'defaults.max_minutes'"),
+        ("rescan_seconds = 0", "key 'rescan_seconds'"),
+        ("[slurm]\npartition = 3", "key 'slurm.partition'"),
+        ("workspaces = ['']", "key 'workspaces.0' is empty"),
+        ("[defaults]\nmax_gpus = 9\nmax_concurrent_gpus = 4", "key 'defaults.max_gpus'"),
+        ("state_dir = ", "not valid TOML"),
+        ("source = 'x'", "key 'source' is not a known setting"),
+    ],
+)
+def test_bad_config_names_the_file_and_key(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load(f, env={})
+    assert str(info.value).startswith(f"{f}: ")
+    assert needle in str(info.value)
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.toml: config file not found"):
+        load(tmp_path / "nope.toml", env={})
+
+
+def test_env_variable_picks_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "e.toml"
+    f.write_text("watch = 'poll'\n")
+    assert load(None, env={"SYSCALL_KERNEL_CONFIG": str(f)}).watch == "poll"
+
+
+def test_example_config_is_valid() -> None:
+    example = Path(__file__).resolve().parents[2] / "deploy" / "config.example.toml"
+    cfg = load(example, env={})
+    assert cfg.backend in ("local", "slurm")
+    assert cfg.workspaces

@@ -1,0 +1,155 @@
+"""The pipeline's pure decisions: sleep acceptance, cancel planning, answers, and pass fairness."""
+
+from __future__ import annotations
+
+import pytest
+
+from channel.decode import RequestError
+from channel.messages import CancelRequest, KernelRef, Launch, Policy, SleepRequest, Verdict
+from channel.safefs import Identity
+from kernel.budget import Balance
+from kernel.rules import (
+    accept_sleep,
+    history_answer,
+    plan_cancel,
+    plan_pass,
+    queue_answer,
+    status_answer,
+)
+from kernel.store import JobRow, SleepRow, WorkspaceRow
+
+NOW = "2026-11-30T12:00:00.000Z"
+
+
+DEFAULT_BALANCE = Balance(10, 5, 36000)
+DEFAULT_POLICY = Policy()
+
+
+def ws(balance: Balance = DEFAULT_BALANCE, policy: Policy = DEFAULT_POLICY) -> WorkspaceRow:
+    return WorkspaceRow("w-1", "/w", Identity(1, 2, 3), balance, policy, "sha", "inotify", NOW, None)
+
+
+def sleep_req(*launches: Launch) -> SleepRequest:
+    return SleepRequest(protocol=1, id="s1", launches=launches)
+
+
+def sleep_row(seq: int = 1, state: str = "validated") -> SleepRow:
+    return SleepRow("w-1", seq, f"s{seq}", state, "", None, NOW, None, None)
+
+
+def test_accept_records_one_pending_task_per_array_index() -> None:
+    acc = accept_sleep(
+        ws(), None, sleep_req(Launch(name="a", command="x", gpus=1, minutes=10, array=3)), 1, NOW
+    )
+    assert [(j.launch, j.task, j.state, j.reserved_gpu_s) for j in acc.jobs] == [
+        ("a", 0, "PENDING", 600),
+        ("a", 1, "PENDING", 600),
+        ("a", 2, "PENDING", 600),
+    ]
+    assert acc.balance == Balance(9, 4, 36000 - 1800, 1800)
+
+
+@pytest.mark.parametrize(
+    ("policy", "launch", "current", "code"),
+    [
+        (Policy(max_minutes=10), Launch(name="a", command="x", minutes=11), None, "policy.minutes"),
+        (Policy(max_gpus=1), Launch(name="a", command="x", gpus=2), None, "policy.gpus"),
+        (Policy(), Launch(name="a", command="x"), sleep_row(), "sleep.in_progress"),
+        # policy is checked before state: the cheapest, most specific refusal first
+        (Policy(max_gpus=0), Launch(name="a", command="x", gpus=1), sleep_row(), "policy.gpus"),
+    ],
+)
+def test_refusals(policy: Policy, launch: Launch, current: SleepRow | None, code: str) -> None:
+    with pytest.raises(RequestError) as info:
+        accept_sleep(ws(policy=policy), current, sleep_req(launch), 2, NOW)
+    assert info.value.code == code
+
+
+def test_budget_is_checked_after_state() -> None:
+    with pytest.raises(RequestError) as info:
+        accept_sleep(ws(Balance(0, 0, 0)), None, sleep_req(), 1, NOW)
+    assert info.value.code == "budget.sleeps"
+
+
+def job(
+    launch: str, task: int, state: str = "PENDING", job_id: str | None = None, reserved: int = 600
+) -> JobRow:
+    return JobRow("w-1", 1, launch, task, 2, 0, "x", 10, 1, (), "", reserved, state, job_id=job_id)
+
+
+def test_cancel_refunds_unsubmitted_tasks_and_leaves_submitted_ones_to_the_executor() -> None:
+    jobs = [job("a", 0), job("a", 1, "RUNNING", "42_1"), job("b", 0), job("b", 1, "COMPLETED")]
+    w = ws(Balance(5, 4, 1000, 2400))
+    plan = plan_cancel(w, sleep_row(), jobs, CancelRequest(protocol=1, id="c", launches=("a",)), NOW)
+    assert [(j.launch, j.task) for j in plan.targets] == [("a", 0), ("a", 1)]
+    assert [(j.launch, j.task, j.state, j.reserved_gpu_s) for j in plan.now_cancelled] == [
+        ("a", 0, "CANCELLED", 0)
+    ]
+    assert plan.balance == Balance(5, 4, 1600, 1800)
+    everything = plan_cancel(w, sleep_row(), jobs, CancelRequest(protocol=1, id="c"), NOW)
+    assert len(everything.targets) == 3
+
+
+def test_cancel_refusals() -> None:
+    with pytest.raises(RequestError) as info:
+        plan_cancel(ws(), None, [], CancelRequest(protocol=1, id="c"), NOW)
+    assert info.value.code == "cancel.no_sleep"
+    with pytest.raises(RequestError) as info:
+        plan_cancel(
+            ws(), sleep_row(), [job("a", 0)], CancelRequest(protocol=1, id="c", launches=("a", "zz")), NOW
+        )
+    assert info.value.code == "cancel.unknown_launch"
+    assert info.value.path == "$.launches[1]"
+
+
+def test_read_only_answers() -> None:
+    k = KernelRef(name="syscall-kernel", version="0")
+    started = JobRow("w-1", 1, "a", 0, 1, 0, "x", 10, 1, (), "why", 600, "RUNNING", started_at=NOW)
+    st = status_answer("q", k, ws(), sleep_row(), [started], 1796040010.0)
+    assert st.sleep is not None
+    assert st.sleep.tasks[0].elapsed_s == 10.0
+    assert st.budget.gpu_hours == 10.0
+    other = JobRow("w-2", 1, "b", 0, 1, 0, "x", 5, 0, (), "theirs", 0, "PENDING")
+    q = queue_answer("q", "w-1", [started, other], 1796040010.0)
+    assert [(e.mine, e.workspace, e.why) for e in q.jobs] == [(True, "w-1", "why"), (False, "w-2", "theirs")]
+    verdict = Verdict(outcome="improved", metric="acc", direction="higher")
+    import msgspec
+
+    woken = SleepRow("w-1", 2, "s2", "woken", "n", None, NOW, NOW, msgspec.json.encode(verdict))
+    h = history_answer("q", [(woken, [job("a", 0, "COMPLETED"), job("a", 1, "FAILED")]), (sleep_row(), [])])
+    assert h.sleeps[0].verdict == "improved"
+    assert h.sleeps[0].launches[0].states == ("COMPLETED", "FAILED")
+    assert h.sleeps[1].launches == ()
+
+
+def test_plan_pass_is_bounded_and_round_robin() -> None:
+    pending = {"flood": 10_000, "b": 1, "c": 3}
+    plan, after = plan_pass(pending, None, per_workspace=2, per_pass=100)
+    assert plan == [("b", 1), ("c", 2), ("flood", 2)]
+    assert after == "flood"
+
+
+def test_plan_pass_cut_off_workspaces_go_first_next_time() -> None:
+    pending = {k: 50 for k in "abcdef"}
+    plan, after = plan_pass(pending, None, per_workspace=4, per_pass=10)
+    assert plan == [("a", 4), ("b", 4), ("c", 2)]
+    plan, after = plan_pass(pending, after, per_workspace=4, per_pass=10)
+    assert plan == [("d", 4), ("e", 4), ("f", 2)]
+    plan, _ = plan_pass(pending, after, per_workspace=4, per_pass=10)
+    assert plan[0][0] == "a"
+
+
+def test_a_flood_never_delays_a_quiet_workspace_by_more_than_one_pass() -> None:
+    """Whatever the flood, a workspace with one request is served within two passes."""
+    after = None
+    for flood in (10, 1000, 10**6):
+        pending = {"aaa-flood": flood, "zzz-quiet": 1}
+        served = set()
+        for _ in range(2):
+            plan, after = plan_pass(pending, after, per_workspace=8, per_pass=8)
+            served |= {k for k, _ in plan}
+        assert "zzz-quiet" in served
+
+
+def test_plan_pass_with_nothing_to_do() -> None:
+    assert plan_pass({"a": 0}, "x", 1, 1) == ([], "x")
