@@ -18,6 +18,7 @@ The workspace is hostile (threat-model.md). So:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -376,14 +377,15 @@ def _run_fast_import(env: Mapping[str, str], cwd: Path, fd: int, stream: Iterato
         try:
             for chunk in stream:
                 proc.stdin.write(chunk)
-            proc.stdin.close()
         except BrokenPipeError:
-            pass
+            pass  # fast-import stopped reading: its exit status and stderr say why
         except BaseException:
             proc.kill()
-            proc.wait()
             raise
-        rc = proc.wait()
+        finally:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+            rc = proc.wait()
     if rc != 0:
         text = errlog.read_text("utf-8", "replace").strip()[-2000:]
         raise SnapshotError(f"git fast-import failed in {cwd} (exit {rc}): {text}")
