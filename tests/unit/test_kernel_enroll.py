@@ -1,0 +1,172 @@
+"""Enrollment on real directories with real git: what it creates, records and refuses."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from channel.messages import BudgetFile, KernelInfo
+from kernel.config import Config, parse
+from kernel.enroll import EnrollError, Grant, enroll
+from kernel.install import ToolSource
+from kernel.store import Store
+
+TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
+
+
+def git_repo(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    return path
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Config:
+    return parse(f'state_dir = "{tmp_path}/state"\n[defaults]\nlaunches = 7\n', "<test>", env={})
+
+
+@pytest.fixture
+def store(cfg: Config) -> Store:
+    s = Store.open(cfg.db_path)
+    yield s  # type: ignore[misc]
+    s.close()
+
+
+def test_enroll_creates_and_records_the_channel(tmp_path: Path, cfg: Config, store: Store) -> None:
+    ws = git_repo(tmp_path / "ws")
+    done = enroll(store, cfg, str(ws), TOOL, Grant(gpu_hours=1.5))
+    ch = ws / ".syscall"
+    st = os.stat(ch)
+    assert (done.row.identity.dev, done.row.identity.ino, done.row.identity.uid) == (
+        st.st_dev,
+        st.st_ino,
+        st.st_uid,
+    )
+    assert {p.name for p in ch.iterdir()} >= {
+        "requests",
+        "answers",
+        "wakes",
+        "results",
+        "syscall",
+        "kernel.json",
+    }
+    tool = ch / "syscall"
+    assert tool.read_bytes() == TOOL.data
+    assert stat.S_IMODE(tool.stat().st_mode) == 0o755
+    info = msgspec.json.decode((ch / "kernel.json").read_bytes(), type=KernelInfo)
+    assert info.tool_sha256 == TOOL.sha256
+    assert info.workspace == str(ws)
+    budget = msgspec.json.decode((ch / "budget.json").read_bytes(), type=BudgetFile).budget
+    assert (budget.launches, budget.gpu_hours) == (7, 1.5)
+    assert store.workspace(done.row.key).balance.gpu_s == 5400  # type: ignore[union-attr]
+    assert "/.syscall/" in (ws / ".git/info/exclude").read_text().splitlines()
+    status = subprocess.run(["git", "-C", str(ws), "status", "--porcelain"], capture_output=True, text=True)
+    assert status.stdout == ""  # the channel is invisible to git
+    assert "Installed version 9.9" in (ch / "tool-news.md").read_text()
+
+
+def test_reenroll_is_idempotent_keeps_budget_and_repairs_the_tool(
+    tmp_path: Path, cfg: Config, store: Store
+) -> None:
+    ws = git_repo(tmp_path / "ws")
+    first = enroll(store, cfg, str(ws), TOOL, Grant(launches=3))
+    (ws / ".syscall" / "syscall").write_bytes(b"tampered")
+    newer = ToolSource(TOOL.data + b'sub.add_parser("budget")\np.add_argument("--wait")\n')
+    again = enroll(store, cfg, str(ws), newer)
+    assert not again.created
+    assert again.row.balance == first.row.balance
+    assert (ws / ".syscall" / "syscall").read_bytes() == newer.data
+    news = (ws / ".syscall" / "tool-news.md").read_text()
+    assert "New verbs: `budget`" in news
+    assert "`--wait`" in news
+    assert (ws / ".git/info/exclude").read_text().count("/.syscall/") == 1
+    assert enroll(store, cfg, str(ws), newer).tool_note is None
+
+
+def test_a_replaced_channel_is_adopted_only_by_an_explicit_enroll(
+    tmp_path: Path, cfg: Config, store: Store
+) -> None:
+    ws = git_repo(tmp_path / "ws")
+    first = enroll(store, cfg, str(ws), TOOL)
+    (ws / ".syscall").rename(ws / "old-channel")
+    with pytest.raises(EnrollError, match="not the directory enrolled before"):
+        enroll(store, cfg, str(ws), TOOL, explicit=False)
+    again = enroll(store, cfg, str(ws), TOOL, explicit=True)
+    assert again.adopted_new_channel
+    assert again.row.identity != first.row.identity
+
+
+def test_refuses_a_workspace_that_tracks_the_channel(tmp_path: Path, cfg: Config, store: Store) -> None:
+    ws = git_repo(tmp_path / "ws")
+    (ws / ".syscall").mkdir()
+    (ws / ".syscall" / "x").write_text("x")
+    subprocess.run(["git", "-C", str(ws), "add", "-f", ".syscall/x"], check=True)
+    with pytest.raises(
+        EnrollError, match=r"tracks 1 file\(s\) under \.syscall/ \(\.syscall/x\).*git rm -r --cached"
+    ):
+        enroll(store, cfg, str(ws), TOOL)
+    assert store.workspaces() == []
+
+
+def test_git_config_programs_never_run(tmp_path: Path, cfg: Config, store: Store) -> None:
+    ws = git_repo(tmp_path / "ws")
+    marker = tmp_path / "pwned"
+    hook = tmp_path / "fsmonitor.sh"
+    hook.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    hook.chmod(0o755)
+    subprocess.run(["git", "-C", str(ws), "config", "core.fsmonitor", str(hook)], check=True)
+    enroll(store, cfg, str(ws), TOOL)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "case", ["missing", "file", "no-git", "git-symlink", "channel-symlink", "other-owner"]
+)
+def test_refuses_what_it_may_not_use(tmp_path: Path, cfg: Config, store: Store, case: str) -> None:
+    ws = tmp_path / "ws"
+    if case == "file":
+        ws.write_text("x")
+    elif case == "no-git":
+        ws.mkdir()
+    elif case == "git-symlink":
+        git_repo(tmp_path / "real")
+        ws.mkdir()
+        (ws / ".git").symlink_to(tmp_path / "real" / ".git")
+    elif case == "channel-symlink":
+        git_repo(ws)
+        (tmp_path / "elsewhere").mkdir()
+        (ws / ".syscall").symlink_to(tmp_path / "elsewhere")
+    elif case == "other-owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to chown")
+        git_repo(ws)
+        os.chown(ws, 4242, 4242)
+    expected = {
+        "missing": "no such directory",
+        "file": "not a directory",
+        "no-git": "not a git repository",
+        "git-symlink": ".git is a symlink",
+        "channel-symlink": "the channel cannot be made",
+        "other-owner": "owned by uid 4242",
+    }[case]
+    with pytest.raises(EnrollError, match=expected):
+        enroll(store, cfg, str(ws), TOOL)
+    assert not (tmp_path / "elsewhere" / "requests").exists()
+
+
+def test_exclude_written_through_dir_fds_never_follows_a_symlink(
+    tmp_path: Path, cfg: Config, store: Store
+) -> None:
+    ws = git_repo(tmp_path / "ws")
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (ws / ".git/info/exclude").unlink()
+    (ws / ".git/info/exclude").symlink_to(victim)
+    with pytest.raises(EnrollError, match="exclude: a symlink"):
+        enroll(store, cfg, str(ws), TOOL)
+    assert victim.read_text() == "precious\n"
