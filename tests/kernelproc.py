@@ -1,0 +1,146 @@
+"""A real kernel process for integration and fault tests: config, enrollment, requests, answers.
+
+Everything waits on a condition with a deadline; nothing sleeps to let things settle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], T], timeout: float, what: str, step: float = 0.005) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+
+
+def git_workspace(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    return path
+
+
+def put_request(ws: Path, rid: str, data: bytes | dict[str, Any]) -> None:
+    """Commit a request the way the tool does: temp file, fsync-free here, rename into requests/."""
+    body = data if isinstance(data, bytes) else json.dumps(data).encode()
+    req = ws / ".syscall" / "requests"
+    tmp = req / f".{rid}.tmp"
+    tmp.write_bytes(body)
+    os.rename(tmp, req / f"{rid}.json")
+
+
+def status(rid: str) -> dict[str, Any]:
+    return {"protocol": 1, "id": rid, "type": "status"}
+
+
+def answer_path(ws: Path, rid: str) -> Path:
+    return ws / ".syscall" / "answers" / f"{rid}.json"
+
+
+def read_answer(ws: Path, rid: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(answer_path(ws, rid).read_bytes())  # type: ignore[no-any-return]
+    except FileNotFoundError:
+        return None
+
+
+def wait_answer(ws: Path, rid: str, timeout: float = 10.0) -> dict[str, Any]:
+    return wait_for(lambda: read_answer(ws, rid), timeout, f"the answer to {rid} in {ws.name}")
+
+
+class Kernel:
+    """`syscall-kernel` run as a real process with its own config and state directory."""
+
+    def __init__(self, tmp: Path, extra: str = "", *, name: str = "kernel") -> None:
+        self.dir = tmp / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.state = self.dir / "state"
+        self.config = self.dir / "config.toml"
+        self.config.write_text(f'state_dir = "{self.state}"\n{extra}\n')
+        self.log = self.dir / "kernel.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kernel.cli", *args, "--config", str(self.config)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=120,
+        )
+
+    def enroll(self, ws: Path, *args: str) -> None:
+        self.cli("enroll", str(ws), *args)
+
+    def start(self, env: dict[str, str] | None = None, *, wait_ready: bool = True) -> subprocess.Popen[bytes]:
+        self._log_file = open(self.log, "ab")  # noqa: SIM115 - closed in stop()/kill()
+        full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kernel.cli", "serve", "--config", str(self.config)],
+            cwd=ROOT,
+            stdout=self._log_file,
+            stderr=self._log_file,
+            env=full_env,
+        )
+        if wait_ready:
+            self.wait_log("event=ready", 60)
+        return self.proc
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait_log(self, needle: str, timeout: float, count: int = 1) -> None:
+        def seen() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(
+                    f"the kernel exited ({self.proc.returncode}):\n{self.log_text()[-3000:]}"
+                )
+            return self.log_text().count(needle) >= count
+
+        wait_for(seen, timeout, f"{needle!r} in the kernel log", step=0.02)
+
+    def stop(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            self._close()
+        return rc
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(30)
+        self._close()
+
+    def _close(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def ensure_stopped(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._close()
