@@ -40,9 +40,12 @@ INT_MAX: Final = 2**63 - 1
 _ID_RE: Final = re.compile(L.ID_PATTERN)
 _REQUEST_DECODER: Final = msgspec.json.Decoder(Request)
 _BOM: Final = b"\xef\xbb\xbf"
-_CONTROL_RE: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-_PATH_CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
-_WHY_BAD_RE: Final = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+# Control characters are Unicode category Cc: C0, DEL and C1 (U+0080-U+009F, which include NEL, a line break).
+_CONTROL_RE: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_PATH_CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_WHY_BAD_RE: Final = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# "blank" is judged on ASCII whitespace only, so that every implementation agrees on it
+_ASCII_SPACE: Final = " \t\n\r\x0b\x0c"
 
 
 class RequestError(Exception):
@@ -409,7 +412,7 @@ def _check_sleep(req: SleepRequest) -> None:
 
 
 def _check_launch(launch: Launch, at: str) -> None:
-    if not launch.command.strip():
+    if not launch.command.strip(_ASCII_SPACE):
         raise RequestError(
             "launch.command.empty", f"{at}.command is blank; give a shell command", f"{at}.command"
         )
