@@ -313,16 +313,26 @@ def _remove_at(dir_fd: int, name: str) -> None:
             raise
 
 
+def _entry(dir_fd: int, name: str) -> os.stat_result:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        raise Refused("vanished", name) from None
+
+
 def read_capped_at(dir_fd: int, name: str, cap: int) -> bytes:
-    """Read `dir_fd/name` if it is a regular, singly-linked file of at most `cap` bytes; else Refused."""
+    """Read `dir_fd/name` if it is a regular, singly-linked file of at most `cap` bytes; else Refused.
+
+    `st_nlink == 1` alone does not prove the file lives only in this directory: the agent can link a foreign
+    file in, let us open it, then unlink its own name, leaving the foreign name as the single link. So the
+    name must lead to the opened inode both before the open and after the last `st_nlink == 1` check: at
+    those instants the directory entry was the file's only link.
+    """
     check_name(name)
     if cap < 0:
         raise ValueError(f"cap must be >= 0, got {cap}")
-    # A pre-screen so that a FIFO or device is normally not even opened; the fstat after opening decides.
-    try:
-        pre = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        raise Refused("vanished", name) from None
+    # Also a pre-screen so that a FIFO or device is normally not even opened; the fstat after opening decides.
+    pre = _entry(dir_fd, name)
     if stat.S_ISLNK(pre.st_mode):
         raise Refused("a symlink", name)
     if not stat.S_ISREG(pre.st_mode):
@@ -336,9 +346,15 @@ def read_capped_at(dir_fd: int, name: str, cap: int) -> bytes:
             raise Refused("a symlink", name) from None
         raise Refused(f"cannot be opened ({errno.errorcode.get(e.errno or 0, e.errno)})", name) from None
     try:
-        return read_capped_fd(fd, cap, name)
+        data = read_capped_fd(fd, cap, name)
+        opened = os.fstat(fd)
     finally:
         os.close(fd)
+    post = _entry(dir_fd, name)
+    inode = (opened.st_dev, opened.st_ino)
+    if (pre.st_dev, pre.st_ino) != inode or (post.st_dev, post.st_ino) != inode:
+        raise Refused("replaced while being read", name)
+    return data
 
 
 def read_capped_fd(fd: int, cap: int, name: str | None = None) -> bytes:

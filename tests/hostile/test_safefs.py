@@ -698,6 +698,183 @@ def test_copy_refuses_a_fifo_source(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["fifo"]
 
 
+# --- races: the agent is live while the kernel works --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def agent_loop(step: Callable[[int], None]) -> Iterator[None]:
+    """Run `step(i)` for i = 0, 1, ... in another thread until the block ends (the agent acting concurrently)."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                step(i)
+                i += 1
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, f"the agent thread failed: {errors[0]!r}"
+
+
+def test_reads_racing_a_swapping_agent_never_return_a_foreign_file(
+    ch: Channel, ws: Path, outside: Path
+) -> None:
+    secret = outside / "secret"
+    secret.write_bytes(b"SECRET")
+    rq = requests_dir(ws)
+    name = rq / "abc.json"
+    name.write_bytes(b"ok")
+    # The agent got one link to the foreign file into its channel and keeps it; it has no access outside.
+    held = rq / ".held"
+    os.link(secret, held)
+
+    def swap(i: int) -> None:
+        tmp = rq / ".swap"
+        kind = i % 4
+        if kind == 0:
+            tmp.symlink_to(secret)
+        elif kind == 1:
+            os.link(held, tmp)
+        elif kind == 2:
+            os.mkfifo(tmp)
+        else:
+            tmp.write_bytes(b"ok")
+        os.replace(tmp, name)
+
+    outcomes: set[str] = set()
+    with agent_loop(swap), deadline(10):
+        for _ in range(1500):
+            try:
+                data = ch.read_request("abc")
+            except Refused as e:
+                outcomes.add(e.reason.split(" (")[0])  # st_nlink varies with the interleaving
+            else:
+                assert data == b"ok"
+                outcomes.add("read")
+    assert outcomes <= {
+        "read",
+        "a symlink",
+        "hardlinked",
+        "not a regular file",
+        "vanished",
+        "replaced while being read",
+        "changed while being read",
+    }
+    assert secret.read_bytes() == b"SECRET"
+
+
+def test_a_hardlink_dropped_while_the_kernel_reads_is_not_read(ch: Channel, ws: Path, outside: Path) -> None:
+    # The agent's last link to a foreign file sits at the request name; it swaps a plain file over it while the
+    # kernel reads, so the foreign file is singly linked again by the time the kernel fstats it. The kernel must
+    # notice that the name no longer leads to what it opened. (Each trial hands the agent a fresh link, never
+    # while a read is in flight: an agent that can keep relinking a foreign name could read that file itself.)
+    secret = outside / "secret"
+    secret.write_bytes(b"SECRET")
+    rq = requests_dir(ws)
+    name = rq / "abc.json"
+    start = threading.Barrier(2, timeout=5)
+    done = threading.Barrier(2, timeout=5)
+    trials = 200
+
+    def agent() -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            for _ in range(trials):
+                (rq / ".plain").write_bytes(b"ok")
+                start.wait()
+                os.replace(rq / ".plain", name)
+                done.wait()
+
+    t = threading.Thread(target=agent)
+    t.start()
+    outcomes: set[str] = set()
+    try:
+        for _ in range(trials):
+            with contextlib.suppress(FileNotFoundError):
+                name.unlink()
+            os.link(secret, name)
+            start.wait()
+            with deadline(5):
+                while True:  # read until a read sees the swap: that read is the one racing it
+                    try:
+                        data = ch.read_request("abc")
+                    except Refused as e:
+                        if e.reason == "hardlinked (st_nlink=2)":
+                            continue
+                        outcomes.add(e.reason)
+                    else:
+                        assert data == b"ok", "the kernel read the foreign file"
+                        outcomes.add("read")
+                    break
+            done.wait()
+    finally:
+        start.abort()
+        done.abort()
+        t.join()
+    assert outcomes <= {"read", "replaced while being read", "changed while being read", "vanished"}
+
+
+def test_writes_racing_a_link_planting_agent_never_touch_the_victim(
+    ch: Channel, ws: Path, outside: Path
+) -> None:
+    victim = outside / "victim"
+    victim.write_bytes(b"precious")
+    answers = chan(ws) / ChannelPaths.ANSWERS
+
+    def plant(i: int) -> None:
+        tmp = answers / ".plant"
+        if i % 2:
+            tmp.symlink_to(victim)
+        else:
+            os.link(victim, tmp)
+        os.replace(tmp, answers / "abc.json")
+
+    with agent_loop(plant):
+        for i in range(300):
+            ch.write_file(ChannelPaths.ANSWERS, "abc.json", b"answer %d" % i)
+    assert victim.read_bytes() == b"precious"
+    assert kernel_temps_in(answers) == []
+
+
+def test_the_requests_directory_swapped_for_a_symlink_mid_stream_is_never_followed(
+    ch: Channel, ws: Path, outside: Path
+) -> None:
+    (outside / "abc.json").write_bytes(b"SECRET")
+    rq = requests_dir(ws)
+    (rq / "abc.json").write_bytes(b"ok")
+    aside = chan(ws) / "requests.aside"
+
+    def swap(i: int) -> None:
+        if i % 2 == 0:
+            os.rename(rq, aside)
+            rq.symlink_to(outside, target_is_directory=True)
+        else:
+            rq.unlink()
+            os.rename(aside, rq)
+
+    outcomes: set[str] = set()
+    with agent_loop(swap):
+        for _ in range(1500):
+            try:
+                data = ch.read_request("abc")
+            except Refused as e:
+                outcomes.add(e.reason)
+            else:
+                assert data == b"ok"
+                outcomes.add("read")
+    assert outcomes <= {"read", "not a directory", "missing"}
+    assert (outside / "abc.json").read_bytes() == b"SECRET"
+
+
 # --- names --------------------------------------------------------------------------------------------------
 
 BAD_NAMES = ["", ".", "..", "a/b", "../x", "/etc/passwd", "x/", "a\0b", "n" * 256, "\ud800"]
