@@ -117,11 +117,15 @@ def _open_subdir(dir_fd: int, name: str, uid: int, shown_as: str) -> int:
     return fd
 
 
-def _open_channel_fd(workspace: str) -> int:
+def _open_workspace(workspace: str) -> int:
     try:
-        ws_fd = open_dir(workspace)
+        return open_dir(workspace)
     except OSError as e:
         raise ChannelMoved(f"workspace {workspace!r} cannot be opened as a directory: {e.strerror}") from None
+
+
+def _open_channel_fd(workspace: str) -> int:
+    ws_fd = _open_workspace(workspace)
     try:
         return os.open(CHANNEL_DIR, _DIR_FLAGS, dir_fd=ws_fd)
     except OSError as e:
@@ -143,14 +147,10 @@ def open_channel(
     """
     ws = os.fspath(workspace)
     if create:
+        ws_fd = _open_workspace(ws)
         try:
-            ws_fd = open_dir(ws)
-        except OSError as e:
-            raise ChannelMoved(f"workspace {ws!r} cannot be opened as a directory: {e.strerror}") from None
-        try:
-            os.mkdir(CHANNEL_DIR, 0o755, dir_fd=ws_fd)
-        except FileExistsError:
-            pass
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(CHANNEL_DIR, 0o755, dir_fd=ws_fd)
         finally:
             os.close(ws_fd)
     fd = _open_channel_fd(ws)
