@@ -215,10 +215,11 @@ class Service:
                     await self._loop(recv)
             finally:
                 tg.cancel_scope.cancel()
+                send.close()
                 if self.watcher is not None:
                     self.watcher.stop()
-                    await anyio.to_thread.run_sync(self.watcher.join, 10.0)
-                send.close()
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(self.watcher.join, 10.0)
         log.event("stopped", answered=self.pipeline.answered)
 
     def _take(self, key: str) -> None:
