@@ -395,7 +395,7 @@ def scancel(s: State, args: list[str]) -> Result:
         for k in keys:
             t = job["tasks"].get(k)
             if t is not None and t["state"] in ACTIVE:
-                _move(s, job, t, "CANCELLED", "0:15", "None", s["uid"])
+                _move(s, job, t, "CANCELLED", "0:15", t["reason"], s["uid"])
     return Result(1 if errors else 0, stderr="".join(errors))
 
 
