@@ -1,0 +1,145 @@
+"""The lifecycle tables: every legal transition works, every other one raises, and the graph has the promised shape."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from channel.lifecycle import (
+    SLEEP_TERMINAL,
+    SLEEP_TRANSITIONS,
+    TASK_TRANSITIONS,
+    IllegalTransition,
+    SleepEvent,
+    TaskEvent,
+    next_sleep_state,
+    next_task_state,
+    render_tables,
+    sleep_states,
+)
+from channel.messages import TERMINAL_TASK_STATES
+
+SLEEP_STATES = sleep_states()
+TASK_STATES = ["PENDING", "RUNNING", *sorted(TERMINAL_TASK_STATES)]
+
+
+def test_sleep_states_in_lifecycle_order() -> None:
+    assert SLEEP_STATES == [
+        "received",
+        "validated",
+        "rejected",
+        "snapshotted",
+        "submitted",
+        "running",
+        "gathered",
+        "woken",
+    ]
+    happy = ["received", "validated", "snapshotted", "submitted", "running", "gathered", "woken"]
+    events = [
+        SleepEvent.VALIDATE,
+        SleepEvent.SNAPSHOT,
+        SleepEvent.SUBMIT,
+        SleepEvent.START,
+        SleepEvent.GATHER,
+    ]
+    events.append(SleepEvent.WAKE)
+    state = "received"
+    for event, expected in zip(events, happy[1:], strict=True):
+        state = next_sleep_state(state, event)
+        assert state == expected
+
+
+@pytest.mark.parametrize(("key", "target"), list(SLEEP_TRANSITIONS.items()), ids=str)
+def test_every_legal_sleep_transition(key: tuple[str, SleepEvent], target: str) -> None:
+    assert next_sleep_state(*key) == target
+
+
+@pytest.mark.parametrize(
+    ("state", "event"),
+    [k for k in itertools.product(SLEEP_STATES, SleepEvent) if k not in SLEEP_TRANSITIONS],
+    ids=str,
+)
+def test_every_illegal_sleep_transition_raises(state: str, event: SleepEvent) -> None:
+    with pytest.raises(IllegalTransition, match=state):
+        next_sleep_state(state, event)
+
+
+def test_rejection_only_before_any_job_is_submitted() -> None:
+    sources = {s for (s, e) in SLEEP_TRANSITIONS if e is SleepEvent.REJECT}
+    assert sources == {"received", "validated", "snapshotted"}
+
+
+def test_terminal_sleep_states_have_no_way_out() -> None:
+    assert {"woken", "rejected"} == SLEEP_TERMINAL
+    assert not [k for k in SLEEP_TRANSITIONS if k[0] in SLEEP_TERMINAL]
+
+
+def test_every_sleep_state_is_reachable_and_can_end() -> None:
+    reach = {"received"}
+    while True:
+        more = {d for (s, _), d in SLEEP_TRANSITIONS.items() if s in reach} - reach
+        if not more:
+            break
+        reach |= more
+    assert reach == set(SLEEP_STATES)
+    for state in SLEEP_STATES:
+        seen, frontier = {state}, {state}
+        while frontier:
+            frontier = {d for (s, _), d in SLEEP_TRANSITIONS.items() if s in frontier} - seen
+            seen |= frontier
+        assert seen & SLEEP_TERMINAL, f"{state} can never end"
+
+
+def test_a_checkpoint_gathers_straight_from_submitted() -> None:
+    assert next_sleep_state("submitted", SleepEvent.GATHER) == "gathered"
+
+
+@pytest.mark.parametrize(
+    ("state", "event", "outcome"),
+    [(s, e, o) for (s, e), outs in TASK_TRANSITIONS.items() for o in sorted(outs)],
+    ids=str,
+)
+def test_every_legal_task_transition(state: str, event: TaskEvent, outcome: str) -> None:
+    assert next_task_state(state, event, outcome) == outcome
+    if len(TASK_TRANSITIONS[(state, event)]) == 1:
+        assert next_task_state(state, event) == outcome
+
+
+@pytest.mark.parametrize(
+    ("state", "event"),
+    [k for k in itertools.product(TASK_STATES, TaskEvent) if k not in TASK_TRANSITIONS],
+    ids=str,
+)
+def test_every_illegal_task_transition_raises(state: str, event: TaskEvent) -> None:
+    with pytest.raises(IllegalTransition):
+        next_task_state(state, event)
+    for outcome in TASK_STATES:
+        with pytest.raises(IllegalTransition):
+            next_task_state(state, event, outcome)
+
+
+@pytest.mark.parametrize(("state", "event"), list(TASK_TRANSITIONS), ids=str)
+def test_a_task_outcome_outside_the_event_raises(state: str, event: TaskEvent) -> None:
+    allowed = TASK_TRANSITIONS[(state, event)]
+    for outcome in set(TASK_STATES) - allowed:
+        with pytest.raises(IllegalTransition, match=outcome):
+            next_task_state(state, event, outcome)
+    if len(allowed) > 1:
+        with pytest.raises(IllegalTransition, match="needs one of"):
+            next_task_state(state, event)
+
+
+def test_terminal_task_states_never_change() -> None:
+    for state, event in itertools.product(sorted(TERMINAL_TASK_STATES), TaskEvent):
+        with pytest.raises(IllegalTransition):
+            next_task_state(state, event)
+
+
+def test_render_tables_lists_every_transition() -> None:
+    text = render_tables()
+    for (s, e), d in SLEEP_TRANSITIONS.items():
+        assert f"| `{s}` | `{e.value}` | `{d}` |" in text
+    for (s, e), outs in TASK_TRANSITIONS.items():
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{s}` | `{e.value}` |"))
+        assert all(f"`{o}`" in row for o in outs)
