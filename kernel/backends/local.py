@@ -166,6 +166,8 @@ class LocalBackend:
                     self._wake = anyio.Event()
             finally:
                 self._tg = None
+                self._exits_in.close()
+                self._exits_out.close()
 
     def _poke(self) -> None:
         self._wake.set()

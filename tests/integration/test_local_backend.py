@@ -1,0 +1,351 @@
+"""The local backend running real job wrappers on real snapshots (jail 'none' here; bwrap in test_jail_bwrap).
+
+Timing facts come from the wrapper's own `started`/`ended` files; waits are on conditions with deadlines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+import pytest
+
+from kernel import jobscript
+from kernel import snapshot as S
+from kernel.backends import local as L
+from kernel.backends.base import JobSpec, TaskExit
+from kernel.jail import JailPolicy
+
+T = TypeVar("T")
+PLAIN_GIT = {
+    "PATH": "/usr/bin:/bin",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_CONFIG_SYSTEM": "/dev/null",
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.invalid",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.invalid",
+}
+NONE = JailPolicy(kind="none")
+
+
+@dataclass
+class World:
+    root: Path
+    ws: Path
+    run_dir: Path
+    scratch: Path
+    snap: S.Snapshot
+
+    def spec(self, launch: str, command: str, **kw: Any) -> JobSpec:
+        fields: dict[str, Any] = {
+            "workspace": "ws-test",
+            "workspace_path": str(self.ws),
+            "seq": 1,
+            "launch": launch,
+            "run_dir": str(self.run_dir),
+            "command": command,
+            "commit": self.snap.commit,
+            "tree": self.snap.tree,
+            "minutes": 5,
+            "jail": NONE,
+            "scratch": str(self.scratch),
+            "kill_grace_s": 1.0,
+        }
+        fields.update(kw)
+        spec = JobSpec(**fields)
+        jobscript.write_launch(spec)
+        return spec
+
+
+def make_world(root: Path, files: dict[str, str] | None = None) -> World:
+    ws = root / "ws"
+    ws.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=ws, env=PLAIN_GIT, check=True)
+    for rel, text in (files or {"train.py": "print('committed')\n"}).items():
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text(text)
+    subprocess.run(["git", "add", "-A"], cwd=ws, env=PLAIN_GIT, check=True)
+    subprocess.run(["git", "commit", "-qm", "init"], cwd=ws, env=PLAIN_GIT, check=True)
+    (ws / "dirty.txt").write_text("measured as it is\n")
+    kernel_tmp = root / "kernel-tmp"
+    kernel_tmp.mkdir()
+    snap = anyio.run(lambda: S.take_snapshot(ws, S.snapshot_ref("ws-test", 1), tmp_dir=kernel_tmp))
+    (root / "runs").mkdir()
+    (root / "scratch").mkdir()
+    return World(root, ws, root / "runs", root / "scratch", snap)
+
+
+def kill_leftovers(run_dir: Path) -> None:
+    """Never leave a wrapper running after a test, whatever it asserted."""
+    for pid_file in run_dir.rglob(L.PID_FILE):
+        rec = msgspec.json.decode(pid_file.read_bytes(), type=L.PidRecord)
+        if rec.pid is not None and L.is_same_process(rec):
+            os.killpg(rec.pid, signal.SIGKILL)
+            with_deadline(lambda pid=rec.pid: L.proc_start_ticks(pid) is None, 10)
+        if rec.pid is not None:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(rec.pid, os.WNOHANG)
+
+
+def with_deadline(cond: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {seconds} s")
+        time.sleep(0.01)
+
+
+async def wait_for(cond: Callable[[], bool], seconds: float = 20.0) -> None:
+    """Poll a filesystem condition the job creates (it raises no event we could wait on)."""
+    with anyio.fail_after(seconds):
+        while True:
+            if cond():
+                return
+            await anyio.sleep(0.01)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    w = make_world(tmp_path)
+    yield w
+    kill_leftovers(w.run_dir)
+
+
+def with_backend(fn: Callable[[L.LocalBackend], Awaitable[T]], **kw: Any) -> T:
+    """Run `fn` against a served LocalBackend; the service loop stops afterwards (jobs are not killed)."""
+
+    async def main() -> T:
+        backend = L.LocalBackend(**kw)
+        async with anyio.create_task_group() as tg:
+            await tg.start(backend.run)
+            try:
+                return await fn(backend)
+            finally:
+                tg.cancel_scope.cancel()
+
+    return anyio.run(main)
+
+
+async def exits(backend: L.LocalBackend, n: int, seconds: float = 60.0) -> list[TaskExit]:
+    with anyio.fail_after(seconds):
+        return [await backend.wait_any_exit() for _ in range(n)]
+
+
+def result(spec: JobSpec, task: int = 0) -> jobscript.ExitRecord:
+    rec = jobscript.read_exit(spec.task_dir(task))
+    assert rec is not None, f"{spec.task_dir(task)} has no exit-code"
+    return rec
+
+
+def text(spec: JobSpec, name: str, task: int = 0) -> str:
+    return (spec.task_dir(task) / name).read_text()
+
+
+def intervals(spec: JobSpec) -> list[tuple[float, float]]:
+    out = []
+    for t in range(spec.array):
+        started = jobscript.read_timestamp(spec.task_dir(t), "started")
+        ended = jobscript.read_timestamp(spec.task_dir(t), "ended")
+        assert started is not None
+        assert ended is not None
+        out.append((started.timestamp(), ended.timestamp()))
+    return sorted(out)
+
+
+# --- tests -------------------------------------------------------------------------------------------------
+
+
+def test_success_failure_and_outputs(world: World) -> None:
+    ok = world.spec("ok", "cat dirty.txt; echo to-err >&2")
+    bad = world.spec("bad", "echo failing; exit 3")
+
+    async def go(b: L.LocalBackend) -> list[TaskExit]:
+        await b.submit(ok)
+        await b.submit(bad)
+        return await exits(b, 2)
+
+    done = with_backend(go)
+    assert {(e.key, e.task) for e in done} == {(ok.key, 0), (bad.key, 0)}
+    assert result(ok) == msgspec.structs.replace(result(ok), code=0, kind="exited")
+    assert text(ok, "stdout") == "measured as it is\n"
+    assert text(ok, "stderr") == "to-err\n"
+    assert (result(bad).code, result(bad).kind) == (3, "exited")
+    assert list(world.scratch.iterdir()) == [], "scratch must be removed on every exit"
+
+
+def test_empty_command_and_failed_materialisation_have_their_own_codes(world: World) -> None:
+    empty = world.spec("empty", "  \n")
+    broken = world.spec("broken", "true", commit="0" * 40)
+
+    async def go(b: L.LocalBackend) -> None:
+        await b.submit(empty)
+        await b.submit(broken)
+        await exits(b, 2)
+
+    with_backend(go)
+    assert (result(empty).code, result(empty).kind) == (jobscript.EXIT_EMPTY_COMMAND, "empty_command")
+    assert (result(broken).code, result(broken).kind) == (
+        jobscript.EXIT_MATERIALISE_FAILED,
+        "materialise_failed",
+    )
+    assert "[syscall-wrapper]" in text(broken, "stderr")
+    assert list(world.scratch.iterdir()) == []
+
+
+def test_walltime_kills_and_records_timeout(world: World) -> None:
+    spec = world.spec("slow", "echo ready; sleep 60", minutes=1)
+
+    async def go(b: L.LocalBackend) -> float:
+        t0 = time.monotonic()
+        await b.submit(spec)
+        await exits(b, 1)
+        return time.monotonic() - t0
+
+    elapsed = with_backend(go, seconds_per_minute=1.0)
+    rec = result(spec)
+    assert (rec.code, rec.kind, rec.signal) == (jobscript.EXIT_TIMEOUT, "timeout", "SIGUSR2")
+    assert elapsed < 30
+    assert text(spec, "stdout") == "ready\n"
+    assert (spec.task_dir(0) / "ended").exists()
+
+
+def test_array_with_concurrency_one_runs_one_task_at_a_time(world: World) -> None:
+    spec = world.spec("sweep", 'echo "$SWEEP_INDEX $SLURM_ARRAY_TASK_ID"; sleep 0.3', array=3, concurrency=1)
+
+    async def go(b: L.LocalBackend) -> None:
+        await b.submit(spec)
+        await exits(b, 3)
+
+    with_backend(go, max_parallel=4)
+    spans = intervals(spec)
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end, f"tasks overlapped: {spans}"
+    assert [text(spec, "stdout", t) for t in range(3)] == ["0 0\n", "1 1\n", "2 2\n"]
+
+
+def test_the_global_limit_holds_across_launches(world: World) -> None:
+    a = world.spec("a", "sleep 0.3", array=2)
+    b_ = world.spec("b", "sleep 0.3")
+
+    async def go(b: L.LocalBackend) -> None:
+        await b.submit(a)
+        await b.submit(b_)
+        await exits(b, 3)
+
+    with_backend(go, max_parallel=1)
+    spans = sorted(intervals(a) + intervals(b_))
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end, f"more than one job ran at once: {spans}"
+
+
+def test_cancel_stops_running_tasks_and_finishes_queued_ones(world: World) -> None:
+    spec = world.spec("long", "echo ready; sleep 60", array=2, concurrency=1)
+
+    async def go(b: L.LocalBackend) -> list[TaskExit]:
+        await b.submit(spec)
+        await wait_for(lambda: (spec.task_dir(0) / "stdout").exists() and text(spec, "stdout") == "ready\n")
+        cancelled = await b.cancel(spec.key)
+        assert sorted(r.task for r in cancelled) == [0, 1]
+        return await exits(b, 2)
+
+    done = with_backend(go)
+    assert sorted(e.task for e in done) == [0, 1]
+    running, queued = result(spec, 0), result(spec, 1)
+    assert (running.code, running.kind, running.signal) == (
+        jobscript.EXIT_TERMINATED,
+        "terminated",
+        "SIGTERM",
+    )
+    assert (queued.code, queued.kind) == (jobscript.EXIT_TERMINATED, jobscript.KIND_CANCELLED)
+    assert not (spec.task_dir(1) / "started").exists(), "a cancelled queued task must never start"
+
+
+def test_job_wrappers_do_not_inherit_the_kernels_environment(world: World) -> None:
+    spec = world.spec("env", "env")
+
+    async def go(b: L.LocalBackend) -> None:
+        await b.submit(spec)
+        await exits(b, 1)
+
+    with_backend(go, base_env={"PATH": "/usr/bin:/bin", "KERNEL_SECRET_TOKEN": "hunter2"})
+    out = text(spec, "stdout")
+    assert "hunter2" not in out
+    assert "KERNEL_SECRET_TOKEN" not in out
+    assert "SWEEP_INDEX=0" in out
+
+
+def test_submit_is_idempotent_per_launch(world: World) -> None:
+    spec = world.spec("once", "echo run >> /dev/stdout")
+
+    async def go(b: L.LocalBackend) -> None:
+        first = await b.submit(spec)
+        assert await b.submit(spec) == first
+        await exits(b, 1)
+        with anyio.move_on_after(0.5):
+            extra = await b.wait_any_exit()
+            raise AssertionError(f"a second exit: {extra}")
+
+    with_backend(go)
+    assert text(spec, "stdout") == "run\n"
+
+
+def test_a_restarted_backend_recovers_running_and_finished_jobs(world: World) -> None:
+    quick = world.spec("quick", "echo done")
+    # Task 0 runs until cancelled; task 1 (queued behind it) ends at once.
+    cmd = 'if [ "$SWEEP_INDEX" = 0 ]; then echo ready; sleep 60; fi; echo done'
+    long = world.spec("long", cmd, array=2, concurrency=1)
+
+    async def before_crash(b: L.LocalBackend) -> None:
+        await b.submit(quick)
+        await b.submit(long)
+        await exits(b, 1)
+        await wait_for(lambda: (long.task_dir(0) / "stdout").exists() and text(long, "stdout") == "ready\n")
+        # The service loop is cancelled without any cleanup: like a kernel crash, the wrappers live on.
+
+    with_backend(before_crash, max_parallel=4)
+    pid = msgspec.json.decode((long.task_dir(0) / L.PID_FILE).read_bytes(), type=L.PidRecord)
+    assert L.is_same_process(pid), "the job must survive the backend going away"
+    assert jobscript.read_exit(long.task_dir(0)) is None
+
+    async def after_restart(b: L.LocalBackend) -> list[TaskExit]:
+        found = await b.recover(world.run_dir)
+        assert [(r.key, r.task) for r in found.finished] == [(quick.key, 0)]
+        assert [(r.key, r.task) for r in found.running] == [(long.key, 0)]
+        assert [(r.key, r.task) for r in found.requeued] == [(long.key, 1)]
+        assert found.lost == ()
+        assert await b.recover(world.run_dir) == L.Recovered((), (), (), ())  # already adopted
+        await b.cancel(long.key, [0])
+        return await exits(b, 2)
+
+    done = with_backend(after_restart, max_parallel=4)
+    assert sorted(e.task for e in done) == [0, 1]
+    assert result(long, 0).kind == "terminated"
+    assert (result(long, 1).code, result(long, 1).kind) == (0, "exited"), "the queued task ran after recovery"
+    assert text(quick, "stdout") == "done\n"
+
+
+def test_recovery_marks_a_wrapper_that_vanished_as_lost(world: World) -> None:
+    spec = world.spec("ghost", "true")
+    tdir = spec.task_dir(0)
+    L._write(spec.paths.launch_dir / L.SPEC_FILE, msgspec.json.encode(spec))
+    # Claimed, spawn never returned (kernel died in between): never run twice, reported as lost.
+    L._write(tdir / L.PID_FILE, msgspec.json.encode(L.PidRecord(pid=None)))
+
+    async def go(b: L.LocalBackend) -> L.Recovered:
+        return await b.recover(world.run_dir)
+
+    found = with_backend(go)
+    assert [(r.key, r.task) for r in found.lost] == [(spec.key, 0)]
+    assert (result(spec).code, result(spec).kind) == (jobscript.EXIT_LOST, jobscript.KIND_LOST)
+    assert not (tdir / "started").exists()
