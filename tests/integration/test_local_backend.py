@@ -10,6 +10,7 @@ import itertools
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -349,3 +350,44 @@ def test_recovery_marks_a_wrapper_that_vanished_as_lost(world: World) -> None:
     assert [(r.key, r.task) for r in found.lost] == [(spec.key, 0)]
     assert (result(spec).code, result(spec).kind) == (jobscript.EXIT_LOST, jobscript.KIND_LOST)
     assert not (tdir / "started").exists()
+
+
+KERNEL_SCRIPT = """
+import sys, anyio, msgspec
+from kernel.backends.base import JobSpec
+from kernel.backends.local import LocalBackend
+spec = msgspec.json.decode(open(sys.argv[1], "rb").read(), type=JobSpec)
+async def main():
+    backend = LocalBackend()
+    async with anyio.create_task_group() as tg:
+        await tg.start(backend.run)
+        await backend.submit(spec)
+        await anyio.sleep_forever()
+anyio.run(main)
+"""
+
+
+def test_jobs_survive_a_sigkilled_kernel_and_a_new_one_adopts_them(world: World) -> None:
+    spec = world.spec("survivor", "echo ready; sleep 60")
+    spec_file = world.root / "spec.json"
+    spec_file.write_bytes(msgspec.json.encode(spec))
+    repo = Path(__file__).resolve().parents[2]
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL_SCRIPT, str(spec_file)], cwd=repo)
+    try:
+        with_deadline(
+            lambda: (spec.task_dir(0) / "stdout").exists() and text(spec, "stdout") == "ready\n", 30
+        )
+    finally:
+        kernel.kill()
+        kernel.wait()
+    pid = msgspec.json.decode((spec.task_dir(0) / L.PID_FILE).read_bytes(), type=L.PidRecord)
+    assert L.is_same_process(pid), "the job died with the kernel"
+
+    async def restarted(b: L.LocalBackend) -> list[TaskExit]:
+        found = await b.recover(world.run_dir)
+        assert [(r.key, r.task) for r in found.running] == [(spec.key, 0)]
+        await b.cancel(spec.key)
+        return await exits(b, 1)
+
+    with_backend(restarted)
+    assert (result(spec).code, result(spec).kind) == (jobscript.EXIT_TERMINATED, "terminated")
