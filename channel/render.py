@@ -110,11 +110,13 @@ def render_verdict(v: Verdict) -> str:
     if v.seed is not None:
         out.append(f"Seed: {v.seed}")
     if v.outcome == "failed":
-        out.append(f"Failed side: {v.failed_side or 'unknown'}; reason: {v.reason or 'unknown'}")
+        out.append(f"Failed side: {v.failed_side or 'unknown'}.")
+        if v.reason:  # may quote the eval's own output
+            out.append(data_block("Why it failed", v.reason))
     elif v.outcome == "unchanged":
         out.append("The candidate's tree equals the base's: nothing was run or charged.")
     elif v.reason:
-        out.append(f"Note: {v.reason}")
+        out.append(data_block("Note", v.reason))
     return "\n".join(out) + "\n"
 
 
