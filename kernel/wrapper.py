@@ -377,7 +377,10 @@ def remove_tree(path: str) -> None:
         except OSError:
             pass
 
-    shutil.rmtree(path, onerror=fix)
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=fix)  # onerror is deprecated from 3.12 on
+    else:
+        shutil.rmtree(path, onerror=fix)
 
 
 # --- running -----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -391,3 +392,34 @@ def test_jobs_survive_a_sigkilled_kernel_and_a_new_one_adopts_them(world: World)
 
     with_backend(restarted)
     assert (result(spec).code, result(spec).kind) == (jobscript.EXIT_TERMINATED, "terminated")
+
+
+def _interpreters() -> list[str]:
+    """Other Pythons on this machine (pyenv), to run job.sh as a compute node's python3 would."""
+    found = []
+    for version in ("3.8", "3.12", "3.13"):
+        # pyenv's shims need pyenv's environment; its real binaries do not.
+        real = sorted(Path("/root/.pyenv/versions").glob(f"{version}.*/bin/python{version}"))
+        exe = str(real[-1]) if real else shutil.which(f"python{version}")
+        if exe is not None:
+            found.append(str(exe))
+    return found
+
+
+@pytest.mark.parametrize("python", _interpreters() or ["missing"])
+def test_the_job_script_runs_on_the_oldest_and_newest_pythons(world: World, python: str) -> None:
+    if python == "missing":
+        pytest.skip("no other Python interpreter on this machine")
+    spec = world.spec(
+        "compat", "mkdir out; echo $SWEEP_INDEX > out/i.txt; cat dirty.txt", array=2, artifacts=("out/i.txt",)
+    )
+    job = spec.paths.launch_dir / "job.sh"
+    for task in range(2):
+        env = jobscript.wrapper_env({"PATH": "/usr/bin:/bin"}, task=task, tmpdir=str(world.scratch))
+        done = subprocess.run(
+            [python, "-W", "error", str(job)], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+        assert (result(spec, task).code, text(spec, "stdout", task)) == (0, "measured as it is\n")
+        assert (spec.task_dir(task) / "artifacts" / "out" / "i.txt").read_text() == f"{task}\n"
+    assert list(world.scratch.iterdir()) == []
