@@ -69,6 +69,10 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
     """The configuration `job.sh` embeds (pure)."""
     paths = spec.paths
     env = J.jail_env(home=J.HOME_TOKEN, eval_seed=spec.eval_seed)
+    # The run directory and the live workspace are never bound; should an operator place them below a bound
+    # system directory, they are masked as well.
+    hide = tuple(dict.fromkeys((*spec.jail.hide, spec.run_dir, spec.workspace_path)))
+    jail = msgspec.structs.replace(spec.jail, hide=hide)
     return {
         "version": 1,
         "key": spec.key,
@@ -80,7 +84,7 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
             "tree": spec.tree,
             "env": git_env(spec.workspace_path),
         },
-        "jail": {"kind": spec.jail.kind, "argv": J.template_argv(spec.jail, gpus=spec.gpus)},
+        "jail": {"kind": spec.jail.kind, "argv": J.template_argv(jail, gpus=spec.gpus)},
         "env": env,
         "index_vars": list(J.INDEX_VARS),
         "forward_vars": list(J.FORWARD_VARS),

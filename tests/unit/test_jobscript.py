@@ -203,3 +203,11 @@ def test_exit_record_round_trip(tmp_path: Path) -> None:
     jobscript.write_exit(tmp_path, rec)
     assert jobscript.read_exit(tmp_path) == rec
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_the_run_dir_and_workspace_are_masked_when_below_a_bound_dir(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, run_dir="/opt/syscall/runs", workspace_path="/usr/local/agents/ws1")
+    argv = _embedded(jobscript.render_job_script(spec))["jail"]["argv"]  # type: ignore[index]
+    tmpfs = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]
+    assert "/opt/syscall/runs" in tmpfs
+    assert "/usr/local/agents/ws1" in tmpfs
