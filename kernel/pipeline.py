@@ -23,7 +23,7 @@ import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Final
 
@@ -55,6 +55,8 @@ from kernel.executor import DispatchRefused, Executor, ExecutorUnavailable, Slee
 from kernel.log import event
 from kernel.store import RequestRow, SleepRow, StoreWorker, WorkspaceRow, timestamp
 
+# Channels listed per pass by a rescan or poll tick (on top of the channels with news).
+SWEEP_PER_PASS: Final = 16
 # Junk names (not `<id>.json`, not a temp file) removed per listing; the rest go at the next listing.
 JUNK_PER_LISTING: Final = 256
 
@@ -89,6 +91,8 @@ class Pipeline:
         self.workspaces: dict[str, WorkspaceRow] = {}
         self.backlog: dict[str, deque[str]] = {}
         self.dirty: set[str] = set()
+        self._sweep: deque[str] = deque()
+        self._swept: set[str] = set()
         self._stuck: dict[str, set[str]] = {}
         self._after: str | None = None
         self._problems: dict[str, str] = {}
@@ -106,14 +110,20 @@ class Pipeline:
         self.dirty &= set(self.workspaces)
 
     def mark(self, key: str) -> None:
+        """A watcher event: the channel has news; list it in the next pass."""
         if key in self.workspaces:
             self.dirty.add(key)
 
-    def mark_all(self) -> None:
-        self.dirty.update(self.workspaces)
+    def sweep(self, keys: Iterable[str] | None = None) -> None:
+        """Rescan (all keys) or poll tick: list these channels, a few per pass, behind the channels with news,
+        so that a sweep of 1,000 quiet channels never sits in front of one request that an event announced."""
+        for key in self.workspaces if keys is None else keys:
+            if key in self.workspaces and key not in self._swept:
+                self._swept.add(key)
+                self._sweep.append(key)
 
     def has_work(self) -> bool:
-        return bool(self.dirty) or any(self.backlog.values())
+        return bool(self.dirty) or bool(self._sweep) or any(self.backlog.values())
 
     def _pending(self) -> dict[str, int]:
         pending = {k: len(q) for k, q in self.backlog.items() if q}
@@ -126,6 +136,13 @@ class Pipeline:
         plan, self._after = rules.plan_pass(
             self._pending(), self._after, self.cfg.batch_per_workspace, self.cfg.batch_per_pass
         )
+        planned = {k for k, _ in plan}
+        for _ in range(min(SWEEP_PER_PASS, len(self._sweep))):
+            key = self._sweep.popleft()
+            self._swept.discard(key)
+            if key in self.workspaces and key not in planned and not self.backlog.get(key):
+                self.dirty.add(key)
+                plan.append((key, self.cfg.batch_per_workspace))
         if not plan:
             return 0
         started = self.pass_started = self.clock()

@@ -65,6 +65,7 @@ class Service:
         self.stopping = False
         self._wait_scope: anyio.CancelScope | None = None
         self._data_version = -1
+        self._watch_problems: dict[str, str] = {}
 
     # --- health -------------------------------------------------------------------------------------------
 
@@ -169,9 +170,12 @@ class Service:
                     finally:
                         os.close(fd)
                 self.polled.discard(row.key)
+                self._watch_problems.pop(row.key, None)
             except (safefs.ChannelMoved, safefs.Refused) as exc:
-                # Left to the rescan, which reports it and re-watches once the channel is back.
-                log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc))
+                # Left to the rescan, which reports it and re-watches once the channel is back; logged once.
+                if self._watch_problems.get(row.key) != str(exc):
+                    self._watch_problems[row.key] = str(exc)
+                    log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc))
             except OSError as exc:
                 # E.g. the inotify watch limit: poll this channel instead of missing it.
                 self.polled.add(row.key)
@@ -206,7 +210,7 @@ class Service:
                 await self.worker.call(self._watch_all, rows)
                 await self.executor.recover()
                 resumed = await self.pipeline.recover()
-                self.pipeline.mark_all()
+                self.pipeline.sweep()
                 log.event("ready", workspaces=len(rows), polled=len(self.polled), resumed=resumed)
                 self.notifier.ready(self.status_line())
                 tg.start_soon(self._pinger)
@@ -249,7 +253,7 @@ class Service:
             if self.watcher is not None:
                 if self.watcher.take_overflow():
                     log.event("rescan", reason="event overflow")
-                    self.pipeline.mark_all()
+                    self.pipeline.sweep()
                 lost = self.watcher.take_lost()
                 if lost:
                     await self.worker.call(self._watch_all, list(self.pipeline.workspaces.values()), lost)
@@ -258,14 +262,13 @@ class Service:
             now = self.clock()
             if now >= next_tick:
                 next_tick = now + self.cfg.poll_seconds
-                for key in self.polled:
-                    self.pipeline.mark(key)
+                self.pipeline.sweep(self.polled)
                 rows = await self.worker.call(self._reload_if_changed)
                 if rows is not None:
                     await self.worker.call(self._apply_rows, rows)
             if now >= next_rescan:
                 next_rescan = now + self.cfg.rescan_seconds
-                self.pipeline.mark_all()
+                self.pipeline.sweep()
                 unwatched = {
                     k for k in self.pipeline.workspaces if k not in self.polled and self.watcher is not None
                 } - {k for k in self.pipeline.workspaces if self.watcher and self.watcher.watching(k)}
