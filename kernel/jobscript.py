@@ -91,6 +91,7 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         "artifacts": list(spec.artifacts),
         "artifact_max_bytes": spec.artifact_max_bytes,
         "artifact_total_max_bytes": spec.artifact_total_max_bytes,
+        "output_max_bytes": spec.output_max_bytes,
         "scratch": spec.scratch,
         "kill_grace_s": spec.kill_grace_s,
     }

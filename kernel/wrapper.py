@@ -425,20 +425,61 @@ class Runner:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
 
-    def run(self, argv: list[str], cwd: str, env: dict[str, str], stdout: int, stderr: int) -> int:
-        # bwrap's --die-with-parent is tied to the thread that forked it: this (main) thread lives to the end.
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-        )
+    def run(self, argv: list[str], cwd: str, env: dict[str, str], stdout: int, stderr: int, cap: int) -> int:
+        """Run the jail with its output copied into `stdout`/`stderr`, each capped at `cap` bytes."""
+        pipes = [os.pipe(), os.pipe()]
+        try:
+            # bwrap's --die-with-parent is tied to the thread that forked it: this (main) thread lives to the end.
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=pipes[0][1],
+                stderr=pipes[1][1],
+                start_new_session=True,
+            )
+        except BaseException:
+            for r, w in pipes:
+                os.close(r)
+                os.close(w)
+            raise
+        copiers = []
+        for (r, w), dest in ((pipes[0], stdout), (pipes[1], stderr)):
+            os.close(w)
+            t = threading.Thread(target=drain, args=(r, dest, cap), daemon=True)
+            t.start()
+            copiers.append(t)
         if self.reason is not None:
             self._stop()
-        return self.proc.wait()
+        status = self.proc.wait()
+        for t in copiers:
+            # An escaped process still holding the pipe must not keep the wrapper from finishing.
+            t.join(self.grace)
+        return status
+
+
+def drain(src: int, dest: int, cap: int) -> None:
+    """Copy `src` into `dest` up to `cap` bytes, then keep reading (so the job never blocks) and count."""
+    written = dropped = 0
+    try:
+        while True:
+            chunk = os.read(src, 1 << 16)
+            if not chunk:
+                break
+            room = cap - written
+            if room > 0:
+                part = chunk[:room]
+                view = memoryview(part)
+                while view:
+                    view = view[os.write(dest, view) :]
+                written += len(part)
+            dropped += max(0, len(chunk) - max(room, 0))
+        if dropped:
+            note = f"\n[syscall-wrapper] output truncated: {dropped} bytes beyond the cap of {cap} were dropped\n"
+            os.write(dest, note.encode())
+    finally:
+        os.close(src)
 
 
 def exit_record(kind: str, code: int, **extra: Any) -> dict[str, Any]:
@@ -492,7 +533,9 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         kind = config["jail"]["kind"]
         argv = render_argv(config["jail"]["argv"], kind, tree, home, work, env, command)
         try:
-            status = runner.run(argv, tree, env, out_fd, err_fd)
+            status = runner.run(
+                argv, tree, env, out_fd, err_fd, int(config.get("output_max_bytes", 64 << 20))
+            )
         except OSError as e:
             note(f"the jail could not be started: {e}")
             return tdir, exit_record(KIND_WRAPPER, EXIT_WRAPPER_ERROR)

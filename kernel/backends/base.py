@@ -21,6 +21,7 @@ from kernel.jail import JailPolicy
 
 DEFAULT_ARTIFACT_MAX_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_ARTIFACT_TOTAL_MAX_BYTES: Final = 256 * 1024 * 1024
+DEFAULT_OUTPUT_MAX_BYTES: Final = 64 * 1024 * 1024
 
 
 class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -44,6 +45,7 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scratch: str | None = None  # node scratch base; None = the node's TMPDIR or /tmp
     artifact_max_bytes: int = DEFAULT_ARTIFACT_MAX_BYTES
     artifact_total_max_bytes: int = DEFAULT_ARTIFACT_TOTAL_MAX_BYTES
+    output_max_bytes: int = DEFAULT_OUTPUT_MAX_BYTES  # per stream (stdout, stderr) of each task
     kill_grace_s: float = 5.0
 
     @property

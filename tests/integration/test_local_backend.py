@@ -423,3 +423,22 @@ def test_the_job_script_runs_on_the_oldest_and_newest_pythons(world: World, pyth
         assert (result(spec, task).code, text(spec, "stdout", task)) == (0, "measured as it is\n")
         assert (spec.task_dir(task) / "artifacts" / "out" / "i.txt").read_text() == f"{task}\n"
     assert list(world.scratch.iterdir()) == []
+
+
+def test_output_beyond_the_cap_is_dropped_and_said_so(world: World) -> None:
+    spec = world.spec(
+        "loud", "head -c 5000 /dev/zero | tr '\\0' x; echo; echo tail >&2", output_max_bytes=1000
+    )
+
+    async def go(b: L.LocalBackend) -> None:
+        await b.submit(spec)
+        await exits(b, 1)
+
+    with_backend(go)
+    out = text(spec, "stdout")
+    assert out.startswith("x" * 1000)
+    assert (
+        out[1000:] == "\n[syscall-wrapper] output truncated: 4001 bytes beyond the cap of 1000 were dropped\n"
+    )
+    assert text(spec, "stderr") == "tail\n"
+    assert result(spec).code == 0
