@@ -20,6 +20,7 @@ from fakes.fake_slurm import FakeSlurm
 
 from channel.paths import RunPaths
 from kernel.slurm import (
+    Resolution,
     SbatchJob,
     SbatchPolicy,
     SqueueResult,
@@ -38,6 +39,7 @@ from kernel.slurm.query import SQUEUE_FORMAT
 pytestmark = pytest.mark.slurm
 
 WS = "it-0123456789"
+SLURM_CLUSTER = Path(__file__).resolve().parents[2] / "scripts" / "slurm-cluster"
 POLICY = SbatchPolicy(mem_mb=64, setup_slack_minutes=0, warn_seconds=120)
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"}
 
@@ -241,6 +243,28 @@ def _wait_states(run: Callable[[list[str]], subprocess.CompletedProcess[str]], j
         if time.monotonic() > deadline:
             pytest.fail(f"job {job} did not reach {state}: {out.stdout!r} {out.stderr!r}")
         time.sleep(0.2)
+
+
+def test_controller_down_is_unknown_never_gone(cluster: Cluster, slurm_conf: Path) -> None:
+    job = cluster.submit(cluster.stage("steady", "#!/bin/sh\nsleep 300\n"))
+    key = (job, None)
+    running = lambda q: key in q.entries and q.entries[key].state == "RUNNING"  # noqa: E731
+    cluster.wait([job], running, "the job to run")
+    ctl = [str(SLURM_CLUSTER), "ctl-stop", str(slurm_conf.parent)]
+    assert cluster.run(ctl).returncode == 0
+    try:
+        # One id: the exit 1 here is "Unable to contact slurm controller", not the "Invalid job id" of a gone
+        # job. (A client retries for 10-20 s against a dead controller, so this asks only once.)
+        q = cluster.squeue([job])
+        assert not q.known, q
+        assert resolve_task(key, exit_code=None, queue=q) == Resolution("wait")
+    finally:
+        started = cluster.run([str(SLURM_CLUSTER), "ctl-start", str(slurm_conf.parent)])
+        assert started.returncode == 0, started.stderr
+    try:
+        cluster.wait([job], running, "the job to be listed RUNNING again after slurmctld returned")
+    finally:
+        cluster.cancel(job)
 
 
 @pytest.mark.slow
