@@ -11,6 +11,7 @@ store; unhandled requests stay on disk for the next start.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -111,11 +112,14 @@ class Service:
         mounts = read_mounts()
         rows = []
         for row in self.store.workspaces():
+            # The watch mode follows the filesystem and the policy follows the config, at every start.
             mode = choose_mode(self.cfg.watch, fs_type_of(row.path, mounts))
-            if mode != row.watch:
+            policy = self.cfg.defaults.policy()
+            if mode != row.watch or policy != row.policy:
                 with self.store.transaction():
                     self.store.set_watch(row.key, mode)
-                row = self.store.workspace(row.key) or row
+                    self.store.set_policy(row.key, policy)
+                row = dataclasses.replace(row, watch=mode, policy=policy)
             rows.append(row)
             self._refresh(row)
         self._data_version = self._read_data_version()

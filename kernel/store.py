@@ -329,6 +329,9 @@ class Store:
     def set_problem(self, key: str, problem: str | None) -> None:
         self._conn.execute("UPDATE workspaces SET problem=? WHERE key=?", (problem, key))
 
+    def set_policy(self, key: str, policy: Policy) -> None:
+        self._conn.execute("UPDATE workspaces SET policy=? WHERE key=?", (msgspec.json.encode(policy), key))
+
     def set_watch(self, key: str, watch: str) -> None:
         self._conn.execute("UPDATE workspaces SET watch=? WHERE key=?", (watch, key))
 
