@@ -588,4 +588,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # exit-code is on disk: leave at once (interpreter teardown only delays the backend's notice).
+    os._exit(rc)

@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -125,12 +126,14 @@ class LocalBackend:
         max_parallel: int | None = None,
         base_env: Mapping[str, str] | None = None,
         seconds_per_minute: float = 60.0,
+        python: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`base_env` is what job wrappers may inherit from (only PATH and the GPU list are taken from it);
         `seconds_per_minute` shortens walltimes for tests and the demo."""
         self.max_parallel = max_parallel or os.cpu_count() or 1
         self.seconds_per_minute = seconds_per_minute
+        self.python = python or sys.executable
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._clock = clock
         self._launches: dict[str, _Launch] = {}
@@ -194,9 +197,10 @@ class LocalBackend:
         job_sh = spec.paths.launch_dir / jobscript.NAMES.JOB_SCRIPT
         out = os.fspath(tdir / jobscript.NAMES.SCHEDULER_OUT)
         env = jobscript.wrapper_env(self._base_env, task=task, tmpdir=spec.scratch)
+        # The kernel's own interpreter runs the (stdlib-only) wrapper: no PATH lookup, no shim, no site import.
         pid = os.posix_spawn(
-            os.fspath(job_sh),
-            [os.fspath(job_sh)],
+            self.python,
+            [self.python, "-I", "-S", os.fspath(job_sh)],
             env,
             setsid=True,
             file_actions=[
