@@ -279,6 +279,15 @@ class LocalBackend:
         launch_dir = spec.paths.launch_dir
         if not (launch_dir / jobscript.NAMES.JOB_SCRIPT).is_file():
             raise FileNotFoundError(f"{launch_dir}: job.sh is missing; write it with kernel.jobscript first")
+        if (launch_dir / SPEC_FILE).exists():
+            # Submitted before a restart that skipped recover(): look before acting, never run a task twice.
+            found: dict[str, list[TaskRef]] = {"running": [], "finished": [], "requeued": [], "lost": []}
+            self._recover_launch(spec, found)
+            for ref in found["finished"] + found["lost"]:
+                tdir = os.fspath(spec.task_dir(ref.task))
+                self._exits_in.send_nowait(TaskExit(key=spec.key, task=ref.task, task_dir=tdir))
+            self._poke()
+            return refs
         _write(launch_dir / SPEC_FILE, msgspec.json.encode(spec))
         self._add(spec, pending=range(spec.array))
         self._poke()
@@ -324,55 +333,50 @@ class LocalBackend:
 
     async def recover(self, run_dir: Path) -> Recovered:
         """Adopt the launches recorded under `run_dir` that this backend does not know yet."""
-        running: list[TaskRef] = []
-        finished: list[TaskRef] = []
-        requeued: list[TaskRef] = []
-        lost: list[TaskRef] = []
+        found: dict[str, list[TaskRef]] = {"running": [], "finished": [], "requeued": [], "lost": []}
         for spec_path in sorted(
             await anyio.to_thread.run_sync(lambda: list(run_dir.glob(f"*/*/*/{SPEC_FILE}")))
         ):
             spec = msgspec.json.decode(spec_path.read_bytes(), type=JobSpec)
-            if spec.key in self._launches:
-                continue
-            la = self._add(spec)
-            for t in range(spec.array):
-                ref = TaskRef(key=spec.key, task=t, job_id=job_id(spec, t))
-                tdir = spec.task_dir(t)
-                if jobscript.read_exit(tdir) is not None:
-                    la.finished.add(t)
-                    finished.append(ref)
-                    continue
-                try:
-                    rec: PidRecord | None = msgspec.json.decode(
-                        (tdir / PID_FILE).read_bytes(), type=PidRecord
-                    )
-                except FileNotFoundError:
-                    rec = None
-                if rec is None:
-                    la.pending.append(t)
-                    requeued.append(ref)
-                elif (
-                    rec.pid is not None and is_same_process(rec) and (proc := self._adopt(rec, t)) is not None
-                ):
-                    la.running[t] = proc
-                    self._to_watch.append((la, proc))
-                    running.append(ref)
-                elif jobscript.read_exit(tdir) is not None:  # it finished while we looked
-                    la.finished.add(t)
-                    finished.append(ref)
-                else:
-                    jobscript.write_exit(
-                        tdir,
-                        jobscript.ExitRecord(
-                            jobscript.EXIT_LOST,
-                            jobscript.KIND_LOST,
-                            detail="the job wrapper was gone without an exit-code when the kernel restarted",
-                        ),
-                    )
-                    la.finished.add(t)
-                    lost.append(ref)
+            if spec.key not in self._launches:
+                self._recover_launch(spec, found)
         self._poke()
-        return Recovered(tuple(running), tuple(finished), tuple(requeued), tuple(lost))
+        return Recovered(*(tuple(found[k]) for k in ("running", "finished", "requeued", "lost")))
+
+    def _recover_launch(self, spec: JobSpec, found: dict[str, list[TaskRef]]) -> None:
+        la = self._add(spec)
+        for t in range(spec.array):
+            ref = TaskRef(key=spec.key, task=t, job_id=job_id(spec, t))
+            tdir = spec.task_dir(t)
+            if jobscript.read_exit(tdir) is not None:
+                la.finished.add(t)
+                found["finished"].append(ref)
+                continue
+            try:
+                rec: PidRecord | None = msgspec.json.decode((tdir / PID_FILE).read_bytes(), type=PidRecord)
+            except FileNotFoundError:
+                rec = None
+            if rec is None:
+                la.pending.append(t)
+                found["requeued"].append(ref)
+            elif rec.pid is not None and is_same_process(rec) and (proc := self._adopt(rec, t)) is not None:
+                la.running[t] = proc
+                self._to_watch.append((la, proc))
+                found["running"].append(ref)
+            elif jobscript.read_exit(tdir) is not None:  # it finished while we looked
+                la.finished.add(t)
+                found["finished"].append(ref)
+            else:
+                jobscript.write_exit(
+                    tdir,
+                    jobscript.ExitRecord(
+                        jobscript.EXIT_LOST,
+                        jobscript.KIND_LOST,
+                        detail="the job wrapper was gone without an exit-code when the kernel restarted",
+                    ),
+                )
+                la.finished.add(t)
+                found["lost"].append(ref)
 
     def _adopt(self, rec: PidRecord, task: int) -> _Proc | None:
         assert rec.pid is not None

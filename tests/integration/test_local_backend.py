@@ -442,3 +442,23 @@ def test_output_beyond_the_cap_is_dropped_and_said_so(world: World) -> None:
     )
     assert text(spec, "stderr") == "tail\n"
     assert result(spec).code == 0
+
+
+def test_resubmitting_after_a_restart_never_runs_a_task_twice(world: World) -> None:
+    spec = world.spec("twice", 'echo "run $SWEEP_INDEX"', array=2, concurrency=1)
+
+    async def first(b: L.LocalBackend) -> None:
+        await b.submit(spec)
+        await exits(b, 2)
+
+    with_backend(first)
+    first_started = [text(spec, "started", t) for t in range(2)]
+
+    async def again(b: L.LocalBackend) -> list[TaskExit]:
+        await b.submit(spec)  # a restarted kernel re-dispatching the same sleep, without recover()
+        return await exits(b, 2)
+
+    done = with_backend(again)
+    assert sorted(e.task for e in done) == [0, 1]
+    assert [text(spec, "started", t) for t in range(2)] == first_started, "a task ran again"
+    assert [text(spec, "stdout", t) for t in range(2)] == ["run 0\n", "run 1\n"]
