@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from datetime import datetime, timezone
 from typing import IO, Any
 
@@ -270,7 +271,7 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
                 os.close(fd)
             os.close(root_fd)
         return len(entries)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a name or link target with a NUL byte
         raise fail(f"materialising the snapshot failed: {e}") from None
     finally:
         os.close(gfd)
@@ -349,10 +350,14 @@ def copy_artifacts(
                             reason = f"larger than the artifact cap of {max_bytes} bytes"
                     else:
                         dest_dir = os.path.join(out_dir, os.path.dirname(rel))
-                        os.makedirs(dest_dir, exist_ok=True)
-                        write_atomic(dest_dir, os.path.basename(rel), b"".join(chunks))
-                        total += size
-                        rec.update(status="copied", size=size, sha256=h.hexdigest())
+                        try:
+                            os.makedirs(dest_dir, exist_ok=True)
+                            write_atomic(dest_dir, os.path.basename(rel), b"".join(chunks))
+                        except OSError as e:  # e.g. "a" and "a/b" both declared
+                            reason = f"could not be stored: {e.strerror}"
+                        else:
+                            total += size
+                            rec.update(status="copied", size=size, sha256=h.hexdigest())
             finally:
                 os.close(fd)
         if reason is not None:
@@ -524,6 +529,10 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
             materialise(config["git"], tree, scratch)
         except WrapperError as e:
             note(str(e))
+            stopped = runner.stopped_for()
+            if stopped is not None:  # the signal also hit git, which is why materialising failed
+                code = EXIT_TIMEOUT if stopped == KIND_TIMEOUT else EXIT_TERMINATED
+                return tdir, exit_record(stopped, code, signal=runner.signal_name)
             return tdir, exit_record(e.kind, e.code)
         if runner.reason is not None:
             note(f"stopped by {runner.signal_name} before the command started")
@@ -561,6 +570,9 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         except OSError as e:
             note(f"copying artifacts failed: {e}")
         return tdir, rec
+    except Exception:  # a wrapper bug must still leave an exit-code that says so
+        note("internal error:\n" + traceback.format_exc())
+        return tdir, exit_record(KIND_WRAPPER, EXIT_WRAPPER_ERROR)
     finally:
         if scratch is not None:
             remove_tree(scratch)
