@@ -57,6 +57,7 @@ GPUS_CEILING = 64
 CANCEL_MAX_NAMES = 8 * 4
 HISTORY_MAX = 100
 HISTORY_DEFAULT = 20
+REQUEST_TYPES = ("sleep", "cancel", "status", "queue", "history")
 # A workspace's ceilings when kernel.json gives none (channel/messages.py Policy).
 DEFAULT_POLICY: dict[str, Any] = {
     "max_minutes": 240,
@@ -64,9 +65,9 @@ DEFAULT_POLICY: dict[str, Any] = {
     "max_concurrent_gpus": 8,
     "network": False,
     "submit": None,
+    "verbs": list(REQUEST_TYPES),
 }
 
-REQUEST_TYPES = ("sleep", "cancel", "status", "queue", "history")
 TERMINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "NODE_FAIL", "PREEMPTED", "VANISHED"}
 )
@@ -74,8 +75,13 @@ ANSWER_TIMEOUT_S = 60.0
 PROGRESS_EVERY_S = 10.0
 ANSWER_MAX_BYTES = 16 * 1024 * 1024
 
-_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-_WHY_BAD_RE = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+# Control characters are Unicode category Cc: C0, DEL and C1 (U+0080-U+009F, which include NEL, a line break).
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_PATH_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_WHY_BAD_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_ASCII_SPACE = " \t\n\r\x0b\x0c"  # "blank" is judged on ASCII whitespace, as every implementation can
+ECHO_MAX_CHARS = 64  # the longest agent-written key an error path names
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 _FENCE_RUN_RE = re.compile(r"`+|~+")
 
 Refusal = Tuple[str, str, Optional[str]]
@@ -102,14 +108,17 @@ def validate_request(
 ) -> Refusal | None:
     """`(code, message, path)` if the kernel would reject `obj` as a request, else None.
 
-    `limits` and `policy` are kernel.json's `limits` and `policy` (missing keys take the protocol defaults);
+    `limits` is kernel.json's `limits` (missing keys take the protocol defaults). `policy` is kernel.json's
+    `policy` (missing keys take the defaults); None skips the policy checks, as the decoder does without one.
     `stem` is the request file's stem when known. Same codes and JSON paths as `channel.decode.decode_request`
     followed by `channel.decode.check_policy`.
     """
     lim = dict(DEFAULT_LIMITS)
     lim.update({k: v for k, v in (limits or {}).items() if k in DEFAULT_LIMITS})
-    pol = dict(DEFAULT_POLICY)
-    pol.update(policy or {})
+    pol: dict[str, Any] | None = None
+    if policy is not None:
+        pol = dict(DEFAULT_POLICY)
+        pol.update(policy)
     try:
         _validate(obj, lim, pol, stem)
     except _Refuse as r:
@@ -123,7 +132,7 @@ def encode_request(obj: Any) -> bytes:
     return text.encode("utf-8") + b"\n"
 
 
-def _validate(obj: Any, lim: dict[str, Any], pol: dict[str, Any], stem: str | None) -> None:
+def _validate(obj: Any, lim: dict[str, Any], pol: dict[str, Any] | None, stem: str | None) -> None:
     _check_surrogates(obj, "$")
     size = len(encode_request(obj))
     if size > lim["request_max_bytes"]:
@@ -133,17 +142,15 @@ def _validate(obj: Any, lim: dict[str, Any], pol: dict[str, Any], stem: str | No
             None,
         )
     if not isinstance(obj, dict):
+        _check_json_limits(obj, lim)
         raise _Refuse("request.not_object", "the request must be a JSON object", "$")
     try:
         _check_shape(obj, lim)
     except _Refuse:
-        if _depth(obj) > lim["json_max_depth"]:
-            raise _Refuse(
-                "json.too_deep",
-                "objects and arrays are nested more than {} levels deep".format(lim["json_max_depth"]),
-                None,
-            ) from None
+        # The decoder runs these JSON-stage checks only when the shape check fails; a valid shape passes them.
+        _check_json_limits(obj, lim)
         raise
+    _check_trailing_newlines(obj, lim)
     if stem is not None and obj["id"] != stem:
         raise _Refuse(
             "request.id.mismatch",
@@ -152,7 +159,43 @@ def _validate(obj: Any, lim: dict[str, Any], pol: dict[str, Any], stem: str | No
         )
     if obj["type"] == "sleep":
         _check_sleep_rules(obj)
+    if pol is not None:
         _check_policy(obj, pol)
+
+
+def _check_json_limits(obj: Any, lim: dict[str, Any]) -> None:
+    if _depth(obj) > lim["json_max_depth"]:
+        raise _Refuse(
+            "json.too_deep",
+            "objects and arrays are nested more than {} levels deep".format(lim["json_max_depth"]),
+            None,
+        )
+    if _int_out_of_range(obj):
+        raise _Refuse(
+            "json.number_out_of_range",
+            "an integer is out of range (an integer must fit 64 bits signed)",
+            None,
+        )
+
+
+def _int_out_of_range(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return any(_int_out_of_range(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_int_out_of_range(v) for v in obj)
+    return type(obj) is int and not INT_MIN <= obj <= INT_MAX
+
+
+def _check_trailing_newlines(obj: dict[str, Any], lim: dict[str, Any]) -> None:
+    """The pattern checks' last step: Python's `$` also matches before a final newline; the protocol's does not."""
+    if obj["id"].endswith("\n"):
+        raise _Refuse("request.id.invalid", "id must match {}".format(lim["id_pattern"]), "$.id")
+    code = {"sleep": "launch.name.invalid", "cancel": "cancel.name.invalid"}.get(obj["type"])
+    for i, item in enumerate(obj.get("launches", []) if code else []):
+        name = item["name"] if obj["type"] == "sleep" else item
+        path = f"$.launches[{i}]" + (".name" if obj["type"] == "sleep" else "")
+        if name.endswith("\n"):
+            raise _Refuse(code or "", "{} must match {}".format(path, lim["name_pattern"]), path)
 
 
 def _check_surrogates(obj: Any, path: str) -> None:
@@ -174,7 +217,8 @@ def _check_surrogates(obj: Any, path: str) -> None:
         for k, v in obj.items():
             if isinstance(k, str) and bad(k):
                 raise _Refuse("request.lone_surrogate", "an object key contains an unpaired surrogate", path)
-            _check_surrogates(v, f"{path}.{k}")
+            # a key too long to echo is not named: the path stops at the object that holds it
+            _check_surrogates(v, path if len(k) > ECHO_MAX_CHARS else _join(path, k))
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
             _check_surrogates(v, f"{path}[{i}]")
@@ -243,7 +287,7 @@ def _str(
     def check(v: Any, path: str) -> None:
         if not isinstance(v, str):
             raise _wrong_type(path, "a string", v)
-        if pattern and re.fullmatch(pattern, v) is None:
+        if pattern and re.search(pattern, v) is None:  # msgspec's semantics; see _check_trailing_newlines
             raise _Refuse(invalid, f"{path} must match {pattern}", path)
         if len(v) > max_len:
             raise _Refuse(too_long, f"{path} is longer than {max_len} characters; shorten it", path)
@@ -257,10 +301,11 @@ def _array(max_len: int, too_many: str, item: Check) -> Check:
     def check(v: Any, path: str) -> None:
         if not isinstance(v, list):
             raise _wrong_type(path, "an array", v)
-        if len(v) > max_len:
-            raise _Refuse(too_many, f"{path} has more than {max_len} entries", path)
+        # The decoder reads items as it goes and counts them at the end: item errors come first.
         for i, x in enumerate(v):
             item(x, f"{path}[{i}]")
+        if len(v) > max_len:
+            raise _Refuse(too_many, f"{path} has more than {max_len} entries", path)
 
     return check
 
@@ -279,6 +324,12 @@ def _object(fields: Fields, nullable: bool = False, skip: str = "") -> Check:
             if key == skip:
                 continue
             spec = fields.get(key)
+            if spec is None and len(str(key)) > ECHO_MAX_CHARS:
+                raise _Refuse(
+                    "field.unknown",
+                    f"{path} has a key of {len(str(key))} characters that is not a field of this request",
+                    path,
+                )
             if spec is None:
                 raise _Refuse(
                     "field.unknown",
@@ -313,7 +364,7 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
     def id_check(v: Any, path: str) -> None:
         if not isinstance(v, str):
             raise _wrong_type(path, "a string", v)
-        if re.fullmatch(lim["id_pattern"], v) is None:
+        if re.search(lim["id_pattern"], v) is None:
             raise _Refuse(
                 "request.id.invalid",
                 "id must match {} (lowercase letters, digits, '-'; at most 64)".format(lim["id_pattern"]),
@@ -408,7 +459,7 @@ def artifact_path_problem(path: str) -> str | None:
         return "must not start with '~'"
     if "\\" in path:
         return "must use '/' as the separator (no backslashes)"
-    if _CONTROL_RE.search(path) or "\n" in path or "\t" in path:
+    if _PATH_CONTROL_RE.search(path):
         return "must not contain control characters"
     parts = path.split("/")
     if any(p == "" for p in parts):
@@ -431,7 +482,7 @@ def _check_sleep_rules(req: dict[str, Any]) -> None:
             )
         names.add(name)
         command = launch["command"]
-        if not command.strip():
+        if not command.strip(_ASCII_SPACE):
             raise _Refuse(
                 "launch.command.empty", at + ".command is blank; give a shell command", at + ".command"
             )
@@ -458,6 +509,17 @@ def _check_sleep_rules(req: dict[str, Any]) -> None:
 
 
 def _check_policy(req: dict[str, Any], pol: dict[str, Any]) -> None:
+    verbs = pol.get("verbs", REQUEST_TYPES)
+    if req["type"] not in verbs:
+        raise _Refuse(
+            "policy.verb_disabled",
+            "{} is not enabled for this workspace; it may use: {}".format(
+                req["type"], ", ".join(str(v) for v in verbs) or "nothing"
+            ),
+            "$.type",
+        )
+    if req["type"] != "sleep":
+        return
     for i, launch in enumerate(req.get("launches", [])):
         at = f"$.launches[{i}]"
         minutes, gpus = launch.get("minutes", DEFAULT_LIMITS["minutes_default"]), launch.get("gpus", 0)
@@ -631,8 +693,13 @@ class Channel:
         pol.update(self.info()["policy"])
         return pol
 
+    def enabled_verbs(self) -> list[str]:
+        """The verbs this kernel serves (kernel.json `verbs`) that the workspace's policy allows."""
+        allowed = self.policy.get("verbs", REQUEST_TYPES)
+        return [str(v) for v in self.info()["verbs"] if v in allowed]
+
     def require_verb(self, verb: str, json_mode: bool) -> None:
-        verbs = self.info()["verbs"]
+        verbs = self.enabled_verbs()
         if verb not in verbs:
             refuse(
                 (
@@ -1254,8 +1321,8 @@ def wait_for_wake(ch: Channel, sleep_id: str, deadline: float | None, every: flo
     """Wait for `wakes/<sleep_id>`, printing one line per task as it ends; then print the wake."""
     say = _err if json_mode else _out
     wake_name = sleep_id + (".json" if json_mode else ".md")
-    progress = "status" in ch.info()["verbs"]
-    reported = set()  # (launch, task) already printed as ended
+    progress = "status" in ch.enabled_verbs()
+    reported: set[Any] = set()  # (launch, task) already printed as ended
     status_id: str | None = None
     status_sent = 0.0
     next_status = time.monotonic()
@@ -1264,6 +1331,13 @@ def wait_for_wake(ch: Channel, sleep_id: str, deadline: float | None, every: flo
     poll = _Poll()
     while True:
         if os.path.exists(ch.path("wakes", wake_name)):
+            if announced:  # finish the progress report from the wake itself
+                wake = ch.read_json("wakes", sleep_id + ".json")
+                tasks = [t for t in (wake or {}).get("tasks") or [] if isinstance(t, dict)]
+                _report_ended(say, tasks, reported)
+            if status_id is not None:
+                ch.withdraw(status_id)
+                ch.discard_answer(status_id)
             return _print_wake(ch, sleep_id, json_mode, announced)
         if not settled:
             ans = ch.answer(sleep_id)
@@ -1290,22 +1364,7 @@ def wait_for_wake(ch: Channel, sleep_id: str, deadline: float | None, every: flo
                                 sum(1 for t in tasks if t.get("state") in TERMINAL_STATES),
                             )
                         )
-                    done = sum(1 for t in tasks if t.get("state") in TERMINAL_STATES)
-                    for t in tasks:
-                        key = (t.get("launch"), t.get("task"))
-                        if t.get("state") in TERMINAL_STATES and key not in reported:
-                            reported.add(key)
-                            say(
-                                "  {}[{}] {}  exit {}  {}  ({}/{} done)".format(
-                                    t.get("launch"),
-                                    t.get("task"),
-                                    t.get("state"),
-                                    _exit_str(t.get("exit_code")),
-                                    _elapsed(t.get("elapsed_s")),
-                                    done,
-                                    len(tasks),
-                                )
-                            )
+                    _report_ended(say, tasks, reported)
             elif now - status_sent > max(30.0, every):
                 ch.withdraw(status_id)
                 status_id = None  # unanswered; ask again
@@ -1323,6 +1382,26 @@ def wait_for_wake(ch: Channel, sleep_id: str, deadline: float | None, every: flo
                 {"type": "timeout", "id": sleep_id},
             )
         poll(deadline)
+
+
+def _report_ended(say: Callable[[str], None], tasks: list[dict[str, Any]], reported: set[Any]) -> None:
+    """One line per task that ended since the last report: name, state, exit code, elapsed, done/total."""
+    done = sum(1 for t in tasks if t.get("state") in TERMINAL_STATES)
+    for t in tasks:
+        key = (t.get("launch"), t.get("task"))
+        if t.get("state") in TERMINAL_STATES and key not in reported:
+            reported.add(key)
+            say(
+                "  {}[{}] {}  exit {}  {}  ({}/{} done)".format(
+                    t.get("launch"),
+                    t.get("task"),
+                    t.get("state"),
+                    _exit_str(t.get("exit_code")),
+                    _elapsed(t.get("elapsed_s")),
+                    done,
+                    len(tasks),
+                )
+            )
 
 
 def _settle_staging(ch: Channel) -> None:
