@@ -27,14 +27,14 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from kernel import jobscript
-from kernel.backends.base import JobSpec, Recovered, TaskExit, TaskRef
+from kernel.backends.base import Backend, JobSpec, Recovered, TaskExit, TaskRef
 
 SPEC_FILE: Final = "local.json"
 PID_FILE: Final = "local.pid"
@@ -390,3 +390,7 @@ class LocalBackend:
         remaining = (rec.deadline_wall or math.inf) - time.time()
         # Our own child only if this process spawned it (a test dropping a backend); waitpid tells.
         return _Proc(task=task, pid=rec.pid, pidfd=pidfd, deadline=self._clock() + remaining, child=True)
+
+
+if TYPE_CHECKING:  # mypy checks that LocalBackend is a Backend
+    _conforms: Backend = LocalBackend()
