@@ -429,7 +429,7 @@ async def _snapshot(
 ) -> Snapshot:
     env = git_env(ws, git_dir=f"/proc/self/fd/{fd}")
     names = parse_config_names(
-        await _git(env, ws, fd, "config", "--local", "--no-includes", "--list", "--name-only", "-z")
+        await _git(env, ws, fd, "config", "--no-includes", "--list", "--name-only", "-z")
     )
     refusals, drivers = config_problems(names)
     if refusals:

@@ -276,3 +276,12 @@ def test_git_env_is_built_from_nothing_and_pins_the_dangerous_config() -> None:
 def test_snapshot_ref_refuses_unsafe_keys(bad: str) -> None:
     with pytest.raises(ValueError, match="workspace key"):
         S.snapshot_ref(bad, 1)
+
+
+def test_includes_in_the_worktree_config_are_refused_too(tmp_path: Path) -> None:
+    ws = make_repo(tmp_path, {"a.txt": "a\n"})
+    git(ws, "config", "extensions.worktreeConfig", "true")
+    git(ws, "config", "--worktree", "include.path", str(tmp_path / "elsewhere.cfg"))
+    assert "include" in (ws / ".git" / "config.worktree").read_text()
+    with pytest.raises(S.SnapshotError, match="include"):
+        snap(ws, tmp_path)
