@@ -8,10 +8,12 @@ The workspace is hostile (threat-model.md). So:
 - git never runs anything the workspace chose: hooks, fsmonitor, ssh, credential helpers, pagers, gpg and filter
   drivers are overridden through `GIT_CONFIG_COUNT/KEY/VALUE` (command scope, which beats the repo's config, and
   is not visible in `ps` like `-c` would be); global and system config are `/dev/null`; there is no HOME.
-- git only LISTS files (`ls-tree`, `ls-files`). The kernel reads every file itself, walking directory fds with
-  `O_NOFOLLOW`, so a directory swapped for a symlink mid-snapshot cannot make the kernel read outside the
-  workspace, and content goes to `git fast-import` byte for byte: no clean filter, no eol conversion, whatever
-  the attributes or config say, even if the agent edits them while the snapshot runs.
+- git only LISTS files: HEAD's tree (`ls-tree`) and, against a temporary empty index (`GIT_INDEX_FILE` in a
+  kernel-owned temp dir, so the workspace's own index is neither trusted nor touched), every file not ignored
+  (`ls-files --others`). The kernel reads every file itself, walking directory fds with `O_NOFOLLOW`, so a
+  directory swapped for a symlink mid-snapshot cannot make it read outside the workspace, and the content goes
+  to `git fast-import` byte for byte: unlike `git add`, no clean filter and no eol conversion, whatever the
+  attributes or config say, even if the agent edits them while the snapshot runs.
 - `.git` must be a real directory; alternates, `commondir` and config includes (which make git read outside the
   workspace) are refused with a clear error.
 """
