@@ -198,17 +198,26 @@ class LocalBackend:
         out = os.fspath(tdir / jobscript.NAMES.SCHEDULER_OUT)
         env = jobscript.wrapper_env(self._base_env, task=task, tmpdir=spec.scratch)
         # The kernel's own interpreter runs the (stdlib-only) wrapper: no PATH lookup, no shim, no site import.
-        pid = os.posix_spawn(
-            self.python,
-            [self.python, "-I", "-S", os.fspath(job_sh)],
-            env,
-            setsid=True,
-            file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-                (os.POSIX_SPAWN_OPEN, 1, out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
-                (os.POSIX_SPAWN_DUP2, 1, 2),
-            ],
-        )
+        try:
+            pid = os.posix_spawn(
+                self.python,
+                [self.python, "-I", "-S", os.fspath(job_sh)],
+                env,
+                setsid=True,
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_OPEN, 1, out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
+                    (os.POSIX_SPAWN_DUP2, 1, 2),
+                ],
+            )
+        except OSError as e:
+            # The world's fault (no interpreter, no file descriptors): the task ends, explained; the kernel serves on.
+            detail = f"the job wrapper could not be started: {e}"
+            rec0 = jobscript.ExitRecord(jobscript.EXIT_WRAPPER_ERROR, "wrapper_error", detail=detail)
+            jobscript.write_exit(tdir, rec0)
+            la.finished.add(task)
+            self._exits_in.send_nowait(TaskExit(key=spec.key, task=task, task_dir=os.fspath(tdir)))
+            return
         pidfd = os.pidfd_open(pid)
         walltime = spec.minutes * self.seconds_per_minute
         rec = PidRecord(

@@ -462,3 +462,17 @@ def test_resubmitting_after_a_restart_never_runs_a_task_twice(world: World) -> N
     assert sorted(e.task for e in done) == [0, 1]
     assert [text(spec, "started", t) for t in range(2)] == first_started, "a task ran again"
     assert [text(spec, "stdout", t) for t in range(2)] == ["run 0\n", "run 1\n"]
+
+
+def test_a_wrapper_that_cannot_start_ends_its_task_with_an_explanation(world: World) -> None:
+    spec = world.spec("nopython", "true")
+
+    async def go(b: L.LocalBackend) -> list[TaskExit]:
+        await b.submit(spec)
+        return await exits(b, 1)
+
+    done = with_backend(go, python=str(world.root / "no-such-python"))
+    assert [e.task for e in done] == [0]
+    rec = result(spec)
+    assert (rec.code, rec.kind) == (jobscript.EXIT_WRAPPER_ERROR, "wrapper_error")
+    assert "could not be started" in (rec.detail or "")

@@ -285,3 +285,19 @@ def test_includes_in_the_worktree_config_are_refused_too(tmp_path: Path) -> None
     assert "include" in (ws / ".git" / "config.worktree").read_text()
     with pytest.raises(S.SnapshotError, match="include"):
         snap(ws, tmp_path)
+
+
+def test_pure_helpers() -> None:
+    assert S._cquote(b'a "b"\\c\nd\x7f') == b'"a \\"b\\"\\\\c\\012d\\177"'
+    refusals, drivers = S.config_problems(
+        ["core.bare", "filter.lfs.clean", "filter.a.b.process", "includeif.x.path"]
+    )
+    assert drivers == ["a.b", "lfs"]
+    assert refusals == ["config key 'includeif.x.path' includes another file; includes are refused"]
+    assert S.is_channel_path(b".syscall/requests/x.json")
+    assert not S.is_channel_path(b".syscallx")
+    assert not S.valid_repo_path(b".git/hooks/x")
+    assert S.parse_ls_tree(b"100644 blob aa\tx y\x00160000 commit bb\tsub\x00") == [
+        S._Entry(b"x y"),
+        S._Entry(b"sub", "bb"),
+    ]
