@@ -609,6 +609,10 @@ def _budget_line(b: dict[str, Any]) -> str:
     )
 
 
+def _n(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
+
+
 def _elapsed(v: Any) -> str:
     return "-" if v is None else f"{v:.1f} s"
 
@@ -1055,7 +1059,7 @@ def _render_staging(st: Staging) -> list[str]:
     if not st.launches and st.submit is None:
         lines.append(f"Nothing staged. `{PROG} launch --name N -- CMD` stages a job.")
     else:
-        lines.append(f"Staged for the next sleep ({len(st.launches)} launches):")
+        lines.append("Staged for the next sleep ({}):".format(_n(len(st.launches), "launch", "launches")))
         lines += [_describe_launch(x) for x in st.launches]
         if isinstance(st.submit, dict):
             em = st.submit.get("eval_minutes")
@@ -1267,8 +1271,11 @@ def _render_accepted(ans: dict[str, Any], n_launches: int) -> None:
         )
     else:
         _out(
-            "Sleep {} accepted (#{}): {} launches, {} jobs submitted.".format(
-                ans.get("id"), ans.get("sleep_seq"), n_launches, len(jobs)
+            "Sleep {} accepted (#{}): {}, {} submitted.".format(
+                ans.get("id"),
+                ans.get("sleep_seq"),
+                _n(n_launches, "launch", "launches"),
+                _n(len(jobs), "job", "jobs"),
             )
         )
     for j in jobs:
@@ -1445,7 +1452,7 @@ def cmd_cancel(ch: Channel, args: argparse.Namespace) -> int:
         _json_out(ans)
         return EXIT_OK
     jobs = ans.get("cancelled") or []
-    _out("Cancelled {} jobs of sleep {}.".format(len(jobs), ans.get("sleep")))
+    _out("Cancelled {} of sleep {}.".format(_n(len(jobs), "job", "jobs"), ans.get("sleep")))
     for j in jobs:
         _out("  {}[{}] job {}".format(j.get("launch"), j.get("task"), j.get("job_id") or "-"))
     if isinstance(ans.get("budget"), dict):
@@ -1536,7 +1543,7 @@ def cmd_queue(ch: Channel, args: argparse.Namespace) -> int:
         return EXIT_OK
     jobs = [j for j in ans.get("jobs") or [] if isinstance(j, dict)]
     mine = sum(1 for j in jobs if j.get("mine"))
-    _out(f"Queue: {len(jobs)} jobs on this kernel, {mine} of them yours.")
+    _out("Queue: {} on this kernel, {} of them yours.".format(_n(len(jobs), "job", "jobs"), mine))
     if jobs:
         _out("| mine | workspace | task | state | minutes | gpus | elapsed |")
         _out("|---|---|---|---|---|---|---|")
@@ -1569,7 +1576,7 @@ def cmd_history(ch: Channel, args: argparse.Namespace) -> int:
         _json_out(ans)
         return EXIT_OK
     sleeps = [s for s in ans.get("sleeps") or [] if isinstance(s, dict)]
-    _out(f"History: {len(sleeps)} sleeps of this workspace, newest first.")
+    _out("History: {} of this workspace, newest first.".format(_n(len(sleeps), "sleep", "sleeps")))
     for s in sleeps:
         verdict = " verdict: {}".format(s.get("verdict")) if s.get("verdict") else ""
         woke = " -> {}".format(s.get("woken_at")) if s.get("woken_at") else ""
@@ -1665,7 +1672,9 @@ def _sub(
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--json", action="store_true", help="print JSON (the kernel's answer) instead of text"
+        "--json",
+        action="store_true",
+        help="print JSON instead of text: the kernel's answer (launch, submit, unstage: the staging)",
     )
     common.add_argument(
         "--channel",
@@ -1723,6 +1732,7 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         "Show the kernel, your budget, the current sleep and what is staged.",
         "{p} status",
+        'With --json: {"answer": <the kernel\'s status answer>, "staged": <.syscall/staged.json>}.',
     )
     p.add_argument("--timeout", type=_positive_seconds, help="seconds to wait for the answer (default 60)")
     p.set_defaults(func=cmd_status)

@@ -8,6 +8,7 @@ A thread polls `requests/` and answers each committed request once, then removes
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -24,6 +25,7 @@ from channel.messages import (
     VERBS,
     Accepted,
     Answer,
+    Artifact,
     Budget,
     BudgetFile,
     Cancelled,
@@ -51,7 +53,7 @@ from channel.messages import (
     Wake,
     encode,
 )
-from channel.paths import ChannelPaths
+from channel.paths import CHANNEL_DIR, ChannelPaths
 from channel.render import render_wake
 
 TOOL = Path(__file__).resolve().parents[2] / "tool" / "syscall.py"
@@ -74,6 +76,8 @@ class _Task:
     exit_code: int | None = None
     elapsed_s: float | None = None
     stdout: str = ""
+    artifacts: tuple[str, ...] = ()
+    delivered: tuple[Artifact, ...] = ()
 
 
 @dataclass
@@ -154,12 +158,33 @@ class FakeKernel:
         exit_code: int | None = 0,
         elapsed_s: float = 1.5,
         stdout: str = "",
+        files: dict[str, bytes] | None = None,
     ) -> None:
-        """End one task of the current sleep; when it was the last, write the wake."""
+        """End one task of the current sleep; when it was the last, write the wake.
+
+        `files` are the task's artifacts as the job left them; those the launch named are delivered under
+        `results/<seq>/<launch>[/<task>]/`.
+        """
         with self._lock:
             sleep = self.sleeps[-1]
             t = next(t for t in sleep.tasks if (t.launch, t.task) == (launch, task))
             t.state, t.exit_code, t.elapsed_s, t.stdout = state, exit_code, elapsed_s, stdout
+            array = sum(1 for x in sleep.tasks if x.launch == launch)
+            delivered = []
+            for rel, data in (files or {}).items():
+                if rel not in t.artifacts:
+                    continue
+                parts = ChannelPaths.result_dir(sleep.seq, launch, None if array == 1 else task)
+                dest = self.channel.joinpath(ChannelPaths.RESULTS, *parts, rel)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(data)
+                shown = "/".join((CHANNEL_DIR, ChannelPaths.RESULTS, *parts, rel))
+                delivered.append(
+                    Artifact(
+                        path=rel, delivered=shown, size=len(data), sha256=hashlib.sha256(data).hexdigest()
+                    )
+                )
+            t.delivered = tuple(delivered)
             self._maybe_wake(sleep)
 
     def requests_of(self, verb: str) -> list[bytes]:
@@ -198,6 +223,10 @@ class FakeKernel:
         assert isinstance(verb, str)
         if verb in self.reject_next:
             return Rejected(protocol=1, id=stem, error=self.reject_next.pop(verb))
+        try:
+            check_policy(req, self.policy)
+        except RequestError as err:
+            return rejected(stem, err)
         match req:
             case SleepRequest():
                 return self._sleep(req)
@@ -219,10 +248,6 @@ class FakeKernel:
         return None if isinstance(req, Rejected) else str(req.__struct_config__.tag)
 
     def _sleep(self, req: SleepRequest) -> Answer:
-        try:
-            check_policy(req, self.policy)
-        except RequestError as err:
-            return rejected(req.id, err)
         if self.sleeps and self.sleeps[-1].woken_at is None:
             return Rejected(
                 protocol=1,
@@ -240,7 +265,15 @@ class FakeKernel:
             for task in range(launch.array):
                 self._job += 1
                 sleep.tasks.append(
-                    _Task(launch.name, task, str(self._job), launch.why, launch.minutes, launch.gpus)
+                    _Task(
+                        launch.name,
+                        task,
+                        str(self._job),
+                        launch.why,
+                        launch.minutes,
+                        launch.gpus,
+                        artifacts=launch.artifacts,
+                    )
                 )
         self.sleeps.append(sleep)
         b = self.budget
@@ -361,6 +394,7 @@ class FakeKernel:
                     exit_code=t.exit_code,
                     elapsed_s=t.elapsed_s,
                     stdout_tail=t.stdout,
+                    artifacts=t.delivered,
                     why=t.why,
                 )
                 for t in sleep.tasks

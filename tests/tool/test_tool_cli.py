@@ -166,7 +166,7 @@ def test_stage_sleep_wait_and_read_the_wake(python: str, kernel: FakeKernel, els
         try:
             lines = Lines(proc)
             lines.until(lambda s: s.startswith(f"Waiting for sleep {sleep.id} (3 tasks, 0 done"))
-            kernel.finish("sweep", 0, elapsed_s=41.2)
+            kernel.finish("sweep", 0, elapsed_s=41.2, files={"out/curve.json": b"[0.9, 0.5]"})
             assert "sweep[0] COMPLETED  exit 0  41.2 s  (1/3 done)" in lines.until(lambda s: "sweep[0]" in s)
             kernel.finish("sweep", 1, state="FAILED", exit_code=1, elapsed_s=3.0)
             assert "sweep[1] FAILED  exit 1  3.0 s  (2/3 done)" in lines.until(lambda s: "sweep[1]" in s)
@@ -181,6 +181,10 @@ def test_stage_sleep_wait_and_read_the_wake(python: str, kernel: FakeKernel, els
     wake_md = (kernel.channel / "wakes" / f"{sleep.id}.md").read_text()
     assert wake_md.strip() in rest
     assert "| sweep[1] | FAILED | 1 | 3.0 s |" in rest
+    assert "'.syscall/results/1/sweep/0/out/curve.json' (10 bytes" in rest
+    assert (
+        kernel.channel / "results" / "1" / "sweep" / "0" / "out" / "curve.json"
+    ).read_bytes() == b"[0.9, 0.5]"
     assert f"(The wake is kept at .syscall/wakes/{sleep.id}.md.)" in rest
 
     # `wait` again prints the same wake at once; the budget shows the charge.
@@ -459,6 +463,16 @@ def test_disabled_verb_is_refused(python: str, tmp_path: Path, elsewhere: Path) 
         assert not fk.seen
 
 
+def test_verb_withheld_by_policy_is_refused(python: str, tmp_path: Path, elsewhere: Path) -> None:
+    fk = FakeKernel(tmp_path / "ws", policy=Policy(verbs=("sleep", "cancel", "status", "history")))
+    with fk.running():
+        r = run(python, fk, "queue", cwd=elsewhere)
+        assert r.returncode == 2
+        assert "policy.verb_disabled at $.type" in r.stderr
+        assert not fk.seen
+        assert run(python, fk, "history", cwd=elsewhere).returncode == 0
+
+
 def test_tampered_staging_is_revalidated(python: str, kernel: FakeKernel, elsewhere: Path) -> None:
     assert run(python, kernel, "launch", "--name", "a", "--", "true", cwd=elsewhere).returncode == 0
     data = staged(kernel)
@@ -565,7 +579,7 @@ def test_cancel(python: str, kernel: FakeKernel, elsewhere: Path) -> None:
     assert run(python, kernel, "sleep", cwd=elsewhere).returncode == 0
     r = run(python, kernel, "cancel", "a", cwd=elsewhere)
     assert r.returncode == 0, r.stderr
-    assert "Cancelled 1 jobs of sleep" in r.stdout
+    assert "Cancelled 1 job of sleep" in r.stdout
     assert "  a[0] job " in r.stdout
     j = run(python, kernel, "cancel", "--json", cwd=elsewhere)
     assert j.returncode == 0
@@ -711,7 +725,7 @@ def test_history_and_json(python: str, kernel: FakeKernel, elsewhere: Path) -> N
     kernel.finish("a", 1, state="TIMEOUT", exit_code=None)
     r = run(python, kernel, "history", "--limit", "5", cwd=elsewhere)
     assert r.returncode == 0, r.stderr
-    assert "History: 1 sleeps" in r.stdout
+    assert "History: 1 sleep of" in r.stdout
     assert "a (array 2): COMPLETED x1, TIMEOUT x1" in r.stdout
     for verb in ("history", "queue", "status", "budget"):
         j = run(python, kernel, verb, "--json", cwd=elsewhere)
