@@ -12,7 +12,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import ClassVar, Final
 
 from channel.decode import is_valid_id
 
@@ -87,16 +87,16 @@ class RunPaths:
     seq: int
     launch: str
 
-    COMMAND: Final = "command.txt"
-    JOB_SCRIPT: Final = "job.sh"
-    STDOUT: Final = "stdout"
-    STDERR: Final = "stderr"
-    EXIT_CODE: Final = "exit-code"
-    STARTED: Final = "started"
-    ENDED: Final = "ended"
-    ARTIFACTS: Final = "artifacts"
-    ARTIFACTS_LOG: Final = "artifacts.log"
-    SCHEDULER_OUT: Final = "scheduler.out"
+    COMMAND: ClassVar[str] = "command.txt"
+    JOB_SCRIPT: ClassVar[str] = "job.sh"
+    STDOUT: ClassVar[str] = "stdout"
+    STDERR: ClassVar[str] = "stderr"
+    EXIT_CODE: ClassVar[str] = "exit-code"
+    STARTED: ClassVar[str] = "started"
+    ENDED: ClassVar[str] = "ended"
+    ARTIFACTS: ClassVar[str] = "artifacts"
+    ARTIFACTS_LOG: ClassVar[str] = "artifacts.log"
+    SCHEDULER_OUT: ClassVar[str] = "scheduler.out"
 
     @property
     def sleep_dir(self) -> Path:
