@@ -734,23 +734,16 @@ class Channel:
         directory = self.path("requests")
         tmp = os.path.join(directory, "." + rid + ".tmp")
         final = os.path.join(directory, rid + ".json")
-        flags = (
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        )
         try:
-            fd = os.open(tmp, flags, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_file(tmp, data)
+        except OSError as exc:
+            raise ToolError(EXIT_NO_KERNEL, f"could not write the request into {directory}: {exc}") from None
+        try:
             os.rename(tmp, final)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise ToolError(EXIT_NO_KERNEL, f"could not write the request into {directory}: {exc}") from None
+            raise ToolError(EXIT_NO_KERNEL, f"could not commit the request in {directory}: {exc}") from None
         _fsync_dir(directory)
 
     def read_json(self, *parts: str) -> Any | None:
@@ -786,6 +779,26 @@ class Channel:
         except OSError:
             return False
         return True
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Create `path` (never an existing name, never through a symlink), write all of `data`, fsync.
+
+    On failure a file this call created is removed, so nothing half-written is left behind.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -838,6 +851,10 @@ def refuse(refusal: Refusal, json_mode: bool, where: str = "") -> None:
 def ask(ch: Channel, obj: dict[str, Any], timeout: float, json_mode: bool, question: bool) -> dict[str, Any]:
     """Write `obj` and wait for its answer. A question's answer file is removed once read."""
     ch.write_request(obj)
+    return await_answer(ch, obj, timeout, question)
+
+
+def await_answer(ch: Channel, obj: dict[str, Any], timeout: float, question: bool) -> dict[str, Any]:
     rid = obj["id"]
     deadline = time.monotonic() + timeout
     poll = _Poll()
@@ -921,8 +938,14 @@ class Staging:
         return [str(x.get("name")) if isinstance(x, dict) else "?" for x in self.launches]
 
 
-def _unstage_hint() -> str:
-    return f"Run `{PROG} unstage` to discard it and stage your launches again."
+class StagingError(ToolError):
+    """The staging file cannot be used; `problem` says why, the message adds the way out."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(
+            EXIT_USAGE, f"syscall: {problem}. Run `{PROG} unstage` to discard it and stage again."
+        )
+        self.problem = problem
 
 
 def load_staging(ch: Channel) -> Staging:
@@ -933,13 +956,13 @@ def load_staging(ch: Channel) -> Staging:
     except FileNotFoundError:
         return Staging({})
     except OSError as exc:
-        raise ToolError(EXIT_USAGE, f"syscall: cannot read {where}: {exc}. {_unstage_hint()}") from None
+        raise StagingError(f"cannot read {where}: {exc.strerror}") from None
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise ToolError(EXIT_USAGE, f"syscall: {where} is corrupt ({exc}). {_unstage_hint()}") from None
+        raise StagingError(f"{where} is corrupt ({exc})") from None
     if not isinstance(data, dict) or data.get("tool") != "syscall":
-        raise ToolError(EXIT_USAGE, f"syscall: {where} is not a staging file of this tool. {_unstage_hint()}")
+        raise StagingError(f"{where} is not a staging file of this tool")
     version = data.get("version")
     if version != STAGING_VERSION:
         age = (
@@ -947,9 +970,9 @@ def load_staging(ch: Channel) -> Staging:
             if isinstance(version, int) and not isinstance(version, bool) and version > STAGING_VERSION
             else "an older"
         )
-        raise ToolError(
-            EXIT_USAGE,
-            f"syscall: {where} was written by {age} version of this tool (staging version {version!r}, this tool reads {STAGING_VERSION}). {_unstage_hint()}",
+        raise StagingError(
+            f"{where} was written by {age} version of this tool "
+            f"(staging version {version!r}; this tool reads version {STAGING_VERSION})"
         )
     ok = (
         isinstance(data.get("launches", []), list)
@@ -958,25 +981,22 @@ def load_staging(ch: Channel) -> Staging:
         and isinstance(data.get("pending"), (dict, type(None)))
     )
     if not ok:
-        raise ToolError(EXIT_USAGE, f"syscall: {where} is corrupt (wrong field types). {_unstage_hint()}")
+        raise StagingError(f"{where} is corrupt (wrong field types)")
     return Staging(data)
 
 
 def save_staging(ch: Channel, st: Staging) -> None:
     data = (json.dumps(st.to_json(), ensure_ascii=False, indent=1) + "\n").encode("utf-8")
     tmp = ch.path(f".staged.{secrets.token_hex(4)}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(tmp, flags, 0o644)
+        _write_file(tmp, data)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, ch.path("staged.json"))
+            os.rename(tmp, ch.path("staged.json"))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise ToolError(
             EXIT_USAGE, "syscall: cannot write {}: {}".format(ch.show("staged.json"), exc)
         ) from None
@@ -1164,12 +1184,12 @@ def cmd_submit(ch: Channel, args: argparse.Namespace) -> int:
 def cmd_unstage(ch: Channel, args: argparse.Namespace) -> int:
     try:
         st = load_staging(ch)
-    except ToolError as exc:
+    except StagingError as exc:
         if args.names or args.submit:
             raise
         # The way out of a corrupt or older staging file: start over, keeping nothing of it.
         save_staging(ch, Staging({}))
-        _err(exc.message.split(". Run")[0] + ".")
+        _err(f"syscall: {exc.problem}.")
         _out("Discarded the staging file; nothing is staged now.")
         return EXIT_OK
     reconcile(ch, st)
@@ -1234,11 +1254,14 @@ def cmd_sleep(ch: Channel, args: argparse.Namespace) -> int:
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     answer_timeout = ANSWER_TIMEOUT_S if args.timeout is None else min(ANSWER_TIMEOUT_S, args.timeout)
     try:
-        ans = ask(ch, req, answer_timeout, args.json, question=False)
+        ch.write_request(req)
+    except ToolError:
+        st.pending = None  # never committed: nothing to follow
+        save_staging(ch, st)
+        raise
+    try:
+        ans = await_answer(ch, req, answer_timeout, question=False)
     except ToolError as exc:
-        if not os.path.exists(ch.path("requests", req["id"] + ".json")) and ch.answer(req["id"]) is None:
-            st.pending = None  # never committed: nothing to follow
-            save_staging(ch, st)
         if exc.exit_code == EXIT_TIMEOUT:
             exc.message += " Your staged launches are kept; `{} wait {}` follows the sleep.".format(
                 PROG, req["id"]
@@ -1301,7 +1324,7 @@ def cmd_wait(ch: Channel, args: argparse.Namespace) -> int:
 def _current_sleep(ch: Channel, args: argparse.Namespace) -> str:
     try:
         st = load_staging(ch)
-    except ToolError as exc:
+    except StagingError as exc:
         _err(exc.message)
         st = Staging({})
     else:
@@ -1415,7 +1438,7 @@ def _settle_staging(ch: Channel) -> None:
     """Clear what an accepted sleep committed from the staging file (when it was this tool's sleep)."""
     try:
         st = load_staging(ch)
-    except ToolError:
+    except StagingError:
         return
     if reconcile(ch, st):
         save_staging(ch, st)
@@ -1844,7 +1867,7 @@ def main(argv: list[str] | None = None) -> int:
     except ToolError as exc:
         if args.json and exc.payload is not None:
             _json_out(exc.payload)
-        _err(exc.message)
+        _err(exc.message if exc.message.startswith("syscall:") else "syscall: " + exc.message)
         return exc.exit_code
     except KeyboardInterrupt:
         _err(f"syscall: interrupted; nothing running was stopped (`{PROG} status` shows it).")

@@ -281,3 +281,20 @@ def test_base64_vectors_are_the_only_skipped_encodings() -> None:
                 json.loads(v["request_text"])
         else:
             assert base64.b64decode(v["request_base64"])
+
+
+def test_request_writer_never_opens_an_existing_name(tmp_path: Path) -> None:
+    for sub in ("requests", "answers"):
+        (tmp_path / sub).mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    ch = tool.Channel(str(tmp_path))
+    obj = {"protocol": 1, "id": ch.new_id(), "type": "status"}
+    planted = tmp_path / "requests" / f".{obj['id']}.tmp"
+    planted.symlink_to(victim)
+    with pytest.raises(tool.ToolError) as err:
+        ch.write_request(obj)
+    assert err.value.exit_code == tool.EXIT_NO_KERNEL
+    assert victim.read_text() == "keep me"
+    assert planted.is_symlink()  # not ours: left alone
+    assert not (tmp_path / "requests" / f"{obj['id']}.json").exists()
