@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from fake_kernel import FakeKernel
+from tool_fake_kernel import FakeKernel
 
 from channel.decode import decode_request
 from channel.messages import Rejected

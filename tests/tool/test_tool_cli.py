@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_kernel import FakeKernel
+from tool_fake_kernel import FakeKernel
 
 from channel.messages import Budget, ErrorInfo, EvalContract, Policy
 

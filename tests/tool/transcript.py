@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fake_kernel import FakeKernel
+from tool_fake_kernel import FakeKernel
 
 from channel.messages import EvalContract, Policy
 
