@@ -727,11 +727,19 @@ def test_history_and_json(python: str, kernel: FakeKernel, elsewhere: Path) -> N
     assert r.returncode == 0, r.stderr
     assert "History: 1 sleep of" in r.stdout
     assert "a (array 2): COMPLETED x1, TIMEOUT x1" in r.stdout
-    for verb in ("history", "queue", "status", "budget"):
+    for verb in ("history", "queue"):
         j = run(python, kernel, verb, "--json", cwd=elsewhere)
         assert j.returncode == 0, j.stderr
-        doc = json.loads(j.stdout)
-        assert doc.get("type") == verb or "budget" in doc or "answer" in doc
+        assert json.loads(j.stdout)["type"] == verb
+    j = run(python, kernel, "status", "--json", cwd=elsewhere)
+    doc = json.loads(j.stdout)
+    assert doc["answer"]["type"] == "status"
+    assert doc["answer"]["sleep"]["id"] == kernel.sleeps[-1].id
+    assert doc["staged"]["version"] == 1
+    j = run(python, kernel, "budget", "--json", cwd=elsewhere)
+    assert json.loads(j.stdout) == json.loads((kernel.channel / "budget.json").read_text())
+    j = run(python, kernel, "launch", "--json", "--name", "b", "--", "true", cwd=elsewhere)
+    assert [x["name"] for x in json.loads(j.stdout)["launches"]] == ["b"]
 
 
 def test_budget_without_budget_file_asks_the_kernel(python: str, tmp_path: Path, elsewhere: Path) -> None:

@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,42 @@ def test_vector_parity(vector: dict[str, Any]) -> None:
         assert (refusal[0], refusal[2]) == (expect["error"]["code"], expect["error"]["path"]), vector["name"]
     else:
         assert refusal is None, f"{vector['name']}: the tool refuses a valid request: {refusal}"
+
+
+# Runs under the interpreter being tested: imports the tool file by path and judges each vector.
+_JUDGE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("syscall_tool", sys.argv[1])
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+out = {}
+for v in json.load(sys.stdin):
+    r = tool.validate_request(v["obj"], None, v["policy"], stem=v["stem"])
+    out[v["name"]] = None if r is None else [r[0], r[2]]
+json.dump(out, sys.stdout)
+"""
+
+
+def test_vector_parity_under_each_python(python: str) -> None:
+    cases = []
+    for v in _vectors():
+        if producible(v):
+            cases.append(
+                {"name": v["name"], "obj": _as_object(v)[1], "policy": v.get("policy"), "stem": v["stem"]}
+            )
+    r = subprocess.run(
+        [python, "-c", _JUDGE, str(Path(tool.__file__).resolve())],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    got = json.loads(r.stdout)
+    for v in _vectors():
+        if producible(v):
+            error = v["expect"].get("error")
+            assert got[v["name"]] == (None if error is None else [error["code"], error["path"]]), v["name"]
 
 
 def test_every_locally_checkable_code_is_covered_by_a_vector() -> None:
