@@ -1318,6 +1318,19 @@ def cmd_wait(ch: Channel, args: argparse.Namespace) -> int:
         )
     if sleep_id is None:
         sleep_id = _current_sleep(ch, args)
+    else:
+        known = [
+            ch.path("answers", sleep_id + ".json"),
+            ch.path("requests", sleep_id + ".json"),
+            ch.path("wakes", sleep_id + ".json"),
+            ch.path("wakes", sleep_id + ".md"),
+        ]
+        if not any(os.path.exists(p) for p in known):
+            raise ToolError(
+                EXIT_USAGE,
+                f"syscall: no sleep {sleep_id} is known here (no request, answer or wake); "
+                f"`{PROG} history` lists your sleeps.",
+            )
     return wait_for_wake(ch, sleep_id, deadline, args.every, args.json)
 
 

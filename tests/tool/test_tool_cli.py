@@ -633,6 +633,11 @@ def test_wait_times_out(python: str, kernel: FakeKernel, elsewhere: Path) -> Non
     assert not [p for p in (kernel.channel / "requests").iterdir()]
     bad = run(python, kernel, "wait", "Not-An-Id", cwd=elsewhere)
     assert bad.returncode == 2
+    unknown = run(python, kernel, "wait", "1700000000000-00000000", cwd=elsewhere)
+    assert unknown.returncode == 2
+    assert "no sleep 1700000000000-00000000 is known here" in unknown.stderr
+    by_id = run(python, kernel, "wait", kernel.sleeps[-1].id, "--timeout", "0.2", cwd=elsewhere)
+    assert by_id.returncode == 4
 
 
 def test_wait_without_memory_asks_the_kernel(python: str, kernel: FakeKernel, elsewhere: Path) -> None:
