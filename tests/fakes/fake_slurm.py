@@ -56,6 +56,7 @@ def _new_state(accounting: bool, banner: str, cluster: str | None, first_id: int
         "next_id": first_id,
         "jobs": {},
         "calls": dict.fromkeys(COMMANDS, 0),
+        "last_args": {},
         "log": [],
         "failures": {c: [] for c in COMMANDS},
         "accounting": accounting,
@@ -128,11 +129,27 @@ class FakeSlurm:
         with locked_state(self.state_file) as s:
             s["jobs"][job_id]["purged"] = True
 
-    def fail_next(self, cmd: str, rc: int, stderr: str = "", stdout: str = "", *, act: bool = False) -> None:
+    def fail_next(
+        self,
+        cmd: str,
+        rc: int,
+        stderr: str = "",
+        stdout: str = "",
+        *,
+        act: bool = False,
+        delay: float = 0.0,
+    ) -> None:
         """The next `cmd` exits `rc` with this output; `act` does the work first (an sbatch that timed out after
-        Slurm created the job)."""
+        Slurm created the job); `delay` seconds pass before it answers (a controller that does not respond)."""
         with locked_state(self.state_file) as s:
-            s["failures"][cmd].append({"rc": rc, "stderr": stderr, "stdout": stdout, "act": act})
+            s["failures"][cmd].append(
+                {"rc": rc, "stderr": stderr, "stdout": stdout, "act": act, "delay": delay}
+            )
+
+    def last_args(self, cmd: str) -> list[str]:
+        """The arguments of the latest `cmd` invocation."""
+        args: list[str] = self.state()["last_args"].get(cmd, [])
+        return args
 
     def add_jobs(self, count: int, *, array: int = 1, name_prefix: str = "bench") -> list[str]:
         """Create `count` pending jobs at once, without `count` sbatch invocations (for load benchmarks)."""
@@ -322,7 +339,7 @@ def squeue(s: State, args: list[str]) -> Result:
     lines: list[str] = [] if "-h" in opts or "--noheader" in opts else [fmt.replace("%", "")]
     for job_id, only in found:
         job = s["jobs"][job_id]
-        if job["purged"] or (name is not None and job["name"] != name):
+        if job["purged"] or (name is not None and job["name"] not in name.split(",")):
             continue
         tasks = [(k, t) for k, t in job["tasks"].items() if (only is None or k == only)]
         tasks = [(k, t) for k, t in tasks if all_states or t["state"] in ACTIVE]
@@ -332,22 +349,32 @@ def squeue(s: State, args: list[str]) -> Result:
         if pending and not split:
             throttle = f"%{job['throttle']}" if job["throttle"] else ""
             r = f"{_ranges(sorted(pending))}{throttle}"
-            lines.append(_row(fmt, f"{job_id}_[{r}]", job_id, job_id, r, "PENDING", tasks[0][1]["reason"]))
+            reason = tasks[0][1]["reason"]
+            lines.append(_row(fmt, f"{job_id}_[{r}]", job_id, job_id, r, "PENDING", reason, job["name"]))
             tasks = [(k, t) for k, t in tasks if k == SINGLE or int(k) not in pending]
         for k, t in tasks:
             shown = job_id if k == SINGLE else f"{job_id}_{k}"
             lines.append(
-                _row(fmt, shown, t["own_id"], job_id, "N/A" if k == SINGLE else k, t["state"], t["reason"])
+                _row(
+                    fmt,
+                    shown,
+                    t["own_id"],
+                    job_id,
+                    "N/A" if k == SINGLE else k,
+                    t["state"],
+                    t["reason"],
+                    job["name"],
+                )
             )
     stderr = "slurm_load_jobs error: Invalid job id specified\n" if unknown and not found else ""
     return Result(0, stdout="".join(f"{line}\n" for line in lines), stderr=stderr)
 
 
-def _row(fmt: str, i: str, a: str, f: str, k: str, state: str, reason: str) -> str:
+def _row(fmt: str, i: str, a: str, f: str, k: str, state: str, reason: str, name: str = "") -> str:
     out = fmt
     for token, value in (("%i", i), ("%A", a), ("%F", f), ("%K", k), ("%T", state), ("%r", reason)):
         out = out.replace(token, value)
-    return out
+    return out.replace("%j", name)
 
 
 def sacct(s: State, args: list[str]) -> Result:
@@ -416,9 +443,11 @@ def main(argv: list[str]) -> int:
     with locked_state(state_file) as s:
         s["calls"][cmd] += 1
         s["log"].append([time.time(), cmd])
+        s.setdefault("last_args", {})[cmd] = args
         failure = s["failures"][cmd].pop(0) if s["failures"][cmd] else None
         result = HANDLERS[cmd](s, args) if failure is None or failure["act"] else Result()
     if failure is not None:
+        time.sleep(failure.get("delay", 0.0))
         result = Result(failure["rc"], failure["stdout"], failure["stderr"])
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
