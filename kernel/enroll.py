@@ -15,6 +15,7 @@ config is the agent's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
 import stat
@@ -47,6 +48,7 @@ _GIT_NEUTRAL: Final = (
 )
 
 
+@functools.cache
 def kernel_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

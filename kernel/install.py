@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from channel import safefs
@@ -36,10 +36,10 @@ class ToolMissing(Exception):
 @dataclass(frozen=True, slots=True)
 class ToolSource:
     data: bytes
+    sha256: str = field(init=False)
 
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha256", hashlib.sha256(self.data).hexdigest())
 
     @classmethod
     def bundled(cls) -> ToolSource:
