@@ -5,11 +5,11 @@ The kernel copies this file into every workspace as `.syscall/syscall`. It stage
 `.syscall/staged.json`, writes requests into `.syscall/requests/` (temp name, fsync, rename), waits for the
 kernel's answer in `.syscall/answers/` and the wake in `.syscall/wakes/`, and renders both for a model.
 
-It finds its channel from its own location (the directory holding this file), never from the cwd; the console
-script installed from the repository takes `--channel DIR` or `SYSCALL_CHANNEL` instead. It validates every
-request with the same rules, codes and JSON paths as the kernel's decoder (`channel/decode.py`, which it cannot
-import: it must run on whatever Python a sandbox has), so a refusal is immediate and writes nothing. The kernel
-stays the authority.
+It finds its channel from its own location (the directory holding this file), never from the cwd; the
+console script installed from the repository takes `--channel DIR` or `SYSCALL_CHANNEL` instead. It validates
+every request with the same rules, codes and JSON paths as the kernel's decoder (`channel/decode.py`, which it
+cannot import: it must run on whatever Python a sandbox has), so a refusal is immediate and writes nothing.
+The kernel stays the authority.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def _int_out_of_range(obj: Any) -> bool:
 
 
 def _check_trailing_newlines(obj: dict[str, Any], lim: dict[str, Any]) -> None:
-    """The pattern checks' last step: Python's `$` also matches before a final newline; the protocol's does not."""
+    """The pattern checks' last step: Python's `$` also matches before a final newline; the protocol's not."""
     if obj["id"].endswith("\n"):
         raise _Refuse("request.id.invalid", "id must match {}".format(lim["id_pattern"]), "$.id")
     code = {"sleep": "launch.name.invalid", "cancel": "cancel.name.invalid"}.get(obj["type"])
@@ -496,7 +496,8 @@ def _check_sleep_rules(req: dict[str, Any]) -> None:
         if concurrency > array:
             raise _Refuse(
                 "launch.concurrency.out_of_range",
-                f"{at}.concurrency is {concurrency} but the array has {array} tasks; use 0..array (0 = all at once)",
+                f"{at}.concurrency is {concurrency} but the array has {array} tasks; "
+                "use 0..array (0 = all at once)",
                 at + ".concurrency",
             )
         for j, path in enumerate(launch.get("artifacts", [])):
@@ -540,7 +541,8 @@ def _check_policy(req: dict[str, Any], pol: dict[str, Any]) -> None:
         if pol.get("submit") is None:
             raise _Refuse(
                 "policy.submit_disabled",
-                "this workspace has no evaluation contract, so submit is unavailable (kernel.json policy.submit)",
+                "this workspace has no evaluation contract, so submit is unavailable "
+                "(kernel.json policy.submit)",
                 "$.submit",
             )
         eval_minutes = submit.get("eval_minutes")
@@ -672,7 +674,8 @@ class Channel:
             got = info.get("protocol") if isinstance(info, dict) else None
             raise ToolError(
                 EXIT_NO_KERNEL,
-                f"{where} speaks protocol {got!r}; this tool speaks {PROTOCOL}. Ask the operator to reinstall the tool.",
+                f"{where} speaks protocol {got!r}; this tool speaks {PROTOCOL}. "
+                "Ask the operator to reinstall the tool.",
             )
         for key, kind in (("limits", dict), ("policy", dict), ("verbs", list)):
             if not isinstance(info.get(key), kind):
@@ -870,7 +873,8 @@ def await_answer(ch: Channel, obj: dict[str, Any], timeout: float, question: boo
     withdrawn = question and ch.withdraw(rid)
     raise ToolError(
         EXIT_TIMEOUT,
-        "syscall: the kernel did not answer the {} request {} within {:g} s; it may be down or busy. {}".format(
+        "syscall: the kernel did not answer the {} request {} within {:g} s; "
+        "it may be down or busy. {}".format(
             obj["type"],
             rid,
             timeout,
@@ -905,9 +909,8 @@ def _expect(ans: dict[str, Any], kind: str) -> None:
     if ans.get("type") != kind:
         raise ToolError(
             EXIT_NO_KERNEL,
-            "syscall: expected a {!r} answer, the kernel wrote {!r}; is kernel.json from another version?".format(
-                kind, ans.get("type")
-            ),
+            "syscall: expected a {!r} answer, the kernel wrote {!r}; "
+            "is kernel.json from another version?".format(kind, ans.get("type")),
             ans,
         )
 
@@ -1111,7 +1114,7 @@ def cmd_launch(ch: Channel, args: argparse.Namespace) -> int:
             EXIT_USAGE,
             f"syscall: launch needs a command after `--`, e.g. {PROG} launch --name train -- python train.py",
         )
-    # One argument is a shell command line as typed (pipes, &&); several are words, quoted so `sh -c` sees them.
+    # One argument is a shell line as typed (pipes, &&); several are words, quoted so `sh -c` sees them.
     command = words[0] if len(words) == 1 else shlex.join(words)
     launch: dict[str, Any] = {
         "name": args.name,
@@ -1269,7 +1272,8 @@ def cmd_sleep(ch: Channel, args: argparse.Namespace) -> int:
         raise
     reconcile(ch, st)
     save_staging(ch, st)
-    error = ans.get("error") if isinstance(ans.get("error"), dict) else {}
+    error = ans.get("error")
+    error = error if isinstance(error, dict) else {}
     kept = "Nothing was charged and your staged launches are kept. " + _where(error.get("path"), st)
     _check_rejected(ans, args.json, kept.rstrip())
     _expect(ans, "accepted")
@@ -1732,8 +1736,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Stage a job for the next sleep (nothing runs until `sleep`).",
         "{p} launch --name sweep --minutes 30 --gpus 1 --array 4 --concurrency 2 \\\n"
         "    --artifact out/curve.json --why 'does a lower lr help' -- python train.py --lr 3e-4",
-        "The command after `--` runs with `sh -c` in a snapshot of your workspace. Several words are quoted\n"
-        "so the shell sees exactly them; ONE quoted argument is used as a shell line, e.g. -- 'make && ./run'.",
+        "The command after `--` runs with `sh -c` in a snapshot of your workspace. Several words\n"
+        "are quoted so the shell sees exactly them; ONE quoted argument is used as a shell line,\n"
+        "e.g. -- 'make && ./run'.",
     )
     p.add_argument(
         "--name", required=True, help="unique name in this sleep: lowercase letters, digits, '-' (<= 32)"
@@ -1791,8 +1796,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sleep",
         "Commit the staged launches (and submit) and park until all jobs end.",
         "{p} sleep --note 'lr sweep, expect lr=3e-4 best' --wait",
-        "Zero staged launches make a checkpoint. Without --wait it returns once the kernel accepted the sleep;\n"
-        "`wait` then blocks for the wake. A rejected sleep costs nothing and keeps your staged launches.",
+        "Zero staged launches make a checkpoint. Without --wait it returns once the kernel accepted\n"
+        "the sleep; `wait` then blocks for the wake. A rejected sleep costs nothing and keeps your\n"
+        "staged launches.",
     )
     p.add_argument("--note", default="", help="a note to your future self, shown in the wake")
     p.add_argument("--wait", action="store_true", help="block until the wake and print it")
