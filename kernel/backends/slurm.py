@@ -1,0 +1,743 @@
+"""The Slurm backend: runs each launch's `job.sh` as one sbatch job (an array for a sweep) and tracks it cheaply.
+
+Submission. `submit` records the JobSpec in `<launch dir>/slurm.json` first, then looks the launch's unique job
+name up with one `squeue` (a job submitted before a crash, or by an `sbatch` that timed out after creating it, is
+adopted, never duplicated), then runs `sbatch --parsable`. Transient failures (a timeout, an unreachable or busy
+controller) are retried with backoff, each retry looking by name first; other refusals raise `SlurmSubmitError`.
+The job id lands atomically in `<launch dir>/slurm-job.json`, so `recover` needs no scheduler call for it.
+
+Tracking (the `run` service loop). The wrapper's `exit-code` is the ground truth for a task that ran: every
+file tick (`file_poll_s`) stats `exit-code` once per task last seen RUNNING, which works on NFS where inotify does
+not. Once per poll interval (`kernel.slurm.poll_interval`: adaptive, backing off while the controller fails) ONE
+batched `squeue` covers every tracked job. A task that left the queue (or ended) without an exit file gets one
+batched `sacct -S <earliest submit>` for all such tasks, only where accounting exists (a cluster answering
+"accounting storage is disabled" is never asked again). A failed or timed-out query is "unknown" and changes
+nothing. When Slurm says a task ended without an exit file (OOM, NODE_FAIL, PREEMPTED, cancelled, vanished), or
+pending for a reason that never clears (the task is then cancelled), the backend writes the exit record itself
+(`exit_record_for`), after `exit_grace_s` (NFS attribute caches may hide a fresh file), so every finished task
+is reported the same way: a `TaskExit` from `wait_any_exit`, its `exit-code` in place, and `slurm-state.json`
+beside it with Slurm's view (`read_task_state`). Healthy waits wake nothing.
+
+Every client runs with a timeout (`squeue` alone takes 9-18 s to fail while slurmctld is down) inside the
+service loop, never on the request path; `cancel` asks `scancel` once and, if the controller does not answer,
+the loop asks again each cycle until the tasks end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup, TaskStatus
+
+from channel.messages import TaskState
+from kernel import jobscript
+from kernel.backends.base import Backend, JobSpec, Recovered, TaskExit, TaskRef
+from kernel.slurm import (
+    Resolution,
+    SacctResult,
+    SbatchJob,
+    SbatchPolicy,
+    SlurmOutputError,
+    SqueueResult,
+    TaskKey,
+    job_name,
+    parse_sbatch_output,
+    poll_interval,
+    read_sacct,
+    read_squeue,
+    render_sbatch_argv,
+    resolve_task,
+    sacct_argv,
+    squeue_argv,
+)
+from kernel.slurm.query import SQUEUE_FORMAT, parse_squeue
+
+if TYPE_CHECKING:
+    from kernel.config import SlurmConfig
+
+SPEC_FILE: Final = "slurm.json"
+JOB_FILE: Final = "slurm-job.json"
+STATE_FILE: Final = "slurm-state.json"
+
+# sbatch/squeue failures worth another try: the controller is slow, busy or briefly unreachable.
+_TRANSIENT_RE: Final = re.compile(
+    r"timed? ?out|unable to contact|temporarily|try again|resource temporarily unavailable|connection refused|"
+    r"communication|zero bytes were transmitted|slurm_persist_conn|socket|transient|busy",
+    re.I,
+)
+# Kinds of the exit records this backend writes for tasks that ended without one (besides the wrapper's).
+KIND_STUCK: Final = "stuck"
+_KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
+    "TIMEOUT": (jobscript.EXIT_TIMEOUT, "timeout"),
+    "CANCELLED": (jobscript.EXIT_TERMINATED, jobscript.KIND_CANCELLED),
+    "OUT_OF_MEMORY": (jobscript.EXIT_LOST, "out_of_memory"),
+    "NODE_FAIL": (jobscript.EXIT_LOST, "node_fail"),
+    "PREEMPTED": (jobscript.EXIT_LOST, "preempted"),
+    "FAILED": (jobscript.EXIT_LOST, "failed"),
+    "VANISHED": (jobscript.EXIT_LOST, "vanished"),
+}
+
+
+class SlurmSubmitError(RuntimeError):
+    """sbatch refused the job, or the scheduler stayed unreachable through every retry."""
+
+
+class JobRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`slurm-job.json`: what sbatch answered (or the job found by name), and when it was submitted."""
+
+    job_id: str
+    name: str
+    submitted_at: float  # time.time(); sacct's -S is the earliest of these
+    cluster: str | None = None
+    adopted: bool = False  # found by name rather than returned by our own sbatch
+
+
+class TaskSlurmState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`slurm-state.json` beside a reported task's exit-code: how the backend classified it."""
+
+    job_id: str
+    state: TaskState
+    hint: str | None = None
+    slurm_state: str | None = None  # the last state squeue/sacct showed, when it showed one
+
+
+class Completed(msgspec.Struct, frozen=True):
+    """One client run: `returncode` None when it timed out or could not be started."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+def policy_from_config(cfg: SlurmConfig, **overrides: object) -> SbatchPolicy:
+    """The sbatch policy of the site config; memory, CPUs, slack and warning come from `overrides`."""
+    fields: dict[str, object] = {
+        "partition": cfg.partition,
+        "account": cfg.account,
+        "qos": cfg.qos,
+        "constraint": cfg.constraint,
+        "extra_args": tuple(cfg.extra_args),
+    }
+    fields.update(overrides)
+    return msgspec.convert(fields, SbatchPolicy)
+
+
+def client_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The environment for the Slurm clients; sbatch passes it on to the job (--export=ALL), so it holds nothing
+    of the kernel's own: the search path, a locale, and the client configuration."""
+    env = {"PATH": base.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    for name in ("SLURM_CONF", "HOME"):
+        if name in base:
+            env[name] = base[name]
+    return env
+
+
+def exit_record_for(res: Resolution, stuck: bool = False) -> jobscript.ExitRecord:
+    """The exit record written for a task that Slurm ended (or left stuck) without the wrapper writing one."""
+    if stuck:
+        return jobscript.ExitRecord(
+            jobscript.EXIT_LOST,
+            KIND_STUCK,
+            detail=f"{res.hint}; the task was cancelled so it never runs late",
+        )
+    state = res.state or "VANISHED"
+    code, kind = _KIND_OF_STATE.get(state, (jobscript.EXIT_LOST, "vanished"))
+    detail = f"Slurm: {state}" + (f"; {res.hint}" if res.hint else "")
+    if res.exit_code is not None or res.signal is not None:
+        detail += f" (ExitCode {res.exit_code or 0}:{res.signal or 0})"
+    return jobscript.ExitRecord(code, kind, detail=detail + "; the job wrapper wrote no exit-code")
+
+
+def task_state_of(rec: jobscript.ExitRecord, slurm: Resolution | None = None) -> TaskState:
+    """The TaskState a finished task reports: the wrapper's record first, Slurm's explanation of a failure next."""
+    if rec.kind == "timeout":
+        return "TIMEOUT"
+    if rec.kind in ("terminated", jobscript.KIND_CANCELLED):
+        return "CANCELLED"
+    if rec.kind == KIND_STUCK:
+        return "PENDING" if slurm is None else slurm.state or "PENDING"
+    for state, (_, kind) in _KIND_OF_STATE.items():
+        if rec.kind == kind and state != "FAILED":
+            return state  # type: ignore[return-value]
+    if rec.code == 0:
+        return "COMPLETED"
+    if slurm is not None and slurm.state in ("TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"):
+        return slurm.state
+    return "FAILED"
+
+
+def read_task_state(task_dir: Path) -> TaskSlurmState | None:
+    try:
+        return msgspec.json.decode((task_dir / STATE_FILE).read_bytes(), type=TaskSlurmState)
+    except FileNotFoundError:
+        return None
+
+
+def _write_json(directory: Path, name: str, value: object) -> None:
+    jobscript._write_atomic(directory, name, msgspec.json.encode(value) + b"\n", 0o644)
+
+
+@dataclass
+class _Launch:
+    spec: JobSpec
+    name: str
+    job: JobRecord | None = None  # None while the submission is in flight
+    open: set[int] = field(default_factory=set)  # tasks not reported yet
+    cancelled: set[int] = field(default_factory=set)  # the kernel asked for these to stop
+    unscancelled: set[int] = field(default_factory=set)  # asked, but scancel has not succeeded yet
+    running: set[int] = field(
+        default_factory=set
+    )  # last squeue said RUNNING (or the like): stat them each tick
+    slurm_state: dict[int, str] = field(default_factory=dict)
+    pending_since: dict[int, float] = field(default_factory=dict)
+    ended_since: dict[int, float] = field(default_factory=dict)  # Slurm says over, no exit file yet
+
+    def key_of(self, task: int) -> TaskKey:
+        assert self.job is not None
+        return (self.job.job_id, task if self.spec.array > 1 else None)
+
+    def ref(self, task: int) -> TaskRef:
+        return TaskRef(key=self.spec.key, task=task, job_id=self.task_job_id(task))
+
+    def task_job_id(self, task: int) -> str:
+        if self.job is None:
+            return ""
+        return self.job.job_id if self.spec.array == 1 else f"{self.job.job_id}_{task}"
+
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class SlurmBackend:
+    name = "slurm"
+
+    def __init__(
+        self,
+        *,
+        policy: SbatchPolicy | None = None,
+        env: Mapping[str, str] | None = None,
+        client_timeout_s: float = 30.0,
+        submit_timeout_s: float = 60.0,
+        submit_attempts: int = 6,
+        backoff_s: float = 2.0,
+        backoff_max_s: float = 60.0,
+        poll_floor_s: float = 2.0,
+        poll_ceiling_s: float = 60.0,
+        file_poll_s: float = 1.0,
+        exit_grace_s: float = 15.0,
+        requeues: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Sleep = anyio.sleep,
+    ) -> None:
+        """`env` is where the clients are found (PATH, SLURM_CONF); `exit_grace_s` is how long a task Slurm
+        says has ended may lack its exit file before the backend writes one (NFS caches); `sleep` is the
+        backoff's sleep (tests inject one)."""
+        if submit_attempts < 1:
+            raise ValueError(f"submit_attempts must be >= 1, got {submit_attempts}")
+        self.policy = policy or SbatchPolicy()
+        self.env = client_env(os.environ if env is None else env)
+        self.client_timeout_s = client_timeout_s
+        self.submit_timeout_s = submit_timeout_s
+        self.submit_attempts = submit_attempts
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.poll_floor_s = poll_floor_s
+        self.poll_ceiling_s = poll_ceiling_s
+        self.file_poll_s = file_poll_s
+        self.exit_grace_s = exit_grace_s
+        self.requeues = requeues
+        self.uid = os.getuid()
+        self._clock = clock
+        self._sleep = sleep
+        self._launches: dict[str, _Launch] = {}
+        self._accounting: bool | None = None  # None: not asked yet; False: the cluster has none
+        self._failures = 0  # consecutive unknown squeue answers
+        self._last_change = clock()
+        self._wake = anyio.Event()
+        self._poll_now = False
+        self._exits_in, self._exits_out = anyio.create_memory_object_stream[TaskExit](math.inf)
+        self._tg: TaskGroup | None = None
+
+    @classmethod
+    def from_config(
+        cls, cfg: SlurmConfig, *, policy: SbatchPolicy | None = None, **kw: object
+    ) -> SlurmBackend:
+        return cls(
+            policy=policy or policy_from_config(cfg),
+            poll_floor_s=min(2.0, cfg.poll_seconds),
+            poll_ceiling_s=cfg.poll_seconds,
+            submit_timeout_s=cfg.submit_timeout_seconds,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    # --- queries ---------------------------------------------------------------------------------------------
+
+    @property
+    def tracked_jobs(self) -> list[str]:
+        return sorted({la.job.job_id for la in self._launches.values() if la.job and la.open})
+
+    def open_tasks(self, key: str) -> list[int]:
+        la = self._launches.get(key)
+        return sorted(la.open) if la else []
+
+    def job_of(self, key: str) -> JobRecord | None:
+        la = self._launches.get(key)
+        return la.job if la else None
+
+    # --- clients ---------------------------------------------------------------------------------------------
+
+    async def _client(self, argv: list[str], limit_s: float | None = None) -> Completed:
+        with anyio.move_on_after(limit_s or self.client_timeout_s):
+            try:
+                out = await anyio.run_process(argv, check=False, env=self.env, stdin=subprocess.DEVNULL)
+            except OSError as e:
+                return Completed(None, "", f"{argv[0]} could not be started: {e}")
+            return Completed(
+                out.returncode, out.stdout.decode(errors="replace"), out.stderr.decode(errors="replace")
+            )
+        return Completed(None, "", f"{argv[0]} did not answer within {limit_s or self.client_timeout_s:g} s")
+
+    # --- submission ------------------------------------------------------------------------------------------
+
+    async def submit(self, spec: JobSpec) -> list[TaskRef]:
+        if spec.key in self._launches:
+            la = self._launches[spec.key]
+            return [la.ref(t) for t in range(spec.array)]
+        launch_dir = spec.paths.launch_dir
+        if not (launch_dir / jobscript.NAMES.JOB_SCRIPT).is_file():
+            raise FileNotFoundError(f"{launch_dir}: job.sh is missing; write it with kernel.jobscript first")
+        la = _Launch(spec, job_name(spec.workspace, spec.seq, spec.launch), open=set(range(spec.array)))
+        self._launches[spec.key] = la
+        try:
+            if (launch_dir / JOB_FILE).exists():  # submitted before a restart that skipped recover()
+                la.job = msgspec.json.decode((launch_dir / JOB_FILE).read_bytes(), type=JobRecord)
+            else:
+                await self._submit_launch(la)
+        except BaseException:
+            if la.job is None and not la.cancelled:
+                del self._launches[spec.key]
+            raise
+        self._poke()
+        return [la.ref(t) for t in range(spec.array)]
+
+    async def _submit_launch(self, la: _Launch) -> None:
+        spec = la.spec
+        for t in range(spec.array):
+            spec.task_dir(t).mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not (spec.paths.launch_dir / SPEC_FILE).exists():
+            _write_json(spec.paths.launch_dir, SPEC_FILE, spec)
+        job = SbatchJob(
+            workspace=spec.workspace,
+            seq=spec.seq,
+            launch=spec.launch,
+            minutes=spec.minutes,
+            gpus=spec.gpus,
+            array=spec.array,
+            concurrency=spec.concurrency,
+        )
+        argv = render_sbatch_argv(job, self.policy, spec.paths)
+        problems: list[str] = []
+        for attempt in range(self.submit_attempts):
+            if attempt:
+                await self._sleep(min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)))
+            if not la.open:
+                return  # cancelled while we waited: nothing to submit
+            found, detail = await self._lookup([la.name])
+            if found is None:
+                problems.append(f"looking up {la.name}: {detail}")
+                continue
+            if la.name in found:
+                ids = found[la.name]
+                self._record(la, JobRecord(ids[0], la.name, time.time(), adopted=True))
+                if len(ids) > 1:  # an earlier kernel made duplicates: keep the oldest only
+                    await self._client(["scancel", *ids[1:]])
+                break
+            out = await self._client(argv, limit_s=self.submit_timeout_s)
+            if out.returncode == 0:
+                try:
+                    sub = parse_sbatch_output(out.stdout)
+                except SlurmOutputError as e:
+                    problems.append(str(e))  # the job may exist: the next attempt looks by name
+                    continue
+                self._record(la, JobRecord(sub.job_id, la.name, time.time(), cluster=sub.cluster))
+                break
+            detail = (out.stderr.strip() or out.stdout.strip() or f"exit {out.returncode}")[:500]
+            problems.append(f"sbatch: {detail}")
+            if out.returncode is not None and not _TRANSIENT_RE.search(detail):
+                raise SlurmSubmitError(f"sbatch refused {la.name}: {detail}")
+        else:
+            raise SlurmSubmitError(
+                f"{la.name} was not submitted after {self.submit_attempts} attempts: "
+                + " | ".join(problems[-3:])
+            )
+        if la.cancelled and la.job is not None:  # cancel() came while sbatch ran
+            la.unscancelled |= la.cancelled
+            await self._scancel(la)
+
+    def _record(self, la: _Launch, rec: JobRecord) -> None:
+        _write_json(la.spec.paths.launch_dir, JOB_FILE, rec)
+        la.job = rec
+
+    async def _lookup(self, names: Sequence[str]) -> tuple[dict[str, list[str]] | None, str]:
+        """Our jobs carrying these names (oldest first), from one squeue; None when squeue did not answer."""
+        argv = ["squeue", "-h", "-t", "all", "--me", "-o", f"%j|{SQUEUE_FORMAT}", f"--name={','.join(names)}"]
+        out = await self._client(argv)
+        if out.returncode != 0:
+            return None, (out.stderr.strip() or f"squeue exited {out.returncode}")[:500]
+        found: dict[str, set[str]] = {}
+        for line in out.stdout.splitlines():
+            name, sep, rest = line.strip().partition("|")
+            if not sep:
+                continue
+            try:
+                rows = parse_squeue(rest)
+            except SlurmOutputError as e:
+                return None, str(e)
+            for row in rows.values():
+                found.setdefault(name, set()).add(row.array_job_id)
+        return {n: sorted(ids, key=lambda i: (len(i), i)) for n, ids in found.items()}, ""
+
+    # --- cancel ----------------------------------------------------------------------------------------------
+
+    async def cancel(self, key: str, tasks: Sequence[int] | None = None) -> list[TaskRef]:
+        la = self._launches.get(key)
+        if la is None:
+            return []
+        wanted = sorted(la.open if tasks is None else la.open & set(tasks))
+        if not wanted:
+            return []
+        refs = [la.ref(t) for t in wanted]
+        la.cancelled.update(wanted)
+        if la.job is None:
+            # Not submitted (yet): the submission stops, or cancels what it finds, and these tasks end now.
+            for t in wanted:
+                rec = jobscript.ExitRecord(
+                    jobscript.EXIT_TERMINATED,
+                    jobscript.KIND_CANCELLED,
+                    detail="cancelled before it was submitted",
+                )
+                await anyio.to_thread.run_sync(jobscript.write_exit, la.spec.task_dir(t), rec)
+                self._report(la, t, Resolution("done", "CANCELLED"))
+            return refs
+        # The whole job when asked for all: one scancel also stops tasks Slurm has not split off yet.
+        la.unscancelled.update(range(la.spec.array) if tasks is None else wanted)
+        await self._scancel(la)
+        self._poll_now = True
+        self._poke()
+        return refs
+
+    async def _scancel(self, la: _Launch) -> bool:
+        if la.job is None or not la.unscancelled:
+            return True
+        todo = la.unscancelled
+        if la.spec.array == 1 or todo >= set(range(la.spec.array)):
+            argv = ["scancel", la.job.job_id]
+        else:
+            argv = ["scancel", *(f"{la.job.job_id}_{t}" for t in sorted(todo))]
+        out = await self._client(argv)
+        # Exit 1 "Invalid job id" for tasks that already ended is fine: they end through the loop anyway.
+        if out.returncode == 0 or (out.returncode is not None and "invalid job id" in out.stderr.lower()):
+            la.unscancelled.clear()
+            return True
+        return False
+
+    # --- the service loop ------------------------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            try:
+                next_poll = self._clock() + self.poll_floor_s
+                while True:
+                    if not any((la.open and la.job) or la.unscancelled for la in self._launches.values()):
+                        await self._wake.wait()
+                        self._wake = anyio.Event()
+                        next_poll = min(next_poll, self._clock() + self.poll_floor_s)
+                        continue
+                    if self._poll_now or self._clock() >= next_poll:
+                        await self.poll_once()
+                        next_poll = self._clock() + self.next_interval()
+                    else:
+                        await self.check_files()
+                    wait = max(0.0, min(self.file_poll_s, next_poll - self._clock()))
+                    with anyio.move_on_after(wait):
+                        await self._wake.wait()
+                    self._wake = anyio.Event()
+            finally:
+                self._tg = None
+                self.close()
+
+    def close(self) -> None:
+        """Close the exit stream (the service loop does this when it stops; tests that drive the cycles by hand
+        call it). Jobs are left running: they belong to Slurm."""
+        self._exits_in.close()
+        self._exits_out.close()
+
+    def next_interval(self) -> float:
+        return poll_interval(
+            self._clock() - self._last_change,
+            self._failures,
+            floor_s=self.poll_floor_s,
+            ceiling_s=self.poll_ceiling_s,
+        )
+
+    async def check_files(self) -> int:
+        """One file tick: stat exit-code of every task last seen running; report those that have one."""
+        todo = [(la, t) for la in self._launches.values() if la.job for t in la.running & la.open]
+        if not todo:
+            return 0
+        found = await anyio.to_thread.run_sync(self._read_exits, todo)
+        for (la, t), rec in zip(todo, found, strict=True):
+            if rec is not None:
+                res = Resolution("done", "RUNNING")
+                self._report(la, t, res, rec)
+        return sum(r is not None for r in found)
+
+    @staticmethod
+    def _read_exits(todo: Sequence[tuple[_Launch, int]]) -> list[jobscript.ExitRecord | None]:
+        out: list[jobscript.ExitRecord | None] = []
+        for la, t in todo:
+            try:
+                out.append(jobscript.read_exit(la.spec.task_dir(t)))
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                # The file is there but unreadable: the task is over all the same; say so.
+                out.append(
+                    jobscript.ExitRecord(
+                        jobscript.EXIT_LOST, jobscript.KIND_LOST, detail=f"bad exit-code: {e}"
+                    )
+                )
+        return out
+
+    async def poll_once(self) -> None:
+        """One tracking cycle: one squeue for all tracked jobs, sacct for tasks gone without an exit file."""
+        self._poll_now = False
+        for la in list(self._launches.values()):
+            if la.unscancelled:
+                await self._scancel(la)
+        launches = [la for la in self._launches.values() if la.job and la.open]
+        if not launches:
+            return
+        ids = sorted({la.job.job_id for la in launches if la.job})
+        out = await self._client(squeue_argv(ids))
+        queue = (
+            read_squeue(out.returncode, out.stdout, out.stderr, ids)
+            if out.returncode is not None
+            else SqueueResult(known=False, entries={}, detail=out.stderr)
+        )
+        if not queue.known:
+            self._failures += 1
+            await self.check_files()  # completions still arrive while the controller is away
+            return
+        self._failures = 0
+        now = self._clock()
+        # Exit files are read after the squeue answer: a task ending in between is seen with its file.
+        to_read: list[tuple[_Launch, int]] = []
+        for la in launches:
+            for t in sorted(la.open):
+                row = queue.entries.get(la.key_of(t))
+                state = row.state if row else None
+                if state != la.slurm_state.get(t):
+                    self._last_change = now
+                    if state is not None:
+                        la.slurm_state[t] = state
+                if row is not None and row.state == "PENDING":
+                    la.pending_since.setdefault(t, now)
+                    la.running.discard(t)
+                    continue
+                la.pending_since.pop(t, None)
+                if row is not None and row.state not in ("PENDING",):
+                    la.running.add(t)
+                to_read.append((la, t))
+        exits = await anyio.to_thread.run_sync(self._read_exits, to_read)
+        exit_of = {(id(la), t): rec for (la, t), rec in zip(to_read, exits, strict=True)}
+        decisions: list[tuple[_Launch, int, Resolution]] = []
+        ask: list[tuple[_Launch, int]] = []
+        for la in launches:
+            for t in sorted(la.open):
+                rec = exit_of.get((id(la), t))
+                res = self._resolve(la, t, rec, queue, None, now)
+                if res.action == "ask_accounting":
+                    ask.append((la, t))
+                else:
+                    decisions.append((la, t, res))
+        if ask:
+            acct = await self._sacct(ask)
+            for la, t in ask:
+                decisions.append((la, t, self._resolve(la, t, None, queue, acct, now)))
+        stuck = [(la, t, r) for la, t, r in decisions if r.action == "stuck"]
+        if stuck:
+            await self._cancel_stuck(stuck)
+        for la, t, res in decisions:
+            rec = exit_of.get((id(la), t))
+            if res.action == "done" and rec is not None:
+                self._report(la, t, res, rec)
+            elif res.action == "done":
+                first = la.ended_since.setdefault(t, now)
+                if now - first >= self.exit_grace_s:
+                    await self._finish_without_exit(la, t, res, stuck=False)
+            else:
+                la.ended_since.pop(t, None)
+
+    def _resolve(
+        self,
+        la: _Launch,
+        t: int,
+        rec: jobscript.ExitRecord | None,
+        queue: SqueueResult,
+        acct: SacctResult | None,
+        now: float,
+    ) -> Resolution:
+        since = la.pending_since.get(t)
+        return resolve_task(
+            la.key_of(t),
+            exit_code=None if rec is None else rec.code,
+            queue=queue,
+            accounting=acct,
+            pending_for_s=0.0 if since is None else now - since,
+            our_uid=self.uid,
+            cancelled_by_kernel=t in la.cancelled,
+            requeues=self.requeues,
+        )
+
+    async def _sacct(self, ask: Sequence[tuple[_Launch, int]]) -> SacctResult:
+        if self._accounting is False:
+            return SacctResult(status="disabled", entries={}, detail="accounting storage is disabled")
+        jobs = {la.job.job_id: la.job.submitted_at for la, _ in ask if la.job}
+        since = datetime.fromtimestamp(min(jobs.values()) - 60, tz=UTC)
+        out = await self._client(sacct_argv(jobs, since))
+        if out.returncode is None:
+            return SacctResult(status="unknown", entries={}, detail=out.stderr)
+        res = read_sacct(out.returncode, out.stdout, out.stderr)
+        if res.status == "disabled":
+            self._accounting = False
+        elif res.status == "ok":
+            self._accounting = True
+        return res
+
+    async def _cancel_stuck(self, stuck: Sequence[tuple[_Launch, int, Resolution]]) -> None:
+        by_launch: dict[str, list[tuple[_Launch, int, Resolution]]] = {}
+        for item in stuck:
+            by_launch.setdefault(item[0].spec.key, []).append(item)
+        for items in by_launch.values():
+            la = items[0][0]
+            la.cancelled.update(t for _, t, _ in items)
+            la.unscancelled.update(t for _, t, _ in items)
+            if await self._scancel(la):
+                for _, t, res in items:
+                    await self._finish_without_exit(la, t, res, stuck=True)
+
+    async def _finish_without_exit(self, la: _Launch, t: int, res: Resolution, *, stuck: bool) -> None:
+        tdir = la.spec.task_dir(t)
+        # The wrapper may have written its record at the last moment: never overwrite one.
+        rec = await anyio.to_thread.run_sync(jobscript.read_exit, tdir)
+        if rec is None:
+            rec = exit_record_for(res, stuck=stuck)
+            await anyio.to_thread.run_sync(jobscript.write_exit, tdir, rec)
+        self._report(la, t, res, rec)
+
+    def _report(self, la: _Launch, t: int, res: Resolution, rec: jobscript.ExitRecord | None = None) -> None:
+        if t not in la.open:
+            return
+        tdir = la.spec.task_dir(t)
+        state: TaskState = task_state_of(rec, res) if rec is not None else res.state or "VANISHED"
+        hint = res.hint if rec is None or rec.code != 0 else None
+        with contextlib.suppress(OSError):
+            _write_json(
+                tdir,
+                STATE_FILE,
+                TaskSlurmState(la.task_job_id(t), state, hint, la.slurm_state.get(t)),
+            )
+        la.open.discard(t)
+        la.running.discard(t)
+        la.ended_since.pop(t, None)
+        la.pending_since.pop(t, None)
+        self._last_change = self._clock()
+        self._exits_in.send_nowait(TaskExit(key=la.spec.key, task=t, task_dir=os.fspath(tdir)))
+
+    async def wait_any_exit(self) -> TaskExit:
+        return await self._exits_out.receive()
+
+    # --- recovery --------------------------------------------------------------------------------------------
+
+    async def recover(self, run_dir: Path) -> Recovered:
+        """Adopt the launches recorded under `run_dir` that this backend does not know yet.
+
+        A launch with `slurm-job.json` is tracked again without asking Slurm; the ones whose sbatch never
+        recorded an id are looked up by name with ONE squeue, and resubmitted (`requeued`) only when Slurm has
+        no job of that name. The loop then reports whatever ended meanwhile, through `wait_any_exit`.
+        """
+        specs = await anyio.to_thread.run_sync(lambda: sorted(run_dir.glob(f"*/*/*/{SPEC_FILE}")))
+        found: dict[str, list[TaskRef]] = {"running": [], "finished": [], "requeued": [], "lost": []}
+        unrecorded: list[_Launch] = []
+        for path in specs:
+            spec = msgspec.json.decode(path.read_bytes(), type=JobSpec)
+            if spec.key in self._launches:
+                continue
+            la = _Launch(spec, job_name(spec.workspace, spec.seq, spec.launch))
+            job_path = spec.paths.launch_dir / JOB_FILE
+            if job_path.exists():
+                la.job = msgspec.json.decode(job_path.read_bytes(), type=JobRecord)
+            self._launches[spec.key] = la
+            for t in range(spec.array):
+                if jobscript.read_exit(spec.task_dir(t)) is not None:
+                    found["finished"].append(la.ref(t))
+                else:
+                    la.open.add(t)
+            if la.job is None and la.open:
+                unrecorded.append(la)
+            elif la.job is not None:
+                found["running"] += [la.ref(t) for t in sorted(la.open)]
+        if unrecorded:
+            names, _detail = await self._lookup([la.name for la in unrecorded])
+            for la in unrecorded:
+                if names is not None and la.name in names:
+                    self._record(la, JobRecord(names[la.name][0], la.name, time.time(), adopted=True))
+                    found["running"] += [la.ref(t) for t in sorted(la.open)]
+                else:
+                    # Not found, or squeue did not answer: the submission path looks again before any sbatch.
+                    found["requeued"] += [la.ref(t) for t in sorted(la.open)]
+                    self._start_background_submit(la)
+        self._poke()
+        return Recovered(*(tuple(found[k]) for k in ("running", "finished", "requeued", "lost")))
+
+    def _start_background_submit(self, la: _Launch) -> None:
+        async def go() -> None:
+            try:
+                await self._submit_launch(la)
+            except (SlurmSubmitError, OSError, ValueError) as e:
+                for t in sorted(la.open):
+                    rec = jobscript.ExitRecord(
+                        jobscript.EXIT_WRAPPER_ERROR, "submit_failed", detail=f"resubmission failed: {e}"
+                    )
+                    await anyio.to_thread.run_sync(jobscript.write_exit, la.spec.task_dir(t), rec)
+                    self._report(la, t, Resolution("done", "FAILED", str(e)), rec)
+            self._poke()
+
+        if self._tg is None:
+            raise RuntimeError("recover() needs the service loop: start SlurmBackend.run first")
+        self._tg.start_soon(go)
+
+
+def submitted_ids(refs: Iterable[TaskRef]) -> list[str]:
+    """The distinct Slurm job ids of a launch's refs (array tasks share their array job id)."""
+    return sorted({r.job_id.split("_", 1)[0] for r in refs if r.job_id})
+
+
+if TYPE_CHECKING:  # mypy checks that SlurmBackend is a Backend
+    _conforms: Backend = SlurmBackend()

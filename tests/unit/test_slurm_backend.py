@@ -1,0 +1,454 @@
+"""The Slurm backend's logic against the fake Slurm (real subprocesses and files; jobs move when a test says so).
+
+Scheduler load is asserted from the fake's own call counts: one squeue per cycle whatever the number of jobs, no
+sacct on the happy path, sacct only for tasks that left the queue without an exit file.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+import pytest
+from fakes.fake_slurm import FakeSlurm
+
+from kernel import jobscript
+from kernel.backends import slurm as S
+from kernel.backends.base import JobSpec, Recovered, TaskExit
+from kernel.config import SlurmConfig
+from kernel.jail import JailPolicy
+from kernel.slurm import Resolution, SbatchJob, SbatchPolicy, render_sbatch_argv
+
+T = TypeVar("T")
+WS = "ws-0123456789"
+TRANSIENT = "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation"
+DOWN = "squeue: error: Unable to contact slurm controller (connect failure)"
+
+
+class World:
+    def __init__(self, tmp: Path, **fake: Any) -> None:
+        self.fake = FakeSlurm(tmp / "fake", **fake)
+        self.run_dir = tmp / "runs"
+        self.run_dir.mkdir()
+        self.sleeps: list[float] = []
+        self.backends: list[S.SlurmBackend] = []
+
+    def spec(self, launch: str, *, seq: int = 1, write: bool = True, **kw: Any) -> JobSpec:
+        fields: dict[str, Any] = {
+            "workspace": WS,
+            "workspace_path": "/nonexistent/ws",
+            "seq": seq,
+            "launch": launch,
+            "run_dir": str(self.run_dir),
+            "command": "true",
+            "commit": "0" * 40,
+            "tree": "1" * 40,
+            "minutes": 1,
+            "jail": JailPolicy(kind="none"),
+        }
+        fields.update(kw)
+        spec = JobSpec(**fields)
+        if write:
+            jobscript.write_launch(spec)
+        return spec
+
+    def backend(self, **kw: Any) -> S.SlurmBackend:
+        async def sleep(s: float) -> None:
+            self.sleeps.append(s)
+
+        args: dict[str, Any] = {
+            "env": self.fake.env(),
+            "exit_grace_s": 0.0,
+            "client_timeout_s": 20.0,
+            "sleep": sleep,
+        }
+        args.update(kw)
+        b = S.SlurmBackend(**args)
+        self.backends.append(b)
+        return b
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+
+    def calls(self) -> dict[str, int]:
+        calls: dict[str, int] = self.fake.calls()
+        return calls
+
+    def jobs(self) -> dict[str, Any]:
+        jobs: dict[str, Any] = self.fake.state()["jobs"]
+        return jobs
+
+
+def run(fn: Callable[[], Awaitable[T]]) -> T:
+    return anyio.run(fn)
+
+
+async def wait_for(cond: Callable[[], bool], seconds: float = 20.0) -> None:
+    with anyio.fail_after(seconds):
+        while True:
+            if cond():
+                return
+            await anyio.sleep(0.02)
+
+
+def drain(b: S.SlurmBackend) -> list[TaskExit]:
+    """Every exit reported so far (without waiting)."""
+    out: list[TaskExit] = []
+    while True:
+        try:
+            out.append(b._exits_out.receive_nowait())
+        except anyio.WouldBlock:
+            return out
+
+
+def exit_of(spec: JobSpec, task: int = 0) -> jobscript.ExitRecord:
+    rec = jobscript.read_exit(spec.task_dir(task))
+    assert rec is not None, f"no exit-code for {spec.key} task {task}"
+    return rec
+
+
+def state_of(spec: JobSpec, task: int = 0) -> S.TaskSlurmState:
+    st = S.read_task_state(spec.task_dir(task))
+    assert st is not None
+    return st
+
+
+@pytest.fixture
+def w(tmp_path: Path) -> Iterator[World]:
+    world = World(tmp_path)
+    yield world
+    world.close()
+
+
+# --- submission --------------------------------------------------------------------------------------------
+
+
+def test_submit_renders_the_argv_and_records_the_job_id(w: World) -> None:
+    spec = w.spec("sweep", array=4, concurrency=2, minutes=3)
+    b = w.backend(policy=SbatchPolicy(mem_mb=512, setup_slack_minutes=2, warn_seconds=90, partition="debug"))
+    refs = run(lambda: b.submit(spec))
+    args = w.fake.last_args("sbatch")
+    name = f"sk-{WS}-1-sweep"
+    assert f"--job-name={name}" in args
+    assert {"--parsable", "--array=0-3%2", "--time=5", "--mem=512M", "--partition=debug"} <= set(args)
+    assert {"--signal=B:USR2@90", "--kill-on-invalid-dep=yes"} <= set(args)
+    assert f"--output={spec.paths.sleep_dir}/sweep.%a/scheduler.out" in args
+    assert args[-1] == str(spec.paths.launch_dir / "job.sh")
+    (job_id,) = w.jobs()
+    assert [r.job_id for r in refs] == [f"{job_id}_{k}" for k in range(4)]
+    rec = msgspec.json.decode((spec.paths.launch_dir / S.JOB_FILE).read_bytes(), type=S.JobRecord)
+    assert (rec.job_id, rec.name, rec.adopted) == (job_id, name, False)
+    assert all(spec.task_dir(k).is_dir() for k in range(4)), "Slurm does not create output directories"
+    assert w.calls() == {"sbatch": 1, "squeue": 1, "sacct": 0, "scancel": 0}
+    # Idempotent per key: a second submit asks nothing.
+    assert run(lambda: b.submit(spec)) == refs
+    assert w.calls()["sbatch"] == 1
+
+
+def test_sbatch_that_timed_out_after_creating_the_job_is_adopted_not_duplicated(w: World) -> None:
+    spec = w.spec("once")
+    w.fake.fail_next("sbatch", 1, stderr=TRANSIENT, act=True)
+    b = w.backend()
+    refs = run(lambda: b.submit(spec))
+    (job_id,) = w.jobs()
+    assert [r.job_id for r in refs] == [job_id]
+    assert w.calls() == {"sbatch": 1, "squeue": 2, "sacct": 0, "scancel": 0}
+    assert w.sleeps == [2.0]
+    rec = b.job_of(spec.key)
+    assert rec is not None
+    assert rec.adopted
+
+
+def test_a_sbatch_that_never_answers_is_timed_out_and_the_job_found_by_name(w: World) -> None:
+    spec = w.spec("slowctl")
+    w.fake.fail_next("sbatch", 0, act=True, delay=30)
+    b = w.backend(submit_timeout_s=0.5)
+    t0 = time.monotonic()
+    run(lambda: b.submit(spec))
+    assert time.monotonic() - t0 < 10
+    assert len(w.jobs()) == 1
+    assert w.calls()["sbatch"] == 1
+
+
+def test_transient_failures_are_retried_with_backoff(w: World) -> None:
+    spec = w.spec("retry")
+    for _ in range(3):
+        w.fake.fail_next("sbatch", 1, stderr=TRANSIENT)
+    w.fake.fail_next("squeue", 1, stderr=DOWN)  # the first lookup: unknown, so no sbatch yet
+    b = w.backend()
+    run(lambda: b.submit(spec))
+    assert w.sleeps == [2.0, 4.0, 8.0, 16.0]
+    assert w.calls()["sbatch"] == 4
+    assert len(w.jobs()) == 1
+
+
+def test_refusals_and_exhausted_retries_raise(w: World) -> None:
+    bad = w.spec("bad")
+    w.fake.fail_next("sbatch", 1, stderr="sbatch: error: Batch job submission failed: Invalid partition name")
+    b = w.backend(submit_attempts=3)
+    with pytest.raises(S.SlurmSubmitError, match="Invalid partition name"):
+        run(lambda: b.submit(bad))
+    assert w.sleeps == []
+    down = w.spec("down")
+    for _ in range(3):
+        w.fake.fail_next("squeue", 1, stderr=DOWN)
+    with pytest.raises(S.SlurmSubmitError, match=r"not submitted after 3 attempts.*Unable to contact"):
+        run(lambda: b.submit(down))
+    assert w.jobs() == {}
+    assert b.open_tasks(bad.key) == b.open_tasks(down.key) == []
+    with pytest.raises(FileNotFoundError, match=r"job\.sh is missing"):
+        run(lambda: b.submit(w.spec("nojob", write=False)))
+
+
+# --- tracking ----------------------------------------------------------------------------------------------
+
+
+def adopt_many(w: World, n: int) -> tuple[S.SlurmBackend, list[JobSpec], list[str]]:
+    """n launches recorded in the run dir (as a previous kernel left them), their jobs pending in the fake."""
+    ids = w.fake.add_jobs(n)
+    specs = []
+    for i, job_id in enumerate(ids):
+        spec = w.spec(f"j{i}", seq=i, write=False)
+        spec.paths.launch_dir.mkdir(parents=True)
+        S._write_json(spec.paths.launch_dir, S.SPEC_FILE, spec)
+        S._write_json(spec.paths.launch_dir, S.JOB_FILE, S.JobRecord(job_id, f"n{i}", time.time()))
+        specs.append(spec)
+    return w.backend(), specs, ids
+
+
+def test_one_squeue_per_cycle_for_a_thousand_jobs_and_sacct_only_for_the_vanished(w: World) -> None:
+    b, specs, ids = adopt_many(w, 1000)
+
+    async def go() -> None:
+        found = await b.recover(w.run_dir)
+        assert len(found.running) == 1000
+        assert not found.requeued
+        assert w.calls() == {"sbatch": 0, "squeue": 0, "sacct": 0, "scancel": 0}  # ids came from the files
+        await b.poll_once()
+        assert w.calls()["squeue"] == 1
+        assert drain(b) == []
+        for job_id in ids[:3]:
+            w.fake.set_state(job_id, None, "RUNNING")
+        await b.poll_once()
+        # The wrapper of job 0 finishes: the next file tick reports it, without asking Slurm.
+        jobscript.write_exit(specs[0].task_dir(0), jobscript.ExitRecord(0, "exited"))
+        assert await b.check_files() == 1
+        assert w.calls() == {"sbatch": 0, "squeue": 2, "sacct": 0, "scancel": 0}
+        # Job 1 leaves the queue without an exit file: one sacct (disabled here), then VANISHED.
+        w.fake.purge(ids[1])
+        await b.poll_once()
+        assert w.calls() == {"sbatch": 0, "squeue": 3, "sacct": 1, "scancel": 0}
+        # Job 2 too: the backend knows there is no accounting and does not ask again.
+        w.fake.purge(ids[2])
+        await b.poll_once()
+        assert w.calls() == {"sbatch": 0, "squeue": 4, "sacct": 1, "scancel": 0}
+
+    run(go)
+    done = drain(b)
+    assert [(e.key, e.task) for e in done] == [(specs[i].key, 0) for i in (0, 1, 2)]
+    assert state_of(specs[0]).state == "COMPLETED"
+    assert (exit_of(specs[1]).code, exit_of(specs[1]).kind) == (jobscript.EXIT_LOST, "vanished")
+    assert state_of(specs[1]).state == "VANISHED"
+    assert len(b.tracked_jobs) == 997
+
+
+@pytest.mark.parametrize("accounting", [True])
+def test_accounting_explains_what_died_without_an_exit_file(tmp_path: Path, accounting: bool) -> None:
+    w = World(tmp_path, accounting=accounting)
+    try:
+        check_accounting(w)
+    finally:
+        w.close()
+
+
+def check_accounting(w: World) -> None:
+    b, specs, ids = adopt_many(w, 4)
+    cases = [("OUT_OF_MEMORY", "0:125", None), ("NODE_FAIL", "0:0", None), ("CANCELLED", "0:15", 4242)]
+
+    async def go() -> None:
+        await b.recover(w.run_dir)
+        for job_id in ids:
+            w.fake.set_state(job_id, None, "RUNNING")
+        await b.poll_once()
+        for job_id, (state, code, by) in zip(ids, cases, strict=False):
+            w.fake.set_state(job_id, None, state, exit_code=code, cancelled_by=by)
+            w.fake.purge(job_id)
+        await b.poll_once()
+
+    run(go)
+    assert w.calls()["sacct"] == 1
+    assert w.calls()["squeue"] == 2
+    assert sorted(e.key for e in drain(b)) == sorted(s.key for s in specs[:3])
+    kinds = [(exit_of(s).kind, state_of(s).state) for s in specs[:3]]
+    assert kinds == [
+        ("out_of_memory", "OUT_OF_MEMORY"),
+        ("node_fail", "NODE_FAIL"),
+        ("cancelled", "CANCELLED"),
+    ]
+    assert "uid 4242" in (state_of(specs[2]).hint or "")
+    assert jobscript.read_exit(specs[3].task_dir(0)) is None  # still running: untouched
+
+
+def test_controller_failure_reports_nothing_failed_and_backs_off(w: World) -> None:
+    b, specs, ids = adopt_many(w, 2)
+
+    async def go() -> None:
+        await b.recover(w.run_dir)
+        for job_id in ids:
+            w.fake.set_state(job_id, None, "RUNNING")
+        await b.poll_once()
+        floor = b.next_interval()
+        for job_id in ids:  # the jobs end (and are purged) while the controller does not answer
+            w.fake.purge(job_id)
+        for _ in range(3):
+            w.fake.fail_next("squeue", 1, stderr=DOWN)
+            await b.poll_once()
+        assert drain(b) == []
+        assert b.next_interval() == min(60.0, floor * 8)
+        # A wrapper that finished writes its file: reported although squeue keeps failing.
+        jobscript.write_exit(specs[0].task_dir(0), jobscript.ExitRecord(3, "exited"))
+        w.fake.fail_next("squeue", 1, stderr=DOWN)
+        await b.poll_once()
+        assert [e.key for e in drain(b)] == [specs[0].key]
+        # A squeue that hangs is cut off by the client timeout: unknown as well.
+        b.client_timeout_s = 0.5
+        w.fake.fail_next("squeue", 0, delay=20)
+        await b.poll_once()
+        assert drain(b) == []
+        # The controller answers again: the job that left without an exit file is decided now.
+        await b.poll_once()
+        assert [e.key for e in drain(b)] == [specs[1].key]
+
+    run(go)
+    assert state_of(specs[0]).state == "FAILED"
+    assert exit_of(specs[1]).kind == "vanished"
+
+
+def test_exit_grace_waits_for_a_late_exit_file(w: World) -> None:
+    b, specs, ids = adopt_many(w, 1)
+    b.exit_grace_s = 3600.0
+
+    async def go() -> None:
+        await b.recover(w.run_dir)
+        w.fake.set_state(ids[0], None, "COMPLETED")
+        await b.poll_once()
+        assert drain(b) == []
+        jobscript.write_exit(specs[0].task_dir(0), jobscript.ExitRecord(0, "exited"))
+        await b.poll_once()
+
+    run(go)
+    assert [e.key for e in drain(b)] == [specs[0].key]
+    assert exit_of(specs[0]).kind == "exited"
+
+
+def test_a_pending_reason_that_never_clears_is_a_stuck_exit_and_healthy_waits_wake_nothing(w: World) -> None:
+    b, specs, ids = adopt_many(w, 2)
+
+    async def go() -> None:
+        await b.recover(w.run_dir)
+        w.fake.set_state(ids[0], None, "PENDING", reason="Priority")
+        w.fake.set_state(ids[1], None, "PENDING", reason="PartitionDown")
+        await b.poll_once()
+
+    run(go)
+    assert [e.key for e in drain(b)] == [specs[1].key]
+    rec = exit_of(specs[1])
+    assert rec.kind == S.KIND_STUCK
+    assert "PartitionDown" in (rec.detail or "")
+    assert w.jobs()[ids[1]]["tasks"]["-"]["state"] == "CANCELLED", (
+        "a stuck task is cancelled, never runs late"
+    )
+    assert w.fake.last_args("scancel") == [ids[1]]
+    assert jobscript.read_exit(specs[0].task_dir(0)) is None
+
+
+# --- cancel and recover ------------------------------------------------------------------------------------
+
+
+def test_cancel_tasks_then_the_whole_array_and_retry_while_the_controller_is_down(w: World) -> None:
+    spec = w.spec("arr", array=3)
+    b = w.backend()
+
+    async def go() -> None:
+        await b.submit(spec)
+        (job_id,) = w.jobs()
+        w.fake.set_state(job_id, 0, "RUNNING")
+        got = await b.cancel(spec.key, [0, 1])
+        assert [r.job_id for r in got] == [f"{job_id}_0", f"{job_id}_1"]
+        assert w.fake.last_args("scancel") == [f"{job_id}_0", f"{job_id}_1"]
+        await b.poll_once()
+        assert sorted(e.task for e in drain(b)) == [0, 1]
+        assert b.open_tasks(spec.key) == [2]
+        w.fake.fail_next("scancel", 1, stderr="scancel: error: Unable to contact slurm controller")
+        assert [r.task for r in await b.cancel(spec.key)] == [2]
+        assert w.jobs()[job_id]["tasks"]["2"]["state"] == "PENDING"
+        await b.poll_once()  # the loop asks scancel again, then sees the task cancelled
+        assert w.fake.last_args("scancel") == [job_id]
+        await b.poll_once()
+        assert [e.task for e in drain(b)] == [2]
+        assert await b.cancel(spec.key) == []
+        assert await b.cancel("no/such/launch") == []
+
+    run(go)
+    assert w.calls()["scancel"] == 3
+    for k in range(3):
+        assert (exit_of(spec, k).kind, state_of(spec, k).state) == ("cancelled", "CANCELLED")
+        assert state_of(spec, k).hint is None  # the kernel asked: not "outside the kernel"
+
+
+def test_recover_adopts_by_name_and_resubmits_only_what_slurm_never_saw(w: World) -> None:
+    crashed = w.spec("crashed")  # sbatch ran, the kernel died before slurm-job.json
+    never = w.spec("never")  # the kernel died before sbatch
+    for spec in (crashed, never):
+        spec.paths.launch_dir.mkdir(parents=True, exist_ok=True)
+        S._write_json(spec.paths.launch_dir, S.SPEC_FILE, spec)
+    b0 = w.backend()
+    argv = render_sbatch_argv(
+        SbatchJob(workspace=WS, seq=1, launch="crashed", minutes=1), b0.policy, crashed.paths
+    )
+    subprocess.run(argv, env=w.fake.env(), check=True, capture_output=True)
+    (crashed_id,) = w.jobs()
+    b = w.backend()
+
+    async def go() -> Recovered:
+        async with anyio.create_task_group() as tg:
+            await tg.start(b.run)
+            found = await b.recover(w.run_dir)
+            await wait_for(lambda: b.job_of(never.key) is not None)
+            tg.cancel_scope.cancel()
+        return found
+
+    found = run(go)
+    assert [r.key for r in found.running] == [crashed.key]
+    assert [r.job_id for r in found.running] == [crashed_id]
+    assert [r.key for r in found.requeued] == [never.key]
+    assert len(w.jobs()) == 2
+    assert w.calls()["sbatch"] == 2  # the hand-made one, then `never` once
+
+
+def test_policy_from_config_and_exit_state_mapping() -> None:
+    cfg = SlurmConfig(partition="gpu", account="lab", extra_args=("--reservation=r",), poll_seconds=20)
+    pol = S.policy_from_config(cfg, mem_mb=2048)
+    assert (pol.partition, pol.account, pol.extra_args, pol.mem_mb) == (
+        "gpu",
+        "lab",
+        ("--reservation=r",),
+        2048,
+    )
+    b = S.SlurmBackend.from_config(cfg, env={"PATH": "/x", "SECRET": "s", "SLURM_CONF": "/c"})
+    assert (b.poll_floor_s, b.poll_ceiling_s, b.submit_timeout_s) == (2.0, 20, 60.0)
+    assert b.env == {"PATH": "/x", "LANG": "C.UTF-8", "SLURM_CONF": "/c"}, "kernel env must not reach jobs"
+    b.close()
+    rec = jobscript.ExitRecord
+    assert S.task_state_of(rec(123, "timeout")) == "TIMEOUT"
+    assert S.task_state_of(rec(122, "terminated")) == "CANCELLED"
+    assert S.task_state_of(rec(0, "exited")) == "COMPLETED"
+    assert S.task_state_of(rec(137, "signaled")) == "FAILED"
+    assert S.task_state_of(rec(137, "signaled"), Resolution("done", "OUT_OF_MEMORY")) == "OUT_OF_MEMORY"
+    assert S.task_state_of(rec(125, "node_fail")) == "NODE_FAIL"
