@@ -197,10 +197,8 @@ class _Launch:
     open: set[int] = field(default_factory=set)  # tasks not reported yet
     cancelled: set[int] = field(default_factory=set)  # the kernel asked for these to stop
     unscancelled: set[int] = field(default_factory=set)  # asked, but scancel has not succeeded yet
-    running: set[int] = field(
-        default_factory=set
-    )  # last squeue said RUNNING (or the like): stat them each tick
     slurm_state: dict[int, str] = field(default_factory=dict)
+    # Tasks the last good squeue showed PENDING, and since when: the only ones the file tick skips.
     pending_since: dict[int, float] = field(default_factory=dict)
     ended_since: dict[int, float] = field(default_factory=dict)  # Slurm says over, no exit file yet
 
@@ -354,7 +352,7 @@ class SlurmBackend:
                 await self._sleep(min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)))
             if not la.open:
                 return  # cancelled while we waited: nothing to submit
-            found, detail = await self._lookup([la.name])
+            found, detail = await self._lookup([la])
             if found is None:
                 problems.append(f"looking up {la.name}: {detail}")
                 continue
@@ -390,16 +388,23 @@ class SlurmBackend:
         _write_json(la.spec.paths.launch_dir, JOB_FILE, rec)
         la.job = rec
 
-    async def _lookup(self, names: Sequence[str]) -> tuple[dict[str, list[str]] | None, str]:
-        """Our jobs carrying these names (oldest first), from one squeue; None when squeue did not answer."""
-        argv = ["squeue", "-h", "-t", "all", "--me", "-o", f"%j|{SQUEUE_FORMAT}", f"--name={','.join(names)}"]
+    async def _lookup(self, launches: Sequence[_Launch]) -> tuple[dict[str, list[str]] | None, str]:
+        """Our jobs of these launches (oldest first) by name, from one squeue; None when squeue did not answer.
+
+        A job counts only if its working directory is the launch's own directory: a name reused after the
+        kernel's state was reset (the finished job still listed for MinJobAge) is never mistaken for ours.
+        """
+        names = ",".join(la.name for la in launches)
+        argv = ["squeue", "-h", "-t", "all", "--me", "-o", f"%j|%Z|{SQUEUE_FORMAT}", f"--name={names}"]
         out = await self._client(argv)
         if out.returncode != 0:
             return None, (out.stderr.strip() or f"squeue exited {out.returncode}")[:500]
+        workdir = {la.name: str(la.spec.paths.launch_dir) for la in launches}
         found: dict[str, set[str]] = {}
         for line in out.stdout.splitlines():
-            name, sep, rest = line.strip().partition("|")
-            if not sep:
+            name, _, rest = line.strip().partition("|")
+            where, sep, rest = rest.partition("|")
+            if not sep or workdir.get(name) != where:
                 continue
             try:
                 rows = parse_squeue(rest)
@@ -459,29 +464,40 @@ class SlurmBackend:
         self._wake.set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The service loop: file ticks and scheduler polls run side by side, so a squeue that hangs while the
+        controller is down (9-18 s) never delays the exits the wrapper files already tell."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
             task_status.started()
             try:
-                next_poll = self._clock() + self.poll_floor_s
-                while True:
-                    if not any((la.open and la.job) or la.unscancelled for la in self._launches.values()):
-                        await self._wake.wait()
-                        self._wake = anyio.Event()
-                        next_poll = min(next_poll, self._clock() + self.poll_floor_s)
-                        continue
-                    if self._poll_now or self._clock() >= next_poll:
-                        await self.poll_once()
-                        next_poll = self._clock() + self.next_interval()
-                    else:
-                        await self.check_files()
-                    wait = max(0.0, min(self.file_poll_s, next_poll - self._clock()))
-                    with anyio.move_on_after(wait):
-                        await self._wake.wait()
-                    self._wake = anyio.Event()
+                tg.start_soon(self._file_loop)
+                await self._poll_loop()
             finally:
                 self._tg = None
                 self.close()
+
+    def _idle(self) -> bool:
+        return not any((la.open and la.job) or la.unscancelled for la in self._launches.values())
+
+    async def _poll_loop(self) -> None:
+        next_poll = self._clock() + self.poll_floor_s
+        while True:
+            if self._idle():
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                next_poll = max(next_poll, self._clock() + self.poll_floor_s)
+                continue
+            if self._poll_now or self._clock() >= next_poll:
+                await self.poll_once()
+                next_poll = self._clock() + self.next_interval()
+            with anyio.move_on_after(max(0.0, next_poll - self._clock())):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+
+    async def _file_loop(self) -> None:
+        while True:
+            await self.check_files()
+            await anyio.sleep(self.file_poll_s)
 
     def close(self) -> None:
         """Close the exit stream (the service loop does this when it stops; tests that drive the cycles by hand
@@ -498,8 +514,16 @@ class SlurmBackend:
         )
 
     async def check_files(self) -> int:
-        """One file tick: stat exit-code of every task last seen running; report those that have one."""
-        todo = [(la, t) for la in self._launches.values() if la.job for t in la.running & la.open]
+        """One file tick: stat exit-code once per open task not last seen PENDING (all of them while squeue
+        fails: a task may have started and ended unseen); report those that have one."""
+        blind = self._failures > 0
+        todo = [
+            (la, t)
+            for la in self._launches.values()
+            if la.job
+            for t in sorted(la.open)
+            if blind or t not in la.pending_since
+        ]
         if not todo:
             return 0
         found = await anyio.to_thread.run_sync(self._read_exits, todo)
@@ -558,11 +582,8 @@ class SlurmBackend:
                         la.slurm_state[t] = state
                 if row is not None and row.state == "PENDING":
                     la.pending_since.setdefault(t, now)
-                    la.running.discard(t)
                     continue
                 la.pending_since.pop(t, None)
-                if row is not None and row.state not in ("PENDING",):
-                    la.running.add(t)
                 to_read.append((la, t))
         exits = await anyio.to_thread.run_sync(self._read_exits, to_read)
         exit_of = {(id(la), t): rec for (la, t), rec in zip(to_read, exits, strict=True)}
@@ -657,6 +678,8 @@ class SlurmBackend:
         tdir = la.spec.task_dir(t)
         state: TaskState = task_state_of(rec, res) if rec is not None else res.state or "VANISHED"
         hint = res.hint if rec is None or rec.code != 0 else None
+        if rec is not None and rec.kind == "terminated" and t not in la.cancelled:
+            hint = "stopped from outside the kernel (scancel, the scheduler or an administrator)"
         with contextlib.suppress(OSError):
             _write_json(
                 tdir,
@@ -664,7 +687,6 @@ class SlurmBackend:
                 TaskSlurmState(la.task_job_id(t), state, hint, la.slurm_state.get(t)),
             )
         la.open.discard(t)
-        la.running.discard(t)
         la.ended_since.pop(t, None)
         la.pending_since.pop(t, None)
         self._last_change = self._clock()
@@ -704,7 +726,7 @@ class SlurmBackend:
             elif la.job is not None:
                 found["running"] += [la.ref(t) for t in sorted(la.open)]
         if unrecorded:
-            names, _detail = await self._lookup([la.name for la in unrecorded])
+            names, _detail = await self._lookup(unrecorded)
             for la in unrecorded:
                 if names is not None and la.name in names:
                     self._record(la, JobRecord(names[la.name][0], la.name, time.time(), adopted=True))

@@ -165,6 +165,22 @@ def test_sbatch_that_timed_out_after_creating_the_job_is_adopted_not_duplicated(
     assert rec.adopted
 
 
+def test_a_job_of_the_same_name_from_another_run_dir_is_not_adopted(w: World) -> None:
+    spec = w.spec("reused")
+    other = w.run_dir.parent / "old-runs"
+    other.mkdir()
+    name = f"--job-name=sk-{WS}-1-reused"
+    subprocess.run(
+        ["sbatch", "--parsable", name, f"--chdir={other}", "--wrap=true"], env=w.fake.env(), check=True
+    )
+    b = w.backend()
+    run(lambda: b.submit(spec))
+    assert len(w.jobs()) == 2
+    rec = b.job_of(spec.key)
+    assert rec is not None
+    assert not rec.adopted
+
+
 def test_a_sbatch_that_never_answers_is_timed_out_and_the_job_found_by_name(w: World) -> None:
     spec = w.spec("slowctl")
     w.fake.fail_next("sbatch", 0, act=True, delay=30)
