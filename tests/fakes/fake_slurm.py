@@ -301,6 +301,7 @@ def sbatch(s: State, args: list[str]) -> Result:
         array = list(range(int(lo), int(hi or lo) + 1))
         throttle = int(k) if k else None
     job_id = _create(s, opts.get("--job-name", "sbatch"), array, throttle, "--hold" in opts)
+    s["jobs"][job_id]["workdir"] = opts.get("--chdir", opts.get("-D", os.getcwd()))
     if "--parsable" not in opts:
         return Result(0, stdout=f"Submitted batch job {job_id}\n")
     banner = s["banner"] + "\n" if s["banner"] else ""
@@ -350,7 +351,10 @@ def squeue(s: State, args: list[str]) -> Result:
             throttle = f"%{job['throttle']}" if job["throttle"] else ""
             r = f"{_ranges(sorted(pending))}{throttle}"
             reason = tasks[0][1]["reason"]
-            lines.append(_row(fmt, f"{job_id}_[{r}]", job_id, job_id, r, "PENDING", reason, job["name"]))
+            where = job.get("workdir", "")
+            lines.append(
+                _row(fmt, f"{job_id}_[{r}]", job_id, job_id, r, "PENDING", reason, job["name"], where)
+            )
             tasks = [(k, t) for k, t in tasks if k == SINGLE or int(k) not in pending]
         for k, t in tasks:
             shown = job_id if k == SINGLE else f"{job_id}_{k}"
@@ -364,17 +368,20 @@ def squeue(s: State, args: list[str]) -> Result:
                     t["state"],
                     t["reason"],
                     job["name"],
+                    job.get("workdir", ""),
                 )
             )
     stderr = "slurm_load_jobs error: Invalid job id specified\n" if unknown and not found else ""
     return Result(0, stdout="".join(f"{line}\n" for line in lines), stderr=stderr)
 
 
-def _row(fmt: str, i: str, a: str, f: str, k: str, state: str, reason: str, name: str = "") -> str:
+def _row(
+    fmt: str, i: str, a: str, f: str, k: str, state: str, reason: str, name: str = "", workdir: str = ""
+) -> str:
     out = fmt
     for token, value in (("%i", i), ("%A", a), ("%F", f), ("%K", k), ("%T", state), ("%r", reason)):
         out = out.replace(token, value)
-    return out.replace("%j", name)
+    return out.replace("%j", name).replace("%Z", workdir)
 
 
 def sacct(s: State, args: list[str]) -> Result:
