@@ -25,7 +25,10 @@ TOOL_READ_CAP: Final = 4 * 1024 * 1024
 _VERSION_RE: Final = re.compile(
     rb"""^(?:__version__|VERSION|TOOL_VERSION)\s*=\s*["']([^"'\n]{1,40})["']""", re.M
 )
-_VERB_RE: Final = re.compile(rb"""add_parser\(\s*["']([a-z][a-z0-9-]{0,30})["']""")
+# A subcommand: the first string argument of `add_parser(...)` or of a helper wrapping it, e.g. `_sub(subs, p, "x")`.
+_VERB_RE: Final = re.compile(
+    rb"""(?:add_parser|_sub)\(\s*(?:[A-Za-z_]\w*\s*,\s*)*["']([a-z][a-z0-9-]{0,30})["']"""
+)
 _FLAG_RE: Final = re.compile(rb"""["'](--[a-z][a-z0-9-]{0,40})["']""")
 
 

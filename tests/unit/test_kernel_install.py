@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernel.install import news, summarize
+from kernel.install import ToolSource, news, summarize
 
 OLD = b"""VERSION = "1.0"
 sub.add_parser("status")
@@ -31,6 +31,14 @@ def test_news_lists_what_is_new_and_gone() -> None:
     assert "New verbs: `budget`" in note
     assert "New options: `--timeout`" in note
     assert "Removed options: `--old-flag`" in note
+
+
+def test_verbs_through_a_helper_and_the_real_tool() -> None:
+    src = b'p = _sub(\n    subs,\n    common,\n    "launch",\n    "Stage a job.")\np = _sub(subs, common, "queue", "x")\n'
+    assert summarize(src).verbs == {"launch", "queue"}
+    real = summarize(ToolSource.bundled().data)
+    assert {"launch", "sleep", "status", "cancel", "queue", "history"} <= real.verbs
+    assert "--json" in real.flags
 
 
 def test_news_for_a_first_install() -> None:
