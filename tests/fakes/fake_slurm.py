@@ -124,6 +124,12 @@ class FakeSlurm:
             t = _task(s, job_id, task)
             _move(s, s["jobs"][job_id], t, state, exit_code, reason, cancelled_by)
 
+    def set_states(self, moves: list[tuple[str, int | None, str]], *, exit_code: str = "0:0") -> None:
+        """Move many tasks at once (one state rewrite, for load benchmarks): (job id, task, state) each."""
+        with locked_state(self.state_file) as s:
+            for job_id, task, state in moves:
+                _move(s, s["jobs"][job_id], _task(s, job_id, task), state, exit_code, "None", None)
+
     def purge(self, job_id: str) -> None:
         """Drop a job from the queue (MinJobAge passed); accounting, if enabled, still has it."""
         with locked_state(self.state_file) as s:
