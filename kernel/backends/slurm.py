@@ -1,8 +1,9 @@
 """The Slurm backend: runs each launch's `job.sh` as one sbatch job (an array for a sweep) and tracks it cheaply.
 
-Submission. `submit` records the JobSpec in `<launch dir>/slurm.json` first, then looks the launch's unique job
-name up with one `squeue` (a job submitted before a crash, or by an `sbatch` that timed out after creating it, is
-adopted, never duplicated), then runs `sbatch --parsable`. Transient failures (a timeout, an unreachable or busy
+Submission. `submit` records the JobSpec in `<launch dir>/slurm.json` first, then runs `sbatch --parsable`.
+Whenever a job may already exist (a retry, or a launch recorded before a restart) it first looks the launch's
+unique job name up with one `squeue` (a job submitted before a crash, or by an `sbatch` that timed out after
+creating it, is adopted, never duplicated). Transient failures (a timeout, an unreachable or busy
 controller) are retried with backoff, each retry looking by name first; other refusals raise `SlurmSubmitError`.
 The job id lands atomically in `<launch dir>/slurm-job.json`, so `recover` needs no scheduler call for it.
 
@@ -62,6 +63,7 @@ from kernel.slurm import (
     sacct_argv,
     squeue_argv,
 )
+from kernel.slurm.classify import RUNNING_STATES
 from kernel.slurm.query import SQUEUE_FORMAT, parse_squeue
 
 if TYPE_CHECKING:
@@ -88,6 +90,12 @@ _KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
     "FAILED": (jobscript.EXIT_LOST, "failed"),
     "VANISHED": (jobscript.EXIT_LOST, "vanished"),
 }
+
+
+# States in which Slurm, not the job, ended a task whose wrapper recorded a SIGTERM.
+_SCHEDULER_ENDS: Final = ("TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED")
+# How long a SIGTERM'd task (not by the kernel) may stay RUNNING in squeue before it is reported anyway.
+TERMINATED_WAIT_S: Final = 120.0
 
 
 class SlurmSubmitError(RuntimeError):
@@ -164,6 +172,8 @@ def task_state_of(rec: jobscript.ExitRecord, slurm: Resolution | None = None) ->
     """The TaskState a finished task reports: the wrapper's record first, Slurm's explanation of a failure next."""
     if rec.kind == "timeout":
         return "TIMEOUT"
+    if rec.kind == "terminated" and slurm is not None and slurm.state in _SCHEDULER_ENDS:
+        return slurm.state
     if rec.kind in ("terminated", jobscript.KIND_CANCELLED):
         return "CANCELLED"
     if rec.kind == KIND_STUCK:
@@ -334,7 +344,9 @@ class SlurmBackend:
         spec = la.spec
         for t in range(spec.array):
             spec.task_dir(t).mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not (spec.paths.launch_dir / SPEC_FILE).exists():
+        # A launch recorded for the first time cannot have a job yet: its first sbatch needs no lookup.
+        fresh = not (spec.paths.launch_dir / SPEC_FILE).exists()
+        if fresh:
             _write_json(spec.paths.launch_dir, SPEC_FILE, spec)
         job = SbatchJob(
             workspace=spec.workspace,
@@ -352,7 +364,7 @@ class SlurmBackend:
                 await self._sleep(min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)))
             if not la.open:
                 return  # cancelled while we waited: nothing to submit
-            found, detail = await self._lookup([la])
+            found, detail = ({}, "") if attempt == 0 and fresh else await self._lookup([la])
             if found is None:
                 problems.append(f"looking up {la.name}: {detail}")
                 continue
@@ -527,11 +539,14 @@ class SlurmBackend:
         if not todo:
             return 0
         found = await anyio.to_thread.run_sync(self._read_exits, todo)
+        reported = 0
         for (la, t), rec in zip(todo, found, strict=True):
-            if rec is not None:
-                res = Resolution("done", "RUNNING")
-                self._report(la, t, res, rec)
-        return sum(r is not None for r in found)
+            # A SIGTERM the kernel did not send is the scheduler's (walltime, preemption) or scancel's: the
+            # poll reports it once Slurm says which.
+            if rec is not None and not (rec.kind == "terminated" and t not in la.cancelled):
+                self._report(la, t, Resolution("done", "RUNNING"), rec)
+                reported += 1
+        return reported
 
     @staticmethod
     def _read_exits(todo: Sequence[tuple[_Launch, int]]) -> list[jobscript.ExitRecord | None]:
@@ -607,6 +622,11 @@ class SlurmBackend:
         for la, t, res in decisions:
             rec = exit_of.get((id(la), t))
             if res.action == "done" and rec is not None:
+                row = queue.entries.get(la.key_of(t))
+                if rec.kind == "terminated" and t not in la.cancelled and row and row.state in RUNNING_STATES:
+                    first = la.ended_since.setdefault(t, now)
+                    if now - first < TERMINATED_WAIT_S:
+                        continue  # wait for Slurm's end state (TIMEOUT, PREEMPTED, CANCELLED, ...)
                 self._report(la, t, res, rec)
             elif res.action == "done":
                 first = la.ended_since.setdefault(t, now)

@@ -145,7 +145,7 @@ def test_submit_renders_the_argv_and_records_the_job_id(w: World) -> None:
     rec = msgspec.json.decode((spec.paths.launch_dir / S.JOB_FILE).read_bytes(), type=S.JobRecord)
     assert (rec.job_id, rec.name, rec.adopted) == (job_id, name, False)
     assert all(spec.task_dir(k).is_dir() for k in range(4)), "Slurm does not create output directories"
-    assert w.calls() == {"sbatch": 1, "squeue": 1, "sacct": 0, "scancel": 0}
+    assert w.calls() == {"sbatch": 1, "squeue": 0, "sacct": 0, "scancel": 0}  # a fresh launch: no lookup
     # Idempotent per key: a second submit asks nothing.
     assert run(lambda: b.submit(spec)) == refs
     assert w.calls()["sbatch"] == 1
@@ -158,7 +158,7 @@ def test_sbatch_that_timed_out_after_creating_the_job_is_adopted_not_duplicated(
     refs = run(lambda: b.submit(spec))
     (job_id,) = w.jobs()
     assert [r.job_id for r in refs] == [job_id]
-    assert w.calls() == {"sbatch": 1, "squeue": 2, "sacct": 0, "scancel": 0}
+    assert w.calls() == {"sbatch": 1, "squeue": 1, "sacct": 0, "scancel": 0}  # the retry looked first
     assert w.sleeps == [2.0]
     rec = b.job_of(spec.key)
     assert rec is not None
@@ -173,8 +173,10 @@ def test_a_job_of_the_same_name_from_another_run_dir_is_not_adopted(w: World) ->
     subprocess.run(
         ["sbatch", "--parsable", name, f"--chdir={other}", "--wrap=true"], env=w.fake.env(), check=True
     )
+    w.fake.fail_next("sbatch", 1, stderr=TRANSIENT)  # so that the retry looks the name up
     b = w.backend()
     run(lambda: b.submit(spec))
+    assert w.calls()["squeue"] == 1
     assert len(w.jobs()) == 2
     rec = b.job_of(spec.key)
     assert rec is not None
@@ -196,11 +198,11 @@ def test_transient_failures_are_retried_with_backoff(w: World) -> None:
     spec = w.spec("retry")
     for _ in range(3):
         w.fake.fail_next("sbatch", 1, stderr=TRANSIENT)
-    w.fake.fail_next("squeue", 1, stderr=DOWN)  # the first lookup: unknown, so no sbatch yet
+    w.fake.fail_next("squeue", 1, stderr=DOWN)  # the lookup before the 2nd sbatch: unknown, so no sbatch
     b = w.backend()
     run(lambda: b.submit(spec))
     assert w.sleeps == [2.0, 4.0, 8.0, 16.0]
-    assert w.calls()["sbatch"] == 4
+    assert w.calls() == {"sbatch": 4, "squeue": 4, "sacct": 0, "scancel": 0}
     assert len(w.jobs()) == 1
 
 
@@ -212,7 +214,8 @@ def test_refusals_and_exhausted_retries_raise(w: World) -> None:
         run(lambda: b.submit(bad))
     assert w.sleeps == []
     down = w.spec("down")
-    for _ in range(3):
+    w.fake.fail_next("sbatch", 1, stderr=TRANSIENT)
+    for _ in range(2):
         w.fake.fail_next("squeue", 1, stderr=DOWN)
     with pytest.raises(S.SlurmSubmitError, match=r"not submitted after 3 attempts.*Unable to contact"):
         run(lambda: b.submit(down))
@@ -344,6 +347,27 @@ def test_controller_failure_reports_nothing_failed_and_backs_off(w: World) -> No
     run(go)
     assert state_of(specs[0]).state == "FAILED"
     assert exit_of(specs[1]).kind == "vanished"
+
+
+def test_a_sigterm_from_the_walltime_reads_timeout_once_slurm_says_so(w: World) -> None:
+    b, specs, ids = adopt_many(w, 1)
+
+    async def go() -> None:
+        await b.recover(w.run_dir)
+        w.fake.set_state(ids[0], None, "RUNNING")
+        await b.poll_once()
+        # Slurm's SIGTERM at the time limit: the wrapper records `terminated`, Slurm still shows it RUNNING.
+        jobscript.write_exit(specs[0].task_dir(0), jobscript.ExitRecord(122, "terminated", signal="SIGTERM"))
+        assert await b.check_files() == 0
+        await b.poll_once()
+        assert drain(b) == []
+        w.fake.set_state(ids[0], None, "TIMEOUT", exit_code="0:15")
+        await b.poll_once()
+
+    run(go)
+    assert [e.key for e in drain(b)] == [specs[0].key]
+    assert state_of(specs[0]).state == "TIMEOUT"
+    assert exit_of(specs[0]).kind == "terminated"  # the wrapper's own record is never rewritten
 
 
 def test_exit_grace_waits_for_a_late_exit_file(w: World) -> None:
