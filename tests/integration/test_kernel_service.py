@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,3 +249,32 @@ def test_bad_config_is_refused_with_the_key(tmp_path: Path) -> None:
     out = k.cli("serve", check=False)
     assert out.returncode == 2
     assert f"{k.config}: key 'defaults.launches'" in out.stderr
+
+
+def test_the_installed_tool_talks_to_the_kernel(kernel: Kernel, tmp_path: Path) -> None:
+    ws = git_workspace(tmp_path / "ws")
+    kernel.enroll(ws, "--launches", "4")
+    kernel.start()
+
+    def tool(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(ws / ".syscall" / "syscall"), *args],
+            cwd=ws,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    st = tool("status", "--json")
+    assert st.returncode == 0, st.stderr
+    assert json.loads(st.stdout)["answer"]["budget"]["launches"] == 4
+    assert tool("launch", "--name", "t", "--minutes", "5", "--", "echo", "hi").returncode == 0
+    slept = tool("sleep", "--json")
+    assert slept.returncode == 0, slept.stderr
+    accepted = json.loads(slept.stdout)
+    assert accepted["type"] == "accepted"
+    assert accepted["budget"]["launches"] == 3
+    again = tool("sleep")
+    assert again.returncode == 3, again.stdout + again.stderr  # rejected by the kernel: sleep.in_progress
+    assert "sleep.in_progress" in again.stdout + again.stderr
+    assert kernel.stop() == 0
