@@ -61,6 +61,9 @@ SWEEP_PER_PASS: Final = 16
 JUNK_PER_LISTING: Final = 256
 
 
+Spawn = Callable[["Continuation"], object]
+
+
 @dataclass(frozen=True, slots=True)
 class Continuation:
     """A recorded sleep or cancel waiting for the executor, then for its answer."""
@@ -92,6 +95,9 @@ class Pipeline:
         self.backlog: dict[str, deque[str]] = {}
         self.dirty: set[str] = set()
         self._sweep: deque[str] = deque()
+        # Workspaces with a continuation at the executor; `on_idle(key)` is called when it is done.
+        self.busy: set[str] = set()
+        self.on_idle: Callable[[str], None] = lambda key: None
         self._swept: set[str] = set()
         self._stuck: dict[str, set[str]] = {}
         self._after: str | None = None
@@ -123,16 +129,24 @@ class Pipeline:
                 self._sweep.append(key)
 
     def has_work(self) -> bool:
-        return bool(self.dirty) or bool(self._sweep) or any(self.backlog.values())
+        return bool(self._sweep) or bool(self._pending())
 
     def _pending(self) -> dict[str, int]:
-        pending = {k: len(q) for k, q in self.backlog.items() if q}
+        # A workspace with a sleep or cancel at the executor waits (its next request may depend on it); the
+        # others go on.
+        pending = {k: len(q) for k, q in self.backlog.items() if q and k not in self.busy}
         for k in self.dirty:
-            pending.setdefault(k, self.cfg.batch_per_workspace)
+            if k not in self.busy:
+                pending.setdefault(k, self.cfg.batch_per_workspace)
         return pending
 
-    async def run_pass(self) -> int:
-        """Serve one bounded, fair pass; return how many requests were handled."""
+    async def run_pass(self, spawn: Spawn | None = None) -> int:
+        """Serve one bounded, fair pass; return how many requests were handled.
+
+        Sleeps and cancels recorded in the pass continue at the executor through `spawn` (a task in the
+        service's task group), so a slow snapshot or submission never holds up other workspaces; without
+        `spawn` they are awaited here.
+        """
         plan, self._after = rules.plan_pass(
             self._pending(), self._after, self.cfg.batch_per_workspace, self.cfg.batch_per_pass
         )
@@ -140,7 +154,12 @@ class Pipeline:
         for _ in range(min(SWEEP_PER_PASS, len(self._sweep))):
             key = self._sweep.popleft()
             self._swept.discard(key)
-            if key in self.workspaces and key not in planned and not self.backlog.get(key):
+            if (
+                key in self.workspaces
+                and key not in planned
+                and key not in self.busy
+                and not self.backlog.get(key)
+            ):
                 self.dirty.add(key)
                 plan.append((key, self.cfg.batch_per_workspace))
         if not plan:
@@ -148,12 +167,19 @@ class Pipeline:
         started = self.pass_started = self.clock()
         try:
             handled, conts = await self.worker.call(self._pass_sync, plan)
-            for c in conts:
-                await self.advance(c)
         finally:
             self.pass_started = None
             self.last_pass_ms = (self.clock() - started) * 1000
+        for c in conts:
+            await self._start(c, spawn)
         return handled
+
+    async def _start(self, c: Continuation, spawn: Spawn | None) -> None:
+        self.busy.add(c.key)
+        if spawn is None:
+            await self.advance(c)
+        else:
+            spawn(c)
 
     # --- the synchronous part of a pass (worker thread) ---------------------------------------------------
 
@@ -178,7 +204,9 @@ class Pipeline:
                         c = self._one(ws, ch, queue.popleft())
                         handled += 1
                         if c is not None:
+                            # The workspace's later requests wait until the executor is done with this one.
                             conts.append(c)
+                            break
             except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
                 queue.clear()
                 self.dirty.discard(key)
@@ -267,7 +295,8 @@ class Pipeline:
                 self._deliver(ch, ws, rid, encode(rejected(rid, err)), "rejected:request.id.reused", received)
                 return None
             if known.answer is None:
-                return self._resume(known)
+                # Being resumed already (busy), or interrupted by a crash: resume it.
+                return None if ws.key in self.busy else self._resume(known)
             self._deliver(ch, ws, rid, known.answer, "replayed", received)
             return None
         now = timestamp(received)
@@ -429,6 +458,14 @@ class Pipeline:
 
     async def advance(self, c: Continuation) -> None:
         """Call the executor for a recorded sleep or cancel, then record and deliver its answer."""
+        try:
+            await self._advance(c)
+        finally:
+            self.busy.discard(c.key)
+            self.dirty.add(c.key)
+            self.on_idle(c.key)
+
+    async def _advance(self, c: Continuation) -> None:
         order = await self.worker.call(self._order, c)
         try:
             if c.kind == "sleep":
@@ -519,13 +556,16 @@ class Pipeline:
 
     # --- start-up -----------------------------------------------------------------------------------------
 
-    async def recover(self) -> int:
-        """Resume every request recorded but not answered (a crash interrupted it); return how many."""
+    async def recover(self, spawn: Spawn | None = None) -> int:
+        """Resume every request recorded but not answered (a crash interrupted it, or the executor was
+        unavailable); return how many were resumed."""
         rows = await self.worker.call(self.store.unanswered)
+        resumed = 0
         for row in rows:
-            if row.workspace in self.workspaces:
-                await self.advance(self._resume(row))
-        return len(rows)
+            if row.workspace in self.workspaces and row.workspace not in self.busy:
+                resumed += 1
+                await self._start(self._resume(row), spawn)
+        return resumed
 
 
 def _verb(req: StatusRequest | QueueRequest | HistoryRequest) -> str:

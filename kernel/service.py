@@ -11,6 +11,7 @@ store; unhandled requests stay on disk for the next start.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from channel import safefs
 from channel.paths import ChannelPaths
@@ -31,7 +32,7 @@ from kernel.config import Config
 from kernel.executor import Executor, PendingExecutor
 from kernel.install import ToolSource
 from kernel.notify import Notifier
-from kernel.pipeline import Pipeline
+from kernel.pipeline import Pipeline, Spawn
 from kernel.store import Store, StoreWorker, WorkspaceRow
 from kernel.watch import Watcher, choose_mode, fs_type_of, read_mounts
 
@@ -67,6 +68,7 @@ class Service:
         self._wait_scope: anyio.CancelScope | None = None
         self._data_version = -1
         self._watch_problems: dict[str, str] = {}
+        self._send: MemoryObjectSendStream[str] | None = None
 
     # --- health -------------------------------------------------------------------------------------------
 
@@ -219,8 +221,12 @@ class Service:
                 self.notifier.ready(self.status_line())
                 tg.start_soon(self._pinger)
                 tg.start_soon(self.executor.run)
-                with recv:
-                    await self._loop(recv)
+                self._send = send
+                self.pipeline.on_idle = self._wake
+                # Leaving this group waits for the sleeps and cancels still at the executor: the drain.
+                async with anyio.create_task_group() as work:
+                    with recv:
+                        await self._loop(recv, lambda c: work.start_soon(self.pipeline.advance, c))
             finally:
                 tg.cancel_scope.cancel()
                 send.close()
@@ -236,7 +242,13 @@ class Service:
         if key:
             self.pipeline.mark(key)
 
-    async def _loop(self, recv: MemoryObjectReceiveStream[str]) -> None:
+    def _wake(self, key: str) -> None:
+        """A workspace's continuation finished: wake the loop so its waiting requests are served now."""
+        if self._send is not None:
+            with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                self._send.send_nowait(key)
+
+    async def _loop(self, recv: MemoryObjectReceiveStream[str], spawn: Spawn) -> None:
         now = self.clock()
         next_rescan = now + self.cfg.rescan_seconds
         next_tick = now + self.cfg.poll_seconds
@@ -280,7 +292,7 @@ class Service:
                     await self.worker.call(
                         self._watch_all, list(self.pipeline.workspaces.values()), unwatched
                     )
-                resumed = await self.pipeline.recover()
+                resumed = await self.pipeline.recover(spawn)
                 if resumed:
                     log.event("resumed", count=resumed)
             if now >= next_status:
@@ -288,7 +300,7 @@ class Service:
                 self.notifier.status(self.status_line())
             if self.is_stopping():
                 break
-            await self.pipeline.run_pass()
+            await self.pipeline.run_pass(spawn)
             await anyio.lowlevel.checkpoint()
 
     async def _pinger(self) -> None:

@@ -117,3 +117,60 @@ def test_pending_executor_accepts_without_job_ids(tmp_path: Path, executor: type
     (ws,) = store.workspaces()
     assert [j.state for j in store.jobs_of(ws.key, 1)] == ["PENDING", "PENDING"]
     store.close()
+
+
+class Gated(PendingExecutor):
+    """Holds every dispatch until the test opens the gate."""
+
+    def __init__(self, worker: StoreWorker) -> None:
+        super().__init__(worker)
+        self.entered = anyio.Event()
+        self.gate = anyio.Event()
+
+    async def dispatch(self, order: SleepOrder) -> tuple[JobRef, ...]:
+        self.entered.set()
+        await self.gate.wait()
+        return await super().dispatch(order)
+
+
+def test_a_slow_dispatch_holds_only_its_own_workspace_and_is_drained_at_stop(tmp_path: Path) -> None:
+    cfg = parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
+    store = Store.open(cfg.db_path)
+    spaces = []
+    for name in ("a", "b"):
+        ws = tmp_path / name
+        ws.mkdir()
+        subprocess.run(["git", "init", "-q", str(ws)], check=True)
+        enroll(store, cfg, str(ws), ToolSource(b"tool"))
+        spaces.append(ws)
+    a, b = spaces
+    svc = Service(cfg, store, Notifier(None, None), ToolSource(b"tool"), Gated)
+    gated = svc.executor
+    assert isinstance(gated, Gated)
+
+    def put(ws: Path, rid: str, body: dict[str, object]) -> None:
+        req = ws / ".syscall" / "requests"
+        (req / f".{rid}.tmp").write_text(json.dumps({"protocol": 1, "id": rid, **body}))
+        (req / f".{rid}.tmp").rename(req / f"{rid}.json")
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(svc.run)
+            put(a, "z1", {"type": "sleep", "launches": [{"name": "t", "command": "true"}]})
+            with anyio.fail_after(10):
+                await gated.entered.wait()
+            put(a, "a2", {"type": "status"})
+            put(b, "b1", {"type": "status"})
+            await wait_file(b / ".syscall" / "answers" / "b1.json", 10)
+            # A's status waits behind A's sleep, which is still at the executor.
+            assert not (a / ".syscall" / "answers" / "a2.json").exists()
+            assert not (a / ".syscall" / "answers" / "z1.json").exists()
+            svc.stop("test")
+            gated.gate.set()
+        # The stop drained the dispatch in flight: its answer was written before the service returned.
+        answer = json.loads((a / ".syscall" / "answers" / "z1.json").read_bytes())
+        assert answer["type"] == "accepted"
+
+    anyio.run(main)
+    assert (a / ".syscall" / "requests" / "a2.json").exists(), "an unhandled request stays for the next start"
+    store.close()
