@@ -241,6 +241,25 @@ def test_a_swapped_channel_is_not_served(kernel: Kernel, tmp_path: Path) -> None
     kernel.wait_log("event=channel_problem", 10)
     assert read_answer(ws, "a2") is None
     assert (decoy / "requests" / "a2.json").exists()
+    # The enrolled directory comes back: it is served again (the rescan finds it).
+    (ws / ".syscall").unlink()
+    (ws / "old").rename(ws / ".syscall")
+    put_request(ws, "a3", status("a3"))
+    assert wait_answer(ws, "a3", timeout=10)["type"] == "status"
+    kernel.wait_log("event=channel_ok", 10)
+    assert kernel.stop() == 0
+
+
+def test_the_rescan_finds_what_no_event_announced(kernel: Kernel, tmp_path: Path) -> None:
+    ws = git_workspace(tmp_path / "ws")
+    kernel.enroll(ws)
+    kernel.start()
+    # link(2) raises IN_CREATE, which the watcher ignores (a rename or a close after writing is the commit).
+    staging = ws / "staging.json"
+    staging.write_text(json.dumps(status("quiet")))
+    os.link(staging, ws / ".syscall" / "requests" / "quiet.json")
+    staging.unlink()
+    assert wait_answer(ws, "quiet", timeout=10)["type"] == "status"
     assert kernel.stop() == 0
 
 
