@@ -110,6 +110,10 @@ class Pipeline:
 
     def set_workspaces(self, rows: list[WorkspaceRow]) -> None:
         self.workspaces = {r.key: r for r in rows}
+        for r in rows:
+            if r.problem is not None:
+                # Recorded by an earlier run: cleared (in the store too) once the channel opens again.
+                self._problems.setdefault(r.key, r.problem)
         for key in list(self.backlog):
             if key not in self.workspaces:
                 del self.backlog[key]
