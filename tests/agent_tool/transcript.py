@@ -1,6 +1,6 @@
 """Print a full agent session with the `syscall` tool against the fake kernel (for docs/agent-guide.md).
 
-    .venv/bin/python tests/tool/transcript.py [PYTHON]
+    .venv/bin/python tests/agent_tool/transcript.py [PYTHON]
 
 Runs the installed copy of the tool (`python3 .syscall/syscall ...`) from inside a temporary workspace with
 PYTHON (default: this interpreter), while a driver thread plays the cluster: it ends the sleep's tasks a moment
