@@ -6,6 +6,7 @@ Exit codes: 0 ok; 1 the operation was refused or failed (the message says why); 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -84,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="workspaces, budgets, sleeps and jobs in flight (read from the store)")
     st.add_argument("--json", action="store_true", help="print one JSON object")
     config_opt(st)
-    sub.add_parser("demo", help="run the kernel's main job on the embedded local backend")
+    d = sub.add_parser("demo", help="run the kernel's main job on the embedded local backend")
+    d.add_argument("--keep", action="store_true", help="keep the demo's temporary directory")
     return p
 
 
@@ -93,12 +95,22 @@ def _config(path: str | None) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kernel.execute import executor_factory
     from kernel.service import serve
 
     cfg = _config(args.config)
     log.setup()
-    log.event("starting", config=cfg.source, state_dir=cfg.state_dir, watch=cfg.watch, pid=os.getpid())
-    anyio.run(serve, cfg)
+    log.event(
+        "starting",
+        config=cfg.source,
+        state_dir=cfg.state_dir,
+        run_dir=cfg.run_dir,
+        backend=cfg.backend,
+        jail=cfg.jail,
+        watch=cfg.watch,
+        pid=os.getpid(),
+    )
+    anyio.run(functools.partial(serve, cfg, executor_factory=executor_factory(cfg)))
     return 0
 
 
@@ -207,12 +219,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    print(
-        "syscall-kernel demo: the demo is not built yet; it arrives with job execution "
-        "(snapshot, jail and the local backend)",
-        file=sys.stderr,
-    )
-    return 1
+    from kernel import demo
+
+    return demo.run(keep=args.keep)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -67,11 +67,23 @@ class SlurmConfig(_Strict, frozen=True, kw_only=True):
     submit_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
 
 
+class LocalConfig(_Strict, frozen=True, kw_only=True):
+    """The embedded local backend (used by the execution layer, kernel.execute)."""
+
+    # Wrappers running at once across all sleeps; 0 = the number of CPUs.
+    max_parallel: Annotated[int, Meta(ge=0, le=4096)] = 0
+    # TEST AND DEMO ONLY: how long a declared minute of walltime lasts on this backend.
+    seconds_per_minute: Annotated[float, Meta(gt=0, le=60)] = 60.0
+
+
 class Config(_Strict, frozen=True, kw_only=True):
     state_dir: str = ""
     run_dir: str = ""
-    backend: Literal["local", "slurm"] = "local"
+    # "none": record and answer sleeps but run nothing (protocol tests, dry runs); tasks stay PENDING.
+    backend: Literal["local", "slurm", "none"] = "local"
     jail: Literal["bwrap", "apptainer", "none"] = "bwrap"
+    # The image jobs run in with jail = "apptainer".
+    apptainer_image: str = ""
     watch: WatchMode = "auto"
     workspaces: tuple[str, ...] = ()
     # The ground truth: every channel is listed this often whatever the watcher says.
@@ -85,6 +97,7 @@ class Config(_Strict, frozen=True, kw_only=True):
     stall_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
     defaults: Defaults = Defaults()
     slurm: SlurmConfig = SlurmConfig()
+    local: LocalConfig = LocalConfig()
     # Where this config came from (not a TOML key: filled in by `load`).
     source: str = ""
 
@@ -167,6 +180,8 @@ def _resolve(cfg: Config, source: str, env: dict[str, str]) -> Config:
             f"{source}: key 'defaults.max_gpus' ({cfg.defaults.max_gpus}) is above "
             f"'defaults.max_concurrent_gpus' ({cfg.defaults.max_concurrent_gpus}); no launch could ever run"
         )
+    if cfg.jail == "apptainer" and not cfg.apptainer_image:
+        raise ConfigError(f"{source}: key 'apptainer_image' is required with jail = 'apptainer'")
     if cfg.batch_per_workspace > cfg.batch_per_pass:
         raise ConfigError(f"{source}: key 'batch_per_workspace' is above 'batch_per_pass'")
     return msgspec.structs.replace(cfg, state_dir=state, run_dir=run, workspaces=globs, source=source)

@@ -1,0 +1,593 @@
+"""The real executor: snapshot, submit, track, gather and wake, crash-safe at every step.
+
+A sleep's life here (the pipeline has already recorded it `validated` with PENDING tasks and charged it):
+
+1. dispatch: snapshot the workspace under `refs/syscall/<ws>/<seq>` and record the commit and tree with the
+   sleep `snapshotted`; write each launch's run directory (`jobscript.write_launch`) and hand it to the backend
+   (`submit` is idempotent per launch: a local launch already on disk or a Slurm job found by name is not
+   submitted again); record every task's job id with the sleep `submitted`. A `SnapshotError` is the agent's
+   (`DispatchRefused`, code `snapshot.failed`, the charge is refunded); a backend failure is the world's
+   (`ExecutorUnavailable`, retried at the next rescan).
+2. tracking: `backend.wait_any_exit` reports each task's end at once; a tick re-reads the exit files of every
+   live task (the ground truth: events only make it faster) and marks tasks whose `started` file appeared
+   RUNNING. Each end is recorded with its state, exit code, signal and times.
+3. gathering, when the sleep's last task has ended: artifacts are delivered into `results/` (idempotent), then
+   ONE transaction releases the reservations (refunding what the measured elapsed time did not use), stores the
+   wake's exact bytes and moves the sleep to `gathered`. Only then are `wakes/<id>.json`, `wakes/<id>.md` and
+   `budget.json` written (from the stored bytes, so a restart rewrites the same wake), the sleep moves to
+   `woken`, and the snapshot ref is released.
+4. recovery at start: `backend.recover(run_dir)` adopts what still runs; recorded ends, complete sleeps and
+   gathered-but-unwritten wakes are finished from the store and the run directories. No task is submitted
+   twice (the backend looks before it acts) and no wake is written with different content.
+
+Extra tasks (e.g. a submit's evaluation runs) are ordinary job rows of the sleep: launches are built from the
+sleep's job rows, not from the request, so whatever rows a sleep holds are dispatched, tracked and gathered.
+
+`SYSCALL_KERNEL_CRASH_AT=<step>` (TEST ONLY, see `CRASH_STEPS`) makes the kernel SIGKILL itself at that step,
+for the fault tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Final, Protocol, TypeVar
+
+import anyio
+import anyio.to_thread
+import msgspec
+from anyio.abc import TaskStatus
+
+from channel import safefs
+from channel.decode import RequestError
+from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
+from channel.messages import TERMINAL_TASK_STATES, JobRef, SkippedArtifact, Wake, encode
+from channel.paths import ChannelPaths
+from channel.render import render_wake
+from kernel import gather, jobscript
+from kernel import log as klog
+from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, Backend, JobSpec, TaskExit
+from kernel.budget import release
+from kernel.config import Config, ConfigError
+from kernel.enroll import write_budget
+from kernel.executor import DispatchRefused, Executor, ExecutorUnavailable, PendingExecutor, SleepOrder
+from kernel.jail import NONE_WARNING, JailPolicy
+from kernel.snapshot import Snapshot, SnapshotError, snapshot_ref, take_snapshot
+from kernel.snapshot import release as release_snapshot
+from kernel.store import JobRow, StoreWorker, timestamp
+
+T = TypeVar("T")
+
+CRASH_ENV: Final = "SYSCALL_KERNEL_CRASH_AT"
+# recorded: dispatch entered (sleep recorded, nothing done); snapshot: snapshot recorded; submit: every launch
+# handed to the backend, job ids not yet recorded; task_end: a task's end recorded while others still run;
+# gathered: the wake recorded, no wake file written.
+CRASH_STEPS: Final = ("recorded", "snapshot", "submit", "task_end", "gathered")
+
+TICK_S: Final = 1.0
+_wake_decoder: Final = msgspec.json.Decoder(Wake)
+
+_EXEC_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS exec_sleeps (
+    workspace   TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    ref         TEXT NOT NULL,
+    commit_id   TEXT NOT NULL,
+    tree        TEXT NOT NULL,
+    wake_json   BLOB,
+    wake_md     BLOB,
+    released    INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (workspace, seq)
+) STRICT
+"""
+
+
+def crash_point(step: str) -> None:
+    """TEST ONLY: die here, as a SIGKILL would, when SYSCALL_KERNEL_CRASH_AT names this step."""
+    if os.environ.get(CRASH_ENV) == step:
+        klog.event("crash_injected", logging.WARNING, step=step)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RunnableBackend(Backend, Protocol):
+    async def run(self, *, task_status: TaskStatus[None] = ...) -> None: ...
+
+
+def make_backend(cfg: Config) -> RunnableBackend:
+    """The one place a backend is constructed from the config."""
+    match cfg.backend:
+        case "local":
+            from kernel.backends.local import LocalBackend
+
+            return LocalBackend(
+                max_parallel=cfg.local.max_parallel or None,
+                seconds_per_minute=cfg.local.seconds_per_minute,
+            )
+        case "slurm":
+            try:
+                from kernel.backends.slurm import SlurmBackend
+                from kernel.slurm.submit import SbatchPolicy
+            except ImportError as e:  # pragma: no cover - the Slurm backend ships with the kernel
+                raise ConfigError(
+                    f"{cfg.source}: key 'backend' is 'slurm' but it is not available: {e}"
+                ) from None
+            s = cfg.slurm
+            policy = SbatchPolicy(
+                partition=s.partition,
+                account=s.account,
+                qos=s.qos,
+                constraint=s.constraint,
+                extra_args=s.extra_args,
+            )
+            return SlurmBackend(
+                policy=policy, submit_timeout_s=s.submit_timeout_seconds, poll_floor_s=s.poll_seconds
+            )
+        case _:
+            raise ConfigError(f"{cfg.source}: key 'backend' {cfg.backend!r} runs no jobs")
+
+
+def executor_factory(cfg: Config) -> Callable[[StoreWorker], Executor]:
+    """What `serve` builds its executor with: the configured backend, or none (`backend = "none"`)."""
+    if cfg.backend == "none":
+        return PendingExecutor
+    if cfg.jail == "none":
+        klog.event("jail_none", logging.WARNING, warning=NONE_WARNING)
+    elif cfg.jail == "bwrap" and shutil.which("bwrap") is None:
+        raise ConfigError(
+            f"{cfg.source}: key 'jail' is 'bwrap' but bwrap is not installed (apt-get install bubblewrap), "
+            "or set jail = 'none' on a single-user laptop"
+        )
+    backend = make_backend(cfg)
+    return lambda worker: RealExecutor(cfg, worker, backend)
+
+
+def _split_key(key: str) -> tuple[str, int, str] | None:
+    parts = key.split("/")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2]
+
+
+class RealExecutor:
+    def __init__(self, cfg: Config, worker: StoreWorker, backend: RunnableBackend) -> None:
+        self.cfg = cfg
+        self.worker = worker
+        self.store = worker.store
+        self.backend = backend
+        self.tmp_dir = Path(cfg.state_dir) / "tmp"
+        self._gathering: set[tuple[str, int]] = set()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.worker.call(fn, *args)
+
+    # --- store helpers (worker thread) ----------------------------------------------------------------
+
+    def _setup(self) -> None:
+        self.tmp_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        Path(self.cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        with self.store.transaction():
+            self.store._one(_EXEC_SCHEMA)
+
+    def _exec_row(self, key: str, seq: int) -> tuple[str, str, str, bytes | None, bytes | None, int] | None:
+        row = self.store._one(
+            "SELECT ref, commit_id, tree, wake_json, wake_md, released FROM exec_sleeps "
+            "WHERE workspace=? AND seq=?",
+            (key, seq),
+        )
+        return None if row is None else (row[0], row[1], row[2], row[3], row[4], row[5])
+
+    def _record_snapshot(self, key: str, seq: int, snap: Snapshot) -> None:
+        with self.store.transaction():
+            sleep = self.store.sleep(key, seq)
+            assert sleep is not None
+            if sleep.state != "validated":
+                return
+            self.store._one(
+                "INSERT OR REPLACE INTO exec_sleeps (workspace, seq, ref, commit_id, tree) VALUES (?,?,?,?,?)",
+                (key, seq, snap.ref, snap.commit, snap.tree),
+            )
+            self.store.set_sleep_state(key, seq, next_sleep_state(sleep.state, SleepEvent.SNAPSHOT))
+
+    def _record_submitted(
+        self, key: str, seq: int, specs: dict[str, JobSpec], ids: dict[tuple[str, int], str]
+    ) -> None:
+        now = timestamp()
+        with self.store.transaction():
+            sleep = self.store.sleep(key, seq)
+            assert sleep is not None
+            if sleep.state != "snapshotted":
+                return
+            for j in self.store.jobs_of(key, seq):
+                job_id = ids.get((j.launch, j.task))
+                if job_id is not None and j.job_id is None:
+                    tdir = str(specs[j.launch].task_dir(j.task))
+                    self.store.update_job(
+                        replace(j, backend=self.backend.name, job_id=job_id, run_dir=tdir, updated_at=now)
+                    )
+            self.store.set_sleep_state(key, seq, next_sleep_state(sleep.state, SleepEvent.SUBMIT))
+
+    # --- dispatch -------------------------------------------------------------------------------------
+
+    def specs_of(
+        self, order: SleepOrder, commit: str, tree: str, jobs: Sequence[JobRow]
+    ) -> dict[str, JobSpec]:
+        """One JobSpec per launch among the sleep's job rows (extra rows, e.g. evaluation runs, included)."""
+        ws = order.workspace
+        jail = JailPolicy(
+            kind=self.cfg.jail,
+            network=ws.policy.network,
+            image=self.cfg.apptainer_image or None,
+            hide=(self.cfg.state_dir,),
+        )
+        specs: dict[str, JobSpec] = {}
+        for j in jobs:
+            if j.launch in specs:
+                continue
+            width = j.concurrency or j.array_size
+            if j.gpus > 0:  # the workspace's GPU ceiling bounds how many tasks run at once
+                width = min(width, max(1, ws.policy.max_concurrent_gpus // j.gpus))
+            specs[j.launch] = JobSpec(
+                workspace=ws.key,
+                workspace_path=ws.path,
+                seq=order.sleep.seq,
+                launch=j.launch,
+                run_dir=self.cfg.run_dir,
+                command=j.command,
+                commit=commit,
+                tree=tree,
+                minutes=j.minutes,
+                array=j.array_size,
+                concurrency=0 if width >= j.array_size else width,
+                gpus=j.gpus,
+                artifacts=j.artifacts,
+                jail=jail,
+            )
+        return specs
+
+    async def dispatch(self, order: SleepOrder) -> tuple[JobRef, ...]:
+        key, seq = order.workspace.key, order.sleep.seq
+        sleep = await self._call(self.store.sleep, key, seq)
+        assert sleep is not None
+        if sleep.state == "validated":
+            crash_point("recorded")
+            try:
+                snap = await take_snapshot(order.workspace.path, snapshot_ref(key, seq), tmp_dir=self.tmp_dir)
+            except SnapshotError as e:
+                raise DispatchRefused(
+                    RequestError("snapshot.failed", f"the workspace could not be snapshotted: {e}", None)
+                ) from None
+            except OSError as e:
+                raise ExecutorUnavailable(f"snapshot of {order.workspace.path}: {e}") from e
+            await self._call(self._record_snapshot, key, seq, snap)
+            klog.event("snapshotted", ws=key, seq=seq, commit=snap.commit[:12], files=snap.files)
+            crash_point("snapshot")
+            sleep = await self._call(self.store.sleep, key, seq)
+            assert sleep is not None
+        if sleep.state == "snapshotted":
+            row = await self._call(self._exec_row, key, seq)
+            assert row is not None, (key, seq)
+            jobs = await self._call(self.store.jobs_of, key, seq)
+            specs = self.specs_of(order, row[1], row[2], [j for j in jobs if j.state != "CANCELLED"])
+            ids: dict[tuple[str, int], str] = {}
+            for spec in specs.values():
+                try:
+                    await anyio.to_thread.run_sync(jobscript.write_launch, spec)
+                    refs = await self.backend.submit(spec)
+                except OSError as e:
+                    raise ExecutorUnavailable(f"submitting {spec.key}: {e}") from e
+                except Exception as e:
+                    if type(e).__name__ in ("SlurmSubmitError", "SlurmUnavailable"):
+                        raise ExecutorUnavailable(f"submitting {spec.key}: {e}") from e
+                    raise
+                for r in refs:
+                    ids[(spec.launch, r.task)] = r.job_id
+            crash_point("submit")
+            await self._call(self._record_submitted, key, seq, specs, ids)
+            klog.event("submitted", ws=key, seq=seq, launches=len(specs), tasks=len(ids))
+        jobs = await self._call(self.store.jobs_of, key, seq)
+        # Tasks that ended while the kernel was down (or before their ids were recorded), and a checkpoint.
+        await self._call(self._sweep_sleep, key, seq)
+        await self._maybe_gather(key, seq)
+        return tuple(JobRef(launch=j.launch, task=j.task, job_id=j.job_id) for j in jobs)
+
+    # --- cancel ---------------------------------------------------------------------------------------
+
+    async def cancel(self, order: SleepOrder, launches: tuple[str, ...]) -> None:
+        key, seq = order.workspace.key, order.sleep.seq
+        jobs = await self._call(self.store.jobs_of, key, seq)
+        wanted = set(launches) or {j.launch for j in jobs}
+        tasks: dict[str, list[int]] = {}
+        for j in jobs:
+            if j.launch in wanted and j.job_id is not None and j.state in ("PENDING", "RUNNING"):
+                tasks.setdefault(j.launch, []).append(j.task)
+        for launch, ts in tasks.items():
+            try:
+                stopped = await self.backend.cancel(f"{key}/{seq}/{launch}", ts)
+            except OSError as e:
+                raise ExecutorUnavailable(f"cancelling {key}/{seq}/{launch}: {e}") from e
+            klog.event("cancel_sent", ws=key, seq=seq, launch=launch, tasks=len(stopped))
+        # Work that ends from here on is gathered as usual; a sleep whose tasks had all ended wakes now.
+        await self._maybe_gather(key, seq)
+
+    # --- tracking -------------------------------------------------------------------------------------
+
+    def _record_exit(self, key: str, seq: int, launch: str, task: int, task_dir: Path) -> bool:
+        """Record a task's end from its exit record; True if this call recorded it."""
+        rec = jobscript.read_exit(task_dir)
+        if rec is None:
+            return False
+        out = gather.outcome(rec)
+        started, ended = gather.task_times(task_dir)
+        now = timestamp()
+        with self.store.transaction():
+            job = next(
+                (j for j in self.store.jobs_of(key, seq) if j.launch == launch and j.task == task), None
+            )
+            if job is None or job.state in TERMINAL_TASK_STATES:
+                return False
+            state = next_task_state(job.state, out.event, out.state)
+            self.store.update_job(
+                replace(
+                    job,
+                    state=state,
+                    exit_code=out.exit_code,
+                    signal=out.signal,
+                    started_at=timestamp(started) if started is not None else job.started_at,
+                    ended_at=timestamp(ended) if ended is not None else now,
+                    run_dir=str(task_dir),
+                    updated_at=now,
+                )
+            )
+        klog.event("task_ended", ws=key, seq=seq, launch=launch, task=task, state=state, code=out.exit_code)
+        return True
+
+    def _sweep_sleep(self, key: str, seq: int) -> list[JobRow]:
+        """Ground truth for one sleep: record ends whose exit file is there; mark started tasks RUNNING."""
+        changed = []
+        for j in self.store.jobs_of(key, seq):
+            if j.state not in ("PENDING", "RUNNING") or j.run_dir is None:
+                continue
+            tdir = Path(j.run_dir)
+            if self._record_exit(key, seq, j.launch, j.task, tdir):
+                changed.append(j)
+            elif j.state == "PENDING" and (tdir / jobscript.NAMES.STARTED).exists():
+                self._mark_running(j, tdir)
+        return changed
+
+    def _mark_running(self, job: JobRow, tdir: Path) -> None:
+        started = gather.stamp(jobscript.read_timestamp(tdir, jobscript.NAMES.STARTED))
+        now = timestamp()
+        with self.store.transaction():
+            fresh = next(
+                (
+                    j
+                    for j in self.store.jobs_of(job.workspace, job.seq)
+                    if (j.launch, j.task) == (job.launch, job.task)
+                ),
+                None,
+            )
+            if fresh is None or fresh.state != "PENDING":
+                return
+            self.store.update_job(
+                replace(
+                    fresh,
+                    state=next_task_state("PENDING", TaskEvent.START),
+                    started_at=timestamp(started) if started is not None else now,
+                    updated_at=now,
+                )
+            )
+            sleep = self.store.sleep(job.workspace, job.seq)
+            if sleep is not None and sleep.state == "submitted":
+                self.store.set_sleep_state(
+                    job.workspace, job.seq, next_sleep_state("submitted", SleepEvent.START)
+                )
+
+    def _live_sleeps(self) -> list[tuple[str, int]]:
+        return [
+            (s.workspace, s.seq)
+            for s in self.store.live_sleeps()
+            if s.state in ("submitted", "running", "gathered")
+        ]
+
+    def _sweep_all(self) -> list[tuple[str, int]]:
+        out = []
+        for key, seq in self._live_sleeps():
+            self._sweep_sleep(key, seq)
+            out.append((key, seq))
+        return out
+
+    async def _on_exit(self, ex: TaskExit) -> None:
+        parsed = _split_key(ex.key)
+        if parsed is None:
+            return
+        key, seq, launch = parsed
+        recorded = await self._call(self._record_exit, key, seq, launch, ex.task, Path(ex.task_dir))
+        if recorded:
+            live = await self._call(self.store.jobs_of, key, seq)
+            if any(j.state in ("PENDING", "RUNNING") for j in live):
+                crash_point("task_end")
+        await self._maybe_gather(key, seq)
+
+    async def _tick(self) -> None:
+        for key, seq in await self._call(self._sweep_all):
+            await self._maybe_gather(key, seq)
+        for key, seq in await self._call(self._unreleased):
+            await self._release(key, seq)
+
+    # --- gathering and waking -------------------------------------------------------------------------
+
+    def _gather(self, key: str, seq: int) -> bool:
+        """Deliver artifacts, then record the wake and the refunds (the sleep -> gathered); False if not ready."""
+        sleep = self.store.sleep(key, seq)
+        if sleep is None or sleep.state not in ("submitted", "running"):
+            return sleep is not None and sleep.state == "gathered"
+        jobs = self.store.jobs_of(key, seq)
+        if any(j.state not in TERMINAL_TASK_STATES for j in jobs):
+            return False
+        ws = self.store.workspace(key)
+        assert ws is not None
+        results = []
+        try:
+            with safefs.open_channel(ws.path, ws.identity) as ch:
+                for j in jobs:
+                    tdir = Path(j.run_dir) if j.run_dir else None
+                    if tdir is not None and jobscript.read_exit(tdir) is None:
+                        tdir = None  # cancelled before it was ever handed over
+                    elapsed = None
+                    if tdir is not None:
+                        started, ended = gather.task_times(tdir)
+                        if started is not None and ended is not None:
+                            elapsed = round(max(0.0, ended - started), 3)
+                        arts, skipped = gather.deliver_artifacts(ch, j, tdir, DEFAULT_ARTIFACT_MAX_BYTES)
+                    else:
+                        arts, skipped = (
+                            (),
+                            tuple(
+                                SkippedArtifact(a, "not collected: the task never ran") for a in j.artifacts
+                            ),
+                        )
+                    results.append((j, tdir, elapsed, arts, skipped))
+        except (safefs.ChannelMoved, OSError) as e:
+            klog.event(
+                "gather_deferred", logging.WARNING, ws=key, seq=seq, problem=f"{type(e).__name__}: {e}"
+            )
+            return False
+        woken_at = timestamp()
+        with self.store.transaction():
+            sleep = self.store.sleep(key, seq)
+            ws = self.store.workspace(key)
+            assert sleep is not None
+            assert ws is not None
+            if sleep.state not in ("submitted", "running"):
+                return sleep.state == "gathered"
+            balance = ws.balance
+            refunded = 0
+            tasks = []
+            fresh = {(j.launch, j.task): j for j in self.store.jobs_of(key, seq)}
+            for j, tdir, elapsed, arts, skipped in results:
+                cur = fresh[(j.launch, j.task)]
+                cost = cur.gpus * cur.minutes * 60
+                used = min(gather.gpu_seconds_used(cur.gpus, elapsed), cost)
+                if cur.reserved_gpu_s > 0:
+                    balance = release(balance, cur.reserved_gpu_s, used)
+                    self.store.update_job(replace(cur, reserved_gpu_s=0, updated_at=woken_at))
+                refunded += cost - used
+                tasks.append(gather.task_result(cur, tdir, elapsed, arts, skipped))
+            wake = gather.build_wake(
+                sleep_id=sleep.id,
+                seq=seq,
+                created_at=sleep.created_at,
+                woken_at=woken_at,
+                note=sleep.note,
+                balance=balance,
+                tasks=tuple(tasks),
+                refunded_gpu_s=refunded,
+            )
+            self.store.set_balance(key, balance)
+            self.store._one(
+                "INSERT INTO exec_sleeps (workspace, seq, ref, commit_id, tree, wake_json, wake_md) "
+                "VALUES (?,?,?,?,?,?,?) ON CONFLICT(workspace, seq) DO UPDATE SET "
+                "wake_json=excluded.wake_json, wake_md=excluded.wake_md",
+                (key, seq, snapshot_ref(key, seq), "", "", encode(wake), render_wake(wake).encode()),
+            )
+            self.store.set_sleep_state(key, seq, next_sleep_state(sleep.state, SleepEvent.GATHER))
+        klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks))
+        return True
+
+    def _write_wake(self, key: str, seq: int) -> bool:
+        """Write the recorded wake and budget.json, then move the sleep to woken (idempotent)."""
+        sleep = self.store.sleep(key, seq)
+        row = self._exec_row(key, seq)
+        ws = self.store.workspace(key)
+        if sleep is None or ws is None or row is None or sleep.state != "gathered":
+            return False
+        wake_json, wake_md = row[3], row[4]
+        assert wake_json is not None
+        assert wake_md is not None
+        woken_at = _wake_decoder.decode(wake_json).woken_at
+        try:
+            with safefs.open_channel(ws.path, ws.identity) as ch:
+                ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_json(sleep.id), wake_json)
+                ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_md(sleep.id), wake_md)
+                write_budget(ch, ws.balance, woken_at)
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
+            klog.event("wake_deferred", logging.WARNING, ws=key, seq=seq, problem=f"{type(e).__name__}: {e}")
+            return False
+        with self.store.transaction():
+            self.store.set_sleep_state(
+                key, seq, next_sleep_state("gathered", SleepEvent.WAKE), woken_at=woken_at
+            )
+        klog.event("woken", ws=key, seq=seq, id=sleep.id)
+        return True
+
+    def _unreleased(self) -> list[tuple[str, int]]:
+        rows = self.store._all(
+            "SELECT e.workspace, e.seq FROM exec_sleeps e JOIN sleeps s ON s.workspace = e.workspace "
+            "AND s.seq = e.seq WHERE e.released = 0 AND s.state IN ('woken', 'rejected')"
+        )
+        return [(r[0], r[1]) for r in rows]
+
+    def _mark_released(self, key: str, seq: int) -> None:
+        with self.store.transaction():
+            self.store._one("UPDATE exec_sleeps SET released = 1 WHERE workspace=? AND seq=?", (key, seq))
+
+    async def _release(self, key: str, seq: int) -> None:
+        ws = await self._call(self.store.workspace, key)
+        if ws is None:
+            return
+        try:
+            await release_snapshot(ws.path, snapshot_ref(key, seq))
+        except (SnapshotError, OSError) as e:
+            klog.event("snapshot_release_failed", logging.WARNING, ws=key, seq=seq, problem=str(e))
+        await self._call(self._mark_released, key, seq)
+
+    async def _maybe_gather(self, key: str, seq: int) -> None:
+        if (key, seq) in self._gathering:
+            return
+        self._gathering.add((key, seq))
+        try:
+            if not await self._call(self._gather, key, seq):
+                return
+            crash_point("gathered")
+            if await self._call(self._write_wake, key, seq):
+                await self._release(key, seq)
+        finally:
+            self._gathering.discard((key, seq))
+
+    # --- service hooks --------------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        await self._call(self._setup)
+        found = await self.backend.recover(self.cfg.run_path)
+        klog.event(
+            "backend_recovered",
+            backend=self.backend.name,
+            running=len(found.running),
+            finished=len(found.finished),
+            requeued=len(found.requeued),
+            lost=len(found.lost),
+        )
+        await self._tick()
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.backend.run)
+            tg.start_soon(self._exit_loop)
+            while True:
+                await anyio.sleep(TICK_S)
+                await self._tick()
+
+    async def _exit_loop(self) -> None:
+        while True:
+            try:
+                ex = await self.backend.wait_any_exit()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            await self._on_exit(ex)
