@@ -17,7 +17,7 @@ PER_WORKSPACE = 150
 
 @pytest.fixture
 def kernel(tmp_path: Path) -> Iterator[Kernel]:
-    k = Kernel(tmp_path, "rescan_seconds = 1\nbatch_per_workspace = 4\n")
+    k = Kernel(tmp_path, 'rescan_seconds = 1\nbatch_per_workspace = 4\nbackend = "none"\n')
     yield k
     k.ensure_stopped()
 

@@ -18,7 +18,8 @@ from kernelproc import Kernel, git_workspace, put_request, read_answer, status, 
 
 @pytest.fixture
 def kernel(tmp_path: Path) -> Iterator[Kernel]:
-    k = Kernel(tmp_path, "rescan_seconds = 2\n")
+    # The pipeline alone: sleeps are recorded and answered, nothing runs (execution has its own e2e tests).
+    k = Kernel(tmp_path, 'rescan_seconds = 2\nbackend = "none"\n')
     yield k
     k.ensure_stopped()
 
