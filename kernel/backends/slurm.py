@@ -8,8 +8,10 @@ controller) are retried with backoff, each retry looking by name first; other re
 The job id lands atomically in `<launch dir>/slurm-job.json`, so `recover` needs no scheduler call for it.
 
 Tracking (the `run` service loop). The wrapper's `exit-code` is the ground truth for a task that ran: every
-file tick (`file_poll_s`) stats `exit-code` once per task last seen RUNNING, which works on NFS where inotify does
-not. Once per poll interval (`kernel.slurm.poll_interval`: adaptive, backing off while the controller fails) ONE
+file tick (`file_poll_s`, beside the polls so a hanging squeue never delays it) stats `exit-code` once per open
+task not last seen PENDING (every open task while squeue fails), which works on NFS where inotify does not. A
+SIGTERM the kernel did not send (`terminated`) is reported once Slurm says why (TIMEOUT at the walltime,
+PREEMPTED, CANCELLED by scancel). Once per poll interval (`kernel.slurm.poll_interval`: adaptive, backing off while the controller fails) ONE
 batched `squeue` covers every tracked job. A task that left the queue (or ended) without an exit file gets one
 batched `sacct -S <earliest submit>` for all such tasks, only where accounting exists (a cluster answering
 "accounting storage is disabled" is never asked again). A failed or timed-out query is "unknown" and changes
@@ -32,7 +34,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -774,11 +776,6 @@ class SlurmBackend:
         if self._tg is None:
             raise RuntimeError("recover() needs the service loop: start SlurmBackend.run first")
         self._tg.start_soon(go)
-
-
-def submitted_ids(refs: Iterable[TaskRef]) -> list[str]:
-    """The distinct Slurm job ids of a launch's refs (array tasks share their array job id)."""
-    return sorted({r.job_id.split("_", 1)[0] for r in refs if r.job_id})
 
 
 if TYPE_CHECKING:  # mypy checks that SlurmBackend is a Backend
