@@ -34,7 +34,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -74,6 +74,7 @@ if TYPE_CHECKING:
 SPEC_FILE: Final = "slurm.json"
 JOB_FILE: Final = "slurm-job.json"
 STATE_FILE: Final = "slurm-state.json"
+CANCEL_FILE: Final = "slurm-cancelled.json"  # tasks the kernel asked to stop
 
 # sbatch/squeue failures worth another try: the controller is slow, busy or briefly unreachable.
 _TRANSIENT_RE: Final = re.compile(
@@ -398,6 +399,13 @@ class SlurmBackend:
             la.unscancelled |= la.cancelled
             await self._scancel(la)
 
+    @staticmethod
+    def _mark_cancelled(la: _Launch, tasks: Iterable[int]) -> None:
+        """Remember (across restarts too) that the kernel stopped these tasks: their end is not news to it."""
+        la.cancelled.update(tasks)
+        with contextlib.suppress(OSError):
+            _write_json(la.spec.paths.launch_dir, CANCEL_FILE, sorted(la.cancelled))
+
     def _record(self, la: _Launch, rec: JobRecord) -> None:
         _write_json(la.spec.paths.launch_dir, JOB_FILE, rec)
         la.job = rec
@@ -438,7 +446,7 @@ class SlurmBackend:
         if not wanted:
             return []
         refs = [la.ref(t) for t in wanted]
-        la.cancelled.update(wanted)
+        self._mark_cancelled(la, wanted)
         if la.job is None:
             # Not submitted (yet): the submission stops, or cancels what it finds, and these tasks end now.
             for t in wanted:
@@ -679,7 +687,7 @@ class SlurmBackend:
             by_launch.setdefault(item[0].spec.key, []).append(item)
         for items in by_launch.values():
             la = items[0][0]
-            la.cancelled.update(t for _, t, _ in items)
+            self._mark_cancelled(la, [t for _, t, _ in items])
             la.unscancelled.update(t for _, t, _ in items)
             if await self._scancel(la):
                 for _, t, res in items:
@@ -737,6 +745,9 @@ class SlurmBackend:
             job_path = spec.paths.launch_dir / JOB_FILE
             if job_path.exists():
                 la.job = msgspec.json.decode(job_path.read_bytes(), type=JobRecord)
+            with contextlib.suppress(FileNotFoundError):
+                cancelled = (spec.paths.launch_dir / CANCEL_FILE).read_bytes()
+                la.cancelled.update(msgspec.json.decode(cancelled, type=list[int]))
             self._launches[spec.key] = la
             for t in range(spec.array):
                 if jobscript.read_exit(spec.task_dir(t)) is not None:

@@ -437,6 +437,10 @@ def test_cancel_tasks_then_the_whole_array_and_retry_while_the_controller_is_dow
 
     run(go)
     assert w.calls()["scancel"] == 3
+    # A restarted kernel still knows it cancelled them (no "cancelled outside the kernel" hint).
+    again = w.backend()
+    run(lambda: again.recover(w.run_dir))
+    assert again._launches[spec.key].cancelled == {0, 1, 2}
     for k in range(3):
         assert (exit_of(spec, k).kind, state_of(spec, k).state) == ("cancelled", "CANCELLED")
         assert state_of(spec, k).hint is None  # the kernel asked: not "outside the kernel"
