@@ -1,0 +1,293 @@
+"""End to end: the installed tool, a real kernel process, the local backend and the bwrap jail.
+
+One kernel serves every test of the module (each test has its own workspace, enrolled before the kernel starts),
+so the module costs one start. The local backend runs with `[local] seconds_per_minute = 1` (a TEST ONLY
+setting): a declared minute of walltime lasts one second, which makes the walltime kill take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kernelproc import Kernel, wait_for
+
+from channel.paths import workspace_key
+
+pytestmark = pytest.mark.bwrap
+
+SCENARIOS = (
+    "artifact",
+    "failing",
+    "walltime",
+    "serial",
+    "cancel",
+    "dirty",
+    "symlink",
+    "escape",
+    "other",
+    "filter",
+)
+
+
+def git(ws: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+        cwd=ws,
+        check=True,
+        capture_output=True,
+    )
+
+
+def make_workspace(path: Path, files: dict[str, str]) -> Path:
+    path.mkdir(parents=True)
+    git(path, "init", "-q")
+    for name, text in files.items():
+        (path / name).write_text(text)
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init", "--allow-empty")
+    return path
+
+
+class Env:
+    def __init__(self, kernel: Kernel, spaces: dict[str, Path]) -> None:
+        self.kernel = kernel
+        self.spaces = spaces
+
+    @property
+    def run_dir(self) -> Path:
+        return self.kernel.state / "runs"
+
+    def key(self, name: str) -> str:
+        return workspace_key(self.spaces[name].resolve())
+
+    def tool(self, name: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        ws = self.spaces[name]
+        return subprocess.run(
+            [sys.executable, str(ws / ".syscall" / "syscall"), *args],
+            cwd=ws,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def ok(self, name: str, *args: str) -> str:
+        done = self.tool(name, *args)
+        assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}\n{self.kernel.log_text()[-2000:]}"
+        return done.stdout
+
+    def launch(self, name: str, *args: str) -> None:
+        self.ok(name, "launch", *args)
+
+    def sleep_wait(self, name: str) -> dict[str, Any]:
+        """`sleep --wait --json`: the wake as the agent reads it."""
+        wake = json.loads(self.ok(name, "sleep", "--wait", "--json", "--timeout", "60"))
+        assert wake == json.loads(
+            (self.spaces[name] / ".syscall" / "wakes" / f"{wake['id']}.json").read_text()
+        )
+        return wake  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    kernel = Kernel(tmp, 'jail = "bwrap"\n[local]\nseconds_per_minute = 1.0\n')
+    spaces = {}
+    for name in SCENARIOS:
+        files = {"README": f"workspace {name}\n"}
+        if name == "dirty":
+            files["a.txt"] = "committed\n"
+        if name == "other":
+            files["secret.txt"] = "the other workspace's secret\n"
+        spaces[name] = make_workspace(tmp / "spaces" / name, files)
+        kernel.enroll(spaces[name], "--launches", "20", "--sleeps", "10", "--gpu-hours", "4")
+    kernel.start()
+    try:
+        yield Env(kernel, spaces)
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+
+
+def only_task(wake: dict[str, Any]) -> dict[str, Any]:
+    assert len(wake["tasks"]) == 1, wake
+    return wake["tasks"][0]  # type: ignore[no-any-return]
+
+
+def test_a_successful_launch_delivers_its_artifact_with_evidence(env: Env) -> None:
+    env.launch(
+        "artifact",
+        "--name",
+        "make",
+        "--artifact",
+        "out/a.txt",
+        "--",
+        "sh",
+        "-c",
+        "mkdir out; echo made > out/a.txt; echo done",
+    )
+    wake = env.sleep_wait("artifact")
+    t = only_task(wake)
+    assert (t["state"], t["exit_code"]) == ("COMPLETED", 0)
+    assert t["stdout_tail"] == "done\n"
+    [art] = t["artifacts"]
+    delivered = env.spaces["artifact"] / ".syscall" / art["delivered"]
+    assert art["delivered"] == f"results/{wake['seq']}/make/out/a.txt"
+    assert delivered.read_bytes() == b"made\n"
+    assert (art["size"], art["sha256"]) == (5, hashlib.sha256(b"made\n").hexdigest())
+    assert t["elapsed_s"] is not None
+    md = (env.spaces["artifact"] / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
+    assert "make[0]: COMPLETED" in md
+
+    # The snapshot ref is released once the sleep is woken.
+    def refs() -> str:
+        cmd = ["git", "for-each-ref", "refs/syscall"]
+        return subprocess.run(
+            cmd, cwd=env.spaces["artifact"], capture_output=True, text=True, check=True
+        ).stdout
+
+    wait_for(lambda: refs() == "", 10, "the snapshot ref to be released")
+
+
+def test_a_failing_command_reports_its_exit_code_and_stderr(env: Env) -> None:
+    env.launch("failing", "--name", "bad", "--", "sh", "-c", "echo boom >&2; exit 7")
+    t = only_task(env.sleep_wait("failing"))
+    assert (t["state"], t["exit_code"], t["signal"]) == ("FAILED", 7, None)
+    assert t["stderr_tail"] == "boom\n"
+    assert "non-zero status" in t["hint"]
+
+
+def test_the_walltime_kills_a_job_that_runs_too_long(env: Env) -> None:
+    # 1 minute of walltime is 1 s on this kernel ([local] seconds_per_minute = 1).
+    env.launch(
+        "walltime", "--name", "slow", "--minutes", "1", "--", "sh", "-c", "echo start; sleep 60; echo never"
+    )
+    t = only_task(env.sleep_wait("walltime"))
+    assert t["state"] == "TIMEOUT"
+    assert t["stdout_tail"] == "start\n"
+    assert 0.9 <= t["elapsed_s"] < 15
+
+
+def test_an_array_with_concurrency_one_runs_its_tasks_one_at_a_time(env: Env) -> None:
+    env.launch(
+        "serial",
+        "--name",
+        "sweep",
+        "--array",
+        "3",
+        "--concurrency",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        'echo "task $SWEEP_INDEX"; sleep 0.3',
+    )
+    wake = env.sleep_wait("serial")
+    assert [(t["task"], t["state"], t["stdout_tail"]) for t in wake["tasks"]] == [
+        (i, "COMPLETED", f"task {i}\n") for i in range(3)
+    ]
+    sleep_dir = env.run_dir / env.key("serial") / str(wake["seq"])
+
+    def stamp(task: int, name: str) -> datetime:
+        return datetime.fromisoformat(
+            (sleep_dir / f"sweep.{task}" / name).read_text().strip().replace("Z", "+00:00")
+        )
+
+    spans = sorted((stamp(i, "started"), stamp(i, "ended")) for i in range(3))
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert end <= start, f"tasks overlapped: {spans}"
+
+
+def test_cancel_stops_a_running_task_and_refunds_its_reservation(env: Env) -> None:
+    env.launch(
+        "cancel", "--name", "long", "--gpus", "1", "--minutes", "30", "--", "sh", "-c", "echo up; sleep 300"
+    )
+    accepted = json.loads(env.ok("cancel", "sleep", "--json"))
+    assert accepted["budget"]["reserved_gpu_hours"] == 0.5
+    started = env.run_dir / env.key("cancel") / str(accepted["sleep_seq"]) / "long" / "started"
+    wait_for(started.exists, 20, "the task to start")
+    out = env.ok("cancel", "cancel")
+    assert "CANCELLED" in out
+    wake = json.loads(env.ok("cancel", "wait", "--json", "--timeout", "30"))
+    t = only_task(wake)
+    assert t["state"] == "CANCELLED"
+    assert t["stdout_tail"] == "up\n"
+    assert wake["budget"]["reserved_gpu_hours"] == 0
+    # 4 GPU-hours granted; the task used a few GPU-seconds at most.
+    assert 3.99 <= wake["budget"]["gpu_hours"] <= 4.0
+    assert wake["refunded_gpu_hours"] >= 0.49
+    budget = json.loads((env.spaces["cancel"] / ".syscall" / "budget.json").read_text())
+    assert budget["budget"] == wake["budget"]
+
+
+def test_a_dirty_workspace_is_measured_as_it_is(env: Env) -> None:
+    ws = env.spaces["dirty"]
+    (ws / "a.txt").write_text("dirty\n")
+    (ws / "b.txt").write_text("untracked\n")
+    env.launch("dirty", "--name", "look", "--", "cat", "a.txt", "b.txt")
+    t = only_task(env.sleep_wait("dirty"))
+    assert (t["state"], t["stdout_tail"]) == ("COMPLETED", "dirty\nuntracked\n")
+
+
+def test_a_symlink_to_etc_passwd_as_artifact_is_skipped_with_a_reason(env: Env) -> None:
+    env.launch(
+        "symlink", "--name", "sneak", "--artifact", "out.txt", "--", "ln", "-s", "/etc/passwd", "out.txt"
+    )
+    wake = env.sleep_wait("symlink")
+    t = only_task(wake)
+    assert t["state"] == "COMPLETED"
+    assert t["artifacts"] == []
+    [skip] = t["skipped"]
+    assert skip["path"] == "out.txt"
+    assert "symlink" in skip["reason"]
+    assert not (
+        env.spaces["symlink"] / ".syscall" / "results" / str(wake["seq"]) / "sneak" / "out.txt"
+    ).exists()
+
+
+def test_a_jailed_job_reaches_neither_kernel_files_nor_other_workspaces_nor_the_network(env: Env) -> None:
+    secret = env.spaces["other"] / "secret.txt"
+    state_db = env.kernel.state / "state.sqlite"
+    run_dir = env.run_dir
+    for path in (secret, state_db, run_dir):
+        assert path.exists()  # what the jail must hide is really there
+    connect = "import socket; socket.create_connection(('1.1.1.1', 53), timeout=3); print('connected')"
+    env.launch("escape", "--name", "rundir", "--", "ls", str(run_dir))
+    env.launch("escape", "--name", "state", "--", "cat", str(state_db))
+    env.launch("escape", "--name", "other", "--", "cat", str(secret))
+    env.launch("escape", "--name", "net", "--", "python3", "-c", connect)
+    wake = env.sleep_wait("escape")
+    by_name = {t["launch"]: t for t in wake["tasks"]}
+    for name in ("rundir", "state", "other", "net"):
+        t = by_name[name]
+        assert t["state"] == "FAILED", t
+        assert t["exit_code"] != 0
+        assert t["stdout_tail"] == ""
+    for name in ("rundir", "state", "other"):
+        assert "No such file or directory" in by_name[name]["stderr_tail"]
+    assert "unreachable" in by_name["net"]["stderr_tail"].lower()
+
+
+def test_a_filter_driver_in_the_workspace_config_does_not_run(env: Env, tmp_path: Path) -> None:
+    ws = env.spaces["filter"]
+    marker = tmp_path / "filter-ran"
+    (ws / ".gitattributes").write_text("* filter=evil\n")
+    (ws / "data.txt").write_text("payload\n")
+    for kind in ("clean", "smudge"):
+        git(ws, "config", f"filter.evil.{kind}", f"sh -c 'touch {marker}; cat'")
+    git(ws, "config", "filter.evil.process", f"sh -c 'touch {marker}'")
+    env.launch("filter", "--name", "read", "--", "cat", "data.txt")
+    t = only_task(env.sleep_wait("filter"))
+    assert (t["state"], t["stdout_tail"]) == ("COMPLETED", "payload\n")
+    assert not marker.exists(), "the workspace's filter driver ran"
+    # The same config does run the driver under a plain git (the test can fail).
+    subprocess.run(["git", "add", "data.txt"], cwd=ws, check=False, capture_output=True)
+    assert marker.exists()
