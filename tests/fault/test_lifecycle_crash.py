@@ -1,0 +1,107 @@
+"""A kernel SIGKILLed at each step of a sleep's lifecycle, then restarted: one wake, no task run twice.
+
+The crash comes from the TEST ONLY hook `SYSCALL_KERNEL_CRASH_AT=<step>` (kernel.execute.CRASH_STEPS), read at
+the step itself, so the kill lands exactly there rather than at a time that only usually falls there. Jobs count
+their runs by appending to marker files outside their tree, which needs `jail = "none"`: these tests are about
+the kernel's bookkeeping; the jail has its own tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+from kernelproc import Kernel, put_request, read_answer, wait_for
+
+from channel.paths import workspace_key
+from kernel.execute import CRASH_ENV, CRASH_STEPS
+
+GPU_S = 3600
+
+
+def make_workspace(path: Path) -> Path:
+    path.mkdir(parents=True)
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "init"]):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args], cwd=path, check=True
+        )
+    return path
+
+
+@pytest.mark.parametrize("step", CRASH_STEPS)
+def test_a_kernel_killed_at_a_step_delivers_one_wake_and_runs_no_task_twice(
+    tmp_path: Path, step: str
+) -> None:
+    kernel = Kernel(tmp_path, 'jail = "none"\nrescan_seconds = 1\n[local]\nseconds_per_minute = 1.0\n')
+    ws = make_workspace(tmp_path / "ws")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    kernel.enroll(ws, "--launches", "10", "--sleeps", "5", "--gpu-hours", "1")
+    quick = f"echo run >> {marks}/quick; echo made > out.txt"
+    slow = f'echo run >> {marks}/slow.$SWEEP_INDEX; sleep 1; echo "slow $SWEEP_INDEX"'
+    request = {
+        "protocol": 1,
+        "id": "s1",
+        "type": "sleep",
+        "launches": [
+            {"name": "quick", "command": quick, "artifacts": ["out.txt"]},
+            {"name": "slow", "command": slow, "array": 2, "gpus": 1, "minutes": 5},
+        ],
+    }
+    try:
+        kernel.start(env={CRASH_ENV: step})
+        put_request(ws, "s1", request)
+        assert kernel.proc is not None
+        assert kernel.proc.wait(30) == -9
+        kernel.ensure_stopped()
+        assert f"event=crash_injected step={step}" in kernel.log_text()
+
+        kernel.start()
+        wake_file = ws / ".syscall" / "wakes" / "s1.json"
+        wait_for(wake_file.exists, 30, "the wake")
+        answer = wait_for(lambda: read_answer(ws, "s1"), 10, "the answer")
+        wait_for(lambda: (ws / ".syscall" / "wakes" / "s1.md").exists(), 10, "the markdown wake")
+        kernel.wait_log("event=woken", 10)
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+
+    assert answer["type"] == "accepted"
+    assert [(j["launch"], j["task"]) for j in answer["jobs"]] == [("quick", 0), ("slow", 0), ("slow", 1)]
+    assert all(j["job_id"] for j in answer["jobs"])
+    for name in ("quick", "slow.0", "slow.1"):
+        assert (marks / name).read_text() == "run\n", f"{name} ran more than once (or never)"
+
+    wake = json.loads(wake_file.read_bytes())
+    assert [(t["launch"], t["task"], t["state"]) for t in wake["tasks"]] == [
+        ("quick", 0, "COMPLETED"),
+        ("slow", 0, "COMPLETED"),
+        ("slow", 1, "COMPLETED"),
+    ]
+    [art] = wake["tasks"][0]["artifacts"]
+    assert (ws / ".syscall" / art["delivered"]).read_bytes() == b"made\n"
+    log = kernel.log_text()
+    assert log.count("event=gathered ") == 1
+    assert log.count("event=woken ") == 1
+
+    used = sum(math.ceil(t["elapsed_s"]) for t in wake["tasks"] if t["launch"] == "slow")
+    db = sqlite3.connect(f"file:{kernel.state / 'state.sqlite'}?mode=ro", uri=True)
+    try:
+        key = workspace_key(ws.resolve())
+        gpu_s, reserved = db.execute(
+            "SELECT gpu_s, reserved_gpu_s FROM workspaces WHERE key=?", (key,)
+        ).fetchone()
+        assert (gpu_s, reserved) == (GPU_S - used, 0)
+        (state,) = db.execute("SELECT state FROM sleeps WHERE workspace=? AND id='s1'", (key,)).fetchone()
+        assert state == "woken"
+        (stored,) = db.execute("SELECT wake_json FROM exec_sleeps WHERE workspace=?", (key,)).fetchone()
+        assert stored == wake_file.read_bytes(), "the wake on disk is not the one recorded"
+    finally:
+        db.close()
+    budget = json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]
+    assert budget == wake["budget"]
+    assert budget["reserved_gpu_hours"] == 0
