@@ -148,6 +148,16 @@ def executor_factory(cfg: Config) -> Callable[[StoreWorker], Executor]:
     return lambda worker: RealExecutor(cfg, worker, backend)
 
 
+def _write_launches(specs: list[JobSpec]) -> None:
+    for spec in specs:
+        jobscript.write_launch(spec)
+
+
+def _worlds_fault(e: Exception) -> bool:
+    """A backend failure that is the world's (filesystem, scheduler down or refusing): retried later."""
+    return isinstance(e, OSError) or type(e).__name__ == "SlurmSubmitError"
+
+
 def _split_key(key: str) -> tuple[str, int, str] | None:
     parts = key.split("/")
     if len(parts) != 3 or not parts[1].isdigit():
@@ -163,6 +173,7 @@ class RealExecutor:
         self.backend = backend
         self.tmp_dir = Path(cfg.state_dir) / "tmp"
         self._gathering: set[tuple[str, int]] = set()
+        self._problems: dict[tuple[str, int], str] = {}
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.worker.call(fn, *args)
@@ -276,14 +287,16 @@ class RealExecutor:
             jobs = await self._call(self.store.jobs_of, key, seq)
             specs = self.specs_of(order, row[1], row[2], [j for j in jobs if j.state != "CANCELLED"])
             ids: dict[tuple[str, int], str] = {}
+            try:
+                # Every run directory first, then every submit back to back: the launches start together.
+                await anyio.to_thread.run_sync(_write_launches, list(specs.values()))
+            except OSError as e:
+                raise ExecutorUnavailable(f"writing the run directories of {key}/{seq}: {e}") from e
             for spec in specs.values():
                 try:
-                    await anyio.to_thread.run_sync(jobscript.write_launch, spec)
                     refs = await self.backend.submit(spec)
-                except OSError as e:
-                    raise ExecutorUnavailable(f"submitting {spec.key}: {e}") from e
                 except Exception as e:
-                    if type(e).__name__ in ("SlurmSubmitError", "SlurmUnavailable"):
+                    if _worlds_fault(e):
                         raise ExecutorUnavailable(f"submitting {spec.key}: {e}") from e
                     raise
                 for r in refs:
@@ -310,8 +323,10 @@ class RealExecutor:
         for launch, ts in tasks.items():
             try:
                 stopped = await self.backend.cancel(f"{key}/{seq}/{launch}", ts)
-            except OSError as e:
-                raise ExecutorUnavailable(f"cancelling {key}/{seq}/{launch}: {e}") from e
+            except Exception as e:
+                if _worlds_fault(e):
+                    raise ExecutorUnavailable(f"cancelling {key}/{seq}/{launch}: {e}") from e
+                raise
             klog.event("cancel_sent", ws=key, seq=seq, launch=launch, tasks=len(stopped))
         # Work that ends from here on is gathered as usual; a sleep whose tasks had all ended wakes now.
         await self._maybe_gather(key, seq)
@@ -454,10 +469,9 @@ class RealExecutor:
                             ),
                         )
                     results.append((j, tdir, elapsed, arts, skipped))
-        except (safefs.ChannelMoved, OSError) as e:
-            klog.event(
-                "gather_deferred", logging.WARNING, ws=key, seq=seq, problem=f"{type(e).__name__}: {e}"
-            )
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
+            # Retried at every tick until the channel is usable again; logged once per problem.
+            self._problem("gather_deferred", key, seq, f"{type(e).__name__}: {e}")
             return False
         woken_at = timestamp()
         with self.store.transaction():
@@ -514,18 +528,28 @@ class RealExecutor:
         woken_at = _wake_decoder.decode(wake_json).woken_at
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
-                ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_json(sleep.id), wake_json)
-                ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_md(sleep.id), wake_md)
+                try:
+                    ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_json(sleep.id), wake_json)
+                    ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_md(sleep.id), wake_md)
+                except safefs.Refused as e:
+                    # The agent blocked its own wake (a directory in the way): it stays in the store.
+                    klog.event("wake_blocked", logging.WARNING, ws=key, seq=seq, reason=e.reason)
                 write_budget(ch, ws.balance, woken_at)
         except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
-            klog.event("wake_deferred", logging.WARNING, ws=key, seq=seq, problem=f"{type(e).__name__}: {e}")
+            self._problem("wake_deferred", key, seq, f"{type(e).__name__}: {e}")
             return False
         with self.store.transaction():
             self.store.set_sleep_state(
                 key, seq, next_sleep_state("gathered", SleepEvent.WAKE), woken_at=woken_at
             )
+        self._problems.pop((key, seq), None)
         klog.event("woken", ws=key, seq=seq, id=sleep.id)
         return True
+
+    def _problem(self, name: str, key: str, seq: int, problem: str) -> None:
+        if self._problems.get((key, seq)) != problem:
+            self._problems[(key, seq)] = problem
+            klog.event(name, logging.WARNING, ws=key, seq=seq, problem=problem)
 
     def _unreleased(self) -> list[tuple[str, int]]:
         rows = self.store._all(
