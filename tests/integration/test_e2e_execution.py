@@ -35,6 +35,7 @@ SCENARIOS = (
     "escape",
     "other",
     "filter",
+    "unusable",
 )
 
 
@@ -291,3 +292,16 @@ def test_a_filter_driver_in_the_workspace_config_does_not_run(env: Env, tmp_path
     # The same config does run the driver under a plain git (the test can fail).
     subprocess.run(["git", "add", "data.txt"], cwd=ws, check=False, capture_output=True)
     assert marker.exists()
+
+
+def test_a_workspace_that_cannot_be_snapshotted_is_refused_and_costs_nothing(env: Env) -> None:
+    ws = env.spaces["unusable"]
+    before = json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]
+    git(ws, "config", "include.path", "/etc/gitconfig")
+    env.launch("unusable", "--name", "x", "--gpus", "1", "--", "true")
+    done = env.tool("unusable", "sleep")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "snapshot.failed" in done.stdout + done.stderr
+    assert "includes are refused" in done.stdout + done.stderr
+    assert json.loads((ws / ".syscall" / "budget.json").read_text())["budget"] == before
+    assert not (env.run_dir / env.key("unusable")).exists()
