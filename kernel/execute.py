@@ -46,7 +46,15 @@ from anyio.abc import TaskStatus
 from channel import safefs
 from channel.decode import RequestError
 from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
-from channel.messages import TERMINAL_TASK_STATES, JobRef, SkippedArtifact, Wake, encode
+from channel.messages import (
+    TERMINAL_TASK_STATES,
+    JobRef,
+    SkippedArtifact,
+    TaskResult,
+    Verdict,
+    Wake,
+    encode,
+)
 from channel.paths import ChannelPaths
 from channel.render import render_wake
 from kernel import gather, jobscript
@@ -59,7 +67,7 @@ from kernel.executor import DispatchRefused, Executor, ExecutorUnavailable, Pend
 from kernel.jail import NONE_WARNING, JailPolicy
 from kernel.snapshot import Snapshot, SnapshotError, snapshot_ref, take_snapshot
 from kernel.snapshot import release as release_snapshot
-from kernel.store import JobRow, StoreWorker, timestamp
+from kernel.store import JobRow, SleepRow, StoreWorker, timestamp
 
 T = TypeVar("T")
 
@@ -165,9 +173,18 @@ def _split_key(key: str) -> tuple[str, int, str] | None:
     return parts[0], int(parts[1]), parts[2]
 
 
+# Called at gathering (worker thread, inside the gather transaction) with every task's result: returns the tasks
+# the wake shows and the submit's verdict. The extension point for evaluation runs, which are extra job rows of
+# the sleep (dispatched and tracked like any launch; `specs_of` may be overridden to give them an eval seed).
+Judge = Callable[[SleepRow, tuple[TaskResult, ...]], tuple[tuple[TaskResult, ...], Verdict | None]]
+
+
 class RealExecutor:
-    def __init__(self, cfg: Config, worker: StoreWorker, backend: RunnableBackend) -> None:
+    def __init__(
+        self, cfg: Config, worker: StoreWorker, backend: RunnableBackend, *, judge: Judge | None = None
+    ) -> None:
         self.cfg = cfg
+        self.judge = judge
         self.worker = worker
         self.store = worker.store
         self.backend = backend
@@ -494,6 +511,7 @@ class RealExecutor:
                     self.store.update_job(replace(cur, reserved_gpu_s=0, updated_at=woken_at))
                 refunded += cost - used
                 tasks.append(gather.task_result(cur, tdir, elapsed, arts, skipped))
+            shown, verdict = (tuple(tasks), None) if self.judge is None else self.judge(sleep, tuple(tasks))
             wake = gather.build_wake(
                 sleep_id=sleep.id,
                 seq=seq,
@@ -501,9 +519,14 @@ class RealExecutor:
                 woken_at=woken_at,
                 note=sleep.note,
                 balance=balance,
-                tasks=tuple(tasks),
+                tasks=shown,
                 refunded_gpu_s=refunded,
+                verdict=verdict,
             )
+            if verdict is not None:
+                self.store._one(
+                    "UPDATE sleeps SET verdict=? WHERE workspace=? AND seq=?", (encode(verdict), key, seq)
+                )
             self.store.set_balance(key, balance)
             self.store._one(
                 "INSERT INTO exec_sleeps (workspace, seq, ref, commit_id, tree, wake_json, wake_md) "

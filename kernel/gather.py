@@ -25,7 +25,7 @@ from typing import Final
 from channel import limits as L
 from channel import safefs
 from channel.lifecycle import TaskEvent
-from channel.messages import Artifact, SkippedArtifact, TaskResult, Wake
+from channel.messages import Artifact, SkippedArtifact, TaskResult, Verdict, Wake
 from channel.paths import ChannelPaths, RunPaths
 from kernel import jobscript
 from kernel import wrapper as W
@@ -235,6 +235,7 @@ def build_wake(
     balance: Balance,
     tasks: tuple[TaskResult, ...],
     refunded_gpu_s: int,
+    verdict: Verdict | None = None,
 ) -> Wake:
     return Wake(
         protocol=L.PROTOCOL_VERSION,
@@ -245,5 +246,6 @@ def build_wake(
         budget=balance.to_message(),
         note=note,
         tasks=tasks,
+        verdict=verdict,
         refunded_gpu_hours=gpu_hours(refunded_gpu_s),
     )
