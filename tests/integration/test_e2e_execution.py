@@ -207,24 +207,29 @@ def test_an_array_with_concurrency_one_runs_its_tasks_one_at_a_time(env: Env) ->
         assert end <= start, f"tasks overlapped: {spans}"
 
 
-def test_cancel_stops_a_running_task_and_refunds_its_reservation(env: Env) -> None:
+def test_cancel_stops_running_and_queued_tasks_and_refunds_their_reservation(env: Env) -> None:
+    # Two tasks, one at a time: task 0 runs, task 1 waits in the backend's queue.
     env.launch(
-        "cancel", "--name", "long", "--gpus", "1", "--minutes", "30", "--", "sh", "-c", "echo up; sleep 300"
+        "cancel",
+        *("--name", "long", "--array", "2", "--concurrency", "1", "--gpus", "1", "--minutes", "30"),
+        *("--", "sh", "-c", 'echo "up $SWEEP_INDEX"; sleep 300'),
     )
     accepted = json.loads(env.ok("cancel", "sleep", "--json"))
-    assert accepted["budget"]["reserved_gpu_hours"] == 0.5
-    started = env.run_dir / env.key("cancel") / str(accepted["sleep_seq"]) / "long" / "started"
-    wait_for(started.exists, 20, "the task to start")
-    out = env.ok("cancel", "cancel")
-    assert "CANCELLED" in out
+    assert accepted["budget"]["reserved_gpu_hours"] == 1.0
+    sleep_dir = env.run_dir / env.key("cancel") / str(accepted["sleep_seq"])
+    wait_for((sleep_dir / "long.0" / "started").exists, 20, "task 0 to start")
+    answer = json.loads(env.ok("cancel", "cancel", "--json"))
+    assert [(j["launch"], j["task"]) for j in answer["cancelled"]] == [("long", 0), ("long", 1)]
     wake = json.loads(env.ok("cancel", "wait", "--json", "--timeout", "30"))
-    t = only_task(wake)
-    assert t["state"] == "CANCELLED"
-    assert t["stdout_tail"] == "up\n"
+    running, queued = wake["tasks"]
+    assert (running["state"], running["stdout_tail"]) == ("CANCELLED", "up 0\n")
+    assert (queued["state"], queued["stdout_tail"], queued["elapsed_s"]) == ("CANCELLED", "", None)
+    assert queued["hint"] == "cancelled before it started"
+    assert not (sleep_dir / "long.1" / "started").exists()
     assert wake["budget"]["reserved_gpu_hours"] == 0
-    # 4 GPU-hours granted; the task used a few GPU-seconds at most.
+    # 4 GPU-hours granted; task 0 used a few GPU-seconds at most, task 1 none.
     assert 3.99 <= wake["budget"]["gpu_hours"] <= 4.0
-    assert wake["refunded_gpu_hours"] >= 0.49
+    assert wake["refunded_gpu_hours"] >= 0.99
     budget = json.loads((env.spaces["cancel"] / ".syscall" / "budget.json").read_text())
     assert budget["budget"] == wake["budget"]
 
