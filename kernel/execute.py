@@ -552,6 +552,11 @@ class RealExecutor:
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
                 try:
+                    wakes = ch.subdir(ChannelPaths.WAKES)
+                    try:
+                        safefs.sweep_kernel_temps(wakes)  # a wake write cut short by a crash
+                    finally:
+                        os.close(wakes)
                     ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_json(sleep.id), wake_json)
                     ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_md(sleep.id), wake_md)
                 except safefs.Refused as e:

@@ -36,6 +36,7 @@ SCENARIOS = (
     "other",
     "filter",
     "unusable",
+    "blocked",
 )
 
 
@@ -310,3 +311,23 @@ def test_a_workspace_that_cannot_be_snapshotted_is_refused_and_costs_nothing(env
     assert "includes are refused" in done.stdout + done.stderr
     assert json.loads((ws / ".syscall" / "budget.json").read_text())["budget"] == before
     assert not (env.run_dir / env.key("unusable")).exists()
+
+
+def test_a_wakes_directory_swapped_for_a_symlink_is_never_written_through(env: Env, tmp_path: Path) -> None:
+    ws = env.spaces["blocked"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (ws / ".syscall" / "wakes").rmdir()
+    (ws / ".syscall" / "wakes").symlink_to(elsewhere)
+    env.launch("blocked", "--name", "x", "--", "true")
+    accepted = json.loads(env.ok("blocked", "sleep", "--json"))
+
+    def state() -> str:
+        history = json.loads(env.ok("blocked", "history", "--json"))
+        return str(history["sleeps"][0]["state"])
+
+    # The agent blocked its own wake: the sleep still ends (woken, the wake kept in the store), so the
+    # workspace is not stuck, and nothing is written through the symlink.
+    wait_for(lambda: state() == "woken", 30, f"sleep {accepted['id']} to be woken")
+    assert list(elsewhere.iterdir()) == []
+    assert "event=wake_blocked" in env.kernel.log_text()
