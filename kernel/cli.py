@@ -6,7 +6,6 @@ Exit codes: 0 ok; 1 the operation was refused or failed (the message says why); 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -95,7 +94,6 @@ def _config(path: str | None) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kernel.execute import executor_factory
     from kernel.service import serve
 
     cfg = _config(args.config)
@@ -110,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         watch=cfg.watch,
         pid=os.getpid(),
     )
-    anyio.run(functools.partial(serve, cfg, executor_factory=executor_factory(cfg)))
+    anyio.run(serve, cfg)
     return 0
 
 

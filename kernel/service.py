@@ -318,7 +318,12 @@ class Service:
                 self.stop(signal.Signals(signum).name)
 
 
-async def serve(cfg: Config, *, executor_factory: ExecutorFactory = PendingExecutor) -> None:
+async def serve(cfg: Config, *, executor_factory: ExecutorFactory | None = None) -> None:
+    """Run the service; the executor is the config's backend (kernel.execute) unless a factory is given."""
+    if executor_factory is None:
+        from kernel.execute import executor_factory as configured
+
+        executor_factory = configured(cfg)
     store = Store.open(cfg.db_path)
     notifier = Notifier.from_env()
     try:
