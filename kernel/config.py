@@ -55,16 +55,55 @@ class Defaults(_Strict, frozen=True, kw_only=True):
         )
 
 
-class SlurmConfig(_Strict, frozen=True, kw_only=True):
-    """Site settings for the Slurm backend (used by the execution layer)."""
+# Names Slurm accepts for a partition (comma-separated alternatives), account, QOS or GPU type.
+_SLURM_WORD: Final = r"^[A-Za-z0-9_.+-]+(?:,[A-Za-z0-9_.+-]+)*$"
+SlurmWord = Annotated[str, Meta(pattern=_SLURM_WORD)]
 
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    extra_args: tuple[str, ...] = ()
+
+class SlurmConfig(_Strict, frozen=True, kw_only=True):
+    """Site settings for the Slurm backend (kernel.execute.make_backend maps them; docs/operator.md lists them)."""
+
+    partition: SlurmWord | None = None
+    account: SlurmWord | None = None
+    qos: SlurmWord | None = None
+    constraint: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:+\-&|,*\[\]()!]+$")] | None = None
+    extra_args: tuple[Annotated[str, Meta(pattern=r"^--[a-z]")], ...] = ()
+    # Per task: memory (MB, + mem_per_gpu_mb per GPU) and CPUs (at least cpus_per_gpu per GPU).
+    mem_mb: Annotated[int, Meta(ge=1, le=2**31)] = 4096
+    mem_per_gpu_mb: Annotated[int, Meta(ge=0, le=2**31)] = 0
+    cpus_per_task: Annotated[int, Meta(ge=1, le=4096)] = 1
+    cpus_per_gpu: Annotated[int, Meta(ge=0, le=4096)] = 0
+    # How GPUs are asked for: `--gres=gpu[:type]:N` or `--gpus-per-task=[type:]N`.
+    gpu_flag: Literal["gres", "gpus-per-task"] = "gres"
+    gpu_type: SlurmWord | None = None
+    nice: Annotated[int, Meta(ge=0, le=2147483645)] | None = None
+    # Walltime = the launch's minutes + this (job setup and artifact copy-out).
+    setup_slack_minutes: Annotated[int, Meta(ge=1, le=24 * 60)] = 5
+    # The batch shell gets SIGUSR2 this long before the walltime (within the slack).
+    warn_seconds: Annotated[int, Meta(ge=1, le=65535)] = 120
+    # squeue runs at least this far apart right after a change, backing off to poll_max_seconds when quiet.
     poll_seconds: Annotated[float, Meta(gt=0, le=3600)] = 10.0
+    poll_max_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+    client_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     submit_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+    submit_attempts: Annotated[int, Meta(ge=1, le=100)] = 6
+    exit_grace_seconds: Annotated[float, Meta(ge=0, le=3600)] = 15.0
+    file_poll_seconds: Annotated[float, Meta(gt=0, le=600)] = 1.0
+    # The site requeues preempted jobs: PREEMPTED is then a wait, not an end.
+    requeues: bool = False
+
+    def __post_init__(self) -> None:
+        # Raised as msgspec.ValidationError, so `parse` names the `slurm` table.
+        if self.poll_max_seconds < self.poll_seconds:
+            raise ValueError(
+                f"poll_max_seconds ({self.poll_max_seconds:g}) is below poll_seconds ({self.poll_seconds:g})"
+            )
+        if self.warn_seconds > self.setup_slack_minutes * 60:
+            raise ValueError(
+                f"warn_seconds ({self.warn_seconds}) is above setup_slack_minutes * 60 "
+                f"({self.setup_slack_minutes * 60}): the walltime warning would come while the task still runs "
+                "its own minutes"
+            )
 
 
 class LocalConfig(_Strict, frozen=True, kw_only=True):

@@ -119,24 +119,9 @@ def make_backend(cfg: Config) -> RunnableBackend:
                 seconds_per_minute=cfg.local.seconds_per_minute,
             )
         case "slurm":
-            try:
-                from kernel.backends.slurm import SlurmBackend
-                from kernel.slurm.submit import SbatchPolicy
-            except ImportError as e:  # pragma: no cover - the Slurm backend ships with the kernel
-                raise ConfigError(
-                    f"{cfg.source}: key 'backend' is 'slurm' but it is not available: {e}"
-                ) from None
-            s = cfg.slurm
-            policy = SbatchPolicy(
-                partition=s.partition,
-                account=s.account,
-                qos=s.qos,
-                constraint=s.constraint,
-                extra_args=s.extra_args,
-            )
-            return SlurmBackend(
-                policy=policy, submit_timeout_s=s.submit_timeout_seconds, poll_floor_s=s.poll_seconds
-            )
+            from kernel.backends.slurm import SlurmBackend
+
+            return SlurmBackend.from_config(cfg.slurm)
         case _:
             raise ConfigError(f"{cfg.source}: key 'backend' {cfg.backend!r} runs no jobs")
 

@@ -133,12 +133,21 @@ class Completed(msgspec.Struct, frozen=True):
 
 
 def policy_from_config(cfg: SlurmConfig, **overrides: object) -> SbatchPolicy:
-    """The sbatch policy of the site config; memory, CPUs, slack and warning come from `overrides`."""
+    """The sbatch policy of the site config (`[slurm]`); `overrides` replace single fields (tests, benches)."""
     fields: dict[str, object] = {
         "partition": cfg.partition,
         "account": cfg.account,
         "qos": cfg.qos,
         "constraint": cfg.constraint,
+        "nice": cfg.nice,
+        "gpu_flag": cfg.gpu_flag,
+        "gpu_type": cfg.gpu_type,
+        "cpus_per_task": cfg.cpus_per_task,
+        "cpus_per_gpu": cfg.cpus_per_gpu,
+        "mem_mb": cfg.mem_mb,
+        "mem_per_gpu_mb": cfg.mem_per_gpu_mb,
+        "setup_slack_minutes": cfg.setup_slack_minutes,
+        "warn_seconds": cfg.warn_seconds,
         "extra_args": tuple(cfg.extra_args),
     }
     fields.update(overrides)
@@ -285,13 +294,20 @@ class SlurmBackend:
     def from_config(
         cls, cfg: SlurmConfig, *, policy: SbatchPolicy | None = None, **kw: object
     ) -> SlurmBackend:
-        return cls(
-            policy=policy or policy_from_config(cfg),
-            poll_floor_s=min(2.0, cfg.poll_seconds),
-            poll_ceiling_s=cfg.poll_seconds,
-            submit_timeout_s=cfg.submit_timeout_seconds,
-            **kw,  # type: ignore[arg-type]
-        )
+        """The backend `[slurm]` describes (kernel.execute.make_backend); `kw` overrides (env, clock, sleep)."""
+        args: dict[str, object] = {
+            "policy": policy or policy_from_config(cfg),
+            "client_timeout_s": cfg.client_timeout_seconds,
+            "submit_timeout_s": cfg.submit_timeout_seconds,
+            "submit_attempts": cfg.submit_attempts,
+            "poll_floor_s": cfg.poll_seconds,
+            "poll_ceiling_s": cfg.poll_max_seconds,
+            "file_poll_s": cfg.file_poll_seconds,
+            "exit_grace_s": cfg.exit_grace_seconds,
+            "requeues": cfg.requeues,
+        }
+        args.update(kw)
+        return cls(**args)  # type: ignore[arg-type]
 
     # --- queries ---------------------------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ from fakes.fake_slurm import FakeSlurm
 from kernel import jobscript
 from kernel.backends import slurm as S
 from kernel.backends.base import JobSpec, Recovered, TaskExit
-from kernel.config import SlurmConfig
+from kernel.config import ConfigError, SlurmConfig, parse
+from kernel.execute import make_backend
 from kernel.jail import JailPolicy
 from kernel.slurm import Resolution, SbatchJob, SbatchPolicy, render_sbatch_argv
 
@@ -476,6 +477,59 @@ def test_recover_adopts_by_name_and_resubmits_only_what_slurm_never_saw(w: World
     assert w.calls()["sbatch"] == 2  # the hand-made one, then `never` once
 
 
+def test_every_slurm_config_key_reaches_the_backend_built_by_make_backend() -> None:
+    cfg = parse(
+        'backend = "slurm"\n[slurm]\npartition = "gpu"\naccount = "lab"\nqos = "long"\n'
+        'constraint = "a100&ib"\nextra_args = ["--reservation=r"]\nmem_mb = 2000\nmem_per_gpu_mb = 500\n'
+        'cpus_per_task = 2\ncpus_per_gpu = 6\ngpu_flag = "gpus-per-task"\ngpu_type = "a100"\nnice = 7\n'
+        "setup_slack_minutes = 3\nwarn_seconds = 90\npoll_seconds = 4\npoll_max_seconds = 40\n"
+        "client_timeout_seconds = 11\nsubmit_timeout_seconds = 22\nsubmit_attempts = 3\n"
+        "exit_grace_seconds = 5\nfile_poll_seconds = 0.5\nrequeues = true\n",
+        "site.toml",
+    )
+    b = make_backend(cfg)
+    assert isinstance(b, S.SlurmBackend)
+    assert b.policy == SbatchPolicy(
+        partition="gpu",
+        account="lab",
+        qos="long",
+        constraint="a100&ib",
+        extra_args=("--reservation=r",),
+        mem_mb=2000,
+        mem_per_gpu_mb=500,
+        cpus_per_task=2,
+        cpus_per_gpu=6,
+        gpu_flag="gpus-per-task",
+        gpu_type="a100",
+        nice=7,
+        setup_slack_minutes=3,
+        warn_seconds=90,
+    )
+    assert (b.poll_floor_s, b.poll_ceiling_s, b.client_timeout_s, b.submit_timeout_s) == (4, 40, 11, 22)
+    assert (b.submit_attempts, b.exit_grace_s, b.file_poll_s, b.requeues) == (3, 5, 0.5, True)
+    b.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('partition = "a b"', "key 'slurm.partition' expected `str` matching regex"),
+        ("mem_mb = 0", "key 'slurm.mem_mb' expected `int` >= 1"),
+        ('gpu_flag = "gpus"', "key 'slurm.gpu_flag' invalid enum value 'gpus'"),
+        ('extra_args = ["x"]', "key 'slurm.extra_args.0' expected `str` matching regex"),
+        ("warn_seconds = 400", "key 'slurm' warn_seconds (400) is above setup_slack_minutes * 60 (300)"),
+        ("poll_seconds = 90", "key 'slurm' poll_max_seconds (60) is below poll_seconds (90)"),
+        ("setup_slack_minutes = 0", "key 'slurm.setup_slack_minutes' expected `int` >= 1"),
+        ("submit_attempts = 0", "key 'slurm.submit_attempts' expected `int` >= 1"),
+        ("poll = 3", "key 'slurm.poll' is not a known setting"),
+    ],
+)
+def test_bad_slurm_config_keys_are_named(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse(f"[slurm]\n{text}\n", "site.toml")
+    assert str(e.value).startswith(f"site.toml: {message}"), str(e.value)
+
+
 def test_policy_from_config_and_exit_state_mapping() -> None:
     cfg = SlurmConfig(partition="gpu", account="lab", extra_args=("--reservation=r",), poll_seconds=20)
     pol = S.policy_from_config(cfg, mem_mb=2048)
@@ -486,7 +540,7 @@ def test_policy_from_config_and_exit_state_mapping() -> None:
         2048,
     )
     b = S.SlurmBackend.from_config(cfg, env={"PATH": "/x", "SECRET": "s", "SLURM_CONF": "/c"})
-    assert (b.poll_floor_s, b.poll_ceiling_s, b.submit_timeout_s) == (2.0, 20, 60.0)
+    assert (b.poll_floor_s, b.poll_ceiling_s, b.submit_timeout_s) == (20, 60, 60.0)
     assert b.env == {"PATH": "/x", "LANG": "C.UTF-8", "SLURM_CONF": "/c"}, "kernel env must not reach jobs"
     b.close()
     rec = jobscript.ExitRecord
