@@ -151,6 +151,11 @@ def _worlds_fault(e: Exception) -> bool:
     return isinstance(e, OSError) or type(e).__name__ == "SlurmSubmitError"
 
 
+def _refused(e: Exception) -> bool:
+    """A permanent refusal by the backend (kernel.backends.slurm.SlurmRefused): answered, never retried."""
+    return any(c.__name__ == "SlurmRefused" for c in type(e).__mro__)
+
+
 def _split_key(key: str) -> tuple[str, int, str] | None:
     parts = key.split("/")
     if len(parts) != 3 or not parts[1].isdigit():
@@ -294,13 +299,17 @@ class RealExecutor:
                 await anyio.to_thread.run_sync(_write_launches, list(specs.values()))
             except OSError as e:
                 raise ExecutorUnavailable(f"writing the run directories of {key}/{seq}: {e}") from e
+            done: list[JobSpec] = []
             for spec in specs.values():
                 try:
                     refs = await self.backend.submit(spec)
                 except Exception as e:
+                    if _refused(e):
+                        await self._refuse_partial(done, spec, e)
                     if _worlds_fault(e):
                         raise ExecutorUnavailable(f"submitting {spec.key}: {e}") from e
                     raise
+                done.append(spec)
                 for r in refs:
                     ids[(spec.launch, r.task)] = r.job_id
             crash_point("submit")
@@ -311,6 +320,22 @@ class RealExecutor:
         await self._call(self._sweep_sleep, key, seq)
         await self._maybe_gather(key, seq)
         return tuple(JobRef(launch=j.launch, task=j.task, job_id=j.job_id) for j in jobs)
+
+    async def _refuse_partial(self, done: list[JobSpec], spec: JobSpec, e: Exception) -> None:
+        """The backend refused `spec` for good: cancel the launches already submitted (never half a sleep), then
+        reject the sleep with `backend.refused` (the pipeline refunds it)."""
+        for other in done:
+            await self.backend.cancel(other.key)
+        klog.event("dispatch_refused", logging.WARNING, launch=spec.key, cancelled=len(done), error=str(e))
+        detail = getattr(e, "detail", str(e))
+        raise DispatchRefused(
+            RequestError(
+                "backend.refused",
+                f"the scheduler refused launch {spec.launch!r}: {detail}; nothing of this sleep runs "
+                "and its charge is refunded",
+                None,
+            )
+        ) from None
 
     # --- cancel ---------------------------------------------------------------------------------------
 

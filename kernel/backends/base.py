@@ -18,6 +18,7 @@ from msgspec import Meta
 from channel import limits as L
 from channel.paths import RunPaths
 from kernel.jail import JailPolicy
+from kernel.slurm.submit import job_name as scheduler_job_name
 
 DEFAULT_ARTIFACT_MAX_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_ARTIFACT_TOTAL_MAX_BYTES: Final = 256 * 1024 * 1024
@@ -59,8 +60,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def job_name(self) -> str:
-        """The scheduler-visible name; it carries the sleep so a restarted kernel can look before resubmitting."""
-        return f"syscall-{self.workspace}-{self.seq}-{self.launch}"
+        """The scheduler-visible name (`sk-<workspace>-<seq>-<launch>`, kernel.slurm.job_name); it carries the
+        sleep so a restarted kernel can look before resubmitting."""
+        return scheduler_job_name(self.workspace, self.seq, self.launch)
 
     @property
     def width(self) -> int:
