@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -54,7 +53,9 @@ from kernel.slurm import (
     SbatchPolicy,
     SlurmOutputError,
     SqueueResult,
+    SqueueRow,
     TaskKey,
+    clusters_args,
     job_name,
     parse_sbatch_output,
     poll_interval,
@@ -63,6 +64,7 @@ from kernel.slurm import (
     render_sbatch_argv,
     resolve_task,
     sacct_argv,
+    sbatch_failure,
     squeue_argv,
 )
 from kernel.slurm.classify import RUNNING_STATES
@@ -76,12 +78,6 @@ JOB_FILE: Final = "slurm-job.json"
 STATE_FILE: Final = "slurm-state.json"
 CANCEL_FILE: Final = "slurm-cancelled.json"  # tasks the kernel asked to stop
 
-# sbatch/squeue failures worth another try: the controller is slow, busy or briefly unreachable.
-_TRANSIENT_RE: Final = re.compile(
-    r"timed? ?out|unable to contact|temporarily|try again|resource temporarily unavailable|connection refused|"
-    r"communication|zero bytes were transmitted|slurm_persist_conn|socket|transient|busy",
-    re.I,
-)
 # Kinds of the exit records this backend writes for tasks that ended without one (besides the wrapper's).
 KIND_STUCK: Final = "stuck"
 _KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
@@ -102,7 +98,18 @@ TERMINATED_WAIT_S: Final = 120.0
 
 
 class SlurmSubmitError(RuntimeError):
-    """sbatch refused the job, or the scheduler stayed unreachable through every retry."""
+    """The job could not be submitted: the scheduler stayed unreachable through every retry (the world's fault;
+    the kernel tries again later), or, as `SlurmRefused`, Slurm refused it for good."""
+
+
+class SlurmRefused(SlurmSubmitError):
+    """sbatch refused the job permanently (invalid partition, account, QOS, GRES, node configuration): the same
+    request fails the same way every time, so it is answered, never retried. `detail` is Slurm's own reason."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(f"sbatch refused {name}: {detail}")
+        self.name = name
+        self.detail = detail
 
 
 class JobRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -404,8 +411,10 @@ class SlurmBackend:
                 break
             detail = (out.stderr.strip() or out.stdout.strip() or f"exit {out.returncode}")[:500]
             problems.append(f"sbatch: {detail}")
-            if out.returncode is not None and not _TRANSIENT_RE.search(detail):
-                raise SlurmSubmitError(f"sbatch refused {la.name}: {detail}")
+            if sbatch_failure(out.returncode, detail) == "refused":
+                # No job exists: a restart must not find this launch recorded and submit it again.
+                (spec.paths.launch_dir / SPEC_FILE).unlink(missing_ok=True)
+                raise SlurmRefused(la.name, detail)
         else:
             raise SlurmSubmitError(
                 f"{la.name} was not submitted after {self.submit_attempts} attempts: "
@@ -485,10 +494,11 @@ class SlurmBackend:
         if la.job is None or not la.unscancelled:
             return True
         todo = la.unscancelled
+        where = clusters_args([la.job.cluster] if la.job.cluster else None)
         if la.spec.array == 1 or todo >= set(range(la.spec.array)):
-            argv = ["scancel", la.job.job_id]
+            argv = ["scancel", *where, la.job.job_id]
         else:
-            argv = ["scancel", *(f"{la.job.job_id}_{t}" for t in sorted(todo))]
+            argv = ["scancel", *where, *(f"{la.job.job_id}_{t}" for t in sorted(todo))]
         out = await self._client(argv)
         # Exit 1 "Invalid job id" for tasks that already ended is fine: they end through the loop anyway.
         if out.returncode == 0 or (out.returncode is not None and "invalid job id" in out.stderr.lower()):
@@ -598,13 +608,7 @@ class SlurmBackend:
         launches = [la for la in self._launches.values() if la.job and la.open]
         if not launches:
             return
-        ids = sorted({la.job.job_id for la in launches if la.job})
-        out = await self._client(squeue_argv(ids))
-        queue = (
-            read_squeue(out.returncode, out.stdout, out.stderr, ids)
-            if out.returncode is not None
-            else SqueueResult(known=False, entries={}, detail=out.stderr)
-        )
+        queue = await self._squeue(launches)
         if not queue.known:
             self._failures += 1
             await self.check_files()  # completions still arrive while the controller is away
@@ -661,6 +665,23 @@ class SlurmBackend:
             else:
                 la.ended_since.pop(t, None)
 
+    async def _squeue(self, launches: Sequence[_Launch]) -> SqueueResult:
+        """One squeue for every tracked job (one per cluster on a multi-cluster site: `-M` names it)."""
+        groups: dict[str | None, set[str]] = {}
+        for la in launches:
+            if la.job is not None:
+                groups.setdefault(la.job.cluster, set()).add(la.job.job_id)
+        entries: dict[TaskKey, SqueueRow] = {}
+        for cluster, ids in sorted(groups.items(), key=lambda kv: kv[0] or ""):
+            out = await self._client(squeue_argv(ids, clusters=[cluster] if cluster else None))
+            if out.returncode is None:
+                return SqueueResult(known=False, entries={}, detail=out.stderr)
+            part = read_squeue(out.returncode, out.stdout, out.stderr, ids)
+            if not part.known:
+                return part  # one cluster unknown: nothing is concluded this cycle
+            entries.update(part.entries)
+        return SqueueResult(known=True, entries=entries)
+
     def _resolve(
         self,
         la: _Launch,
@@ -686,8 +707,9 @@ class SlurmBackend:
         if self._accounting is False:
             return SacctResult(status="disabled", entries={}, detail="accounting storage is disabled")
         jobs = {la.job.job_id: la.job.submitted_at for la, _ in ask if la.job}
+        clusters = {la.job.cluster for la, _ in ask if la.job and la.job.cluster}
         since = datetime.fromtimestamp(min(jobs.values()) - 60, tz=UTC)
-        out = await self._client(sacct_argv(jobs, since))
+        out = await self._client(sacct_argv(jobs, since, clusters=clusters))
         if out.returncode is None:
             return SacctResult(status="unknown", entries={}, detail=out.stderr)
         res = read_sacct(out.returncode, out.stdout, out.stderr)

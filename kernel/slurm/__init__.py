@@ -22,6 +22,7 @@ from kernel.slurm.query import (
     SqueueResult,
     SqueueRow,
     TaskKey,
+    clusters_args,
     parse_sacct,
     parse_squeue,
     read_sacct,
@@ -37,6 +38,7 @@ from kernel.slurm.submit import (
     parse_job_name,
     parse_sbatch_output,
     render_sbatch_argv,
+    sbatch_failure,
 )
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "TaskKey",
     "classify_exit_file",
     "classify_state",
+    "clusters_args",
     "job_name",
     "parse_job_id",
     "parse_job_name",
@@ -67,5 +70,6 @@ __all__ = [
     "render_sbatch_argv",
     "resolve_task",
     "sacct_argv",
+    "sbatch_failure",
     "squeue_argv",
 ]

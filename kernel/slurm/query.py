@@ -32,6 +32,7 @@ MAX_ID_LIST_CHARS: Final = 100_000
 
 _DIGITS_RE: Final = re.compile(r"^\d+$")
 _CLUSTER_HEADER_RE: Final = re.compile(r"^CLUSTER:\s*(?P<name>\S+)\s*$")
+_CLUSTER_NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _STATE_RE: Final = re.compile(r"^(?P<state>[A-Z_]+)\+?(?: by (?P<uid>\d+))?$")
 _ELAPSED_RE: Final = re.compile(
     r"^(?:(?P<days>\d+)-)?(?:(?P<hours>\d+):)?(?P<minutes>\d+):(?P<seconds>\d+(?:\.\d+)?)$"
@@ -100,10 +101,22 @@ def _id_list(job_ids: Iterable[str]) -> list[str]:
     return ids
 
 
-def squeue_argv(job_ids: Iterable[str], squeue: str = "squeue") -> list[str]:
-    """One `squeue` for all of `job_ids` (the ids sbatch returned), array tasks one per line."""
+def clusters_args(clusters: Iterable[str] | None) -> list[str]:
+    """`-M a,b` for jobs sbatch placed on named clusters (`id;cluster`); nothing for the local cluster."""
+    names = sorted(set(clusters or ()))
+    for name in names:
+        if not _CLUSTER_NAME_RE.match(name):
+            raise ValueError(f"cluster name {name!r} is not a Slurm cluster name")
+    return ["-M", ",".join(names)] if names else []
+
+
+def squeue_argv(
+    job_ids: Iterable[str], squeue: str = "squeue", *, clusters: Iterable[str] | None = None
+) -> list[str]:
+    """One `squeue` for all of `job_ids` (the ids sbatch returned), array tasks one per line; `clusters` are
+    the clusters those jobs were placed on, if sbatch named any."""
     ids = _id_list(job_ids)
-    argv = [squeue, "-h", "-r", "-t", "all", "-o", SQUEUE_FORMAT]
+    argv = [squeue, *clusters_args(clusters), "-h", "-r", "-t", "all", "-o", SQUEUE_FORMAT]
     joined = ",".join(ids)
     if len(joined) > MAX_ID_LIST_CHARS:
         return [*argv, "--me"]
@@ -163,14 +176,32 @@ def read_squeue(returncode: int, stdout: str, stderr: str, job_ids: Iterable[str
         return SqueueResult(known=False, entries={}, detail=str(e))
 
 
-def sacct_argv(job_ids: Iterable[str], since: datetime, sacct: str = "sacct") -> list[str]:
+def sacct_argv(
+    job_ids: Iterable[str],
+    since: datetime,
+    sacct: str = "sacct",
+    *,
+    clusters: Iterable[str] | None = None,
+) -> list[str]:
     """One `sacct` for `job_ids`, looking back to `since` (the earliest submit time among them).
 
     Slurm reads `-S` in the cluster's local time: an aware `since` is converted to local time.
     """
     ids = _id_list(job_ids)
     start = (since.astimezone() if since.tzinfo else since).strftime("%Y-%m-%dT%H:%M:%S")
-    return [sacct, "-X", "-P", "-n", "-j", ",".join(ids), "-S", start, "-o", ",".join(SACCT_FIELDS)]
+    return [
+        sacct,
+        *clusters_args(clusters),
+        "-X",
+        "-P",
+        "-n",
+        "-j",
+        ",".join(ids),
+        "-S",
+        start,
+        "-o",
+        ",".join(SACCT_FIELDS),
+    ]
 
 
 def parse_state(text: str) -> tuple[str, int | None]:

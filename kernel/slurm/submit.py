@@ -70,6 +70,29 @@ class SbatchJob(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     concurrency: Annotated[int, Meta(ge=0)] = 0
 
 
+# sbatch failures worth another try: the controller is slow, busy or briefly unreachable, or a submit limit that
+# clears as jobs end. The job may exist all the same (a timeout after creating it): look by name before retrying.
+_TRANSIENT_RE: Final = re.compile(
+    r"timed? ?out|unable to contact|temporarily|try again|resource temporarily unavailable|connection refused|"
+    r"communication|zero bytes were transmitted|slurm_persist_conn|socket|transient|busy|"
+    r"job submit limit|MaxSubmitJob|sending (?:message|msg)",
+    re.I,
+)
+
+
+def sbatch_failure(returncode: int | None, stderr: str) -> Literal["transient", "refused"]:
+    """Why an sbatch that printed no job id failed: `transient` (retry after a lookup by name) or `refused`.
+
+    `refused` is permanent: Slurm examined the request and said no (an invalid partition, account, QOS, GRES or
+    node configuration; `error: Batch job submission failed: ...`, or a client-side `error: Invalid ...`), so
+    the same request fails the same way forever. A timeout (`returncode` None) or an unreachable, busy or
+    limited controller is `transient`.
+    """
+    if returncode is None or _TRANSIENT_RE.search(stderr):
+        return "transient"
+    return "refused"
+
+
 class Submitted(Struct, frozen=True):
     """What `sbatch --parsable` answered: the (array) job id and, on a multi-cluster site, the cluster."""
 

@@ -211,9 +211,11 @@ def test_refusals_and_exhausted_retries_raise(w: World) -> None:
     bad = w.spec("bad")
     w.fake.fail_next("sbatch", 1, stderr="sbatch: error: Batch job submission failed: Invalid partition name")
     b = w.backend(submit_attempts=3)
-    with pytest.raises(S.SlurmSubmitError, match="Invalid partition name"):
+    with pytest.raises(S.SlurmRefused, match="Invalid partition name") as refused:
         run(lambda: b.submit(bad))
+    assert refused.value.detail == "sbatch: error: Batch job submission failed: Invalid partition name"
     assert w.sleeps == []
+    assert not (bad.paths.launch_dir / S.SPEC_FILE).exists(), "a restart must not resubmit a refused launch"
     down = w.spec("down")
     w.fake.fail_next("sbatch", 1, stderr=TRANSIENT)
     for _ in range(2):
@@ -550,3 +552,27 @@ def test_policy_from_config_and_exit_state_mapping() -> None:
     assert S.task_state_of(rec(137, "signaled")) == "FAILED"
     assert S.task_state_of(rec(137, "signaled"), Resolution("done", "OUT_OF_MEMORY")) == "OUT_OF_MEMORY"
     assert S.task_state_of(rec(125, "node_fail")) == "NODE_FAIL"
+
+
+def test_jobs_on_a_named_cluster_are_polled_and_cancelled_with_M(tmp_path: Path) -> None:
+    w = World(tmp_path, cluster="c2")
+    try:
+        spec = w.spec("far", array=2)
+        b = w.backend()
+
+        async def go() -> None:
+            await b.submit(spec)
+            job = b.job_of(spec.key)
+            assert job is not None
+            assert job.cluster == "c2"
+            await b.poll_once()
+            assert w.fake.last_args("squeue")[:2] == ["-M", "c2"]
+            await b.cancel(spec.key)
+            assert w.fake.last_args("scancel") == ["-M", "c2", job.job_id]
+            await b.poll_once()
+            assert sorted(e.task for e in drain(b)) == [0, 1]
+
+        run(go)
+        assert w.calls()["squeue"] == 2
+    finally:
+        w.close()

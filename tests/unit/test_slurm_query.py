@@ -15,6 +15,7 @@ from kernel.slurm import (
     SacctRow,
     SlurmOutputError,
     SqueueRow,
+    clusters_args,
     parse_job_id,
     parse_sacct,
     parse_squeue,
@@ -319,3 +320,13 @@ def test_parse_sacct_refuses_garbage(text: str, message: str) -> None:
 def test_read_sacct(rc: int, stdout: str, stderr: str, status: str, n: int) -> None:
     result = read_sacct(rc, stdout, stderr)
     assert (result.status, len(result.entries)) == (status, n)
+
+
+def test_queries_name_the_cluster_when_sbatch_named_one() -> None:
+    since = datetime(2026, 1, 2, 3, 4, 5)
+    assert squeue_argv(["7"], clusters=["c2"])[:3] == ["squeue", "-M", "c2"]
+    assert squeue_argv(["7"], clusters=[])[1] == "-h"
+    assert sacct_argv(["7"], since, clusters=["b", "a", "b"])[1:3] == ["-M", "a,b"]
+    assert clusters_args(None) == []
+    with pytest.raises(ValueError, match="not a Slurm cluster name"):
+        clusters_args(["a b"])

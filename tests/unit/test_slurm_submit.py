@@ -16,6 +16,7 @@ from kernel.slurm import (
     parse_job_name,
     parse_sbatch_output,
     render_sbatch_argv,
+    sbatch_failure,
 )
 
 WS = workspace_key("/home/a/proj")
@@ -221,3 +222,44 @@ def test_parse_sbatch_output(stdout: str, expected: Submitted) -> None:
 def test_parse_sbatch_output_refuses_what_is_not_an_id(stdout: str, message: str) -> None:
     with pytest.raises(SlurmOutputError, match=message):
         parse_sbatch_output(stdout)
+
+
+@pytest.mark.parametrize(
+    ("rc", "stderr", "kind"),
+    [
+        (1, "sbatch: error: Batch job submission failed: Invalid partition name specified", "refused"),
+        (
+            1,
+            "sbatch: error: Batch job submission failed: Invalid account or account/partition combination",
+            "refused",
+        ),
+        (1, "sbatch: error: Batch job submission failed: Invalid qos specification", "refused"),
+        (1, "sbatch: error: Invalid generic resource (gres) specification", "refused"),
+        (
+            1,
+            "sbatch: error: Batch job submission failed: Requested node configuration is not available",
+            "refused",
+        ),
+        (
+            1,
+            "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation",
+            "transient",
+        ),
+        (
+            1,
+            "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)",
+            "transient",
+        ),
+        (1, "sbatch: error: Slurm temporarily unable to accept job, sleeping and retrying", "transient"),
+        (
+            1,
+            "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)",
+            "transient",
+        ),
+        (None, "sbatch did not answer within 60 s", "transient"),
+    ],
+)
+def test_sbatch_failure_tells_refusals_from_transient_failures(
+    rc: int | None, stderr: str, kind: str
+) -> None:
+    assert sbatch_failure(rc, stderr) == kind
