@@ -134,6 +134,10 @@ class Config(_Strict, frozen=True, kw_only=True):
     batch_per_pass: Annotated[int, Meta(ge=1, le=100_000)] = 256
     # A pass running longer than this marks the service unhealthy (systemd's watchdog then restarts it).
     stall_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+    # The operator's hook for submit verdicts: a command (split like a shell would, run without one) that gets
+    # each verdict and its report as JSON on stdin, in state_dir with a clean environment (kernel.submitexec).
+    on_verdict: str = ""
+    on_verdict_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     defaults: Defaults = Defaults()
     slurm: SlurmConfig = SlurmConfig()
     local: LocalConfig = LocalConfig()

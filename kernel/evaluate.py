@@ -7,6 +7,10 @@ There is deliberately no regex fallback: an eval that wants a verdict prints the
 
 Values are compared as decimals parsed from the JSON text itself, so a floor written as 0.2 in the config is met
 by 0.3 - 0.1 exactly (binary floats would say 0.19999999999999998).
+
+Also here, pure: the two evaluation job rows a sleep with a submit records at acceptance (`eval_jobs`, named
+`EVAL_BASE` / `EVAL_CANDIDATE`, charged like launches by `charge_eval`), the operator's contract check
+(`contract_problem`), and the hook's payload (`hook_payload`). The stateful side is `kernel.submit`.
 """
 
 from __future__ import annotations
@@ -15,11 +19,21 @@ import hashlib
 import json
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from channel.messages import EvalContract, Verdict
+from channel import limits as L
+from channel.decode import RequestError
+from channel.messages import EvalContract, SleepRequest, Submit, Verdict, encode
+from kernel.budget import Balance, gpu_hours
+from kernel.store import JobRow
 
 Side = Literal["base", "candidate"]
+
+# The evaluation runs are job rows of the sleep under these launch names (an agent's launch may not take them
+# in a sleep that carries a submit).
+EVAL_BASE: Final = "submit-base"
+EVAL_CANDIDATE: Final = "submit-candidate"
+EVAL_LAUNCHES: Final = (EVAL_BASE, EVAL_CANDIDATE)
 
 
 class MetricError(Exception):
@@ -137,7 +151,9 @@ def decide(
     )
 
 
-def unchanged_verdict(contract: EvalContract, commit: str) -> Verdict:
+def unchanged_verdict(
+    contract: EvalContract, base_commit: str, candidate_commit: str | None = None
+) -> Verdict:
     """The candidate's tree equals the base's: nothing is run or charged."""
     return Verdict(
         outcome="unchanged",
@@ -145,9 +161,93 @@ def unchanged_verdict(contract: EvalContract, commit: str) -> Verdict:
         direction=contract.direction,
         min_delta=contract.min_delta,
         min_relative=contract.min_relative,
-        base_commit=commit,
-        candidate_commit=commit,
+        base_commit=base_commit,
+        candidate_commit=base_commit if candidate_commit is None else candidate_commit,
     )
+
+
+def contract_problem(c: EvalContract) -> str | None:
+    """What is wrong with an operator's contract (None when it can be used)."""
+    if not c.command.strip():
+        return "the eval command is empty"
+    if len(c.command) > L.COMMAND_MAX_CHARS:
+        return f"the eval command is longer than {L.COMMAND_MAX_CHARS} characters"
+    if not c.metric.strip() or c.metric in ("metric", "value"):
+        return (
+            f"the metric name {c.metric!r} cannot be used (empty, or one of the reserved keys metric/value)"
+        )
+    if not L.MINUTES_MIN <= c.eval_minutes <= L.MINUTES_CEILING:
+        return f"eval_minutes is {c.eval_minutes}; it must be within {L.MINUTES_MIN}..{L.MINUTES_CEILING}"
+    if not 0 <= c.gpus <= L.GPUS_CEILING:
+        return f"gpus is {c.gpus}; it must be within 0..{L.GPUS_CEILING}"
+    for name, v in (("min_delta", c.min_delta), ("min_relative", c.min_relative)):
+        if v is not None and not (v >= 0 and to_decimal(v).is_finite()):
+            return f"{name} is {v}; it must be a finite number >= 0"
+    return None
+
+
+def eval_jobs(
+    contract: EvalContract, submit: Submit, workspace: str, seq: int, now: str
+) -> tuple[JobRow, JobRow]:
+    """The base and candidate evaluation rows of a sleep, PENDING, each reserving its GPU time."""
+    minutes = submit.eval_minutes or contract.eval_minutes
+    return tuple(  # type: ignore[return-value]
+        JobRow(
+            workspace=workspace,
+            seq=seq,
+            launch=name,
+            task=0,
+            array_size=1,
+            concurrency=0,
+            command=contract.command,
+            minutes=minutes,
+            gpus=contract.gpus,
+            artifacts=(),
+            why="",
+            reserved_gpu_s=contract.gpus * minutes * 60,
+            state="PENDING",
+            updated_at=now,
+        )
+        for name in EVAL_LAUNCHES
+    )
+
+
+def check_eval_names(req: SleepRequest) -> None:
+    """RequestError when a launch takes an evaluation run's name in a sleep that carries a submit."""
+    if req.submit is None:
+        return
+    for i, launch in enumerate(req.launches):
+        if launch.name in EVAL_LAUNCHES:
+            raise RequestError(
+                "launch.name.duplicate",
+                f"$.launches[{i}].name {launch.name!r} is the name of the submit's own evaluation run; "
+                "rename the launch",
+                f"$.launches[{i}].name",
+            )
+
+
+def charge_eval(balance: Balance, jobs: tuple[JobRow, ...]) -> Balance:
+    """Reserve the evaluation runs' GPU time (refunded as measured, like a launch's); a submit costs no launch."""
+    cost = sum(j.reserved_gpu_s for j in jobs)
+    if cost > balance.gpu_s:
+        raise RequestError(
+            "budget.gpu_hours",
+            f"the submit's two evaluation runs reserve {gpu_hours(cost):g} GPU-hours but only "
+            f"{gpu_hours(balance.gpu_s):g} are left after the launches",
+            "$.submit",
+        )
+    return Balance(
+        launches=balance.launches,
+        sleeps=balance.sleeps,
+        gpu_s=balance.gpu_s - cost,
+        reserved_gpu_s=balance.reserved_gpu_s + cost,
+    )
+
+
+def hook_payload(workspace: str, path: str, sleep_id: str, seq: int, verdict: Verdict, report: str) -> bytes:
+    """What `on_verdict` reads on stdin: one JSON object."""
+    head = json.dumps({"workspace": workspace, "path": path, "sleep": sleep_id, "seq": seq, "report": report})
+    return head[:-1].encode() + b', "verdict": ' + encode(verdict).rstrip(b"\n") + b"}\n"
 
 
 def baseline_key(

@@ -138,7 +138,9 @@ def executor_factory(cfg: Config) -> Callable[[StoreWorker], Executor]:
             "or set jail = 'none' on a single-user laptop"
         )
     backend = make_backend(cfg)
-    return lambda worker: RealExecutor(cfg, worker, backend)
+    from kernel.submitexec import SubmitExecutor  # imported here: kernel.submitexec imports this module
+
+    return lambda worker: SubmitExecutor(cfg, worker, backend)
 
 
 def _write_launches(specs: list[JobSpec]) -> None:
@@ -233,6 +235,10 @@ class RealExecutor:
 
     # --- dispatch -------------------------------------------------------------------------------------
 
+    def prepare(self, order: SleepOrder, commit: str, tree: str) -> None:
+        """Worker thread, once the snapshot is recorded and before any launch is built (idempotent: it runs again
+        after a crash). An extension point: kernel.submitexec decides and records the submit's plan here."""
+
     def specs_of(
         self, order: SleepOrder, commit: str, tree: str, jobs: Sequence[JobRow]
     ) -> dict[str, JobSpec]:
@@ -291,6 +297,7 @@ class RealExecutor:
         if sleep.state == "snapshotted":
             row = await self._call(self._exec_row, key, seq)
             assert row is not None, (key, seq)
+            await self._call(self.prepare, order, row[1], row[2])
             jobs = await self._call(self.store.jobs_of, key, seq)
             specs = self.specs_of(order, row[1], row[2], [j for j in jobs if j.state != "CANCELLED"])
             ids: dict[tuple[str, int], str] = {}

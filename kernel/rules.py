@@ -1,6 +1,7 @@
 """The pipeline's decisions, as pure functions of recorded state (no I/O, no clock: `now` is passed in).
 
-- `accept_sleep`: policy, one-sleep-at-a-time, and budget -> the charged balance and the tasks to record.
+- `accept_sleep`: policy, one-sleep-at-a-time, and budget -> the charged balance and the tasks to record (with a
+  submit, its two evaluation runs too: `kernel.evaluate.eval_jobs`).
 - `plan_cancel`: which live tasks a cancel names, and the balance after refunding those never submitted.
 - `status_answer`, `queue_answer`, `history_answer`: the read-only answers, built from store rows.
 - `plan_pass`: which workspaces get how many requests in one pass (bounded, round-robin, so that one flooding
@@ -37,6 +38,7 @@ from channel.messages import (
 )
 from kernel import budget
 from kernel.budget import Balance
+from kernel.evaluate import charge_eval, check_eval_names, eval_jobs
 from kernel.store import JobRow, SleepRow, WorkspaceRow
 
 _verdict_decoder: Final = msgspec.json.Decoder(Verdict)
@@ -77,6 +79,7 @@ def accept_sleep(
             "(wait for its wake, or cancel its launches)",
             None,
         )
+    check_eval_names(req)
     charged = budget.charge_sleep(ws.balance, req.launches)
     jobs = tuple(
         JobRow(
@@ -98,6 +101,11 @@ def accept_sleep(
         for launch in req.launches
         for task in range(launch.array)
     )
+    if req.submit is not None and ws.policy.submit is not None:
+        # The submit's two evaluation runs are job rows of the sleep, their GPU time reserved like a launch's.
+        evals = eval_jobs(ws.policy.submit, req.submit, ws.key, seq, now)
+        charged = charge_eval(charged, evals)
+        jobs += evals
     return Acceptance(balance=charged, jobs=jobs)
 
 

@@ -1,0 +1,270 @@
+"""Submit's durable state: each workspace's base commit and seed, the per-sleep plan, verdicts and baselines.
+
+Tables (created on demand next to the core schema, like the executor's):
+- `eval_workspaces`: the recorded base commit and tree (HEAD at enrollment; moved only by the operator with
+  `syscall-kernel rebase`), and the private seed, drawn once per workspace the first time it is needed.
+- `eval_plans`: what dispatch decided for a sleep's submit, recorded with the snapshot's commit and tree before
+  any evaluation runs: `run` (both sides), `reuse` (the base value comes from `eval_baselines`), `unchanged`
+  (candidate tree == base tree) or `no_base` (nothing recorded to compare against). The contract as it was then
+  is kept with it, so the verdict is judged by the contract that ran.
+- `eval_verdicts`: every verdict with the agent's report, and the `on_verdict` hook's status.
+- `eval_baselines`: finished base measurements keyed by `evaluate.baseline_key` (exact decimal text).
+
+Git is run only to resolve the base commit, with the same neutralised environment as snapshots.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Final, Literal
+
+import msgspec
+
+from channel.messages import EvalContract, Verdict, encode
+from kernel.snapshot import git_argv, git_env
+from kernel.store import Store, timestamp
+
+Decision = Literal["run", "reuse", "unchanged", "no_base"]
+SEED_BOUND: Final = 2**31
+
+_SCHEMA: Final = (
+    """CREATE TABLE IF NOT EXISTS eval_workspaces (
+    workspace   TEXT PRIMARY KEY,
+    base_commit TEXT,
+    base_tree   TEXT,
+    base_set_at TEXT,
+    seed        INTEGER
+) STRICT""",
+    """CREATE TABLE IF NOT EXISTS eval_plans (
+    workspace       TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    decision        TEXT NOT NULL,
+    contract        BLOB NOT NULL,
+    seed            INTEGER,
+    base_commit     TEXT,
+    base_tree       TEXT,
+    candidate_commit TEXT NOT NULL,
+    candidate_tree  TEXT NOT NULL,
+    baseline_key    TEXT,
+    reused_value    TEXT,
+    PRIMARY KEY (workspace, seq)
+) STRICT""",
+    """CREATE TABLE IF NOT EXISTS eval_verdicts (
+    workspace   TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    sleep_id    TEXT NOT NULL,
+    outcome     TEXT NOT NULL,
+    verdict     BLOB NOT NULL,
+    report      TEXT NOT NULL,
+    created_at  TEXT NOT NULL,
+    hook_status TEXT NOT NULL,
+    PRIMARY KEY (workspace, seq)
+) STRICT""",
+    """CREATE TABLE IF NOT EXISTS eval_baselines (
+    key         TEXT PRIMARY KEY,
+    value       TEXT NOT NULL,
+    workspace   TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    measured_at TEXT NOT NULL
+) STRICT""",
+)
+
+_contract_decoder: Final = msgspec.json.Decoder(EvalContract)
+_verdict_decoder: Final = msgspec.json.Decoder(Verdict)
+
+
+class BaseError(Exception):
+    """The base commit cannot be resolved in the workspace."""
+
+
+def ensure_schema(store: Store) -> None:
+    with store.transaction():
+        for stmt in _SCHEMA:
+            store._one(stmt)
+
+
+# --- base commit and seed -----------------------------------------------------------------------------------
+
+
+def resolve_commit(workspace: str, rev: str = "HEAD") -> tuple[str, str] | None:
+    """(commit, tree) of `rev` in the workspace's repository; None when HEAD has no commit yet."""
+    if rev.startswith("-"):
+        raise BaseError(f"{rev!r} is not a revision")
+    env = git_env(workspace)
+    out = subprocess.run(
+        git_argv("rev-parse", "--verify", "--end-of-options", f"{rev}^{{commit}}", f"{rev}^{{tree}}"),
+        cwd=workspace,
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    if out.returncode != 0:
+        if rev == "HEAD":
+            return None
+        first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
+        raise BaseError(f"{rev!r} is not a commit of {workspace}: {first[0] if first else out.returncode}")
+    commit, tree = out.stdout.decode().split()
+    return commit, tree
+
+
+def base_of(store: Store, workspace: str) -> tuple[str, str] | None:
+    row = store._one("SELECT base_commit, base_tree FROM eval_workspaces WHERE workspace=?", (workspace,))
+    return None if row is None or row[0] is None else (row[0], row[1])
+
+
+def set_base(store: Store, workspace: str, commit: str, tree: str) -> None:
+    """Record the base (in the caller's transaction)."""
+    store._one(
+        "INSERT INTO eval_workspaces (workspace, base_commit, base_tree, base_set_at) VALUES (?,?,?,?) "
+        "ON CONFLICT(workspace) DO UPDATE SET base_commit=excluded.base_commit, base_tree=excluded.base_tree, "
+        "base_set_at=excluded.base_set_at",
+        (workspace, commit, tree, timestamp()),
+    )
+
+
+def seed_of(store: Store, workspace: str) -> int:
+    """The workspace's private seed, drawn and stored the first time (in the caller's transaction)."""
+    row = store._one("SELECT seed FROM eval_workspaces WHERE workspace=?", (workspace,))
+    if row is not None and row[0] is not None:
+        return int(row[0])
+    seed = secrets.randbelow(SEED_BOUND)
+    store._one(
+        "INSERT INTO eval_workspaces (workspace, seed) VALUES (?,?) "
+        "ON CONFLICT(workspace) DO UPDATE SET seed=excluded.seed",
+        (workspace, seed),
+    )
+    return seed
+
+
+# --- plans ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    workspace: str
+    seq: int
+    decision: Decision
+    contract: EvalContract
+    seed: int | None
+    base_commit: str | None
+    base_tree: str | None
+    candidate_commit: str
+    candidate_tree: str
+    baseline_key: str | None
+    reused_value: Decimal | None
+
+
+def plan_of(store: Store, workspace: str, seq: int) -> Plan | None:
+    row = store._one(
+        "SELECT decision, contract, seed, base_commit, base_tree, candidate_commit, candidate_tree, "
+        "baseline_key, reused_value FROM eval_plans WHERE workspace=? AND seq=?",
+        (workspace, seq),
+    )
+    if row is None:
+        return None
+    return Plan(
+        workspace,
+        seq,
+        row[0],
+        _contract_decoder.decode(row[1]),
+        row[2],
+        row[3],
+        row[4],
+        row[5],
+        row[6],
+        row[7],
+        None if row[8] is None else Decimal(row[8]),
+    )
+
+
+def put_plan(store: Store, p: Plan) -> None:
+    store._one(
+        "INSERT INTO eval_plans (workspace, seq, decision, contract, seed, base_commit, base_tree, "
+        "candidate_commit, candidate_tree, baseline_key, reused_value) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        (
+            p.workspace,
+            p.seq,
+            p.decision,
+            msgspec.json.encode(p.contract),
+            p.seed,
+            p.base_commit,
+            p.base_tree,
+            p.candidate_commit,
+            p.candidate_tree,
+            p.baseline_key,
+            None if p.reused_value is None else str(p.reused_value),
+        ),
+    )
+
+
+# --- baselines and verdicts -------------------------------------------------------------------------------
+
+
+def baseline(store: Store, key: str) -> Decimal | None:
+    row = store._one("SELECT value FROM eval_baselines WHERE key=?", (key,))
+    return None if row is None else Decimal(row[0])
+
+
+def put_baseline(store: Store, key: str, value: Decimal, workspace: str, seq: int) -> None:
+    store._one(
+        "INSERT OR IGNORE INTO eval_baselines (key, value, workspace, seq, measured_at) VALUES (?,?,?,?,?)",
+        (key, str(value), workspace, seq, timestamp()),
+    )
+
+
+def put_verdict(
+    store: Store, workspace: str, seq: int, sleep_id: str, verdict: Verdict, report: str, hook: bool
+) -> None:
+    store._one(
+        "INSERT OR REPLACE INTO eval_verdicts (workspace, seq, sleep_id, outcome, verdict, report, created_at, "
+        "hook_status) VALUES (?,?,?,?,?,?,?,?)",
+        (
+            workspace,
+            seq,
+            sleep_id,
+            verdict.outcome,
+            encode(verdict),
+            report,
+            timestamp(),
+            "pending" if hook else "none",
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredVerdict:
+    workspace: str
+    seq: int
+    sleep_id: str
+    verdict: Verdict
+    report: str
+    hook_status: str
+
+
+def verdicts(
+    store: Store, *, workspace: str | None = None, hook_pending: bool = False
+) -> list[StoredVerdict]:
+    sql = "SELECT workspace, seq, sleep_id, verdict, report, hook_status FROM eval_verdicts"
+    where, args = [], []
+    if workspace is not None:
+        where.append("workspace=?")
+        args.append(workspace)
+    if hook_pending:
+        where.append("hook_status='pending'")
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    rows = store._all(sql + " ORDER BY created_at", args)
+    return [StoredVerdict(r[0], r[1], r[2], _verdict_decoder.decode(r[3]), r[4], r[5]) for r in rows]
+
+
+def set_hook_status(store: Store, workspace: str, seq: int, status: str) -> None:
+    with store.transaction():
+        store._one(
+            "UPDATE eval_verdicts SET hook_status=? WHERE workspace=? AND seq=?",
+            (status[:500], workspace, seq),
+        )
