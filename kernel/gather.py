@@ -22,6 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
+import msgspec
+
 from channel import limits as L
 from channel import safefs
 from channel.lifecycle import TaskEvent
@@ -29,6 +31,7 @@ from channel.messages import Artifact, SkippedArtifact, TaskResult, Verdict, Wak
 from channel.paths import ChannelPaths, RunPaths
 from kernel import jobscript
 from kernel import wrapper as W
+from kernel.backends.slurm import read_task_state
 from kernel.budget import Balance, gpu_hours
 from kernel.store import JobRow
 
@@ -194,6 +197,16 @@ def deliver_artifacts(
     return tuple(delivered), tuple(skipped)
 
 
+def backend_hint(task_dir: Path) -> str | None:
+    """The backend's own explanation of how a task ended (the Slurm backend's `slurm-state.json`: cancelled
+    outside the kernel, out of memory, node failure, ...), when it left one."""
+    try:
+        st = read_task_state(task_dir)
+    except (OSError, msgspec.DecodeError):
+        return None
+    return None if st is None else st.hint
+
+
 def task_result(
     job: JobRow,
     task_dir: Path | None,
@@ -205,7 +218,7 @@ def task_result(
     if task_dir is not None:
         rec = jobscript.read_exit(task_dir)
         if rec is not None:
-            hint = outcome(rec).hint
+            hint = backend_hint(task_dir) or outcome(rec).hint
     elif job.state == "CANCELLED":
         hint = HINT_CANCELLED_EARLY
     return TaskResult(
