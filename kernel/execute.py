@@ -74,7 +74,8 @@ T = TypeVar("T")
 CRASH_ENV: Final = "SYSCALL_KERNEL_CRASH_AT"
 # recorded: dispatch entered (sleep recorded, nothing done); snapshot: snapshot recorded; submit: every launch
 # handed to the backend, job ids not yet recorded; task_end: a task's end recorded while others still run;
-# gathered: the wake recorded, no wake file written.
+# gathered: the wake recorded, no wake file written. The Slurm backend adds `sbatch` (sbatch answered, the job id
+# not yet recorded anywhere; tests/integration/test_e2e_slurm.py).
 CRASH_STEPS: Final = ("recorded", "snapshot", "submit", "task_end", "gathered")
 
 TICK_S: Final = 1.0
