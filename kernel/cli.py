@@ -1,4 +1,4 @@
-"""`syscall-kernel`: serve, enroll, status, demo.
+"""`syscall-kernel`: serve, enroll, rebase, status, demo.
 
 Exit codes: 0 ok; 1 the operation was refused or failed (the message says why); 2 bad invocation or config.
 """
@@ -13,14 +13,19 @@ from collections.abc import Sequence
 import anyio
 import msgspec
 
+from channel import limits as L
+from channel.messages import EvalContract
 from kernel import log
 from kernel.budget import Balance
 from kernel.config import Config, ConfigError, load
+from kernel.evaluate import contract_problem
 from kernel.store import Store, StoreError
 
 EXAMPLES = """examples:
   syscall-kernel serve --config /etc/syscall-kernel/config.toml
   syscall-kernel enroll ~/agents/run-17 --launches 40 --sleeps 20 --gpu-hours 12.5
+  syscall-kernel enroll ~/agents/run-17 --eval-command "python eval.py" --metric score --min-delta 0.01
+  syscall-kernel rebase ~/agents/run-17 HEAD
   syscall-kernel status --json
 """
 
@@ -80,7 +85,28 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--launches", type=int, metavar="N", help="launches left in the budget")
     e.add_argument("--sleeps", type=int, metavar="N", help="sleeps left in the budget")
     e.add_argument("--gpu-hours", type=float, metavar="X", help="GPU-hours left in the budget")
+    ev = e.add_argument_group(
+        "eval contract (submit)",
+        "what `submit` runs on the base and the candidate; all or none of --eval-command/--metric. Without them "
+        "the workspace keeps its contract, else gets [defaults.submit]",
+    )
+    ev.add_argument("--eval-command", metavar="CMD", help="run as `sh -c` in the jail, in the evaluated tree")
+    ev.add_argument(
+        "--metric", metavar="NAME", help='the key of the JSON line the eval prints: {"NAME": 0.91}'
+    )
+    ev.add_argument("--direction", choices=("higher", "lower"), default="higher", help="which is better")
+    ev.add_argument("--min-delta", type=float, metavar="X", help="inclusive minimum absolute improvement")
+    ev.add_argument("--min-relative", type=float, metavar="Y", help="inclusive minimum improvement / |base|")
+    ev.add_argument(
+        "--eval-minutes", type=int, metavar="M", default=L.MINUTES_DEFAULT, help="walltime per side"
+    )
+    ev.add_argument("--eval-gpus", type=int, metavar="G", default=0, help="GPUs per side")
+    ev.add_argument("--no-seed", action="store_true", help="pass no EVAL_SEED to the eval")
     config_opt(e)
+    rb = sub.add_parser("rebase", help="move a workspace's submit base to a commit (default: its HEAD)")
+    rb.add_argument("workspace", help="an enrolled workspace directory")
+    rb.add_argument("commit", nargs="?", default="HEAD", help="a revision of the workspace's repository")
+    config_opt(rb)
     st = sub.add_parser("status", help="workspaces, budgets, sleeps and jobs in flight (read from the store)")
     st.add_argument("--json", action="store_true", help="print one JSON object")
     config_opt(st)
@@ -128,8 +154,20 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     except (ToolMissing, StoreError, OSError) as exc:
         print(f"syscall-kernel enroll: {exc}", file=sys.stderr)
         return 1
+    contract = _contract(args)
+    if isinstance(contract, str):
+        print(f"syscall-kernel enroll: {contract}", file=sys.stderr)
+        store.close()
+        return 2
     try:
-        done = enroll(store, cfg, args.workspace, tool, Grant(args.launches, args.sleeps, args.gpu_hours))
+        done = enroll(
+            store,
+            cfg,
+            args.workspace,
+            tool,
+            Grant(args.launches, args.sleeps, args.gpu_hours),
+            contract=contract,
+        )
     except EnrollError as exc:
         print(f"syscall-kernel enroll: refused: {exc}", file=sys.stderr)
         return 1
@@ -149,6 +187,72 @@ def cmd_enroll(args: argparse.Namespace) -> int:
         print("  the tool was (re)installed; .syscall/tool-news.md says what is new")
     if done.excluded:
         print("  added /.syscall/ to .git/info/exclude")
+    c = row.policy.submit
+    print(
+        f"  submit: {'not available (no eval contract)' if c is None else f'{c.command!r}, metric {c.metric!r} ({c.direction} is better)'}"
+    )
+    return 0
+
+
+def _contract(args: argparse.Namespace) -> EvalContract | str | None:
+    """The --eval-* flags as a contract, None when absent, or what is wrong with them."""
+    if args.eval_command is None and args.metric is None:
+        given = [
+            f
+            for f, v in (
+                ("--min-delta", args.min_delta),
+                ("--min-relative", args.min_relative),
+                ("--no-seed", args.no_seed or None),
+            )
+            if v is not None
+        ]
+        if given:
+            return f"{', '.join(given)} need --eval-command and --metric"
+        return None
+    if args.eval_command is None or args.metric is None:
+        return "--eval-command and --metric go together"
+    contract = EvalContract(
+        command=args.eval_command,
+        metric=args.metric,
+        direction=args.direction,
+        min_delta=args.min_delta,
+        min_relative=args.min_relative,
+        eval_minutes=args.eval_minutes,
+        gpus=args.eval_gpus,
+        seed=not args.no_seed,
+    )
+    problem = contract_problem(contract)
+    return contract if problem is None else problem
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    from kernel import submit as S
+
+    cfg = _config(args.config)
+    try:
+        store = Store.open(cfg.db_path)
+    except (StoreError, OSError) as exc:
+        print(f"syscall-kernel rebase: {exc}", file=sys.stderr)
+        return 1
+    try:
+        ws = store.workspace_by_path(os.path.realpath(args.workspace))
+        if ws is None:
+            print(f"syscall-kernel rebase: {args.workspace} is not enrolled", file=sys.stderr)
+            return 1
+        S.ensure_schema(store)
+        try:
+            found = S.resolve_commit(ws.path, args.commit)
+        except S.BaseError as exc:
+            print(f"syscall-kernel rebase: {exc}", file=sys.stderr)
+            return 1
+        if found is None:
+            print(f"syscall-kernel rebase: {ws.path} has no commit yet", file=sys.stderr)
+            return 1
+        with store.transaction():
+            S.set_base(store, ws.key, *found)
+    finally:
+        store.close()
+    print(f"submit base of {ws.path} is now {found[0]} (tree {found[1]})")
     return 0
 
 
@@ -224,7 +328,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handlers = {"serve": cmd_serve, "enroll": cmd_enroll, "status": cmd_status, "demo": cmd_demo}
+    handlers = {
+        "serve": cmd_serve,
+        "enroll": cmd_enroll,
+        "rebase": cmd_rebase,
+        "status": cmd_status,
+        "demo": cmd_demo,
+    }
     try:
         return handlers[args.command](args)
     except ConfigError as exc:

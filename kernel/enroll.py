@@ -27,11 +27,13 @@ import msgspec
 
 from channel import limits as L
 from channel import safefs
-from channel.messages import BudgetFile, KernelInfo, KernelRef, Limits, encode
+from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Limits, encode
 from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
 from kernel import budget, watch
+from kernel import submit as S
 from kernel.budget import Balance
 from kernel.config import Config
+from kernel.evaluate import contract_problem
 from kernel.install import ToolSource, install
 from kernel.store import Store, WorkspaceRow, timestamp
 
@@ -260,14 +262,31 @@ def enroll(
     *,
     explicit: bool = True,
     mounts: list[tuple[str, str]] | None = None,
+    contract: EvalContract | None = None,
 ) -> Enrolled:
-    """Enroll (or refresh) one workspace. EnrollError when it is refused."""
+    """Enroll (or refresh) one workspace. EnrollError when it is refused.
+
+    The eval contract: `contract` when given (kept for this workspace from then on), else the one given at an
+    earlier enrollment, else the config's `[defaults.submit]`. The base commit for submit is recorded as HEAD the first time the workspace has one;
+    later enrollments keep it (the operator moves it with `syscall-kernel rebase`).
+    """
     for name, v in (("launches", grant.launches), ("sleeps", grant.sleeps), ("gpu-hours", grant.gpu_hours)):
         if v is not None and v < 0:
             raise EnrollError(f"--{name} must be >= 0, got {v}")
     resolved = check_workspace(path)
     key = workspace_key(resolved)
     existing = store.workspace(key)
+    S.ensure_schema(store)
+    chosen = contract or S.contract_of(store, key) or cfg.defaults.submit
+    if chosen is not None:
+        problem = contract_problem(chosen)
+        if problem is not None:
+            where = "the --eval-* flags" if contract is not None else "the eval contract"
+            raise EnrollError(f"{path}: {where}: {problem}")
+    try:
+        head = S.resolve_commit(resolved)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EnrollError(f"{path}: cannot read HEAD for the submit base: {exc}") from None
     adopted = False
     try:
         ch = safefs.open_channel(resolved, create=True)
@@ -296,7 +315,7 @@ def enroll(
             path=resolved,
             identity=ch.identity,
             balance=_balance_for(cfg, existing, grant),
-            policy=cfg.defaults.policy(),
+            policy=msgspec.structs.replace(cfg.defaults.policy(), submit=chosen),
             tool_sha256=tool.sha256,
             watch=watch.choose_mode(cfg.watch, fstype),
             enrolled_at=existing.enrolled_at if existing is not None else now,
@@ -304,6 +323,10 @@ def enroll(
         )
         with store.transaction():
             store.put_workspace(row)
+            if contract is not None:
+                S.set_contract(store, key, contract)
+            if head is not None and S.base_of(store, key) is None:
+                S.set_base(store, key, *head)
         # Side effects after the commit: the channel's kernel-written files.
         ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool))
         ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))

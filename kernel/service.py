@@ -27,7 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from channel import safefs
 from channel.paths import ChannelPaths
 from kernel import enroll as enrollment
-from kernel import log
+from kernel import log, submit
 from kernel.config import Config
 from kernel.executor import Executor, PendingExecutor
 from kernel.install import ToolSource
@@ -103,6 +103,7 @@ class Service:
     # --- start-up (worker thread) -------------------------------------------------------------------------
 
     def _startup(self) -> list[WorkspaceRow]:
+        submit.ensure_schema(self.store)
         for path in enrollment.expand_globs(self.cfg.workspaces):
             if self.store.workspace_by_path(path) is not None:
                 continue
@@ -114,9 +115,10 @@ class Service:
         mounts = read_mounts()
         rows = []
         for row in self.store.workspaces():
-            # The watch mode follows the filesystem and the policy follows the config, at every start.
+            # The watch mode follows the filesystem and the policy follows the config, at every start (but an
+            # eval contract given at enrollment stays the workspace's own).
             mode = choose_mode(self.cfg.watch, fs_type_of(row.path, mounts))
-            policy = self.cfg.defaults.policy()
+            policy = submit.effective_policy(self.store, row.key, self.cfg.defaults.policy())
             if mode != row.watch or policy != row.policy:
                 with self.store.transaction():
                     self.store.set_watch(row.key, mode)

@@ -2,7 +2,8 @@
 
 Tables (created on demand next to the core schema, like the executor's):
 - `eval_workspaces`: the recorded base commit and tree (HEAD at enrollment; moved only by the operator with
-  `syscall-kernel rebase`), and the private seed, drawn once per workspace the first time it is needed.
+  `syscall-kernel rebase`), the private seed, drawn once per workspace the first time it is needed, and the
+  workspace's own eval contract when the operator gave one at enrollment (else `[defaults.submit]` applies).
 - `eval_plans`: what dispatch decided for a sleep's submit, recorded with the snapshot's commit and tree before
   any evaluation runs: `run` (both sides), `reuse` (the base value comes from `eval_baselines`), `unchanged`
   (candidate tree == base tree) or `no_base` (nothing recorded to compare against). The contract as it was then
@@ -23,7 +24,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from channel.messages import EvalContract, Verdict, encode
+from channel.messages import EvalContract, Policy, Verdict, encode
 from kernel.snapshot import git_argv, git_env
 from kernel.store import Store, timestamp
 
@@ -36,7 +37,8 @@ _SCHEMA: Final = (
     base_commit TEXT,
     base_tree   TEXT,
     base_set_at TEXT,
-    seed        INTEGER
+    seed        INTEGER,
+    contract    BLOB
 ) STRICT""",
     """CREATE TABLE IF NOT EXISTS eval_plans (
     workspace       TEXT NOT NULL,
@@ -94,22 +96,26 @@ def resolve_commit(workspace: str, rev: str = "HEAD") -> tuple[str, str] | None:
     if rev.startswith("-"):
         raise BaseError(f"{rev!r} is not a revision")
     env = git_env(workspace)
-    out = subprocess.run(
-        git_argv("rev-parse", "--verify", "--end-of-options", f"{rev}^{{commit}}", f"{rev}^{{tree}}"),
-        cwd=workspace,
-        env=env,
-        capture_output=True,
-        timeout=60,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-    if out.returncode != 0:
-        if rev == "HEAD":
-            return None
-        first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
-        raise BaseError(f"{rev!r} is not a commit of {workspace}: {first[0] if first else out.returncode}")
-    commit, tree = out.stdout.decode().split()
-    return commit, tree
+    found = []
+    for peel in ("commit", "tree"):
+        out = subprocess.run(
+            git_argv("rev-parse", "--verify", "--end-of-options", f"{rev}^{{{peel}}}"),
+            cwd=workspace,
+            env=env,
+            capture_output=True,
+            timeout=60,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+        if out.returncode != 0:
+            if rev == "HEAD":
+                return None
+            first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
+            raise BaseError(
+                f"{rev!r} is not a commit of {workspace}: {first[0] if first else out.returncode}"
+            )
+        found.append(out.stdout.decode().strip())
+    return found[0], found[1]
 
 
 def base_of(store: Store, workspace: str) -> tuple[str, str] | None:
@@ -125,6 +131,26 @@ def set_base(store: Store, workspace: str, commit: str, tree: str) -> None:
         "base_set_at=excluded.base_set_at",
         (workspace, commit, tree, timestamp()),
     )
+
+
+def contract_of(store: Store, workspace: str) -> EvalContract | None:
+    """The contract the operator gave this workspace at enrollment (None: the config's default applies)."""
+    row = store._one("SELECT contract FROM eval_workspaces WHERE workspace=?", (workspace,))
+    return None if row is None or row[0] is None else _contract_decoder.decode(row[0])
+
+
+def set_contract(store: Store, workspace: str, contract: EvalContract) -> None:
+    store._one(
+        "INSERT INTO eval_workspaces (workspace, contract) VALUES (?,?) "
+        "ON CONFLICT(workspace) DO UPDATE SET contract=excluded.contract",
+        (workspace, msgspec.json.encode(contract)),
+    )
+
+
+def effective_policy(store: Store, workspace: str, defaults: Policy) -> Policy:
+    """The config's policy with the workspace's own contract, if it has one."""
+    own = contract_of(store, workspace)
+    return defaults if own is None else msgspec.structs.replace(defaults, submit=own)
 
 
 def seed_of(store: Store, workspace: str) -> int:

@@ -282,7 +282,7 @@ class SubmitExecutor(RealExecutor):
             ("base", plan.base_commit) if t.launch == E.EVAL_BASE else ("candidate", plan.candidate_commit)
         )
         label = f"the kernel's evaluation run of the {side} (commit {(commit or '')[:12]}), the operator's eval command"
-        return replace(t, hint=label if t.hint is None else f"{label}; {t.hint}")
+        return msgspec.structs.replace(t, hint=label if t.hint is None else f"{label}; {t.hint}")
 
     # --- the operator's hook ------------------------------------------------------------------------------
 
