@@ -144,6 +144,8 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
         for name in STARTED_BY_FIXTURE:
             for rel, text in CASES[name][2].items():
                 (spaces[name] / rel).write_text(text)
+            if name == "worse":  # a launch staged with the submit runs alongside the evaluation
+                e.tool(name, "launch", "--name", "train", "--", "sh", "-c", "echo trained")
             report = "please fail-the-hook" if name == "hookfail" else f"# {name}\nwhat I changed and why\n"
             e.sleeps[name] = e.start_submit(name, report)
         yield e

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 
 import pytest
 
-from channel.messages import EvalContract
+from channel.decode import RequestError
+from channel.messages import EvalContract, Launch, Policy, SleepRequest, Submit
+from channel.safefs import Identity
+from kernel.budget import Balance
 from kernel.evaluate import (
+    EVAL_BASE,
+    EVAL_CANDIDATE,
     EvalRun,
     MetricError,
     baseline_key,
+    contract_problem,
     decide,
     extract_metric,
+    hook_payload,
     is_improved,
     unchanged_verdict,
 )
+from kernel.rules import accept_sleep
+from kernel.store import WorkspaceRow
 
 HIGHER = EvalContract(command="python eval.py", metric="score", direction="higher")
 
@@ -112,6 +122,97 @@ def test_unchanged_verdict() -> None:
     v = unchanged_verdict(HIGHER, "abc")
     assert v.outcome == "unchanged"
     assert v.base_commit == v.candidate_commit == "abc"
+    v = unchanged_verdict(HIGHER, "abc", "def")  # another commit of the same tree
+    assert (v.base_commit, v.candidate_commit, v.base_value) == ("abc", "def", None)
+
+
+NOW = "2026-11-30T12:00:00.000Z"
+GPU_CONTRACT = EvalContract(command="sh eval.sh", metric="score", eval_minutes=20, gpus=1)
+
+
+def _ws(contract: EvalContract | None, gpu_s: int = 36000) -> WorkspaceRow:
+    policy = Policy(submit=contract)
+    return WorkspaceRow(
+        "w-1", "/w", Identity(1, 2, 3), Balance(10, 5, gpu_s), policy, "sha", "inotify", NOW, None
+    )
+
+
+def _submit(*launches: Launch, minutes: int | None = None) -> SleepRequest:
+    return SleepRequest(
+        protocol=1, id="s1", launches=launches, submit=Submit(report="r", eval_minutes=minutes)
+    )
+
+
+def test_a_submit_adds_two_evaluation_rows_charged_like_launches_but_no_launch() -> None:
+    acc = accept_sleep(_ws(GPU_CONTRACT), None, _submit(Launch(name="a", command="x")), 1, NOW)
+    rows = {j.launch: j for j in acc.jobs}
+    assert set(rows) == {"a", EVAL_BASE, EVAL_CANDIDATE}
+    for name in (EVAL_BASE, EVAL_CANDIDATE):
+        j = rows[name]
+        assert (j.command, j.minutes, j.gpus, j.reserved_gpu_s, j.state) == (
+            "sh eval.sh",
+            20,
+            1,
+            1200,
+            "PENDING",
+        )
+    # one launch and one sleep; 2 x 20 GPU-minutes reserved
+    assert acc.balance == Balance(9, 4, 36000 - 2400, 2400)
+
+
+def test_the_agents_eval_minutes_override_the_contracts() -> None:
+    acc = accept_sleep(_ws(GPU_CONTRACT), None, _submit(minutes=5), 1, NOW)
+    assert [(j.minutes, j.reserved_gpu_s) for j in acc.jobs] == [(5, 300), (5, 300)]
+
+
+def test_a_submit_short_of_gpu_time_is_refused_and_costs_nothing() -> None:
+    with pytest.raises(RequestError) as e:
+        accept_sleep(_ws(GPU_CONTRACT, gpu_s=2399), None, _submit(), 1, NOW)
+    assert (e.value.code, e.value.path) == ("budget.gpu_hours", "$.submit")
+
+
+def test_a_launch_may_not_take_an_evaluation_runs_name_in_a_submitting_sleep() -> None:
+    with pytest.raises(RequestError) as e:
+        accept_sleep(_ws(GPU_CONTRACT), None, _submit(Launch(name=EVAL_BASE, command="x")), 1, NOW)
+    assert (e.value.code, e.value.path) == ("launch.name.duplicate", "$.launches[0].name")
+    # without a submit the name is free
+    req = SleepRequest(protocol=1, id="s1", launches=(Launch(name=EVAL_BASE, command="x"),))
+    assert [j.launch for j in accept_sleep(_ws(GPU_CONTRACT), None, req, 1, NOW).jobs] == [EVAL_BASE]
+
+
+def test_a_submit_without_a_contract_is_refused_by_policy() -> None:
+    with pytest.raises(RequestError) as e:
+        accept_sleep(_ws(None), None, _submit(), 1, NOW)
+    assert e.value.code == "policy.submit_disabled"
+
+
+@pytest.mark.parametrize(
+    ("contract", "problem"),
+    [
+        (EvalContract(command=" ", metric="score"), "command is empty"),
+        (EvalContract(command="x" * 2001, metric="score"), "longer than"),
+        (EvalContract(command="c", metric="value"), "reserved keys"),
+        (EvalContract(command="c", metric="score", eval_minutes=0), "eval_minutes"),
+        (EvalContract(command="c", metric="score", gpus=-1), "gpus"),
+        (EvalContract(command="c", metric="score", min_delta=-0.1), "min_delta"),
+        (EvalContract(command="c", metric="score", min_relative=float("nan")), "min_relative"),
+    ],
+)
+def test_contract_problems_are_named(contract: EvalContract, problem: str) -> None:
+    found = contract_problem(contract)
+    assert found is not None
+    assert problem in found
+    assert contract_problem(HIGHER) is None
+
+
+def test_the_hook_payload_is_one_json_object_with_the_verdict_and_report() -> None:
+    v = decide(HIGHER, Decimal("0.5"), ok('{"score": 0.75}'), seed=3, base_commit="b", candidate_commit="c")
+    payload = hook_payload("w-1", "/w", "s1", 4, v, 'a "quoted"\nreport')
+    got = json.loads(payload)
+    assert got["verdict"]["outcome"] == "improved"
+    assert (got["workspace"], got["path"], got["sleep"], got["seq"]) == ("w-1", "/w", "s1", 4)
+    assert got["report"] == 'a "quoted"\nreport'
+    assert payload.endswith(b"}\n")
 
 
 def _key(**over: object) -> str:
