@@ -31,7 +31,7 @@ from channel.messages import Artifact, SkippedArtifact, TaskResult, Verdict, Wak
 from channel.paths import ChannelPaths, RunPaths
 from kernel import jobscript
 from kernel import wrapper as W
-from kernel.backends.slurm import read_task_state
+from kernel.backends.slurm import hint_of
 from kernel.budget import Balance, gpu_hours
 from kernel.store import JobRow
 
@@ -198,13 +198,12 @@ def deliver_artifacts(
 
 
 def backend_hint(task_dir: Path) -> str | None:
-    """The backend's own explanation of how a task ended (the Slurm backend's `slurm-state.json`: cancelled
-    outside the kernel, out of memory, node failure, ...), when it left one."""
+    """The backend's own explanation of how a task ended (Slurm: cancelled outside the kernel, out of memory,
+    node failure, ...), when it has one."""
     try:
-        st = read_task_state(task_dir)
+        return hint_of(task_dir)
     except (OSError, msgspec.DecodeError):
         return None
-    return None if st is None else st.hint
 
 
 def task_result(

@@ -95,6 +95,7 @@ _KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
 _SCHEDULER_ENDS: Final = ("TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED")
 # How long a SIGTERM'd task (not by the kernel) may stay RUNNING in squeue before it is reported anyway.
 TERMINATED_WAIT_S: Final = 120.0
+OUTSIDE_HINT: Final = "stopped from outside the kernel (scancel, the scheduler or an administrator)"
 
 
 class SlurmSubmitError(RuntimeError):
@@ -214,6 +215,34 @@ def read_task_state(task_dir: Path) -> TaskSlurmState | None:
         return None
 
 
+def _launch_of(task_dir: Path) -> tuple[Path, int]:
+    """(launch dir, task index) of a task directory: the launch dir itself, or `<launch>.<k>/` of an array."""
+    if (task_dir / SPEC_FILE).exists():
+        return task_dir, 0
+    launch, _, k = task_dir.name.rpartition(".")
+    return task_dir.parent / launch, int(k) if k.isdigit() else -1
+
+
+def hint_of(task_dir: Path) -> str | None:
+    """The backend's explanation of a task's end, for the wake: its classification (`slurm-state.json`) once
+    written; before that (the executor reads the wrapper's exit file as soon as it appears), for a SIGTERM the
+    kernel did not send (`slurm-cancelled.json`), that it came from outside the kernel."""
+    st = read_task_state(task_dir)
+    if st is not None:
+        return st.hint
+    launch_dir, task = _launch_of(task_dir)
+    if not (launch_dir / JOB_FILE).exists():
+        return None  # not a task this backend submitted
+    rec = jobscript.read_exit(task_dir)
+    if rec is None or rec.kind != "terminated":
+        return None
+    try:
+        cancelled = msgspec.json.decode((launch_dir / CANCEL_FILE).read_bytes(), type=list[int])
+    except FileNotFoundError:
+        cancelled = []
+    return None if task in cancelled else OUTSIDE_HINT
+
+
 def _write_json(directory: Path, name: str, value: object) -> None:
     jobscript._write_atomic(directory, name, msgspec.json.encode(value) + b"\n", 0o644)
 
@@ -245,6 +274,13 @@ class _Launch:
 
 
 Sleep = Callable[[float], Awaitable[None]]
+
+
+def crash_point(step: str) -> None:
+    """kernel.execute.crash_point (imported late: kernel.execute imports this module through kernel.gather)."""
+    from kernel.execute import crash_point as crash
+
+    crash(step)
 
 
 class SlurmBackend:
@@ -407,6 +443,7 @@ class SlurmBackend:
                 except SlurmOutputError as e:
                     problems.append(str(e))  # the job may exist: the next attempt looks by name
                     continue
+                crash_point("sbatch")  # TEST ONLY: the job exists, its id is recorded nowhere
                 self._record(la, JobRecord(sub.job_id, la.name, time.time(), cluster=sub.cluster))
                 break
             detail = (out.stderr.strip() or out.stdout.strip() or f"exit {out.returncode}")[:500]
@@ -747,7 +784,7 @@ class SlurmBackend:
         state: TaskState = task_state_of(rec, res) if rec is not None else res.state or "VANISHED"
         hint = res.hint if rec is None or rec.code != 0 else None
         if rec is not None and rec.kind == "terminated" and t not in la.cancelled:
-            hint = "stopped from outside the kernel (scancel, the scheduler or an administrator)"
+            hint = OUTSIDE_HINT
         with contextlib.suppress(OSError):
             _write_json(
                 tdir,

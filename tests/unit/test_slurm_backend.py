@@ -576,3 +576,25 @@ def test_jobs_on_a_named_cluster_are_polled_and_cancelled_with_M(tmp_path: Path)
         assert w.calls()["squeue"] == 2
     finally:
         w.close()
+
+
+def test_hint_of_a_sigterm_the_kernel_did_not_send_before_slurm_explains_it(w: World) -> None:
+    spec = w.spec("arr", array=2)
+    b = w.backend()
+
+    async def go() -> None:
+        await b.submit(spec)
+        await b.cancel(spec.key, [1])
+
+    run(go)
+    term = jobscript.ExitRecord(jobscript.EXIT_TERMINATED, "terminated")
+    for t in (0, 1):
+        jobscript.write_exit(spec.task_dir(t), term)
+    assert S.hint_of(spec.task_dir(0)) == S.OUTSIDE_HINT  # nobody in the kernel asked for it
+    assert S.hint_of(spec.task_dir(1)) is None  # the kernel's own cancel
+    S._write_json(spec.task_dir(0), S.STATE_FILE, S.TaskSlurmState("9_0", "CANCELLED", "cancelled by uid 7"))
+    assert S.hint_of(spec.task_dir(0)) == "cancelled by uid 7"  # Slurm's word, once the backend has it
+    other = w.spec("local", write=False)
+    other.task_dir(0).mkdir(parents=True)
+    jobscript.write_exit(other.task_dir(0), term)
+    assert S.hint_of(other.task_dir(0)) is None  # not a task this backend submitted
