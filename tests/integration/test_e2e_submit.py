@@ -298,3 +298,31 @@ def test_a_baseline_is_reused_only_while_everything_that_determines_it_is_the_sa
     assert (third["verdict"]["baseline_reused"], third["verdict"]["base_value"]) == (False, 0.5)
     assert set(tasks_of(third)) == {"submit-base", "submit-candidate"}
     assert [r[1] for r in env.stored("reuse")] == ["improved", "improved", "improved"]
+
+
+@pytest.mark.slurm
+def test_a_submit_on_slurm_is_judged_like_on_the_local_backend(
+    tmp_path: Path, slurm_conf: Path, bwrap_available: None
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    (ws / "eval.sh").write_text(EVAL_SH)
+    (ws / "result.txt").write_text('{"metric": "score", "value": 2.5}\n')
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", "base")
+    kernel = Kernel(tmp_path, 'backend = "slurm"\njail = "bwrap"\n[slurm]\npoll_seconds = 1.0\n')
+    kernel.enroll(ws, "--eval-command", "sh eval.sh", "--metric", "score", "--direction", "lower")
+    e = Env(tmp_path, kernel, {"ws": ws}, tmp_path)
+    try:
+        kernel.start(env={"SLURM_CONF": str(slurm_conf)})
+        (ws / "result.txt").write_text('{"metric": "score", "value": 2.25}\n')
+        wake = e.wake("ws", e.start_submit("ws", "lower loss"))
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+    v = wake["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"], v["delta"]) == ("improved", 2.5, 2.25, -0.25)
+    tasks = tasks_of(wake)
+    assert all(t["job_id"] for t in tasks.values())
+    assert tasks["submit-candidate"]["stdout_tail"].startswith(f"seed={v['seed']}\n")
