@@ -11,6 +11,7 @@ report asks it to.
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import subprocess
 import sys
@@ -39,7 +40,7 @@ CASES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
     "trailing": ((), BASE, {"result.txt": '{"score": 0.8}\n{"epoch": 3}\n{"loss": 1.25, "note": "x"}\n'}),
     "floor": (("--min-delta", "0.2"), '{"score": 0.1}\n', {"result.txt": '{"score": 0.3}\n'}),
     "hookfail": ((), BASE, {"result.txt": '{"score": 0.6}\n'}),
-    "reuse": ((), BASE, {"result.txt": '{"score": 0.6}\n'}),
+    "reuse": (("--eval-gpus", "1"), BASE, {"result.txt": '{"score": 0.6}\n'}),
 }
 STARTED_BY_FIXTURE = tuple(n for n in CASES if n != "reuse")
 
@@ -158,6 +159,14 @@ def tasks_of(wake: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {t["launch"]: t for t in wake["tasks"]}
 
 
+def charged_exactly_the_tasks_shown(wake: dict[str, Any], gpu_hours_before: float) -> None:
+    """Each task shown used 1 GPU for its elapsed whole seconds; nothing else was charged or is still reserved."""
+    used = sum(math.ceil(t["elapsed_s"]) for t in wake["tasks"])
+    before_s = round(gpu_hours_before * 3600)  # budgets are whole GPU-seconds, shown rounded to 6 places
+    assert wake["budget"]["gpu_hours"] == round((before_s - used) / 3600, 6)
+    assert wake["budget"]["reserved_gpu_hours"] == 0
+
+
 def test_an_improving_change_is_improved_with_both_values_the_seed_and_the_charge(env: Env) -> None:
     wake = env.wake("improve")
     v = wake["verdict"]
@@ -178,10 +187,11 @@ def test_an_improving_change_is_improved_with_both_values_the_seed_and_the_charg
     assert "evaluation run of the base" in tasks["submit-base"]["hint"]
     assert v["base_commit"] != v["candidate_commit"]
     # 1 GPU per side for what it used (whole seconds), the rest of 2 x 30 minutes refunded.
-    b = wake["budget"]
-    assert b["reserved_gpu_hours"] == 0
-    assert 4 - 0.01 < b["gpu_hours"] < 4
-    assert (b["launches"], b["sleeps"]) == (100, 9)  # a submit costs a sleep, no launch
+    charged_exactly_the_tasks_shown(wake, 4.0)
+    assert (wake["budget"]["launches"], wake["budget"]["sleeps"]) == (
+        100,
+        9,
+    )  # a submit costs a sleep, no launch
     md = env.md("improve", wake["id"])
     assert "## Submit verdict: improved" in md
     assert f"Seed: {seed}" in md
@@ -279,6 +289,7 @@ def test_a_baseline_is_reused_only_while_everything_that_determines_it_is_the_sa
     first = env.wake("reuse", env.start_submit("reuse", "first"))
     assert (first["verdict"]["outcome"], first["verdict"]["baseline_reused"]) == ("improved", False)
     assert set(tasks_of(first)) == {"submit-base", "submit-candidate"}
+    charged_exactly_the_tasks_shown(first, 4.0)
 
     (ws / "result.txt").write_text('{"score": 0.7}\n')
     second = env.wake("reuse", env.start_submit("reuse", "second"))
@@ -290,13 +301,15 @@ def test_a_baseline_is_reused_only_while_everything_that_determines_it_is_the_sa
         0.7,
     )
     assert set(tasks_of(second)) == {"submit-candidate"}  # nothing ran, nothing was charged for the base
+    charged_exactly_the_tasks_shown(second, first["budget"]["gpu_hours"])
     assert "(reused measurement)" in env.md("reuse", second["id"])
 
     # The operator changes the eval command: the stored baseline no longer applies.
-    env.kernel.enroll(ws, "--eval-command", "sh eval.sh --v2", "--metric", "score")
+    env.kernel.enroll(ws, "--eval-command", "sh eval.sh --v2", "--metric", "score", "--eval-gpus", "1")
     third = env.wake("reuse", env.start_submit("reuse", "third"))
     assert (third["verdict"]["baseline_reused"], third["verdict"]["base_value"]) == (False, 0.5)
     assert set(tasks_of(third)) == {"submit-base", "submit-candidate"}
+    charged_exactly_the_tasks_shown(third, second["budget"]["gpu_hours"])
     assert [r[1] for r in env.stored("reuse")] == ["improved", "improved", "improved"]
 
 
