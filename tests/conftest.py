@@ -13,9 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from testenv import IN_CI, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-IN_CI = os.environ.get("CI", "").lower() == "true"
+__all__ = ["IN_CI", "ROOT", "need"]
 
 
 def need(component: str, available: bool, why: str) -> None:

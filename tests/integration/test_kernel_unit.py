@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import IN_CI, ROOT
+from testenv import IN_CI, ROOT
 
 UNIT = ROOT / "deploy" / "systemd" / "syscall-kernel.service"
 # docs/operator.md records the score; a hardening regression must be a conscious change of both.
