@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, wait_for
+from kernelproc import Kernel, put_request, wait_for
 
 from channel.paths import workspace_key
 
@@ -339,3 +339,42 @@ def test_a_submit_on_slurm_is_judged_like_on_the_local_backend(
     tasks = tasks_of(wake)
     assert all(t["job_id"] for t in tasks.values())
     assert tasks["submit-candidate"]["stdout_tail"].startswith(f"seed={v['seed']}\n")
+
+
+@pytest.mark.parametrize("step", ["snapshot", "submit", "gathered"])
+def test_a_kernel_killed_during_a_submit_gives_one_verdict_one_hook_call_and_an_exact_charge(
+    tmp_path: Path, step: str, bwrap_available: None
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    (ws / "eval.sh").write_text(EVAL_SH)
+    (ws / "result.txt").write_text(BASE)
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", "base")
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (tmp_path / "hook.sh").write_text(HOOK_SH.format(dir=hooks))
+    kernel = Kernel(tmp_path, f'jail = "bwrap"\non_verdict = "sh {tmp_path / "hook.sh"}"\n')
+    kernel.enroll(ws, "--gpu-hours", "4", *CONTRACT, "--eval-gpus", "1")
+    (ws / "result.txt").write_text('{"score": 0.75}\n')
+    request = {"protocol": 1, "id": "k1", "type": "sleep", "submit": {"report": "crash me"}}
+    try:
+        proc = kernel.start(env={"SYSCALL_KERNEL_CRASH_AT": step})
+        put_request(ws, "k1", request)
+        assert proc.wait(60) == -9
+        kernel.kill()  # reaped already: closes its log
+        kernel.start()
+        e = Env(tmp_path, kernel, {"ws": ws}, hooks)
+        wake = e.wake("ws", "k1")
+        wait_for(lambda: e.stored("ws")[0][4] != "pending", 30, "the hook")
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+    v = wake["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"]) == ("improved", 0.5, 0.75)
+    assert set(tasks_of(wake)) == {"submit-base", "submit-candidate"}
+    charged_exactly_the_tasks_shown(wake, 4.0)
+    [(_, outcome, _, report, hook)] = e.stored("ws")
+    assert (outcome, report, hook) == ("improved", "crash me", "ok")
+    assert [p["sleep"] for p in e.hook_payloads()] == ["k1"]
