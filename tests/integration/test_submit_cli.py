@@ -1,0 +1,111 @@
+"""The operator's side of submit through the real CLI: the eval contract at enrollment and `rebase`."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+from pathlib import Path
+
+from kernelproc import Kernel
+
+from channel.paths import workspace_key
+
+
+def git(ws: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+        cwd=ws,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip()
+
+
+def base_of(kernel: Kernel, ws: Path) -> tuple[str, str] | None:
+    db = sqlite3.connect(f"file:{kernel.state / 'state.sqlite'}?mode=ro", uri=True)
+    try:
+        row = db.execute(
+            "SELECT base_commit, base_tree FROM eval_workspaces WHERE workspace=?",
+            (workspace_key(ws.resolve()),),
+        ).fetchone()
+    finally:
+        db.close()
+    return None if row is None else (row[0], row[1])
+
+
+def policy(ws: Path) -> dict[str, object]:
+    return json.loads((ws / ".syscall" / "kernel.json").read_text())["policy"]  # type: ignore[no-any-return]
+
+
+def test_the_contract_and_the_base_are_the_operators(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    kernel = Kernel(tmp_path, "[defaults.submit]\ncommand = 'sh default.sh'\nmetric = 'acc'\n")
+
+    bad = kernel.cli("enroll", str(ws), "--metric", "score", check=False)
+    assert (bad.returncode, bad.stderr.strip()) == (
+        2,
+        "syscall-kernel enroll: --eval-command and --metric go together",
+    )
+    bad = kernel.cli("enroll", str(ws), "--min-delta", "0.1", check=False)
+    assert "--min-delta need --eval-command and --metric" in bad.stderr
+    bad = kernel.cli(
+        "enroll", str(ws), "--eval-command", "x", "--metric", "s", "--min-delta", "-1", check=False
+    )
+    assert bad.returncode == 2
+    assert "min_delta is -1.0; it must be a finite number >= 0" in bad.stderr
+
+    # No commit yet: the config's contract, and no base until there is one.
+    kernel.enroll(ws)
+    assert policy(ws)["submit"] == {
+        "command": "sh default.sh",
+        "metric": "acc",
+        "direction": "higher",
+        "min_delta": None,
+        "min_relative": None,
+        "eval_minutes": 30,
+        "gpus": 0,
+        "seed": True,
+    }
+    assert base_of(kernel, ws) is None
+    (ws / "a").write_text("1\n")
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", "one")
+    first = git(ws, "rev-parse", "HEAD")
+    kernel.enroll(ws, "--eval-command", "sh eval.sh", "--metric", "loss", "--direction", "lower", "--no-seed")
+    assert base_of(kernel, ws) == (first, git(ws, "rev-parse", "HEAD^{tree}"))
+    own = policy(ws)["submit"]
+    assert (own["command"], own["metric"], own["direction"], own["seed"]) == (
+        "sh eval.sh",
+        "loss",
+        "lower",
+        False,
+    )  # type: ignore[index]
+
+    # Later commits and enrollments do not move the base or drop the workspace's own contract; a start neither.
+    (ws / "a").write_text("2\n")
+    git(ws, "commit", "-q", "-am", "two")
+    kernel.enroll(ws)
+    assert base_of(kernel, ws) == (first, git(ws, "rev-parse", f"{first}^{{tree}}"))
+    kernel.start()
+    try:
+        assert policy(ws)["submit"] == own
+    finally:
+        assert kernel.stop() == 0
+
+    moved = kernel.cli("rebase", str(ws))
+    second = git(ws, "rev-parse", "HEAD")
+    assert f"is now {second}" in moved.stdout
+    assert base_of(kernel, ws) == (second, git(ws, "rev-parse", "HEAD^{tree}"))
+    kernel.cli("rebase", str(ws), first[:10])
+    assert base_of(kernel, ws) == (first, git(ws, "rev-parse", f"{first}^{{tree}}"))
+
+    bad = kernel.cli("rebase", str(ws), "no-such-rev", check=False)
+    assert bad.returncode == 1
+    assert "'no-such-rev' is not a commit of" in bad.stderr
+    bad = kernel.cli("rebase", str(tmp_path), check=False)
+    assert (bad.returncode, "is not enrolled" in bad.stderr) == (1, True)
+    assert base_of(kernel, ws) == (first, git(ws, "rev-parse", f"{first}^{{tree}}"))
