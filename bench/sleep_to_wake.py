@@ -13,8 +13,13 @@ Each sample commits a sleep of 4 launches (`true`) through `requests/` and measu
 - exit file -> wake file: the last task's `exit-code` (its mtime) -> `wakes/<id>.md` (its mtime), the file the
   tool waits for; both timestamps come from the same filesystem clock.
 
+With `--backend slurm` (SLURM_CONF names a running cluster, e.g. `scripts/slurm-cluster start DIR`), the same
+sleeps go through `sbatch`: "all tasks started" is then "all jobs submitted" (each launch's `slurm-job.json`, the
+id sbatch answered, is written), and "running" includes Slurm's own scheduling delay.
+
 The bench polls for files every 1 ms (4 stats per poll). Prints one JSON object per scenario. Usage:
     .venv/bin/python bench/sleep_to_wake.py [--samples 100] [--files 1000] [--jails bwrap,none] [--keep]
+                                            [--backend local|slurm]
 """
 
 from __future__ import annotations
@@ -44,10 +49,10 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
 
 
-def summary(name: str, jail: str, files: int, xs: list[float]) -> dict[str, object]:
+def summary(name: str, jail: str, files: int, xs: list[float], backend: str = "local") -> dict[str, object]:
     return {
         "scenario": name,
-        "backend": "local",
+        "backend": backend,
         "jail": jail,
         "files": files,
         "launches": LAUNCHES,
@@ -99,7 +104,14 @@ def wait_until(cond: object, timeout: float) -> float:
         time.sleep(0.001)
 
 
-def run(jail: str, samples: int, files: int, keep: bool = False) -> list[dict[str, object]]:
+def submitted(job_file: Path) -> bool:
+    """The Slurm backend records the id sbatch answered in the launch's `slurm-job.json`."""
+    return job_file.exists()
+
+
+def run(
+    jail: str, samples: int, files: int, keep: bool = False, backend: str = "local"
+) -> list[dict[str, object]]:
     top = Path(tempfile.mkdtemp(prefix="bench-s2w-"))
     proc = None
     try:
@@ -107,7 +119,10 @@ def run(jail: str, samples: int, files: int, keep: bool = False) -> list[dict[st
         make_workspace(ws, files)
         state = top / "state"
         config = top / "config.toml"
-        config.write_text(f'state_dir = "{state}"\njail = "{jail}"\n[local]\nmax_parallel = 8\n')
+        config.write_text(
+            f'state_dir = "{state}"\njail = "{jail}"\nbackend = "{backend}"\n[local]\nmax_parallel = 8\n'
+            "[slurm]\npoll_seconds = 1.0\n"
+        )
         cli = [sys.executable, "-m", "kernel.cli"]
         enroll = [
             *cli,
@@ -145,7 +160,9 @@ def run(jail: str, samples: int, files: int, keep: bool = False) -> list[dict[st
             tmp = ch / "requests" / f".{rid}.tmp"
             tmp.write_bytes(json.dumps(req).encode())
             starts = [runs / str(seq) / f"l{k}" / "started" for k in range(LAUNCHES)]
-            pids = [runs / str(seq) / f"l{k}" / "local.pid" for k in range(LAUNCHES)]
+            marker = "local.pid" if backend == "local" else "slurm-job.json"
+            pids = [runs / str(seq) / f"l{k}" / marker for k in range(LAUNCHES)]
+            handed = spawned if backend == "local" else submitted
             t0 = time.perf_counter()
             os.rename(tmp, ch / "requests" / f"{rid}.json")
             answer = ch / "answers" / f"{rid}.json"
@@ -154,15 +171,15 @@ def run(jail: str, samples: int, files: int, keep: bool = False) -> list[dict[st
                 now = time.perf_counter()
                 if t_acc is None and answer.exists():
                     t_acc = now
-                if t_spawn is None and all(spawned(p) for p in pids):
+                if t_spawn is None and all(handed(p) for p in pids):
                     t_spawn = now
                 if t_start is None and all(p.exists() for p in starts):
                     t_start = now
-                if now - t0 > 60:
+                if now - t0 > 120:
                     raise TimeoutError(f"sample {i}: no answer or not all tasks started")
                 time.sleep(0.001)
             md = ch / "wakes" / f"{rid}.md"
-            wait_until(md.exists, 60)
+            wait_until(md.exists, 120)
             exits = [runs / str(seq) / f"l{k}" / "exit-code" for k in range(LAUNCHES)]
             last_exit = max(p.stat().st_mtime_ns for p in exits)
             if i >= 2:
@@ -170,11 +187,14 @@ def run(jail: str, samples: int, files: int, keep: bool = False) -> list[dict[st
                 spawns.append((t_spawn - t0) * 1000)
                 started.append((t_start - t0) * 1000)
                 woken.append((md.stat().st_mtime_ns - last_exit) / 1e6)
+        handed_name = (
+            "started (wrappers spawned)" if backend == "local" else "submitted (sbatch ids recorded)"
+        )
         return [
-            summary("sleep -> accepted (snapshot + submit)", jail, files, accepted),
-            summary("sleep -> all tasks started (wrappers spawned)", jail, files, spawns),
-            summary("sleep -> all tasks running (wrappers wrote `started`)", jail, files, started),
-            summary("exit file -> wake file", jail, files, woken),
+            summary("sleep -> accepted (snapshot + submit)", jail, files, accepted, backend),
+            summary(f"sleep -> all tasks {handed_name}", jail, files, spawns, backend),
+            summary("sleep -> all tasks running (wrappers wrote `started`)", jail, files, started, backend),
+            summary("exit file -> wake file", jail, files, woken, backend),
         ]
     finally:
         if proc is not None:
@@ -192,9 +212,14 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=1000)
     ap.add_argument("--jails", default="bwrap")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (kernel log, run dirs)")
+    ap.add_argument("--backend", choices=("local", "slurm"), default="local")
     args = ap.parse_args()
+    if args.backend == "slurm" and not Path(os.environ.get("SLURM_CONF", "/nonexistent")).is_file():
+        raise SystemExit(
+            "--backend slurm needs SLURM_CONF naming a running cluster (scripts/slurm-cluster start)"
+        )
     for jail in args.jails.split(","):
-        for row in run(jail, args.samples, args.files, args.keep):
+        for row in run(jail, args.samples, args.files, args.keep, args.backend):
             print(json.dumps(row), flush=True)
 
 
