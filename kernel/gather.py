@@ -31,7 +31,7 @@ from channel.messages import Artifact, SkippedArtifact, TaskResult, Verdict, Wak
 from channel.paths import ChannelPaths, RunPaths
 from kernel import jobscript
 from kernel import wrapper as W
-from kernel.backends.slurm import hint_of
+from kernel.backends.slurm import WAKE_STATE_OF_KIND, hint_of
 from kernel.budget import Balance, gpu_hours
 from kernel.store import JobRow
 
@@ -73,6 +73,10 @@ def _signum(name: str | None) -> int | None:
 def outcome(rec: jobscript.ExitRecord) -> Outcome:
     """The task's end as the lifecycle and the wake state it (pure)."""
     sig = _signum(rec.signal)
+    ended = WAKE_STATE_OF_KIND.get(rec.kind)
+    if ended is not None:  # written by the Slurm backend for a task that ended without the wrapper's record
+        event = TaskEvent(ended[0])
+        return Outcome(event, ended[1], rec.code if event is TaskEvent.FINISH else None, sig, None)
     match rec.kind:
         case W.KIND_EXITED if rec.code == 0:
             return Outcome(TaskEvent.FINISH, "COMPLETED", 0, None, None)

@@ -91,6 +91,17 @@ _KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
 }
 
 
+# How the wake reads the exit records this backend writes (kernel.gather.outcome): kind -> (lifecycle event,
+# TaskState). The wrapper's own kinds, and `timeout`/`cancelled`, are read as on every backend.
+WAKE_STATE_OF_KIND: Final[Mapping[str, tuple[str, TaskState]]] = {
+    "out_of_memory": ("finish", "OUT_OF_MEMORY"),
+    "failed": ("finish", "FAILED"),
+    "node_fail": ("lose", "NODE_FAIL"),
+    "preempted": ("lose", "PREEMPTED"),
+    "vanished": ("lose", "VANISHED"),
+    KIND_STUCK: ("cancel", "CANCELLED"),  # cancelled by the kernel: its pending reason never clears
+}
+
 # States in which Slurm, not the job, ended a task whose wrapper recorded a SIGTERM.
 _SCHEDULER_ENDS: Final = ("TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED")
 # How long a SIGTERM'd task (not by the kernel) may stay RUNNING in squeue before it is reported anyway.

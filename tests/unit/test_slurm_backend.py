@@ -17,7 +17,8 @@ import msgspec
 import pytest
 from fakes.fake_slurm import FakeSlurm
 
-from kernel import jobscript
+from channel.lifecycle import next_task_state
+from kernel import gather, jobscript
 from kernel.backends import slurm as S
 from kernel.backends.base import JobSpec, Recovered, TaskExit
 from kernel.config import ConfigError, SlurmConfig, parse
@@ -598,3 +599,30 @@ def test_hint_of_a_sigterm_the_kernel_did_not_send_before_slurm_explains_it(w: W
     other.task_dir(0).mkdir(parents=True)
     jobscript.write_exit(other.task_dir(0), term)
     assert S.hint_of(other.task_dir(0)) is None  # not a task this backend submitted
+
+
+@pytest.mark.parametrize(
+    ("res", "stuck", "state"),
+    [
+        (Resolution("done", "OUT_OF_MEMORY", exit_code=0, signal=125), False, "OUT_OF_MEMORY"),
+        (Resolution("done", "NODE_FAIL", "the node failed"), False, "NODE_FAIL"),
+        (Resolution("done", "PREEMPTED", "preempted"), False, "PREEMPTED"),
+        (Resolution("done", "VANISHED", "gone without a record"), False, "VANISHED"),
+        (Resolution("done", "TIMEOUT"), False, "TIMEOUT"),
+        (Resolution("done", "CANCELLED", "cancelled by uid 7"), False, "CANCELLED"),
+        (Resolution("done", "FAILED", "killed by signal 9", exit_code=0, signal=9), False, "FAILED"),
+        (Resolution("stuck", "PENDING", "PartitionDown: the partition is down"), True, "CANCELLED"),
+    ],
+)
+def test_the_wake_reads_every_exit_record_the_backend_writes(
+    tmp_path: Path, res: Resolution, stuck: bool, state: str
+) -> None:
+    """What the executor records (kernel.gather.outcome, lifecycle-checked) for a task Slurm ended without the
+    wrapper's record, and the hint the wake then shows: the backend's own when it has one."""
+    rec = S.exit_record_for(res, stuck=stuck)
+    out = gather.outcome(rec)
+    assert out.state == state
+    assert next_task_state("RUNNING", out.event, out.state) == state
+    S._write_json(tmp_path, S.STATE_FILE, S.TaskSlurmState("5", S.task_state_of(rec, res), res.hint))
+    jobscript.write_exit(tmp_path, rec)
+    assert gather.backend_hint(tmp_path) == res.hint
