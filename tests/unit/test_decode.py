@@ -144,6 +144,28 @@ def test_valid_requests_round_trip_through_pretty_json(req: Request) -> None:
     assert decode_request(text.encode(), req.id) == req
 
 
+def _objects(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, dict):
+        return [value, *(o for v in value.values() for o in _objects(v))]
+    if isinstance(value, list):
+        return [o for v in value for o in _objects(v)]
+    return []
+
+
+@slow
+@given(requests, st.data(), st.booleans())
+def test_a_repeated_key_anywhere_is_refused(req: Request, data: st.DataObject, pretty: bool) -> None:
+    """Whatever the object and the key, and whatever the spacing, a repeated key never slips through."""
+    doc = msgspec.to_builtins(req)
+    target = data.draw(st.sampled_from([o for o in _objects(doc) if o]))
+    key = data.draw(st.sampled_from(sorted(target)))
+    marker = "__repeat_here__"
+    target[marker] = target[key]
+    text = json.dumps(doc, indent=2 if pretty else None, ensure_ascii=data.draw(st.booleans()))
+    text = text.replace(json.dumps(marker), json.dumps(key), 1)
+    assert _code(text, req.id) == ("json.duplicate_key", None)
+
+
 @slow
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_never_raise(data: bytes) -> None:
