@@ -178,6 +178,24 @@ def open_channel(
     return channel
 
 
+@dataclass(frozen=True, slots=True)
+class RequestListing:
+    """What `requests/` holds: committed ids, junk names (to remove), and temp names (`.<x>.tmp`)."""
+
+    ids: list[str]
+    junk: list[str]
+    temps: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class TempSweep:
+    """The outcome of `Channel.remove_stale_temps`: removed, left as too young, left as not removable."""
+
+    removed: int
+    young: int
+    kept: int
+
+
 class Channel:
     """An open channel directory fd, with every operation the kernel performs on it."""
 
@@ -223,6 +241,11 @@ class Channel:
 
     def list_requests(self) -> tuple[list[str], list[str]]:
         """(committed request ids, sorted; junk names to remove, sorted). In-flight temp files are neither."""
+        listing = self.scan_requests()
+        return listing.ids, listing.junk
+
+    def scan_requests(self) -> RequestListing:
+        """One listing of `requests/`: committed ids, junk names and temp names (`.<x>.tmp`), each sorted."""
         dfd = self.subdir(ChannelPaths.REQUESTS)
         try:
             names = os.listdir(dfd)
@@ -230,13 +253,58 @@ class Channel:
             os.close(dfd)
         ids: list[str] = []
         junk: list[str] = []
+        temps: list[str] = []
         for name in names:
             request_id = ChannelPaths.committed_request_id(name)
             if request_id is not None:
                 ids.append(request_id)
-            elif not ChannelPaths.is_temp(name):
+            elif ChannelPaths.is_temp(name):
+                temps.append(name)
+            else:
                 junk.append(name)
-        return sorted(ids), sorted(junk)
+        return RequestListing(sorted(ids), sorted(junk), sorted(temps))
+
+    def remove_stale_temps(self, names: Iterable[str], cutoff_ns: int) -> TempSweep:
+        """Remove each temp name in `requests/` whose own mtime is at or before `cutoff_ns` (ns since the epoch).
+
+        The age comes from `fstatat(AT_SYMLINK_NOFOLLOW)` of the entry itself, so a symlink is judged (and
+        removed) as a link, never through its target; a directory is removed only if empty (an agent's tree is
+        never walked); anything younger than the cutoff is not touched. Removal is by name right after the
+        check: a client that follows the protocol never puts a fresh file under an existing temp name (O_EXCL,
+        fresh ids), so the one window left is the agent racing itself. The caller bounds `names`.
+        """
+        batch = list(names)
+        for name in batch:
+            if not ChannelPaths.is_temp(check_name(name)):
+                raise ValueError(f"{_shown(name)} is not a temp name (.<id>.tmp); only temps are aged out")
+        removed = young = kept = 0
+        dfd = self.subdir(ChannelPaths.REQUESTS)
+        try:
+            for name in batch:
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if st.st_mtime_ns > cutoff_ns:
+                    young += 1
+                    continue
+                try:
+                    if stat.S_ISDIR(st.st_mode):
+                        os.rmdir(name, dir_fd=dfd)
+                    else:
+                        os.unlink(name, dir_fd=dfd)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    # Non-empty directory, or the entry changed kind since the check: left alone.
+                    if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
+                        kept += 1
+                        continue
+                    raise
+                removed += 1
+        finally:
+            os.close(dfd)
+        return TempSweep(removed=removed, young=young, kept=kept)
 
     def read_request(self, request_id: str, cap: int = REQUEST_MAX_BYTES) -> bytes:
         """The bytes of `requests/<id>.json`, at most `cap`; Refused for anything but a plain small file."""

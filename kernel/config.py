@@ -132,6 +132,9 @@ class Config(_Strict, frozen=True, kw_only=True):
     # Fairness: at most this many requests of one workspace per pass, and this many in all.
     batch_per_workspace: Annotated[int, Meta(ge=1, le=10_000)] = 8
     batch_per_pass: Annotated[int, Meta(ge=1, le=100_000)] = 256
+    # A client's `requests/.<id>.tmp` untouched for this long is abandoned and removed (spec 3.1); younger ones
+    # may be writes in progress and are never touched.
+    temp_grace_minutes: Annotated[float, Meta(ge=1, le=7 * 24 * 60)] = 10.0
     # A pass running longer than this marks the service unhealthy (systemd's watchdog then restarts it).
     stall_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
     # The operator's hook for submit verdicts: a command (split like a shell would, run without one) that gets

@@ -15,10 +15,13 @@ start (`recover`) or when its file is seen again.
 Work is bounded: each pass serves at most `batch_per_workspace` requests of one workspace and
 `batch_per_pass` in all, round-robin (`rules.plan_pass`), and a channel's listing is reused until its backlog
 is drained, so a channel holding 10,000 requests costs one listing per 10,000 answers and never starves others.
+Temp files a client abandoned (`.<id>.tmp` unchanged for `temp_grace_minutes`) are aged out the same bounded
+way, a few hundred per listing, resuming where the previous listing stopped.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import time
@@ -59,6 +62,8 @@ from kernel.store import RequestRow, SleepRow, StoreWorker, WorkspaceRow, timest
 SWEEP_PER_PASS: Final = 16
 # Junk names (not `<id>.json`, not a temp file) removed per listing; the rest go at the next listing.
 JUNK_PER_LISTING: Final = 256
+# Temp names examined (lstat, and removed if stale) per listing; the rest go at the next listing.
+TEMPS_PER_LISTING: Final = 256
 
 
 Spawn = Callable[["Continuation"], object]
@@ -100,6 +105,8 @@ class Pipeline:
         self.on_idle: Callable[[str], None] = lambda key: None
         self._swept: set[str] = set()
         self._stuck: dict[str, set[str]] = {}
+        # Per workspace, the last temp name examined: the next listing goes on after it (wrapping around).
+        self._temp_cursor: dict[str, str] = {}
         self._after: str | None = None
         self._problems: dict[str, str] = {}
         self.pass_started: float | None = None
@@ -117,6 +124,9 @@ class Pipeline:
         for key in list(self.backlog):
             if key not in self.workspaces:
                 del self.backlog[key]
+        for key in list(self._temp_cursor):
+            if key not in self.workspaces:
+                del self._temp_cursor[key]
         self.dirty &= set(self.workspaces)
 
     def mark(self, key: str) -> None:
@@ -218,7 +228,8 @@ class Pipeline:
         return handled, conts
 
     def _list(self, ws: WorkspaceRow, ch: safefs.Channel, queue: deque[str]) -> None:
-        ids, junk = ch.list_requests()
+        listing = ch.scan_requests()
+        ids, junk = listing.ids, listing.junk
         stuck = self._stuck.get(ws.key)
         if stuck:
             stuck &= set(ids)
@@ -234,6 +245,24 @@ class Pipeline:
                     pass
             event("junk_removed", ws=ws.key, count=removed, first=junk[0])
             if len(junk) > JUNK_PER_LISTING:
+                self.dirty.add(ws.key)
+        if listing.temps:
+            self._age_out_temps(ws, ch, listing.temps)
+
+    def _age_out_temps(self, ws: WorkspaceRow, ch: safefs.Channel, temps: list[str]) -> None:
+        """Remove up to TEMPS_PER_LISTING abandoned temps, starting after the last name examined.
+
+        The channel is listed again at once only while stale temps are being found; a batch of young ones
+        waits for the next event or rescan, so a channel full of writes in progress is not re-listed every pass.
+        """
+        start = bisect.bisect_right(temps, self._temp_cursor.get(ws.key, ""))
+        batch = (temps[start:] + temps[:start])[:TEMPS_PER_LISTING]
+        self._temp_cursor[ws.key] = batch[-1]
+        cutoff_ns = int((self.clock() - self.cfg.temp_grace_minutes * 60) * 1e9)
+        swept = ch.remove_stale_temps(batch, cutoff_ns)
+        if swept.removed:
+            event("temps_removed", ws=ws.key, count=swept.removed, young=swept.young, left=swept.kept)
+            if len(temps) > len(batch):
                 self.dirty.add(ws.key)
 
     def _set_problem(self, ws: WorkspaceRow, problem: str) -> None:

@@ -1,0 +1,99 @@
+"""The pipeline's ageing-out of abandoned temps: bounded batches, a cursor that moves on, no re-listing for young
+ones. Real store, real enrollment, real directories; only the kernel's clock is set by the test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from kernel.config import Config, ConfigError, parse
+from kernel.enroll import enroll
+from kernel.executor import PendingExecutor
+from kernel.install import ToolSource
+from kernel.pipeline import TEMPS_PER_LISTING, Pipeline
+from kernel.store import Store, StoreWorker
+
+TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
+T0 = 1_800_000_000.0
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Config:
+    return parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
+
+
+@pytest.fixture
+def store(cfg: Config) -> Iterator[Store]:
+    s = Store.open(cfg.db_path)
+    yield s
+    s.close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_temps(rq: Path, prefix: str, n: int, mtime: float) -> None:
+    for i in range(n):
+        p = rq / f".{prefix}{i:03d}.tmp"
+        p.write_bytes(b"{")
+        os.utime(p, (mtime, mtime))
+
+
+def test_batches_resume_after_the_last_name_and_young_temps_are_not_relisted(
+    tmp_path: Path, cfg: Config, store: Store
+) -> None:
+    ws = tmp_path / "ws"
+    subprocess.run(["git", "init", "-q", str(ws)], check=True)
+    row = enroll(store, cfg, str(ws), TOOL).row
+    rq = ws / ".syscall" / "requests"
+    clock = Clock()
+    worker = StoreWorker(store)
+    pipeline = Pipeline(cfg, worker, PendingExecutor(worker), clock=clock)
+    pipeline.set_workspaces([row])
+    assert cfg.temp_grace_minutes == 10
+    make_temps(rq, "a", 300, T0 - 60)  # young: a minute old
+    make_temps(rq, "z", 100, T0 - 11 * 60)  # stale
+
+    def listing_pass() -> None:
+        pipeline.mark(row.key)  # an event or a rescan
+        anyio.run(pipeline.run_pass)
+
+    def names(prefix: str) -> int:
+        return sum(1 for n in os.listdir(rq) if n.startswith(f".{prefix}"))
+
+    listing_pass()  # .a000-.a255: all young, nothing removed, no second listing asked for
+    assert (names("a"), names("z")) == (300, 100)
+    assert not pipeline.has_work()
+
+    listing_pass()  # goes on after .a255: .a256-.a299, all of .z, then wraps to .a000-.a111
+    assert (names("a"), names("z")) == (300, 0)
+    assert pipeline.has_work(), "stale temps were found and more names were left: list again"
+    anyio.run(pipeline.run_pass)  # .a112-.a299, .a000-.a067: young, stop
+    assert names("a") == 300
+    assert not pipeline.has_work()
+
+    clock.now = T0 + 9 * 60 + 1  # the .a temps are now just over 10 minutes old
+    listing_pass()
+    assert names("a") == 300 - TEMPS_PER_LISTING
+    assert pipeline.has_work()
+    anyio.run(pipeline.run_pass)
+    assert os.listdir(rq) == []
+    assert not pipeline.has_work()
+
+
+def test_the_grace_is_a_config_key_in_minutes_with_a_floor() -> None:
+    assert parse("temp_grace_minutes = 45", "<t>", env={}).temp_grace_minutes == 45
+    with pytest.raises(ConfigError, match=r"<t>: key 'temp_grace_minutes' .*>= 1"):
+        parse("temp_grace_minutes = 0.5", "<t>", env={})
+    with pytest.raises(ConfigError, match=r"key 'temp_grace_minutes'"):
+        parse("temp_grace_minutes = 'ten'", "<t>", env={})
