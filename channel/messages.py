@@ -304,16 +304,23 @@ class Wake(_Strict, frozen=True):
 # --- kernel-written channel files ------------------------------------------------------------------------
 
 
+# An eval contract's metric is a JSON key the eval prints: identifier-like, so it is unambiguous in a line of
+# output and in a verdict. Floors are finite and non-negative (the bound only rules out infinity).
+METRIC_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_.:/-]{0,63}$"
+FLOOR_MAX: Final = 1e15
+_Floor = Annotated[float, Meta(ge=0, le=FLOOR_MAX)]
+
+
 class EvalContract(_Strict, frozen=True):
     """The operator's evaluation contract for `submit`; agents read it, never set it."""
 
-    command: str
-    metric: str
+    command: Annotated[str, Meta(min_length=1, max_length=L.COMMAND_MAX_CHARS)]
+    metric: Annotated[str, Meta(pattern=METRIC_PATTERN)]
     direction: Literal["higher", "lower"] = "higher"
-    min_delta: float | None = None
-    min_relative: float | None = None
-    eval_minutes: int = L.MINUTES_DEFAULT
-    gpus: int = 0
+    min_delta: _Floor | None = None
+    min_relative: _Floor | None = None
+    eval_minutes: Annotated[int, Meta(ge=L.MINUTES_MIN, le=L.MINUTES_CEILING)] = L.MINUTES_DEFAULT
+    gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING)] = 0
     seed: bool = True
 
 

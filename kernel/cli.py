@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -18,7 +19,7 @@ from channel.messages import EvalContract
 from kernel import log
 from kernel.budget import Balance
 from kernel.config import Config, ConfigError, load
-from kernel.evaluate import contract_problem
+from kernel.evaluate import EVAL_FLAGS, contract_problem
 from kernel.store import Store, StoreError
 
 EXAMPLES = """examples:
@@ -187,6 +188,8 @@ def cmd_enroll(args: argparse.Namespace) -> int:
         print("  the tool was (re)installed; .syscall/tool-news.md says what is new")
     if done.excluded:
         print("  added /.syscall/ to .git/info/exclude")
+    if done.base_problem is not None:
+        print(f"  warning: {done.base_problem}; move the base with `syscall-kernel rebase`")
     c = row.policy.submit
     print(
         f"  submit: {'not available (no eval contract)' if c is None else f'{c.command!r}, metric {c.metric!r} ({c.direction} is better)'}"
@@ -222,7 +225,9 @@ def _contract(args: argparse.Namespace) -> EvalContract | str | None:
         seed=not args.no_seed,
     )
     problem = contract_problem(contract)
-    return contract if problem is None else problem
+    if problem is None:
+        return contract
+    return f"--{EVAL_FLAGS.get(problem[0], problem[0])}: {problem[1]}"
 
 
 def cmd_rebase(args: argparse.Namespace) -> int:
@@ -248,11 +253,19 @@ def cmd_rebase(args: argparse.Namespace) -> int:
         if found is None:
             print(f"syscall-kernel rebase: {ws.path} has no commit yet", file=sys.stderr)
             return 1
+        try:
+            # The ref first: a base recorded but not held could be garbage-collected under the kernel.
+            S.hold_base(ws.path, ws.key, found[0])
+        except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
+            print(f"syscall-kernel rebase: {exc}", file=sys.stderr)
+            return 1
         with store.transaction():
-            S.set_base(store, ws.key, *found)
+            S.rebase(store, ws.key, *found)
     finally:
         store.close()
-    print(f"submit base of {ws.path} is now {found[0]} (tree {found[1]})")
+    print(
+        f"submit base of {ws.path} is now {found[0]} (tree {found[1]}), held as {S.base_ref(ws.key)}; new seed drawn"
+    )
     return 0
 
 

@@ -18,6 +18,7 @@ from msgspec import Meta, Struct
 
 from channel import limits as L
 from channel.messages import EvalContract, Policy
+from kernel.evaluate import contract_problem
 
 ENV_CONFIG: Final = "SYSCALL_KERNEL_CONFIG"
 DEFAULT_CONFIG_PATHS: Final = (Path("/etc/syscall-kernel/config.toml"),)
@@ -228,6 +229,12 @@ def _resolve(cfg: Config, source: str, env: dict[str, str]) -> Config:
         )
     if cfg.jail == "apptainer" and not cfg.apptainer_image:
         raise ConfigError(f"{source}: key 'apptainer_image' is required with jail = 'apptainer'")
+    if cfg.defaults.submit is not None:
+        # The bounds are the Struct's (refused by `convert` above with the key named); this adds what a schema
+        # cannot say: a blank command, a metric that is one of the contract's reserved keys.
+        problem = contract_problem(cfg.defaults.submit)
+        if problem is not None:
+            raise ConfigError(f"{source}: key 'defaults.submit.{problem[0]}': {problem[1]}")
     if cfg.batch_per_workspace > cfg.batch_per_pass:
         raise ConfigError(f"{source}: key 'batch_per_workspace' is above 'batch_per_pass'")
     return msgspec.structs.replace(cfg, state_dir=state, run_dir=run, workspaces=globs, source=source)

@@ -33,7 +33,7 @@ from kernel import budget, watch
 from kernel import submit as S
 from kernel.budget import Balance
 from kernel.config import Config
-from kernel.evaluate import contract_problem
+from kernel.evaluate import EVAL_FLAGS, contract_problem
 from kernel.install import ToolSource, install
 from kernel.store import Store, WorkspaceRow, timestamp
 
@@ -84,6 +84,8 @@ class Enrolled:
     tool_note: str | None
     adopted_new_channel: bool
     excluded: bool
+    # Why the submit base could not be held under its kernel ref (None: held, or no base yet).
+    base_problem: str | None = None
 
 
 def git_env(workspace: str) -> dict[str, str]:
@@ -267,8 +269,9 @@ def enroll(
     """Enroll (or refresh) one workspace. EnrollError when it is refused.
 
     The eval contract: `contract` when given (kept for this workspace from then on), else the one given at an
-    earlier enrollment, else the config's `[defaults.submit]`. The base commit for submit is recorded as HEAD the first time the workspace has one;
-    later enrollments keep it (the operator moves it with `syscall-kernel rebase`).
+    earlier enrollment, else the config's `[defaults.submit]`. The base commit for submit is recorded as HEAD the
+    first time the workspace has one; later enrollments keep it (the operator moves it with `syscall-kernel
+    rebase`). Every enrollment holds it under `refs/syscall/<key>/base`.
     """
     for name, v in (("launches", grant.launches), ("sleeps", grant.sleeps), ("gpu-hours", grant.gpu_hours)):
         if v is not None and v < 0:
@@ -281,8 +284,8 @@ def enroll(
     if chosen is not None:
         problem = contract_problem(chosen)
         if problem is not None:
-            where = "the --eval-* flags" if contract is not None else "the eval contract"
-            raise EnrollError(f"{path}: {where}: {problem}")
+            where = f"--{EVAL_FLAGS.get(problem[0], problem[0])}" if contract is not None else problem[0]
+            raise EnrollError(f"{path}: the eval contract's {where}: {problem[1]}")
     try:
         head = S.resolve_commit(resolved)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -327,11 +330,24 @@ def enroll(
                 S.set_contract(store, key, contract)
             if head is not None and S.base_of(store, key) is None:
                 S.set_base(store, key, *head)
+            base = S.base_of(store, key)
+        # Every enrollment (re)holds the recorded base: one the agent's history no longer reaches is kept.
+        base_problem = None
+        if base is not None:
+            try:
+                S.hold_base(resolved, key, base[0])
+            except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
+                base_problem = str(exc)
         # Side effects after the commit: the channel's kernel-written files.
         ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool))
         ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
     return Enrolled(
-        row=row, created=existing is None, tool_note=note, adopted_new_channel=adopted, excluded=added
+        row=row,
+        created=existing is None,
+        tool_note=note,
+        adopted_new_channel=adopted,
+        excluded=added,
+        base_problem=base_problem,
     )
 
 

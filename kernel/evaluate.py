@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Final, Literal
 
-from channel import limits as L
+import msgspec
+
 from channel.decode import RequestError
 from channel.messages import EvalContract, SleepRequest, Submit, Verdict, encode
 from kernel.budget import Balance, gpu_hours
@@ -166,23 +168,38 @@ def unchanged_verdict(
     )
 
 
-def contract_problem(c: EvalContract) -> str | None:
-    """What is wrong with an operator's contract (None when it can be used)."""
+# The `enroll` flag that sets each EvalContract field (errors name what the operator typed).
+EVAL_FLAGS: Final = {
+    "command": "eval-command",
+    "metric": "metric",
+    "direction": "direction",
+    "min_delta": "min-delta",
+    "min_relative": "min-relative",
+    "eval_minutes": "eval-minutes",
+    "gpus": "eval-gpus",
+    "seed": "no-seed",
+}
+_AT_FIELD: Final = re.compile(r"^(?P<msg>.*?) - at `\$\.(?P<field>[a-z_]+)`$", re.S)
+
+
+def contract_problem(c: EvalContract) -> tuple[str, str] | None:
+    """What is wrong with an operator's contract as (field, why), None when it can be used.
+
+    The bounds are the Struct's own (`channel.messages.EvalContract`, checked by converting it again, since a
+    Struct built in code is not validated); then what a schema cannot say.
+    """
+    try:
+        msgspec.convert(msgspec.structs.asdict(c), EvalContract)
+    except msgspec.ValidationError as exc:
+        m = _AT_FIELD.match(str(exc))
+        if m is None:
+            return "contract", str(exc)
+        msg = m.group("msg")
+        return m.group("field"), msg[:1].lower() + msg[1:]
     if not c.command.strip():
-        return "the eval command is empty"
-    if len(c.command) > L.COMMAND_MAX_CHARS:
-        return f"the eval command is longer than {L.COMMAND_MAX_CHARS} characters"
-    if not c.metric.strip() or c.metric in ("metric", "value"):
-        return (
-            f"the metric name {c.metric!r} cannot be used (empty, or one of the reserved keys metric/value)"
-        )
-    if not L.MINUTES_MIN <= c.eval_minutes <= L.MINUTES_CEILING:
-        return f"eval_minutes is {c.eval_minutes}; it must be within {L.MINUTES_MIN}..{L.MINUTES_CEILING}"
-    if not 0 <= c.gpus <= L.GPUS_CEILING:
-        return f"gpus is {c.gpus}; it must be within 0..{L.GPUS_CEILING}"
-    for name, v in (("min_delta", c.min_delta), ("min_relative", c.min_relative)):
-        if v is not None and not (v >= 0 and to_decimal(v).is_finite()):
-            return f"{name} is {v}; it must be a finite number >= 0"
+        return "command", "the eval command is empty"
+    if c.metric in ("metric", "value"):
+        return "metric", f"{c.metric!r} is one of the reserved keys metric/value of the metric line"
     return None
 
 

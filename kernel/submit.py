@@ -2,8 +2,9 @@
 
 Tables (created on demand next to the core schema, like the executor's):
 - `eval_workspaces`: the recorded base commit and tree (HEAD at enrollment; moved only by the operator with
-  `syscall-kernel rebase`), the private seed, drawn once per workspace the first time it is needed, and the
-  workspace's own eval contract when the operator gave one at enrollment (else `[defaults.submit]` applies).
+  `syscall-kernel rebase`), the private seed, drawn per base (the first time it is needed, and again at every
+  rebase: the agent sees it in verdicts), and the workspace's own eval contract when the operator gave one at
+  enrollment (else `[defaults.submit]` applies).
 - `eval_plans`: what dispatch decided for a sleep's submit, recorded with the snapshot's commit and tree before
   any evaluation runs: `run` (both sides), `reuse` (the base value comes from `eval_baselines`), `unchanged`
   (candidate tree == base tree) or `no_base` (nothing recorded to compare against). The contract as it was then
@@ -11,7 +12,9 @@ Tables (created on demand next to the core schema, like the executor's):
 - `eval_verdicts`: every verdict with the agent's report, and the `on_verdict` hook's status.
 - `eval_baselines`: finished base measurements keyed by `evaluate.baseline_key` (exact decimal text).
 
-Git is run only to resolve the base commit, with the same neutralised environment as snapshots.
+Git is run only to resolve the base commit and to hold it under the kernel ref `refs/syscall/<key>/base` (so
+history the agent rewrites, followed by `git gc`, cannot remove it), with the same neutralised environment as
+snapshots.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Final, Literal
 import msgspec
 
 from channel.messages import EvalContract, Policy, Verdict, encode
-from kernel.snapshot import git_argv, git_env
+from kernel.snapshot import REF_PREFIX, git_argv, git_env, snapshot_ref
 from kernel.store import Store, timestamp
 
 Decision = Literal["run", "reuse", "unchanged", "no_base"]
@@ -118,6 +121,49 @@ def resolve_commit(workspace: str, rev: str = "HEAD") -> tuple[str, str] | None:
     return found[0], found[1]
 
 
+def base_ref(key: str) -> str:
+    """The kernel ref that keeps a workspace's base commit (and so its objects) in the repository."""
+    snapshot_ref(key, 0)  # the same check of the key as one safe ref component
+    return f"{REF_PREFIX}/{key}/base"
+
+
+def _git(workspace: str, *args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        git_argv(*args),
+        cwd=workspace,
+        env=git_env(workspace),
+        capture_output=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def held_base(workspace: str, key: str) -> str | None:
+    """The commit the base ref holds now (None when there is no such ref)."""
+    out = _git(workspace, "rev-parse", "--verify", "-q", "--end-of-options", f"{base_ref(key)}^{{commit}}")
+    return (out.stdout.decode().strip() or None) if out.returncode == 0 else None
+
+
+def hold_base(workspace: str, key: str, commit: str) -> None:
+    """Point the base ref at `commit`: created if missing, else moved from the value just read, so a concurrent
+    change of the ref makes this fail instead of being overwritten. `--no-deref`: a ref the agent turned into a
+    symbolic one is replaced, never followed to move one of the agent's own branches."""
+    ref = base_ref(key)
+    old = _git(workspace, "rev-parse", "--verify", "-q", "--end-of-options", ref)
+    current = old.stdout.decode().strip() if old.returncode == 0 else ""
+    if current == commit:
+        return
+    out = _git(
+        workspace, "update-ref", "--no-deref", "-m", "syscall-kernel submit base", ref, commit, current
+    )
+    if out.returncode != 0:
+        first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
+        raise BaseError(
+            f"cannot hold the base {commit[:12]} under {ref} in {workspace}: {first[0] if first else out.returncode}"
+        )
+
+
 def base_of(store: Store, workspace: str) -> tuple[str, str] | None:
     row = store._one("SELECT base_commit, base_tree FROM eval_workspaces WHERE workspace=?", (workspace,))
     return None if row is None or row[0] is None else (row[0], row[1])
@@ -131,6 +177,21 @@ def set_base(store: Store, workspace: str, commit: str, tree: str) -> None:
         "base_set_at=excluded.base_set_at",
         (workspace, commit, tree, timestamp()),
     )
+
+
+def rebase(store: Store, workspace: str, commit: str, tree: str) -> int:
+    """Move the base and draw a new private seed (in the caller's transaction); returns the seed.
+
+    The seed is per base: the agent has seen the old one in verdicts, and a stored baseline is keyed by its seed,
+    so a rebase starts with nothing reused."""
+    set_base(store, workspace, commit, tree)
+    row = store._one("SELECT seed FROM eval_workspaces WHERE workspace=?", (workspace,))
+    old = None if row is None else row[0]
+    seed = secrets.randbelow(SEED_BOUND)
+    while seed == old:
+        seed = secrets.randbelow(SEED_BOUND)
+    store._one("UPDATE eval_workspaces SET seed=? WHERE workspace=?", (seed, workspace))
+    return seed
 
 
 def contract_of(store: Store, workspace: str) -> EvalContract | None:

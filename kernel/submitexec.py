@@ -110,6 +110,7 @@ class SubmitExecutor(RealExecutor):
         sleep = self.store.sleep(key, seq)
         if sleep is None or sleep.submit is None:
             return
+        self._hold_base(order.workspace.path, key)
         with self.store.transaction():
             plan = S.plan_of(self.store, key, seq)
             if plan is None:
@@ -119,12 +120,24 @@ class SubmitExecutor(RealExecutor):
         self._plans[(key, seq)] = plan
         klog.event("submit_planned", ws=key, seq=seq, decision=plan.decision)
 
+    def _hold_base(self, path: str, key: str) -> None:
+        """Re-point the base ref at the recorded base if the agent moved or deleted it (the base run reads the
+        commit it holds). A base commit already gone stays gone: the base run then fails and the verdict says so."""
+        base = S.base_of(self.store, key)
+        if base is None:
+            return
+        try:
+            S.hold_base(path, key, base[0])
+        except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
+            klog.event("submit_base_unheld", logging.WARNING, ws=key, problem=str(exc)[:300])
+
     def _decide_plan(self, order: SleepOrder, commit: str, tree: str) -> S.Plan:
         ws = order.workspace
         contract = ws.policy.submit
         jobs = {j.launch: j for j in self.store.jobs_of(ws.key, order.sleep.seq)}
-        if contract is None:  # withdrawn after acceptance: judge by the rows' command, the metric is unknown
-            contract = EvalContract(command=jobs[E.EVAL_CANDIDATE].command, metric="")
+        if contract is None:
+            # Withdrawn after acceptance: judge by the rows' command; no line carries this metric, so it fails.
+            contract = EvalContract(command=jobs[E.EVAL_CANDIDATE].command, metric="contract_withdrawn")
         seed = S.seed_of(self.store, ws.key) if contract.seed else None
         base = S.base_of(self.store, ws.key)
         decision: S.Decision = "no_base"

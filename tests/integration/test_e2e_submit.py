@@ -378,3 +378,54 @@ def test_a_kernel_killed_during_a_submit_gives_one_verdict_one_hook_call_and_an_
     [(_, outcome, _, report, hook)] = e.stored("ws")
     assert (outcome, report, hook) == ("improved", "crash me", "ok")
     assert [p["sleep"] for p in e.hook_payloads()] == ["k1"]
+
+
+def test_the_base_survives_rewritten_history_and_gc_and_a_rebase_draws_a_new_seed(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    (ws / "eval.sh").write_text(EVAL_SH)
+    (ws / "result.txt").write_text(BASE)
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", "base")
+    base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws, capture_output=True, text=True).stdout.strip()
+    kernel = Kernel(tmp_path, 'jail = "bwrap"\n[local]\nseconds_per_minute = 1.0\n')
+    kernel.enroll(ws, "--gpu-hours", "4", *CONTRACT)
+    # The agent rewrites history so that nothing of its own reaches the base, and collects the garbage.
+    (ws / "result.txt").write_text('{"score": 0.6}\n')
+    git(ws, "commit", "-q", "--amend", "-am", "rewritten")
+    git(ws, "reflog", "expire", "--expire=now", "--all")
+    git(ws, "gc", "-q", "--prune=now")
+    (ws / "result.txt").write_text('{"score": 0.9}\n')
+    e = Env(tmp_path, kernel, {"ws": ws}, tmp_path)
+    try:
+        kernel.start()
+        first = e.wake("ws", e.start_submit("ws", "after a rewrite"))
+        # The operator moves the base to the rewritten HEAD: a new seed, and nothing of the old base reused.
+        moved = kernel.cli("rebase", str(ws))
+        assert "new seed drawn" in moved.stdout
+        second = e.wake("ws", e.start_submit("ws", "after the rebase"))
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+    v = first["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"], v["base_commit"]) == (
+        "improved",
+        0.5,
+        0.9,
+        base,
+    )
+    assert tasks_of(first)["submit-base"]["stdout_tail"] == f"seed={v['seed']}\n{BASE}"
+    w = second["verdict"]
+    assert (w["outcome"], w["base_value"], w["candidate_value"], w["baseline_reused"]) == (
+        "improved",
+        0.6,
+        0.9,
+        False,
+    )
+    assert w["base_commit"] != base
+    assert isinstance(w["seed"], int)
+    assert w["seed"] != v["seed"]
+    assert tasks_of(second)["submit-candidate"]["stdout_tail"] == f'seed={w["seed"]}\n{{"score": 0.9}}\n'

@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
+import pytest
 from kernelproc import Kernel
 
 from channel.paths import workspace_key
@@ -35,6 +36,24 @@ def base_of(kernel: Kernel, ws: Path) -> tuple[str, str] | None:
     return None if row is None else (row[0], row[1])
 
 
+def seed_of(kernel: Kernel, ws: Path) -> int | None:
+    db = sqlite3.connect(f"file:{kernel.state / 'state.sqlite'}?mode=ro", uri=True)
+    try:
+        row = db.execute(
+            "SELECT seed FROM eval_workspaces WHERE workspace=?", (workspace_key(ws.resolve()),)
+        ).fetchone()
+    finally:
+        db.close()
+    return None if row is None else row[0]  # type: ignore[no-any-return]
+
+
+def held(ws: Path) -> str | None:
+    """The commit the kernel's base ref holds in the workspace's repository."""
+    ref = f"refs/syscall/{workspace_key(ws.resolve())}/base"
+    done = subprocess.run(["git", "rev-parse", "--verify", "-q", ref], cwd=ws, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def policy(ws: Path) -> dict[str, object]:
     return json.loads((ws / ".syscall" / "kernel.json").read_text())["policy"]  # type: ignore[no-any-return]
 
@@ -56,7 +75,7 @@ def test_the_contract_and_the_base_are_the_operators(tmp_path: Path) -> None:
         "enroll", str(ws), "--eval-command", "x", "--metric", "s", "--min-delta", "-1", check=False
     )
     assert bad.returncode == 2
-    assert "min_delta is -1.0; it must be a finite number >= 0" in bad.stderr
+    assert "syscall-kernel enroll: --min-delta: expected `float` >= 0.0" in bad.stderr
 
     # No commit yet: the config's contract, and no base until there is one.
     kernel.enroll(ws)
@@ -109,3 +128,69 @@ def test_the_contract_and_the_base_are_the_operators(tmp_path: Path) -> None:
     bad = kernel.cli("rebase", str(tmp_path), check=False)
     assert (bad.returncode, "is not enrolled" in bad.stderr) == (1, True)
     assert base_of(kernel, ws) == (first, git(ws, "rev-parse", f"{first}^{{tree}}"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--eval-command", ""), "--eval-command: expected `str` of length >= 1"),
+        (("--eval-command", "x" * 2001), "--eval-command: expected `str` of length <= 2000"),
+        (("--metric", "top 1"), "--metric: expected `str` matching regex"),
+        (("--metric", "value"), "--metric: 'value' is one of the reserved keys"),
+        (("--eval-minutes", "0"), "--eval-minutes: expected `int` >= 1"),
+        (("--eval-gpus", "65"), "--eval-gpus: expected `int` <= 64"),
+        (("--min-relative", "nan"), "--min-relative: expected `float` >= 0.0"),
+        (("--min-delta", "inf"), "--min-delta: expected `float` <="),
+    ],
+)
+def test_eval_flags_are_checked_against_the_contract_bounds(
+    tmp_path: Path, flags: tuple[str, str], message: str
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    kernel = Kernel(tmp_path)
+    args = {"--eval-command": "sh eval.sh", "--metric": "score", flags[0]: flags[1]}
+    bad = kernel.cli("enroll", str(ws), *(x for kv in args.items() for x in kv), check=False)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.startswith(f"syscall-kernel enroll: {message}"), bad.stderr
+    assert not (ws / ".syscall").exists()
+
+
+def test_the_base_is_held_under_a_kernel_ref_and_each_rebase_draws_a_new_seed(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    (ws / "a").write_text("1\n")
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", "one")
+    first = git(ws, "rev-parse", "HEAD")
+    kernel = Kernel(tmp_path)
+    kernel.enroll(ws, "--eval-command", "sh eval.sh", "--metric", "score")
+    assert held(ws) == first
+
+    # The agent drops the ref and rewrites history; the next enrollment holds the recorded base again.
+    git(ws, "update-ref", "-d", f"refs/syscall/{workspace_key(ws.resolve())}/base")
+    (ws / "a").write_text("2\n")
+    git(ws, "commit", "-q", "--amend", "-am", "rewritten")
+    kernel.enroll(ws)
+    assert held(ws) == first
+    git(ws, "reflog", "expire", "--expire=now", "--all")
+    git(ws, "gc", "-q", "--prune=now")
+    assert git(ws, "cat-file", "-t", first) == "commit"
+
+    # A rebase moves the ref with the base, and draws a seed that differs from the one before.
+    seeds = [seed_of(kernel, ws)]
+    for rev in ("HEAD", first, "HEAD"):
+        kernel.cli("rebase", str(ws), rev)
+        assert held(ws) == git(ws, "rev-parse", rev) == base_of(kernel, ws)[0]  # type: ignore[index]
+        seeds.append(seed_of(kernel, ws))
+    assert seeds[0] is None  # drawn at the first submit or rebase, never at enrollment
+    assert all(isinstance(s, int) for s in seeds[1:])
+    assert len(set(seeds)) == len(seeds)
+
+    # A rebase to a commit that is gone leaves the base and the seed as they were.
+    gone = "0" * 40
+    bad = kernel.cli("rebase", str(ws), gone, check=False)
+    assert bad.returncode == 1
+    assert (held(ws), seed_of(kernel, ws)) == (git(ws, "rev-parse", "HEAD"), seeds[-1])

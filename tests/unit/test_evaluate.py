@@ -11,6 +11,7 @@ from channel.decode import RequestError
 from channel.messages import EvalContract, Launch, Policy, SleepRequest, Submit
 from channel.safefs import Identity
 from kernel.budget import Balance
+from kernel.config import ConfigError, parse
 from kernel.evaluate import (
     EVAL_BASE,
     EVAL_CANDIDATE,
@@ -187,22 +188,60 @@ def test_a_submit_without_a_contract_is_refused_by_policy() -> None:
 
 
 @pytest.mark.parametrize(
-    ("contract", "problem"),
+    ("contract", "field", "problem"),
     [
-        (EvalContract(command=" ", metric="score"), "command is empty"),
-        (EvalContract(command="x" * 2001, metric="score"), "longer than"),
-        (EvalContract(command="c", metric="value"), "reserved keys"),
-        (EvalContract(command="c", metric="score", eval_minutes=0), "eval_minutes"),
-        (EvalContract(command="c", metric="score", gpus=-1), "gpus"),
-        (EvalContract(command="c", metric="score", min_delta=-0.1), "min_delta"),
-        (EvalContract(command="c", metric="score", min_relative=float("nan")), "min_relative"),
+        (EvalContract(command=" ", metric="score"), "command", "the eval command is empty"),
+        (EvalContract(command="", metric="score"), "command", "length >= 1"),
+        (EvalContract(command="x" * 2001, metric="score"), "command", "length <= 2000"),
+        (EvalContract(command="c", metric="value"), "metric", "reserved keys"),
+        (EvalContract(command="c", metric="a b"), "metric", "matching regex"),
+        (EvalContract(command="c", metric="m" * 65), "metric", "matching regex"),
+        (EvalContract(command="c", metric="score", eval_minutes=0), "eval_minutes", ">= 1"),
+        (EvalContract(command="c", metric="score", eval_minutes=7 * 24 * 60 + 1), "eval_minutes", "<= 10080"),
+        (EvalContract(command="c", metric="score", gpus=-1), "gpus", ">= 0"),
+        (EvalContract(command="c", metric="score", gpus=65), "gpus", "<= 64"),
+        (EvalContract(command="c", metric="score", min_delta=-0.1), "min_delta", ">= 0"),
+        (EvalContract(command="c", metric="score", min_delta=float("inf")), "min_delta", "<="),
+        (EvalContract(command="c", metric="score", min_relative=float("nan")), "min_relative", ">= 0"),
     ],
 )
-def test_contract_problems_are_named(contract: EvalContract, problem: str) -> None:
+def test_contract_problems_name_the_field(contract: EvalContract, field: str, problem: str) -> None:
     found = contract_problem(contract)
     assert found is not None
-    assert problem in found
+    assert found[0] == field
+    assert problem in found[1]
     assert contract_problem(HIGHER) is None
+    assert contract_problem(EvalContract(command="c", metric="val/top-1.acc", min_delta=0.0)) is None
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "problem"),
+    [
+        ("command = ''", "defaults.submit.command", "length >= 1"),
+        ("command = '" + "x" * 2001 + "'", "defaults.submit.command", "length <= 2000"),
+        ("command = '  '", "defaults.submit.command", "the eval command is empty"),
+        ("metric = 'top 1'", "defaults.submit.metric", "matching regex"),
+        ("metric = 'metric'", "defaults.submit.metric", "reserved keys"),
+        ("eval_minutes = 0", "defaults.submit.eval_minutes", ">= 1"),
+        ("eval_minutes = 20000", "defaults.submit.eval_minutes", "<= 10080"),
+        ("gpus = 65", "defaults.submit.gpus", "<= 64"),
+        ("min_delta = -0.5", "defaults.submit.min_delta", ">= 0"),
+        ("min_delta = inf", "defaults.submit.min_delta", "<="),
+        ("min_relative = nan", "defaults.submit.min_relative", ">= 0"),
+    ],
+)
+def test_a_bad_defaults_submit_is_refused_at_load_with_the_key_named(
+    line: str, key: str, problem: str
+) -> None:
+    fields = {"command": "command = 'python eval.py'", "metric": "metric = 'score'"}
+    fields[line.split(" ", 1)[0]] = line
+    text = "[defaults.submit]\n" + "\n".join(fields.values()) + "\n"
+    with pytest.raises(ConfigError) as e:
+        parse(text, "site.toml")
+    assert str(e.value).startswith(f"site.toml: key '{key}'")
+    assert problem in str(e.value)
+    good = parse("[defaults.submit]\ncommand = 'sh e.sh'\nmetric = 'score'\nmin_delta = 0\n", "site.toml")
+    assert good.defaults.submit == EvalContract(command="sh e.sh", metric="score", min_delta=0.0)
 
 
 def test_the_hook_payload_is_one_json_object_with_the_verdict_and_report() -> None:
