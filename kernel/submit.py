@@ -19,6 +19,7 @@ snapshots.
 
 from __future__ import annotations
 
+import re
 import secrets
 import subprocess
 from dataclasses import dataclass
@@ -79,6 +80,9 @@ _SCHEMA: Final = (
 
 _contract_decoder: Final = msgspec.json.Decoder(EvalContract)
 _verdict_decoder: Final = msgspec.json.Decoder(Verdict)
+
+
+_OID: Final = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
 
 
 class BaseError(Exception):
@@ -149,6 +153,9 @@ def hold_base(workspace: str, key: str, commit: str) -> None:
     """Point the base ref at `commit`: created if missing, else moved from the value just read, so a concurrent
     change of the ref makes this fail instead of being overwritten. `--no-deref`: a ref the agent turned into a
     symbolic one is replaced, never followed to move one of the agent's own branches."""
+    if not _OID.fullmatch(commit) or not commit.strip("0"):
+        # (the all-zero id would make update-ref delete the ref)
+        raise BaseError(f"{commit!r} is not a commit id")
     ref = base_ref(key)
     old = _git(workspace, "rev-parse", "--verify", "-q", "--end-of-options", ref)
     current = old.stdout.decode().strip() if old.returncode == 0 else ""
