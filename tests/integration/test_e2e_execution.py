@@ -149,14 +149,15 @@ def test_a_successful_launch_delivers_its_artifact_with_evidence(env: Env) -> No
     md = (env.spaces["artifact"] / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
     assert "make[0]: COMPLETED" in md
 
-    # The snapshot ref is released once the sleep is woken.
-    def refs() -> str:
-        cmd = ["git", "for-each-ref", "refs/syscall"]
-        return subprocess.run(
+    # The snapshot ref is released once the sleep is woken (the submit base ref, `.../base`, stays).
+    def snapshot_refs() -> list[str]:
+        cmd = ["git", "for-each-ref", "--format=%(refname)", "refs/syscall"]
+        out = subprocess.run(
             cmd, cwd=env.spaces["artifact"], capture_output=True, text=True, check=True
         ).stdout
+        return [ref for ref in out.split() if not ref.endswith("/base")]
 
-    wait_for(lambda: refs() == "", 10, "the snapshot ref to be released")
+    wait_for(lambda: snapshot_refs() == [], 10, "the snapshot ref to be released")
 
 
 def test_a_failing_command_reports_its_exit_code_and_stderr(env: Env) -> None:
