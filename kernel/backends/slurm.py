@@ -823,6 +823,7 @@ class SlurmBackend:
         specs = await anyio.to_thread.run_sync(lambda: sorted(run_dir.glob(f"*/*/*/{SPEC_FILE}")))
         found: dict[str, list[TaskRef]] = {"running": [], "finished": [], "requeued": [], "lost": []}
         unrecorded: list[_Launch] = []
+        ended: list[tuple[_Launch, int]] = []  # refs made after the lookup, so that they carry the job id
         for path in specs:
             spec = msgspec.json.decode(path.read_bytes(), type=JobSpec)
             if spec.key in self._launches:
@@ -837,12 +838,14 @@ class SlurmBackend:
             self._launches[spec.key] = la
             for t in range(spec.array):
                 if jobscript.read_exit(spec.task_dir(t)) is not None:
-                    found["finished"].append(la.ref(t))
+                    ended.append((la, t))
                 else:
                     la.open.add(t)
-            if la.job is None and la.open:
+            if la.job is None:
+                # Even when every task already ended (a fast job finished while the kernel was down), the id
+                # is looked up so that the answer and the wake can name the job.
                 unrecorded.append(la)
-            elif la.job is not None:
+            else:
                 found["running"] += [la.ref(t) for t in sorted(la.open)]
         if unrecorded:
             names, _detail = await self._lookup(unrecorded)
@@ -850,10 +853,11 @@ class SlurmBackend:
                 if names is not None and la.name in names:
                     self._record(la, JobRecord(names[la.name][0], la.name, time.time(), adopted=True))
                     found["running"] += [la.ref(t) for t in sorted(la.open)]
-                else:
+                elif la.open:
                     # Not found, or squeue did not answer: the submission path looks again before any sbatch.
                     found["requeued"] += [la.ref(t) for t in sorted(la.open)]
                     self._start_background_submit(la)
+        found["finished"] = [la.ref(t) for la, t in ended]
         self._poke()
         return Recovered(*(tuple(found[k]) for k in ("running", "finished", "requeued", "lost")))
 

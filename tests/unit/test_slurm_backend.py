@@ -480,6 +480,36 @@ def test_recover_adopts_by_name_and_resubmits_only_what_slurm_never_saw(w: World
     assert w.calls()["sbatch"] == 2  # the hand-made one, then `never` once
 
 
+def test_recover_names_the_job_of_a_launch_that_ended_while_the_kernel_was_down(w: World) -> None:
+    """sbatch ran, the kernel died before slurm-job.json, and the job finished before the restart."""
+    spec = w.spec("quick")
+    spec.paths.launch_dir.mkdir(parents=True, exist_ok=True)
+    S._write_json(spec.paths.launch_dir, S.SPEC_FILE, spec)
+    b0 = w.backend()
+    argv = render_sbatch_argv(
+        SbatchJob(workspace=WS, seq=1, launch="quick", minutes=1), b0.policy, spec.paths
+    )
+    subprocess.run(argv, env=w.fake.env(), check=True, capture_output=True)
+    (job_id,) = w.jobs()
+    jobscript.write_exit(spec.task_dir(0), jobscript.ExitRecord(0, "exited"))
+    b = w.backend()
+
+    async def go() -> Recovered:
+        async with anyio.create_task_group() as tg:
+            await tg.start(b.run)
+            found = await b.recover(w.run_dir)
+            tg.cancel_scope.cancel()
+        return found
+
+    found = run(go)
+    assert [(r.key, r.job_id) for r in found.finished] == [(spec.key, job_id)]
+    assert not found.running
+    assert not found.requeued
+    rec = msgspec.json.decode((spec.paths.launch_dir / S.JOB_FILE).read_bytes(), type=S.JobRecord)
+    assert (rec.job_id, rec.adopted) == (job_id, True)
+    assert w.calls()["sbatch"] == 1  # nothing resubmitted
+
+
 def test_every_slurm_config_key_reaches_the_backend_built_by_make_backend() -> None:
     cfg = parse(
         'backend = "slurm"\n[slurm]\npartition = "gpu"\naccount = "lab"\nqos = "long"\n'
