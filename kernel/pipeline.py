@@ -385,7 +385,7 @@ class Pipeline:
         now: str,
         received: float,
     ) -> Continuation | None:
-        refusal: RequestError | None = None
+        refusal: tuple[str, bytes] | None = None  # (code, answer)
         with self.store.transaction():
             row = self.store.workspace(ws.key)
             assert row is not None
@@ -393,10 +393,9 @@ class Pipeline:
             try:
                 acc = rules.accept_sleep(row, self.store.current_sleep(ws.key), req, seq, now)
             except RequestError as err:
-                refusal = err
-                answer = encode(rejected(rid, err))
+                refusal = (err.code, encode(rejected(rid, err)))
                 self.store.insert_request(
-                    RequestRow(ws.key, rid, digest, "sleep", now, None, None, answer, now)
+                    RequestRow(ws.key, rid, digest, "sleep", now, None, None, refusal[1], now)
                 )
             else:
                 self.store.insert_sleep(
@@ -417,8 +416,8 @@ class Pipeline:
                 self.store.insert_request(
                     RequestRow(ws.key, rid, digest, "sleep", now, seq, data, None, None)
                 )
-        if refusal is not None:
-            self._deliver(ch, ws, rid, encode(rejected(rid, refusal)), f"rejected:{refusal.code}", received)
+        if refusal is not None:  # the answer delivered is the bytes recorded
+            self._deliver(ch, ws, rid, refusal[1], f"rejected:{refusal[0]}", received)
             return None
         write_budget(ch, acc.balance, now)
         event("sleep_recorded", ws=ws.key, id=rid, seq=seq, launches=len(req.launches), tasks=len(acc.jobs))
@@ -435,7 +434,7 @@ class Pipeline:
         now: str,
         received: float,
     ) -> Continuation | None:
-        refusal: RequestError | None = None
+        refusal: tuple[str, bytes] | None = None  # (code, answer)
         with self.store.transaction():
             row = self.store.workspace(ws.key)
             assert row is not None
@@ -444,10 +443,9 @@ class Pipeline:
             try:
                 plan = rules.plan_cancel(row, current, jobs, req, now)
             except RequestError as err:
-                refusal = err
-                answer = encode(rejected(rid, err))
+                refusal = (err.code, encode(rejected(rid, err)))
                 self.store.insert_request(
-                    RequestRow(ws.key, rid, digest, "cancel", now, None, None, answer, now)
+                    RequestRow(ws.key, rid, digest, "cancel", now, None, None, refusal[1], now)
                 )
             else:
                 for job in plan.now_cancelled:
@@ -456,8 +454,8 @@ class Pipeline:
                 self.store.insert_request(
                     RequestRow(ws.key, rid, digest, "cancel", now, plan.sleep.seq, data, None, None)
                 )
-        if refusal is not None:
-            self._deliver(ch, ws, rid, encode(rejected(rid, refusal)), f"rejected:{refusal.code}", received)
+        if refusal is not None:  # the answer delivered is the bytes recorded
+            self._deliver(ch, ws, rid, refusal[1], f"rejected:{refusal[0]}", received)
             return None
         write_budget(ch, plan.balance, now)
         event("cancel_recorded", ws=ws.key, id=rid, seq=plan.sleep.seq, tasks=len(plan.targets))
