@@ -49,8 +49,6 @@ HINT_WRAPPER: Final = (
 HINT_LOST: Final = "the job ended without leaving a result (its wrapper was killed); relaunch it"
 HINT_CANCELLED_EARLY: Final = "cancelled before it started"
 
-_O_DIR: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -142,20 +140,6 @@ def tail(path: Path, max_chars: int = L.TAIL_MAX_CHARS) -> str:
     return text[-max_chars:]
 
 
-def _open_contained(root: Path, rel: str) -> int:
-    """Open `root/rel` for reading, following no symlink at any level."""
-    parts = rel.split("/")
-    fd = os.open(root, _O_DIR)
-    try:
-        for part in parts[:-1]:
-            nxt = os.open(part, _O_DIR, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
 def deliver_artifacts(
     ch: safefs.Channel, job: JobRow, task_dir: Path, max_bytes: int
 ) -> tuple[tuple[Artifact, ...], tuple[SkippedArtifact, ...]]:
@@ -176,7 +160,7 @@ def deliver_artifacts(
             continue
         parts = rel.split("/")
         try:
-            src = _open_contained(task_dir / RunPaths.ARTIFACTS, rel)
+            src = W.open_contained(str(task_dir / RunPaths.ARTIFACTS), rel)
         except OSError as e:
             skipped.append(
                 SkippedArtifact(rel, f"the copied file is gone from the run directory: {e.strerror}")

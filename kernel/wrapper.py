@@ -289,7 +289,7 @@ def valid_artifact(rel: str) -> str | None:
     return None
 
 
-def _open_contained(tree: str, rel: str) -> int:
+def open_contained(tree: str, rel: str) -> int:
     """Open `tree/rel` for reading without following any symlink below `tree`."""
     fd = os.open(tree, _O_DIR)
     try:
@@ -321,7 +321,7 @@ def copy_artifacts(
                 reason = "resolves outside the job's tree (symlink escape)"
         if reason is None:
             try:
-                fd = _open_contained(real_tree, os.path.relpath(target, real_tree))
+                fd = open_contained(real_tree, os.path.relpath(target, real_tree))
             except FileNotFoundError:
                 reason = "not found in the job's tree"
             except OSError as e:
