@@ -35,19 +35,12 @@ from kernel.budget import Balance
 from kernel.config import Config
 from kernel.evaluate import EVAL_FLAGS, contract_problem
 from kernel.install import ToolSource, install
+from kernel.snapshot import git_env
 from kernel.store import Store, WorkspaceRow, timestamp
 
 KERNEL_NAME: Final = "syscall-kernel"
 EXCLUDE_LINE: Final = f"/{CHANNEL_DIR}/"
 _EXCLUDE_CAP: Final = 1024 * 1024
-_GIT_NEUTRAL: Final = (
-    ("core.fsmonitor", "false"),
-    ("core.hooksPath", "/dev/null"),
-    ("core.untrackedCache", "false"),
-    ("core.sshCommand", "false"),
-    ("credential.helper", ""),
-    ("protocol.allow", "never"),
-)
 
 
 @functools.cache
@@ -86,26 +79,6 @@ class Enrolled:
     excluded: bool
     # Why the submit base could not be held under its kernel ref (None: held, or no base yet).
     base_problem: str | None = None
-
-
-def git_env(workspace: str) -> dict[str, str]:
-    env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "LANG": "C",
-        "LC_ALL": "C",
-        "GIT_DIR": os.path.join(workspace, ".git"),
-        "GIT_WORK_TREE": workspace,
-        "GIT_CONFIG_GLOBAL": "/dev/null",
-        "GIT_CONFIG_SYSTEM": "/dev/null",
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_TERMINAL_PROMPT": "0",
-        "GIT_OPTIONAL_LOCKS": "0",
-        "GIT_CONFIG_COUNT": str(len(_GIT_NEUTRAL) + 1),
-    }
-    for i, (k, v) in enumerate((*_GIT_NEUTRAL, ("safe.directory", workspace))):
-        env[f"GIT_CONFIG_KEY_{i}"] = k
-        env[f"GIT_CONFIG_VALUE_{i}"] = v
-    return env
 
 
 def tracked_channel_files(workspace: str) -> list[str]:
