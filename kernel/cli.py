@@ -6,6 +6,7 @@ Exit codes: 0 ok; 1 the operation was refused or failed (the message says why); 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -63,6 +64,13 @@ class KernelStatus(msgspec.Struct, frozen=True):
     requests: int
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("syscall-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="syscall-kernel",
@@ -70,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def config_opt(sp: argparse.ArgumentParser) -> None:
