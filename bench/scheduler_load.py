@@ -39,12 +39,12 @@ sys.path.insert(0, str(ROOT))
 
 from fakes.fake_slurm import FakeSlurm  # noqa: E402
 
-from kernel import jobscript  # noqa: E402
-from kernel import snapshot as S  # noqa: E402
-from kernel.backends import slurm as B  # noqa: E402
+from kernel.backends import jobscript  # noqa: E402
 from kernel.backends.base import JobSpec  # noqa: E402
-from kernel.jail import JailPolicy  # noqa: E402
-from kernel.slurm import SbatchPolicy  # noqa: E402
+from kernel.backends.slurm import SbatchPolicy  # noqa: E402
+from kernel.backends.slurm import backend as B  # noqa: E402
+from kernel.io import snapshot as S  # noqa: E402
+from kernel.node.jail import JailPolicy  # noqa: E402
 
 WS = "bench-0123456789"
 FLOOR_S, CEILING_S = 2.0, 60.0  # the backend's defaults

@@ -17,11 +17,11 @@ import msgspec
 
 from channel import limits as L
 from channel.messages import EvalContract
-from kernel import log
-from kernel.budget import Balance
-from kernel.config import Config, ConfigError, load
-from kernel.evaluate import EVAL_FLAGS, contract_problem
-from kernel.store import Store, StoreError
+from kernel.core.budget import Balance
+from kernel.core.config import Config, ConfigError, load
+from kernel.core.evaluate import EVAL_FLAGS, contract_problem
+from kernel.io import log
+from kernel.io.store import Store, StoreError
 
 EXAMPLES = """examples:
   syscall-kernel serve --config /etc/syscall-kernel/config.toml
@@ -130,7 +130,7 @@ def _config(path: str | None) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kernel.service import serve
+    from kernel.service.loop import serve
 
     cfg = _config(args.config)
     log.setup()
@@ -149,8 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_enroll(args: argparse.Namespace) -> int:
-    from kernel.enroll import EnrollError, Grant, enroll
-    from kernel.install import ToolMissing, ToolSource
+    from kernel.io.enroll import EnrollError, Grant, enroll
+    from kernel.io.install import ToolMissing, ToolSource
 
     cfg = _config(args.config)
     for name in ("launches", "sleeps", "gpu_hours"):
@@ -240,7 +240,7 @@ def _contract(args: argparse.Namespace) -> EvalContract | str | None:
 
 
 def cmd_rebase(args: argparse.Namespace) -> int:
-    from kernel import submit as S
+    from kernel.io import submit as S
 
     cfg = _config(args.config)
     try:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Final
 
-from kernel.jail import NONE_WARNING
+from kernel.node.jail import NONE_WARNING
 
 TRAIN_PY: Final = '''\
 """A stand-in for a training run: one learning rate per sweep task."""

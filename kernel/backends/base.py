@@ -1,7 +1,7 @@
 """What every backend is given and must do: the JobSpec and the Backend protocol.
 
 A JobSpec describes one launch of one sleep (a single job or an array) completely: where its run directory is,
-which snapshot it runs, how it is jailed, and its resources. `kernel.jobscript` turns it into the launch's
+which snapshot it runs, how it is jailed, and its resources. `kernel.backends.jobscript` turns it into the launch's
 `command.txt` and `job.sh`; a backend only decides where and when `job.sh` runs (a local child process, or an
 sbatch job) and how to stop it. Completion is always read from the wrapper's `exit-code` files.
 """
@@ -17,8 +17,8 @@ from msgspec import Meta
 
 from channel import limits as L
 from channel.paths import RunPaths
-from kernel.jail import JailPolicy
-from kernel.slurm.submit import job_name as scheduler_job_name
+from kernel.backends.slurm.submit import job_name as scheduler_job_name
+from kernel.node.jail import JailPolicy
 
 DEFAULT_ARTIFACT_MAX_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_ARTIFACT_TOTAL_MAX_BYTES: Final = 256 * 1024 * 1024
@@ -60,7 +60,7 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def job_name(self) -> str:
-        """The scheduler-visible name (`sk-<workspace>-<seq>-<launch>`, kernel.slurm.job_name); it carries the
+        """The scheduler-visible name (`sk-<workspace>-<seq>-<launch>`, kernel.backends.slurm.job_name); it carries the
         sleep so a restarted kernel can look before resubmitting."""
         return scheduler_job_name(self.workspace, self.seq, self.launch)
 
@@ -83,7 +83,7 @@ class TaskRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TaskExit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A task's wrapper is gone and its exit-code file is in place (read it with kernel.jobscript.read_exit)."""
+    """A task's wrapper is gone and its exit-code file is in place (read it with kernel.backends.jobscript.read_exit)."""
 
     key: str
     task: int

@@ -33,7 +33,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
-from kernel import jobscript
+from kernel.backends import jobscript
 from kernel.backends.base import Backend, JobSpec, Recovered, TaskExit, TaskRef
 
 SPEC_FILE: Final = "local.json"
@@ -287,7 +287,9 @@ class LocalBackend:
             return refs
         launch_dir = spec.paths.launch_dir
         if not (launch_dir / jobscript.NAMES.JOB_SCRIPT).is_file():
-            raise FileNotFoundError(f"{launch_dir}: job.sh is missing; write it with kernel.jobscript first")
+            raise FileNotFoundError(
+                f"{launch_dir}: job.sh is missing; write it with kernel.backends.jobscript first"
+            )
         if (launch_dir / SPEC_FILE).exists():
             # Submitted before a restart that skipped recover(): look before acting, never run a task twice.
             found: dict[str, list[TaskRef]] = {"running": [], "finished": [], "requeued": [], "lost": []}

@@ -2,7 +2,7 @@
 
 For fast unit tests of the backend's logic and for bench/scheduler_load.py, which counts how often each client is
 invoked; the REAL Slurm (scripts/slurm-cluster) stays the reference, and tests/integration/test_slurm_cluster.py
-checks that this fake's output reads the same through kernel.slurm's parsers. Jobs never run by themselves: a test
+checks that this fake's output reads the same through kernel.backends.slurm's parsers. Jobs never run by themselves: a test
 moves them with `set_state`, drops them from the queue with `purge` (as MinJobAge does) and injects failures
 with `fail_next`. It mimics the quirks the kernel must handle: the single-unknown-id exit 1 of `squeue -j`,
 `CANCELLED by <uid>`, banners before `sbatch --parsable`, `id;cluster`, and `sacct` on a cluster without

@@ -17,13 +17,13 @@ import pytest
 
 from channel.decode import RequestError
 from channel.messages import JobRef
-from kernel.config import parse
-from kernel.enroll import Grant, enroll
-from kernel.executor import DispatchRefused, ExecutorUnavailable, PendingExecutor, SleepOrder
-from kernel.install import ToolSource
-from kernel.notify import Notifier
-from kernel.service import Service
-from kernel.store import Store, StoreWorker
+from kernel.core.config import parse
+from kernel.io.enroll import Grant, enroll
+from kernel.io.install import ToolSource
+from kernel.io.store import Store, StoreWorker
+from kernel.service.executor import DispatchRefused, ExecutorUnavailable, PendingExecutor, SleepOrder
+from kernel.service.loop import Service
+from kernel.service.notify import Notifier
 
 SLEEP = {
     "protocol": 1,

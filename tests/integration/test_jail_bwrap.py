@@ -30,10 +30,10 @@ from test_local_backend import (
     with_backend,
 )
 
-from kernel import jobscript
+from kernel.backends import jobscript
 from kernel.backends import local as L
 from kernel.backends.base import JobSpec
-from kernel.jail import JailPolicy
+from kernel.node.jail import JailPolicy
 
 pytestmark = pytest.mark.bwrap
 

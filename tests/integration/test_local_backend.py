@@ -22,11 +22,11 @@ import anyio
 import msgspec
 import pytest
 
-from kernel import jobscript
-from kernel import snapshot as S
+from kernel.backends import jobscript
 from kernel.backends import local as L
 from kernel.backends.base import JobSpec, TaskExit
-from kernel.jail import JailPolicy
+from kernel.io import snapshot as S
+from kernel.node.jail import JailPolicy
 
 T = TypeVar("T")
 PLAIN_GIT = {

@@ -19,12 +19,12 @@ import anyio
 import msgspec
 import pytest
 
-from kernel import jobscript
-from kernel import snapshot as S
-from kernel.backends import slurm as B
+from kernel.backends import jobscript
 from kernel.backends.base import JobSpec, TaskExit
-from kernel.jail import JailPolicy
-from kernel.slurm import SbatchJob, SbatchPolicy, render_sbatch_argv
+from kernel.backends.slurm import SbatchJob, SbatchPolicy, render_sbatch_argv
+from kernel.backends.slurm import backend as B
+from kernel.io import snapshot as S
+from kernel.node.jail import JailPolicy
 
 pytestmark = pytest.mark.slurm
 

@@ -1,4 +1,4 @@
-"""The throwaway Slurm cluster (scripts/slurm-cluster, started by `./dev test`) driven with kernel.slurm's argv
+"""The throwaway Slurm cluster (scripts/slurm-cluster, started by `./dev test`) driven with kernel.backends.slurm's argv
 and read with its parsers: Slurm throttles an array to its %K, squeue's forms parse, scancel and the walltime
 classify as CANCELLED and TIMEOUT, sacct without accounting is recognized, and the fake Slurm reads the same.
 
@@ -19,7 +19,7 @@ import pytest
 from fakes.fake_slurm import FakeSlurm
 
 from channel.paths import RunPaths
-from kernel.slurm import (
+from kernel.backends.slurm import (
     Resolution,
     SbatchJob,
     SbatchPolicy,
@@ -34,7 +34,7 @@ from kernel.slurm import (
     sacct_argv,
     squeue_argv,
 )
-from kernel.slurm.query import SQUEUE_FORMAT
+from kernel.backends.slurm.query import SQUEUE_FORMAT
 
 pytestmark = pytest.mark.slurm
 

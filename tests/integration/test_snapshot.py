@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from kernel import snapshot as S
+from kernel.io import snapshot as S
 
 PLAIN_GIT = {
     "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

@@ -10,9 +10,9 @@ import pytest
 from channel.decode import RequestError
 from channel.messages import EvalContract, Launch, Policy, SleepRequest, Submit
 from channel.safefs import Identity
-from kernel.budget import Balance
-from kernel.config import ConfigError, parse
-from kernel.evaluate import (
+from kernel.core.budget import Balance
+from kernel.core.config import ConfigError, parse
+from kernel.core.evaluate import (
     EVAL_BASE,
     EVAL_CANDIDATE,
     EvalRun,
@@ -25,8 +25,8 @@ from kernel.evaluate import (
     is_improved,
     unchanged_verdict,
 )
-from kernel.rules import accept_sleep
-from kernel.store import WorkspaceRow
+from kernel.core.rules import accept_sleep
+from kernel.io.store import WorkspaceRow
 
 HIGHER = EvalContract(command="python eval.py", metric="score", direction="higher")
 

@@ -1,4 +1,4 @@
-"""kernel.gather: exit records -> task states, and output tails (pure logic and real files)."""
+"""kernel.service.gather: exit records -> task states, and output tails (pure logic and real files)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from channel import limits as L
 from channel.lifecycle import TaskEvent, next_task_state
-from kernel import gather
-from kernel.jobscript import ExitRecord
+from kernel.backends.jobscript import ExitRecord
+from kernel.service import gather
 
 
 @pytest.mark.parametrize(

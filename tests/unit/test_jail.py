@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kernel import jail as J
-from kernel import wrapper as W
+from kernel.node import jail as J
+from kernel.node import wrapper as W
 
 PATHS = J.JailPaths(tree="/scratch/j1/tree", home="/scratch/j1/home", work="/scratch/j1/work")
 

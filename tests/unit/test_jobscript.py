@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from channel.paths import RunPaths
-from kernel import jobscript
-from kernel import wrapper as W
+from kernel.backends import jobscript
 from kernel.backends.base import JobSpec
-from kernel.jail import JailPolicy
+from kernel.node import wrapper as W
+from kernel.node.jail import JailPolicy
 
 
 def _spec(tmp_path: Path, **kw: object) -> JobSpec:

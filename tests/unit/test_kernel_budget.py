@@ -6,7 +6,7 @@ import pytest
 
 from channel.decode import RequestError
 from channel.messages import Launch
-from kernel.budget import Balance, charge_sleep, gpu_hours, gpu_seconds, refund_sleep, release
+from kernel.core.budget import Balance, charge_sleep, gpu_hours, gpu_seconds, refund_sleep, release
 
 
 def L(name: str, gpus: int = 1, minutes: int = 30, array: int = 1) -> Launch:

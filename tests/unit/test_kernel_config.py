@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel.config import ConfigError, load, parse
+from kernel.core.config import ConfigError, load, parse
 
 
 def test_defaults_without_a_file_use_state_directory_from_systemd() -> None:

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 
 from channel.messages import BudgetFile, KernelInfo
-from kernel.config import Config, parse
-from kernel.enroll import EnrollError, Grant, enroll
-from kernel.install import ToolSource
-from kernel.store import Store
+from kernel.core.config import Config, parse
+from kernel.io.enroll import EnrollError, Grant, enroll
+from kernel.io.install import ToolSource
+from kernel.io.store import Store
 
 TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
 

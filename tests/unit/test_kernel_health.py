@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kernel.config import parse
-from kernel.install import ToolSource
-from kernel.notify import Notifier
-from kernel.service import Service
-from kernel.store import Store
+from kernel.core.config import parse
+from kernel.io.install import ToolSource
+from kernel.io.store import Store
+from kernel.service.loop import Service
+from kernel.service.notify import Notifier
 
 
 def service(tmp_path: Path) -> Service:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernel.install import ToolSource, news, summarize
+from kernel.io.install import ToolSource, news, summarize
 
 OLD = b"""VERSION = "1.0"
 sub.add_parser("status")

@@ -6,7 +6,7 @@ import os
 import socket
 from pathlib import Path
 
-from kernel.notify import Notifier
+from kernel.service.notify import Notifier
 
 
 def test_datagrams_reach_the_socket(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import pytest
 from channel.decode import RequestError
 from channel.messages import CancelRequest, KernelRef, Launch, Policy, SleepRequest, Verdict
 from channel.safefs import Identity
-from kernel.budget import Balance
-from kernel.rules import (
+from kernel.core.budget import Balance
+from kernel.core.rules import (
     accept_sleep,
     history_answer,
     plan_cancel,
@@ -16,7 +16,7 @@ from kernel.rules import (
     queue_answer,
     status_answer,
 )
-from kernel.store import JobRow, SleepRow, WorkspaceRow
+from kernel.io.store import JobRow, SleepRow, WorkspaceRow
 
 NOW = "2026-11-30T12:00:00.000Z"
 

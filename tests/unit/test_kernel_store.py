@@ -9,8 +9,8 @@ import pytest
 
 from channel.messages import Policy
 from channel.safefs import Identity
-from kernel.budget import Balance
-from kernel.store import RequestRow, Store, StoreError, WorkspaceRow, timestamp
+from kernel.core.budget import Balance
+from kernel.io.store import RequestRow, Store, StoreError, WorkspaceRow, timestamp
 
 NOW = timestamp(1796040000.0)
 

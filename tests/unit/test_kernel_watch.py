@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel.watch import choose_mode, fs_type_of, is_network_fs, parse_mountinfo
+from kernel.io.watch import choose_mode, fs_type_of, is_network_fs, parse_mountinfo
 
 MOUNTINFO = """\
 22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda1 rw

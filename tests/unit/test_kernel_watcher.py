@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
-from kernel.watch import Watcher
+from kernel.io.watch import Watcher
 
 
 async def until(cond: Callable[[], bool], what: str, deadline_s: float = 5.0) -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from kernel.config import Config, ConfigError, parse
-from kernel.enroll import enroll
-from kernel.executor import PendingExecutor
-from kernel.install import ToolSource
-from kernel.pipeline import TEMPS_PER_LISTING, Pipeline
-from kernel.store import Store, StoreWorker
+from kernel.core.config import Config, ConfigError, parse
+from kernel.io.enroll import enroll
+from kernel.io.install import ToolSource
+from kernel.io.store import Store, StoreWorker
+from kernel.service.executor import PendingExecutor
+from kernel.service.pipeline import TEMPS_PER_LISTING, Pipeline
 
 TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
 T0 = 1_800_000_000.0

@@ -18,13 +18,14 @@ import pytest
 from fakes.fake_slurm import FakeSlurm
 
 from channel.lifecycle import next_task_state
-from kernel import gather, jobscript
-from kernel.backends import slurm as S
+from kernel.backends import jobscript
 from kernel.backends.base import JobSpec, Recovered, TaskExit
-from kernel.config import ConfigError, SlurmConfig, parse
-from kernel.execute import make_backend
-from kernel.jail import JailPolicy
-from kernel.slurm import Resolution, SbatchJob, SbatchPolicy, render_sbatch_argv
+from kernel.backends.slurm import Resolution, SbatchJob, SbatchPolicy, render_sbatch_argv
+from kernel.backends.slurm import backend as S
+from kernel.core.config import ConfigError, SlurmConfig, parse
+from kernel.node.jail import JailPolicy
+from kernel.service import gather
+from kernel.service.execute import make_backend
 
 T = TypeVar("T")
 WS = "ws-0123456789"
@@ -647,7 +648,7 @@ def test_hint_of_a_sigterm_the_kernel_did_not_send_before_slurm_explains_it(w: W
 def test_the_wake_reads_every_exit_record_the_backend_writes(
     tmp_path: Path, res: Resolution, stuck: bool, state: str
 ) -> None:
-    """What the executor records (kernel.gather.outcome, lifecycle-checked) for a task Slurm ended without the
+    """What the executor records (kernel.service.gather.outcome, lifecycle-checked) for a task Slurm ended without the
     wrapper's record, and the hint the wake then shows: the backend's own when it has one."""
     rec = S.exit_record_for(res, stuck=stuck)
     out = gather.outcome(rec)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel.slurm import (
+from kernel.backends.slurm import (
     Classification,
     Resolution,
     classify_exit_file,
@@ -17,7 +17,7 @@ from kernel.slurm import (
     read_squeue,
     resolve_task,
 )
-from kernel.slurm.classify import ENDED_STATES, RUNNING_STATES, VANISHED_HINT, WAITING_STATES
+from kernel.backends.slurm.classify import ENDED_STATES, RUNNING_STATES, VANISHED_HINT, WAITING_STATES
 
 ME = 1000
 

@@ -1,4 +1,4 @@
-"""The fake Slurm (tests/fakes/fake_slurm.py) run as real processes on PATH, read through kernel.slurm's parsers."""
+"""The fake Slurm (tests/fakes/fake_slurm.py) run as real processes on PATH, read through kernel.backends.slurm's parsers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from fakes.fake_slurm import FakeSlurm
 
 from channel.paths import RunPaths
-from kernel.slurm import (
+from kernel.backends.slurm import (
     SbatchJob,
     SbatchPolicy,
     SqueueResult,

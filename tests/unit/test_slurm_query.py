@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from kernel.slurm import (
+from kernel.backends.slurm import (
     JobId,
     SacctRow,
     SlurmOutputError,
@@ -24,7 +24,13 @@ from kernel.slurm import (
     sacct_argv,
     squeue_argv,
 )
-from kernel.slurm.query import MAX_ID_LIST_CHARS, SQUEUE_FORMAT, parse_elapsed, parse_exit_code, parse_state
+from kernel.backends.slurm.query import (
+    MAX_ID_LIST_CHARS,
+    SQUEUE_FORMAT,
+    parse_elapsed,
+    parse_exit_code,
+    parse_state,
+)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from channel.paths import RunPaths, workspace_key
-from kernel.slurm import (
+from kernel.backends.slurm import (
     SbatchJob,
     SbatchPolicy,
     SlurmOutputError,

@@ -1,4 +1,4 @@
-"""`kernel.submit`'s hold on the base commit, against real git: what an agent may do to the kernel's ref."""
+"""`kernel.io.submit`'s hold on the base commit, against real git: what an agent may do to the kernel's ref."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel import submit as S
+from kernel.io import submit as S
 
 
 def git(ws: Path, *args: str) -> str:

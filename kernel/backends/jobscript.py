@@ -1,6 +1,6 @@
 """The one writer of a launch's `command.txt` and `job.sh`, and the kernel-side reader of what the wrapper wrote.
 
-`job.sh` is `kernel/wrapper.py` (stdlib Python 3.8+, so sbatch runs it as is) with the launch's configuration
+`job.sh` is `kernel/node/wrapper.py` (stdlib Python 3.8+, so sbatch runs it as is) with the launch's configuration
 embedded as a JSON literal; every backend runs the same file. The layout it writes per task is `RunPaths`'; the
 `exit-code` file is one JSON object (`ExitRecord`), written last and atomically. A backend that finds a wrapper
 gone without an `exit-code` (SIGKILL after the grace, a lost node) writes one itself through `write_exit`, so
@@ -24,10 +24,10 @@ from typing import Final
 import msgspec
 
 from channel.paths import RunPaths
-from kernel import jail as J
-from kernel import wrapper as W
 from kernel.backends.base import JobSpec
-from kernel.snapshot import git_env
+from kernel.io.snapshot import git_env
+from kernel.node import jail as J
+from kernel.node import wrapper as W
 
 WRAPPER_SOURCE: Final = Path(W.__file__)
 # RunPaths' file names are dataclass fields (slots), so they are read from an instance, not the class.
@@ -98,7 +98,7 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
 
 
 def render_job_script(spec: JobSpec, source: str | None = None) -> str:
-    """`kernel/wrapper.py` with the launch's configuration embedded (pure apart from reading the template)."""
+    """`kernel/node/wrapper.py` with the launch's configuration embedded (pure apart from reading the template)."""
     text = WRAPPER_SOURCE.read_text() if source is None else source
     if text.count(CONFIG_LINE) != 1:
         raise RuntimeError(f"{WRAPPER_SOURCE}: expected exactly one configuration marker line")

@@ -13,7 +13,7 @@ from typing import Final
 
 from msgspec import Struct
 
-from kernel.slurm.errors import SlurmOutputError
+from kernel.backends.slurm.errors import SlurmOutputError
 
 # Slurm's MaxArraySize cannot exceed 4,000,001; a larger expansion means the text is not what we think it is.
 MAX_EXPANDED_TASKS: Final = 4_000_001

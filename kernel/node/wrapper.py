@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The job wrapper: what runs on the node for one task of a launch, for every backend (local now, Slurm too).
 
-`kernel.jobscript` renders this file into `<launch dir>/job.sh` with its configuration embedded (sbatch copies
+`kernel.backends.jobscript` renders this file into `<launch dir>/job.sh` with its configuration embedded (sbatch copies
 the script away, so it cannot read a sidecar). It is Python 3.8+ and stdlib only, because it runs on compute
 nodes with whatever python3 they have, and because containment checks and atomic writes are far easier to get
 right here than in sh. Everything it writes goes into the kernel-owned task directory, OUTSIDE the jail:
@@ -56,7 +56,7 @@ WORK_TOKEN = "@@SYSCALL_WORK@@"
 ENV_TOKEN = "@@SYSCALL_ENV@@"
 COMMAND_TOKEN = "@@SYSCALL_COMMAND@@"
 
-# Replaced by kernel.jobscript with the JSON text of this task's configuration.
+# Replaced by kernel.backends.jobscript with the JSON text of this task's configuration.
 CONFIG_JSON: str | None = None  # @@SYSCALL_CONFIG@@
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -113,7 +113,7 @@ def task_dir_for(launch_dir: str, index: int, array: int) -> str:
 
 
 def env_args(kind: str, env: dict[str, str]) -> list[str]:
-    """Mirror of kernel.jail.env_args (a unit test keeps the two equal)."""
+    """Mirror of kernel.node.jail.env_args (a unit test keeps the two equal)."""
     out: list[str] = []
     for key in sorted(env):
         if kind == "bwrap":
@@ -605,7 +605,9 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
 def main() -> int:
     config = json.loads(CONFIG_JSON) if CONFIG_JSON else None
     if config is None:
-        sys.stderr.write("syscall job wrapper: no configuration embedded (render it with kernel.jobscript)\n")
+        sys.stderr.write(
+            "syscall job wrapper: no configuration embedded (render it with kernel.backends.jobscript)\n"
+        )
         return EXIT_WRAPPER_ERROR
     runner = Runner(float(config.get("kill_grace_s", 5.0)))
     runner.install()

@@ -1,7 +1,7 @@
 """The pipeline's decisions, as pure functions of recorded state (no I/O, no clock: `now` is passed in).
 
 - `accept_sleep`: policy, one-sleep-at-a-time, and budget -> the charged balance and the tasks to record (with a
-  submit, its two evaluation runs too: `kernel.evaluate.eval_jobs`).
+  submit, its two evaluation runs too: `kernel.core.evaluate.eval_jobs`).
 - `plan_cancel`: which live tasks a cancel names, and the balance after refunding those never submitted.
 - `status_answer`, `queue_answer`, `history_answer`: the read-only answers, built from store rows.
 - `plan_pass`: which workspaces get how many requests in one pass (bounded, round-robin, so that one flooding
@@ -36,10 +36,10 @@ from channel.messages import (
     TaskView,
     Verdict,
 )
-from kernel import budget
-from kernel.budget import Balance
-from kernel.evaluate import charge_eval, check_eval_names, eval_jobs
-from kernel.store import JobRow, SleepRow, WorkspaceRow
+from kernel.core import budget
+from kernel.core.budget import Balance
+from kernel.core.evaluate import charge_eval, check_eval_names, eval_jobs
+from kernel.io.store import JobRow, SleepRow, WorkspaceRow
 
 _verdict_decoder: Final = msgspec.json.Decoder(Verdict)
 

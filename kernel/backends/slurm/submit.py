@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 
 from channel import limits as L
 from channel.paths import RunPaths
-from kernel.slurm.errors import SlurmOutputError
+from kernel.backends.slurm.errors import SlurmOutputError
 
 JOB_NAME_PREFIX: Final = "sk"
 # Slurm's default MaxArraySize is 1001 (indices 0-1000); the protocol's own ARRAY_MAX is far below it.

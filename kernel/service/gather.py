@@ -29,11 +29,11 @@ from channel import safefs
 from channel.lifecycle import TaskEvent
 from channel.messages import Artifact, SkippedArtifact, TaskResult, Verdict, Wake
 from channel.paths import ChannelPaths, RunPaths
-from kernel import jobscript
-from kernel import wrapper as W
-from kernel.backends.slurm import WAKE_STATE_OF_KIND, hint_of
-from kernel.budget import Balance, gpu_hours
-from kernel.store import JobRow
+from kernel.backends import jobscript
+from kernel.backends.slurm.backend import WAKE_STATE_OF_KIND, hint_of
+from kernel.core.budget import Balance, gpu_hours
+from kernel.io.store import JobRow
+from kernel.node import wrapper as W
 
 # What a task's state means for the agent, where channel.render's generic hints do not say enough.
 HINT_FAILED: Final = "the command exited with a non-zero status; the stderr tail below usually says why"

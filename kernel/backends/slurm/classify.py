@@ -18,7 +18,7 @@ from typing import Final, Literal
 from msgspec import Struct
 
 from channel.messages import TaskState
-from kernel.slurm.query import SacctResult, SacctRow, SqueueResult, SqueueRow, TaskKey
+from kernel.backends.slurm.query import SacctResult, SacctRow, SqueueResult, SqueueRow, TaskKey
 
 # Slurm records an OOM kill as signal 125 on some sites (`ExitCode` 0:125) instead of state OUT_OF_MEMORY.
 OOM_SIGNAL: Final = 125

@@ -29,8 +29,8 @@ from typing import Final, Literal
 import msgspec
 
 from channel.messages import EvalContract, Policy, Verdict, encode
-from kernel.snapshot import REF_PREFIX, git_argv, git_env, snapshot_ref
-from kernel.store import Store, timestamp
+from kernel.io.snapshot import REF_PREFIX, git_argv, git_env, snapshot_ref
+from kernel.io.store import Store, timestamp
 
 Decision = Literal["run", "reuse", "unchanged", "no_base"]
 SEED_BOUND: Final = 2**31

@@ -29,14 +29,15 @@ from channel import limits as L
 from channel import safefs
 from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Limits, encode
 from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
-from kernel import budget, watch
-from kernel import submit as S
-from kernel.budget import Balance
-from kernel.config import Config
-from kernel.evaluate import EVAL_FLAGS, contract_problem
-from kernel.install import ToolSource, install
-from kernel.snapshot import git_env
-from kernel.store import Store, WorkspaceRow, timestamp
+from kernel.core import budget
+from kernel.core.budget import Balance
+from kernel.core.config import Config
+from kernel.core.evaluate import EVAL_FLAGS, contract_problem
+from kernel.io import submit as S
+from kernel.io import watch
+from kernel.io.install import ToolSource, install
+from kernel.io.snapshot import git_env
+from kernel.io.store import Store, WorkspaceRow, timestamp
 
 KERNEL_NAME: Final = "syscall-kernel"
 EXCLUDE_LINE: Final = f"/{CHANNEL_DIR}/"

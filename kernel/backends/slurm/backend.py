@@ -11,7 +11,7 @@ Tracking (the `run` service loop). The wrapper's `exit-code` is the ground truth
 file tick (`file_poll_s`, beside the polls so a hanging squeue never delays it) stats `exit-code` once per open
 task not last seen PENDING (every open task while squeue fails), which works on NFS where inotify does not. A
 SIGTERM the kernel did not send (`terminated`) is reported once Slurm says why (TIMEOUT at the walltime,
-PREEMPTED, CANCELLED by scancel). Once per poll interval (`kernel.slurm.poll_interval`: adaptive, backing off while the controller fails) ONE
+PREEMPTED, CANCELLED by scancel). Once per poll interval (`kernel.backends.slurm.poll_interval`: adaptive, backing off while the controller fails) ONE
 batched `squeue` covers every tracked job. A task that left the queue (or ended) without an exit file gets one
 batched `sacct -S <earliest submit>` for all such tasks, only where accounting exists (a cluster answering
 "accounting storage is disabled" is never asked again). A failed or timed-out query is "unknown" and changes
@@ -44,9 +44,9 @@ import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from channel.messages import TaskState
-from kernel import jobscript
+from kernel.backends import jobscript
 from kernel.backends.base import Backend, JobSpec, Recovered, TaskExit, TaskRef
-from kernel.slurm import (
+from kernel.backends.slurm import (
     Resolution,
     SacctResult,
     SbatchJob,
@@ -67,11 +67,11 @@ from kernel.slurm import (
     sbatch_failure,
     squeue_argv,
 )
-from kernel.slurm.classify import RUNNING_STATES
-from kernel.slurm.query import SQUEUE_FORMAT, parse_squeue
+from kernel.backends.slurm.classify import RUNNING_STATES
+from kernel.backends.slurm.query import SQUEUE_FORMAT, parse_squeue
 
 if TYPE_CHECKING:
-    from kernel.config import SlurmConfig
+    from kernel.core.config import SlurmConfig
 
 SPEC_FILE: Final = "slurm.json"
 JOB_FILE: Final = "slurm-job.json"
@@ -91,7 +91,7 @@ _KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
 }
 
 
-# How the wake reads the exit records this backend writes (kernel.gather.outcome): kind -> (lifecycle event,
+# How the wake reads the exit records this backend writes (kernel.service.gather.outcome): kind -> (lifecycle event,
 # TaskState). The wrapper's own kinds, and `timeout`/`cancelled`, are read as on every backend.
 WAKE_STATE_OF_KIND: Final[Mapping[str, tuple[str, TaskState]]] = {
     "out_of_memory": ("finish", "OUT_OF_MEMORY"),
@@ -288,8 +288,8 @@ Sleep = Callable[[float], Awaitable[None]]
 
 
 def crash_point(step: str) -> None:
-    """kernel.execute.crash_point (imported late: kernel.execute imports this module through kernel.gather)."""
-    from kernel.execute import crash_point as crash
+    """kernel.service.execute.crash_point (imported late: kernel.service.execute imports this module through kernel.service.gather)."""
+    from kernel.service.execute import crash_point as crash
 
     crash(step)
 
@@ -348,7 +348,7 @@ class SlurmBackend:
     def from_config(
         cls, cfg: SlurmConfig, *, policy: SbatchPolicy | None = None, **kw: object
     ) -> SlurmBackend:
-        """The backend `[slurm]` describes (kernel.execute.make_backend); `kw` overrides (env, clock, sleep)."""
+        """The backend `[slurm]` describes (kernel.service.execute.make_backend); `kw` overrides (env, clock, sleep)."""
         args: dict[str, object] = {
             "policy": policy or policy_from_config(cfg),
             "client_timeout_s": cfg.client_timeout_seconds,
@@ -398,7 +398,9 @@ class SlurmBackend:
             return [la.ref(t) for t in range(spec.array)]
         launch_dir = spec.paths.launch_dir
         if not (launch_dir / jobscript.NAMES.JOB_SCRIPT).is_file():
-            raise FileNotFoundError(f"{launch_dir}: job.sh is missing; write it with kernel.jobscript first")
+            raise FileNotFoundError(
+                f"{launch_dir}: job.sh is missing; write it with kernel.backends.jobscript first"
+            )
         la = _Launch(spec, job_name(spec.workspace, spec.seq, spec.launch), open=set(range(spec.array)))
         self._launches[spec.key] = la
         try:

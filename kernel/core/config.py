@@ -18,7 +18,7 @@ from msgspec import Meta, Struct
 
 from channel import limits as L
 from channel.messages import EvalContract, Policy
-from kernel.evaluate import contract_problem
+from kernel.core.evaluate import contract_problem
 
 ENV_CONFIG: Final = "SYSCALL_KERNEL_CONFIG"
 DEFAULT_CONFIG_PATHS: Final = (Path("/etc/syscall-kernel/config.toml"),)
@@ -62,7 +62,7 @@ SlurmWord = Annotated[str, Meta(pattern=_SLURM_WORD)]
 
 
 class SlurmConfig(_Strict, frozen=True, kw_only=True):
-    """Site settings for the Slurm backend (kernel.execute.make_backend maps them; docs/operator.md lists them)."""
+    """Site settings for the Slurm backend (kernel.service.execute.make_backend maps them; docs/operator.md lists them)."""
 
     partition: SlurmWord | None = None
     account: SlurmWord | None = None
@@ -108,7 +108,7 @@ class SlurmConfig(_Strict, frozen=True, kw_only=True):
 
 
 class LocalConfig(_Strict, frozen=True, kw_only=True):
-    """The embedded local backend (used by the execution layer, kernel.execute)."""
+    """The embedded local backend (used by the execution layer, kernel.service.execute)."""
 
     # Wrappers running at once across all sleeps; 0 = the number of CPUs.
     max_parallel: Annotated[int, Meta(ge=0, le=4096)] = 0
@@ -139,7 +139,7 @@ class Config(_Strict, frozen=True, kw_only=True):
     # A pass running longer than this marks the service unhealthy (systemd's watchdog then restarts it).
     stall_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
     # The operator's hook for submit verdicts: a command (split like a shell would, run without one) that gets
-    # each verdict and its report as JSON on stdin, in state_dir with a clean environment (kernel.submitexec).
+    # each verdict and its report as JSON on stdin, in state_dir with a clean environment (kernel.service.submitexec).
     on_verdict: str = ""
     on_verdict_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     defaults: Defaults = Defaults()

@@ -27,7 +27,7 @@ import msgspec
 
 from channel.messages import Policy
 from channel.safefs import Identity
-from kernel.budget import Balance
+from kernel.core.budget import Balance
 
 SCHEMA_VERSION: Final = 1
 

@@ -3,13 +3,13 @@
 For each request: read it through `safefs` (a FIFO, symlink, hardlink or oversized file is refused and answered
 `rejected`), hash it, and look the (workspace, id) up in the store. A known id with the same bytes gets its stored
 answer again; with other bytes it is refused (`request.id.reused`). A new request is decoded, decided by the pure
-rules in `kernel.rules`, and recorded together with its answer in ONE transaction, committed before the answer
+rules in `kernel.core.rules`, and recorded together with its answer in ONE transaction, committed before the answer
 file is written and the request file removed. A kernel killed anywhere in between finds the request again and
 replays the stored answer, so every request is answered exactly once.
 
 Sleeps and cancels go further: the transaction records the request without an answer (plus the sleep, its
 PENDING tasks and the charge, or the cancel's refunds); after the commit the executor is called
-(`kernel.executor`), and only then is the answer recorded and written. Such an unanswered request is resumed at
+(`kernel.service.executor`), and only then is the answer recorded and written. Such an unanswered request is resumed at
 start (`recover`) or when its file is seen again.
 
 Work is bounded: each pass serves at most `batch_per_workspace` requests of one workspace and
@@ -50,13 +50,13 @@ from channel.messages import (
     encode,
 )
 from channel.paths import ChannelPaths
-from kernel import rules
-from kernel.budget import Balance, refund_sleep
-from kernel.config import Config
-from kernel.enroll import kernel_ref, write_budget
-from kernel.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
-from kernel.log import event
-from kernel.store import RequestRow, SleepRow, StoreWorker, WorkspaceRow, timestamp
+from kernel.core import rules
+from kernel.core.budget import Balance, refund_sleep
+from kernel.core.config import Config
+from kernel.io.enroll import kernel_ref, write_budget
+from kernel.io.log import event
+from kernel.io.store import RequestRow, SleepRow, StoreWorker, WorkspaceRow, timestamp
+from kernel.service.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
 
 # Channels listed per pass by a rescan or poll tick (on top of the channels with news).
 SWEEP_PER_PASS: Final = 16

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from channel.decode import RequestError
 from channel.messages import JobRef, SleepRequest
-from kernel.store import JobRow, SleepRow, StoreWorker, WorkspaceRow
+from kernel.io.store import JobRow, SleepRow, StoreWorker, WorkspaceRow
 
 
 class ExecutorUnavailable(Exception):

@@ -10,7 +10,7 @@ by 0.3 - 0.1 exactly (binary floats would say 0.19999999999999998).
 
 Also here, pure: the two evaluation job rows a sleep with a submit records at acceptance (`eval_jobs`, named
 `EVAL_BASE` / `EVAL_CANDIDATE`, charged like launches by `charge_eval`), the operator's contract check
-(`contract_problem`), and the hook's payload (`hook_payload`). The stateful side is `kernel.submit`.
+(`contract_problem`), and the hook's payload (`hook_payload`). The stateful side is `kernel.io.submit`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import msgspec
 
 from channel.decode import RequestError
 from channel.messages import EvalContract, SleepRequest, Submit, Verdict, encode
-from kernel.budget import Balance, gpu_hours
-from kernel.store import JobRow
+from kernel.core.budget import Balance, gpu_hours
+from kernel.io.store import JobRow
 
 Side = Literal["base", "candidate"]
 

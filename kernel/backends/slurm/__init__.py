@@ -5,7 +5,7 @@ Slurm quirk is covered by table tests on golden text (tests/unit/test_slurm_*.py
 throwaway cluster (tests/integration/test_slurm_cluster.py).
 """
 
-from kernel.slurm.classify import (
+from kernel.backends.slurm.classify import (
     Classification,
     Resolution,
     classify_exit_file,
@@ -14,9 +14,9 @@ from kernel.slurm.classify import (
     poll_interval,
     resolve_task,
 )
-from kernel.slurm.errors import SlurmOutputError
-from kernel.slurm.ids import JobId, parse_job_id
-from kernel.slurm.query import (
+from kernel.backends.slurm.errors import SlurmOutputError
+from kernel.backends.slurm.ids import JobId, parse_job_id
+from kernel.backends.slurm.query import (
     SacctResult,
     SacctRow,
     SqueueResult,
@@ -30,7 +30,7 @@ from kernel.slurm.query import (
     sacct_argv,
     squeue_argv,
 )
-from kernel.slurm.submit import (
+from kernel.backends.slurm.submit import (
     SbatchJob,
     SbatchPolicy,
     Submitted,

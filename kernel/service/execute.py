@@ -57,17 +57,24 @@ from channel.messages import (
 )
 from channel.paths import ChannelPaths
 from channel.render import render_wake
-from kernel import gather, jobscript
-from kernel import log as klog
+from kernel.backends import jobscript
 from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, Backend, JobSpec, TaskExit
-from kernel.budget import release
-from kernel.config import Config, ConfigError
-from kernel.enroll import write_budget
-from kernel.executor import DispatchRefused, Executor, ExecutorUnavailable, PendingExecutor, SleepOrder
-from kernel.jail import NONE_WARNING, JailPolicy
-from kernel.snapshot import Snapshot, SnapshotError, snapshot_ref, take_snapshot
-from kernel.snapshot import release as release_snapshot
-from kernel.store import JobRow, SleepRow, StoreWorker, timestamp
+from kernel.core.budget import release
+from kernel.core.config import Config, ConfigError
+from kernel.io import log as klog
+from kernel.io.enroll import write_budget
+from kernel.io.snapshot import Snapshot, SnapshotError, snapshot_ref, take_snapshot
+from kernel.io.snapshot import release as release_snapshot
+from kernel.io.store import JobRow, SleepRow, StoreWorker, timestamp
+from kernel.node.jail import NONE_WARNING, JailPolicy
+from kernel.service import gather
+from kernel.service.executor import (
+    DispatchRefused,
+    Executor,
+    ExecutorUnavailable,
+    PendingExecutor,
+    SleepOrder,
+)
 
 T = TypeVar("T")
 
@@ -120,7 +127,7 @@ def make_backend(cfg: Config) -> RunnableBackend:
                 seconds_per_minute=cfg.local.seconds_per_minute,
             )
         case "slurm":
-            from kernel.backends.slurm import SlurmBackend
+            from kernel.backends.slurm.backend import SlurmBackend
 
             return SlurmBackend.from_config(cfg.slurm)
         case _:
@@ -139,7 +146,9 @@ def executor_factory(cfg: Config) -> Callable[[StoreWorker], Executor]:
             "or set jail = 'none' on a single-user laptop"
         )
     backend = make_backend(cfg)
-    from kernel.submitexec import SubmitExecutor  # imported here: kernel.submitexec imports this module
+    from kernel.service.submitexec import (
+        SubmitExecutor,  # imported here: kernel.service.submitexec imports this module
+    )
 
     return lambda worker: SubmitExecutor(cfg, worker, backend)
 
@@ -155,7 +164,7 @@ def _worlds_fault(e: Exception) -> bool:
 
 
 def _refused(e: Exception) -> bool:
-    """A permanent refusal by the backend (kernel.backends.slurm.SlurmRefused): answered, never retried."""
+    """A permanent refusal by the backend (kernel.backends.slurm.backend.SlurmRefused): answered, never retried."""
     return any(c.__name__ == "SlurmRefused" for c in type(e).__mro__)
 
 
@@ -238,7 +247,7 @@ class RealExecutor:
 
     def prepare(self, order: SleepOrder, commit: str, tree: str) -> None:
         """Worker thread, once the snapshot is recorded and before any launch is built (idempotent: it runs again
-        after a crash). An extension point: kernel.submitexec decides and records the submit's plan here."""
+        after a crash). An extension point: kernel.service.submitexec decides and records the submit's plan here."""
 
     def specs_of(
         self, order: SleepOrder, commit: str, tree: str, jobs: Sequence[JobRow]

@@ -7,7 +7,7 @@ environment built from an allowlist, never inherited. Visibility is decided by w
 directory, the state directory and the workspaces are simply never bound; `hide` masks any of them that happens to
 live below a directory that is bound (an operator who puts `state_dir` under `/opt`, say).
 
-The argv is built here and rendered into the job wrapper by `kernel.jobscript`; paths that only exist on the node
+The argv is built here and rendered into the job wrapper by `kernel.backends.jobscript`; paths that only exist on the node
 (the scratch tree) and env values only known there (the array index, `CUDA_VISIBLE_DEVICES`) are filled in by the
 wrapper through the tokens below.
 """

@@ -26,15 +26,15 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from channel import safefs
 from channel.paths import ChannelPaths
-from kernel import enroll as enrollment
-from kernel import log, submit
-from kernel.config import Config
-from kernel.executor import Executor, PendingExecutor
-from kernel.install import ToolSource
-from kernel.notify import Notifier
-from kernel.pipeline import Pipeline, Spawn
-from kernel.store import Store, StoreWorker, WorkspaceRow
-from kernel.watch import Watcher, choose_mode, fs_type_of, read_mounts
+from kernel.core.config import Config
+from kernel.io import enroll as enrollment
+from kernel.io import log, submit
+from kernel.io.install import ToolSource
+from kernel.io.store import Store, StoreWorker, WorkspaceRow
+from kernel.io.watch import Watcher, choose_mode, fs_type_of, read_mounts
+from kernel.service.executor import Executor, PendingExecutor
+from kernel.service.notify import Notifier
+from kernel.service.pipeline import Pipeline, Spawn
 
 # Keys queued from the inotify thread; the thread never queues a key twice, so this bounds distinct channels with
 # fresh events between two passes. Beyond it, the watcher asks for a full rescan instead.
@@ -321,9 +321,9 @@ class Service:
 
 
 async def serve(cfg: Config, *, executor_factory: ExecutorFactory | None = None) -> None:
-    """Run the service; the executor is the config's backend (kernel.execute) unless a factory is given."""
+    """Run the service; the executor is the config's backend (kernel.service.execute) unless a factory is given."""
     if executor_factory is None:
-        from kernel.execute import executor_factory as configured
+        from kernel.service.execute import executor_factory as configured
 
         executor_factory = configured(cfg)
     store = Store.open(cfg.db_path)

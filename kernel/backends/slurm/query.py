@@ -20,8 +20,8 @@ from typing import Final, Literal
 
 from msgspec import Struct
 
-from kernel.slurm.errors import SlurmOutputError
-from kernel.slurm.ids import parse_job_id
+from kernel.backends.slurm.errors import SlurmOutputError
+from kernel.backends.slurm.ids import parse_job_id
 
 TaskKey = tuple[str, int | None]
 
