@@ -150,7 +150,7 @@ def run_kernel(
     cfg = root / f"config-{mode}.toml"
     cfg.write_text(
         f'state_dir = "{root / "state"}"\nwatch = "{mode}"\npoll_seconds = {poll_seconds}\n'
-        f'workspaces = ["{spaces_root}/*"]\n'
+        f'workspaces = ["{spaces_root}/*"]\n' + ("allow_root = true\n" if os.geteuid() == 0 else "")
     )
     log = open(root / f"kernel-{mode}.log", "ab")  # noqa: SIM115 - lives as long as the process
     t0 = time.perf_counter()

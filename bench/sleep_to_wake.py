@@ -120,7 +120,8 @@ def run(
         state = top / "state"
         config = top / "config.toml"
         config.write_text(
-            f'state_dir = "{state}"\njail = "{jail}"\nbackend = "{backend}"\n[local]\nmax_parallel = 8\n'
+            ("allow_root = true\n" if os.geteuid() == 0 else "")
+            + f'state_dir = "{state}"\njail = "{jail}"\nbackend = "{backend}"\n[local]\nmax_parallel = 8\n'
             "[slurm]\npoll_seconds = 1.0\n"
         )
         cli = [sys.executable, "-m", "kernel.cli"]

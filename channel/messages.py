@@ -354,6 +354,13 @@ class Limits(_Strict, frozen=True):
     report_max_chars: int = L.REPORT_MAX_CHARS
 
 
+class StoreRef(_Strict, frozen=True):
+    """The kernel state store that owns a channel: only the kernel serving that store answers it."""
+
+    store: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
+    state_dir: str
+
+
 class KernelInfo(_Strict, frozen=True):
     """`kernel.json`: who is answering this channel and under which limits."""
 
@@ -364,6 +371,7 @@ class KernelInfo(_Strict, frozen=True):
     policy: Policy
     verbs: tuple[str, ...]
     tool_sha256: str
+    owner: StoreRef | None = None
 
 
 class BudgetFile(_Strict, frozen=True):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from channel.messages import EvalContract
 from kernel.core.budget import Balance
 from kernel.core.config import Config, ConfigError, load
 from kernel.core.evaluate import EVAL_FLAGS, contract_problem
-from kernel.io import log
+from kernel.io import log, statedir
 from kernel.io.store import Store, StoreError
 
 EXAMPLES = """examples:
@@ -58,6 +59,8 @@ class WorkspaceStatus(msgspec.Struct, frozen=True):
 
 class KernelStatus(msgspec.Struct, frozen=True):
     state_dir: str
+    # The pid of the kernel holding the state dir's lock (0: held, pid unreadable); None: no kernel is running.
+    kernel_pid: int | None
     workspaces: tuple[WorkspaceStatus, ...]
     live_sleeps: int
     live_jobs: int
@@ -95,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--launches", type=int, metavar="N", help="launches left in the budget")
     e.add_argument("--sleeps", type=int, metavar="N", help="sleeps left in the budget")
     e.add_argument("--gpu-hours", type=float, metavar="X", help="GPU-hours left in the budget")
+    e.add_argument(
+        "--take-over",
+        action="store_true",
+        help="enroll a channel that another kernel's store owns (kernel.json `owner`); that kernel stops serving it",
+    )
     ev = e.add_argument_group(
         "eval contract (submit)",
         "what `submit` runs on the base and the candidate; all or none of --eval-command/--metric. Without them "
@@ -133,7 +141,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kernel.service.loop import serve
 
     cfg = _config(args.config)
+    if os.geteuid() == 0 and not cfg.allow_root:
+        print(
+            "syscall-kernel serve: refusing to run as root: jobs, channels and the state would all be root's. Run "
+            "one kernel per user who owns the workspaces (deploy/systemd/syscall-kernel@.service), or set "
+            "allow_root = true in the config if you really mean it",
+            file=sys.stderr,
+        )
+        return 2
     log.setup()
+    try:
+        created = statedir.prepare(cfg.state_dir)
+        lock = statedir.StateLock.acquire(cfg.state_dir)
+    except statedir.StateDirError as exc:
+        log.event("state_dir_refused", logging.ERROR, state_dir=cfg.state_dir, problem=str(exc))
+        print(f"syscall-kernel serve: {exc}", file=sys.stderr)
+        return 2
+    if created:
+        log.event("state_dir_created", state_dir=cfg.state_dir)
     log.event(
         "starting",
         config=cfg.source,
@@ -144,7 +169,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         watch=cfg.watch,
         pid=os.getpid(),
     )
-    anyio.run(serve, cfg)
+    try:
+        anyio.run(serve, cfg)
+    finally:
+        lock.release()
     return 0
 
 
@@ -160,8 +188,9 @@ def cmd_enroll(args: argparse.Namespace) -> int:
             return 2
     try:
         tool = ToolSource.bundled()
+        statedir.prepare(cfg.state_dir)
         store = Store.open(cfg.db_path)
-    except (ToolMissing, StoreError, OSError) as exc:
+    except (ToolMissing, StoreError, OSError, statedir.StateDirError) as exc:
         print(f"syscall-kernel enroll: {exc}", file=sys.stderr)
         return 1
     contract = _contract(args)
@@ -177,6 +206,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
             tool,
             Grant(args.launches, args.sleeps, args.gpu_hours),
             contract=contract,
+            take_over=args.take_over,
         )
     except EnrollError as exc:
         print(f"syscall-kernel enroll: refused: {exc}", file=sys.stderr)
@@ -191,6 +221,11 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     print(
         f"  channel: {row.path}/.syscall (device {row.identity.dev}, inode {row.identity.ino}, uid {row.identity.uid})"
     )
+    if done.taken_from is not None:
+        print(
+            f"  taken over from store {done.taken_from.store} (state_dir {done.taken_from.state_dir}); the kernel "
+            "there stops answering it at its next rescan"
+        )
     if done.adopted_new_channel:
         print("  note: the channel had been replaced since the last enrollment; the new one is now recorded")
     if done.tool_note is not None:
@@ -244,8 +279,9 @@ def cmd_rebase(args: argparse.Namespace) -> int:
 
     cfg = _config(args.config)
     try:
+        statedir.prepare(cfg.state_dir, create=False)
         store = Store.open(cfg.db_path)
-    except (StoreError, OSError) as exc:
+    except (StoreError, OSError, statedir.StateDirError) as exc:
         print(f"syscall-kernel rebase: {exc}", file=sys.stderr)
         return 1
     try:
@@ -293,7 +329,12 @@ def _status(cfg: Config) -> KernelStatus:
             out.append(WorkspaceStatus(ws.key, ws.path, ws.watch, ws.problem, _budget(ws.balance), sleep))
         counts = store.counts()
         return KernelStatus(
-            cfg.state_dir, tuple(out), counts["live_sleeps"], counts["live_jobs"], counts["requests"]
+            cfg.state_dir,
+            statedir.holder(cfg.state_dir),
+            tuple(out),
+            counts["live_sleeps"],
+            counts["live_jobs"],
+            counts["requests"],
         )
     finally:
         store.close()
@@ -320,6 +361,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         sys.stdout.write(msgspec.json.encode(st).decode() + "\n")
         return 0
     print(f"state: {st.state_dir}")
+    if st.kernel_pid is None:
+        print("kernel: NOT running (no process holds the state dir's lock)")
+    else:
+        print(f"kernel: running (pid {st.kernel_pid or 'unknown'})")
     print(
         f"{len(st.workspaces)} workspaces, {st.live_sleeps} sleeps and {st.live_jobs} jobs in flight, "
         f"{st.requests} requests recorded"

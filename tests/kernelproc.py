@@ -72,7 +72,9 @@ class Kernel:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state = self.dir / "state"
         self.config = self.dir / "config.toml"
-        self.config.write_text(f'state_dir = "{self.state}"\n{extra}\n')
+        # The tests may run as root (CI containers): `serve` refuses root unless told.
+        root = "allow_root = true\n" if os.geteuid() == 0 else ""
+        self.config.write_text(f'state_dir = "{self.state}"\n{root}{extra}\n')
         self.log = self.dir / "kernel.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None

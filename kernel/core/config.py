@@ -2,7 +2,8 @@
 
 Unknown keys, wrong types and out-of-range values are refused with the file and the dotted key named, so a typo
 never silently falls back to a default. Relative paths are resolved against the config file's directory.
-`state_dir` defaults to systemd's `$STATE_DIRECTORY` (set by `StateDirectory=`), else `~/.local/state`.
+`state_dir` defaults to `$XDG_STATE_HOME/syscall-kernel`, else `~/.local/state/syscall-kernel`, for the service and
+the CLI alike.
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ class Config(_Strict, frozen=True, kw_only=True):
     # each verdict and its report as JSON on stdin, in state_dir with a clean environment (kernel.service.submitexec).
     on_verdict: str = ""
     on_verdict_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    # `serve` as root is refused unless this is true: one kernel per (non-root) user owning the workspaces.
+    allow_root: bool = False
     defaults: Defaults = Defaults()
     slurm: SlurmConfig = SlurmConfig()
     local: LocalConfig = LocalConfig()
@@ -211,10 +214,9 @@ def _resolve(cfg: Config, source: str, env: dict[str, str]) -> Config:
 
     if cfg.state_dir:
         state = absolute(cfg.state_dir)
-    elif env.get("STATE_DIRECTORY"):
-        # systemd may pass several colon-separated directories; the first is ours.
-        state = env["STATE_DIRECTORY"].split(":")[0]
     else:
+        # Never systemd's $STATE_DIRECTORY: the CLI run by hand does not have it, and would use another store
+        # than the service (the shipped unit and example config name the state dir explicitly instead).
         xdg = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
         state = os.path.join(xdg, "syscall-kernel")
     run = absolute(cfg.run_dir) if cfg.run_dir else os.path.join(state, "runs")

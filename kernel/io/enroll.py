@@ -27,7 +27,7 @@ import msgspec
 
 from channel import limits as L
 from channel import safefs
-from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Limits, encode
+from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Limits, StoreRef, encode
 from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
 from kernel.core import budget
 from kernel.core.budget import Balance
@@ -62,6 +62,18 @@ class EnrollError(Exception):
     """The workspace cannot be enrolled; the message says why and what to do."""
 
 
+class OwnedElsewhere(EnrollError):
+    """The channel's kernel.json names another kernel's store as its owner."""
+
+    def __init__(self, path: str, owner: StoreRef) -> None:
+        self.owner = owner
+        super().__init__(
+            f"{path}: the channel is owned by another kernel's store ({owner.store}, state_dir {owner.state_dir}); "
+            "not taking it over. Stop serving it there (`syscall-kernel unenroll` with that kernel's config), or "
+            f"run `syscall-kernel enroll --take-over {path}` to move it to this kernel"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Grant:
     """Budgets an operator sets at enrollment; None keeps the current value (or the config default if new)."""
@@ -80,6 +92,8 @@ class Enrolled:
     excluded: bool
     # Why the submit base could not be held under its kernel ref (None: held, or no base yet).
     base_problem: str | None = None
+    # The store the channel was taken from (`enroll --take-over`).
+    taken_from: StoreRef | None = None
 
 
 def tracked_channel_files(workspace: str) -> list[str]:
@@ -209,7 +223,31 @@ def _balance_for(cfg: Config, existing: WorkspaceRow | None, grant: Grant) -> Ba
     )
 
 
-def kernel_json(row: WorkspaceRow, tool: ToolSource) -> bytes:
+_owner_decoder: Final = msgspec.json.Decoder(dict[str, object])
+
+
+def owner_of(ch: safefs.Channel) -> StoreRef | None:
+    """The store kernel.json names as the channel's owner; None when it names none or cannot be read (a channel
+    from before owners were recorded, or one the agent damaged: the next write restores it)."""
+    try:
+        raw = _owner_decoder.decode(safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024))
+        return msgspec.convert(raw.get("owner"), StoreRef | None)
+    except (safefs.Refused, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def check_owner(store: Store, ch: safefs.Channel, path: str) -> StoreRef:
+    """This store as the channel's owner, or OwnedElsewhere when kernel.json names another store."""
+    mine = store.store_id()
+    if mine is None:
+        raise EnrollError(f"{store.path}: the store has no id (open it read-write once)")
+    found = owner_of(ch)
+    if found is not None and found.store != mine:
+        raise OwnedElsewhere(path, found)
+    return StoreRef(store=mine, state_dir=str(store.path.parent))
+
+
+def kernel_json(row: WorkspaceRow, tool: ToolSource, owner: StoreRef | None = None) -> bytes:
     from channel.messages import VERBS
 
     return encode(
@@ -221,6 +259,7 @@ def kernel_json(row: WorkspaceRow, tool: ToolSource) -> bytes:
             policy=row.policy,
             verbs=VERBS,
             tool_sha256=tool.sha256,
+            owner=owner,
         )
     )
 
@@ -239,6 +278,7 @@ def enroll(
     explicit: bool = True,
     mounts: list[tuple[str, str]] | None = None,
     contract: EvalContract | None = None,
+    take_over: bool = False,
 ) -> Enrolled:
     """Enroll (or refresh) one workspace. EnrollError when it is refused.
 
@@ -246,6 +286,8 @@ def enroll(
     earlier enrollment, else the config's `[defaults.submit]`. The base commit for submit is recorded as HEAD the
     first time the workspace has one; later enrollments keep it (the operator moves it with `syscall-kernel
     rebase`). Every enrollment holds it under `refs/syscall/<key>/base`.
+
+    A channel whose kernel.json names another store as its owner is refused (OwnedElsewhere) unless `take_over`.
     """
     for name, v in (("launches", grant.launches), ("sleeps", grant.sleeps), ("gpu-hours", grant.gpu_hours)):
         if v is not None and v < 0:
@@ -272,6 +314,15 @@ def enroll(
     except safefs.Refused as exc:
         raise EnrollError(f"{path}: {CHANNEL_DIR}/{exc}; remove it and enroll again") from None
     with ch:
+        try:
+            owner = check_owner(store, ch, resolved)
+        except OwnedElsewhere as exc:
+            if not take_over:
+                raise
+            owner = StoreRef(store=store.store_id() or "", state_dir=str(store.path.parent))
+            taken_from: StoreRef | None = exc.owner
+        else:
+            taken_from = None
         if existing is not None and existing.identity != ch.identity:
             if not explicit:
                 raise EnrollError(
@@ -313,7 +364,7 @@ def enroll(
             except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
                 base_problem = str(exc)
         # Side effects after the commit: the channel's kernel-written files.
-        ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool))
+        ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool, owner))
         ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
     return Enrolled(
         row=row,
@@ -322,6 +373,7 @@ def enroll(
         adopted_new_channel=adopted,
         excluded=added,
         base_problem=base_problem,
+        taken_from=taken_from,
     )
 
 
@@ -353,12 +405,14 @@ def write_budget(ch: safefs.Channel, balance: Balance, now: str, *, only_if_chan
 
 def refresh(store: Store, ch: safefs.Channel, row: WorkspaceRow, tool: ToolSource) -> str | None:
     """At start, for an enrolled workspace: reinstall the tool if it changed, and rewrite `kernel.json` and
-    `budget.json` where they differ from the store (a crash may have left them stale). Returns the tool note."""
+    `budget.json` where they differ from the store (a crash may have left them stale). Returns the tool note.
+    OwnedElsewhere, with nothing written, when the channel was taken over by another kernel's store."""
+    owner = check_owner(store, ch, row.path)
     if row.tool_sha256 != tool.sha256:
         with store.transaction():
             store.put_workspace(replace(row, tool_sha256=tool.sha256))
     note = install(ch, tool)
-    wanted = kernel_json(row, tool)
+    wanted = kernel_json(row, tool, owner)
     try:
         current: bytes | None = safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024)
     except safefs.Refused:

@@ -16,6 +16,7 @@ import contextlib
 import os
 import sqlite3
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,14 @@ CREATE TABLE jobs (
     FOREIGN KEY (workspace, seq) REFERENCES sleeps(workspace, seq)
 ) STRICT;
 CREATE INDEX jobs_live ON jobs(state) WHERE state IN ('PENDING', 'RUNNING');
+"""
+
+# Added after SCHEMA_VERSION 1 shipped, so made if missing at every read-write open (additive only).
+_ADMIN_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS store_meta (
+    name            TEXT PRIMARY KEY,
+    value           TEXT NOT NULL
+) STRICT;
 """
 
 T = TypeVar("T")
@@ -207,7 +216,8 @@ class Store:
                 f"file:{p}?mode=ro", uri=True, isolation_level=None, check_same_thread=False, timeout=10
             )
         else:
-            p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # The state dir itself is the caller's (kernel.statedir.prepare): never a whole tree made here.
+            p.parent.mkdir(exist_ok=True, mode=0o700)
             conn = sqlite3.connect(p, isolation_level=None, check_same_thread=False, timeout=30)
         store = cls(conn, p)
         try:
@@ -242,9 +252,23 @@ class Store:
                 c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: schema version {version}, this kernel needs {SCHEMA_VERSION}")
+            for stmt in _ADMIN_SCHEMA.split(";"):
+                if stmt.strip():
+                    c.execute(stmt)
+            if c.execute("SELECT 1 FROM store_meta WHERE name = 'store_id'").fetchone() is None:
+                c.execute("INSERT INTO store_meta (name, value) VALUES ('store_id', ?)", (uuid.uuid4().hex,))
 
     def close(self) -> None:
         self._conn.close()
+
+    def store_id(self) -> str | None:
+        """This store's identity, drawn once when it was made: a channel's kernel.json names the store that owns
+        it. None only from a read-only open of a store that no kernel of this version has opened yet."""
+        try:
+            row = self._one("SELECT value FROM store_meta WHERE name = 'store_id'")
+        except sqlite3.OperationalError:
+            return None
+        return None if row is None else str(row[0])
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:

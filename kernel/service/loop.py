@@ -69,6 +69,9 @@ class Service:
         self._data_version = -1
         self._watch_problems: dict[str, str] = {}
         self._send: MemoryObjectSendStream[str] | None = None
+        # Channels whose kernel.json names another kernel's store, and glob matches refused (with why).
+        self._foreign: set[str] = set()
+        self._refused: dict[str, str] = {}
 
     # --- health -------------------------------------------------------------------------------------------
 
@@ -102,16 +105,27 @@ class Service:
 
     # --- start-up (worker thread) -------------------------------------------------------------------------
 
-    def _startup(self) -> list[WorkspaceRow]:
-        submit.ensure_schema(self.store)
+    def _enroll_globs(self) -> int:
+        """Enroll the new directories the `workspaces` globs match (at start, every rescan and SIGHUP); a
+        refusal is logged once per path and reason. Returns how many were enrolled."""
+        enrolled = 0
         for path in enrollment.expand_globs(self.cfg.workspaces):
             if self.store.workspace_by_path(path) is not None:
                 continue
             try:
                 done = enrollment.enroll(self.store, self.cfg, path, self.tool, explicit=False)
                 log.event("enrolled", ws=done.row.key, path=done.row.path, watch=done.row.watch)
+                self._refused.pop(path, None)
+                enrolled += 1
             except enrollment.EnrollError as exc:
-                log.event("enroll_refused", logging.WARNING, path=path, reason=str(exc))
+                if self._refused.get(path) != str(exc):
+                    self._refused[path] = str(exc)
+                    log.event("enroll_refused", logging.WARNING, path=path, reason=str(exc))
+        return enrolled
+
+    def _startup(self) -> list[WorkspaceRow]:
+        submit.ensure_schema(self.store)
+        self._enroll_globs()
         mounts = read_mounts()
         rows = []
         for row in self.store.workspaces():
@@ -132,7 +146,12 @@ class Service:
     def _refresh(self, row: WorkspaceRow) -> None:
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
-                note = enrollment.refresh(self.store, ch, row, self.tool)
+                try:
+                    note = enrollment.refresh(self.store, ch, row, self.tool)
+                except enrollment.OwnedElsewhere as exc:
+                    self._owned_elsewhere(row, exc)
+                    return
+                self._foreign.discard(row.key)
                 if note is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
                 safefs.sweep_kernel_temps(ch.fd)
@@ -143,6 +162,55 @@ class Service:
                     os.close(answers)
         except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
             log.event("channel_problem", logging.WARNING, ws=row.key, problem=f"{type(exc).__name__}: {exc}")
+
+    def _owned_elsewhere(self, row: WorkspaceRow, exc: enrollment.OwnedElsewhere) -> None:
+        """Another kernel's store took the channel over: stop serving it (its requests are that kernel's)."""
+        if row.key not in self._foreign:
+            self._foreign.add(row.key)
+            log.event(
+                "channel_owned_elsewhere",
+                logging.WARNING,
+                ws=row.key,
+                store=exc.owner.store,
+                state_dir=exc.owner.state_dir,
+            )
+            with self.store.transaction():
+                self.store.set_problem(
+                    row.key,
+                    f"owned by another kernel's store {exc.owner.store} "
+                    f"(state_dir {exc.owner.state_dir}); not served here",
+                )
+
+    def _check_owners(self) -> list[WorkspaceRow] | None:
+        """At every rescan: drop the channels another store has taken over. The new rows when any changed."""
+        changed = False
+        for row in list(self.pipeline.workspaces.values()):
+            try:
+                with safefs.open_channel(row.path, row.identity) as ch:
+                    enrollment.check_owner(self.store, ch, row.path)
+            except enrollment.OwnedElsewhere as exc:
+                self._owned_elsewhere(row, exc)
+                changed = True
+            except (safefs.ChannelMoved, safefs.Refused, OSError, enrollment.EnrollError):
+                continue  # the pipeline reports an unusable channel itself
+        return self.store.workspaces() if changed else None
+
+    def _rescan_workspaces(self) -> list[WorkspaceRow] | None:
+        """The rescan's look at the workspaces: new glob matches enrolled, channels taken over dropped. The rows
+        to serve when anything changed."""
+        enrolled = self._enroll_globs()
+        if enrolled:
+            for row in self.store.workspaces():
+                if row.key not in self.pipeline.workspaces:
+                    self._refresh(row)
+        dropped = self._check_owners()
+        if enrolled or dropped is not None:
+            return self.store.workspaces()
+        return None
+
+    def served(self, rows: list[WorkspaceRow]) -> list[WorkspaceRow]:
+        """The rows this kernel answers: not those another store owns."""
+        return [r for r in rows if r.key not in self._foreign]
 
     def _read_data_version(self) -> int:
         # Changes when another process (an `enroll`) commits to the store.
@@ -157,7 +225,8 @@ class Service:
         known = self.pipeline.workspaces
         for row in rows:
             old = known.get(row.key)
-            if old is None or old.identity != row.identity:
+            # A channel taken back with `enroll --take-over` is served again once its refresh finds it ours.
+            if old is None or old.identity != row.identity or row.key in self._foreign:
                 self._refresh(row)
         return rows
 
@@ -190,6 +259,7 @@ class Service:
                 log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc), fallback="poll")
 
     def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
+        rows = self.served(rows)
         old = self.pipeline.workspaces
         self.pipeline.set_workspaces(rows)
         new_keys = {r.key for r in rows}
@@ -214,6 +284,7 @@ class Service:
                 if self.cfg.watch != "poll" or any(r.watch != "poll" for r in rows):
                     self.watcher = Watcher(send)
                     self.watcher.start()
+                rows = self.served(rows)
                 self.pipeline.set_workspaces(rows)
                 await self.worker.call(self._watch_all, rows)
                 await self.executor.recover()
@@ -294,6 +365,9 @@ class Service:
                     await self.worker.call(
                         self._watch_all, list(self.pipeline.workspaces.values()), unwatched
                     )
+                rows = await self.worker.call(self._rescan_workspaces)
+                if rows is not None:
+                    await self.worker.call(self._apply_rows, rows)
                 resumed = await self.pipeline.recover(spawn)
                 if resumed:
                     log.event("resumed", count=resumed)

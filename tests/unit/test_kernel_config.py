@@ -9,12 +9,23 @@ import pytest
 from kernel.core.config import ConfigError, load, parse
 
 
-def test_defaults_without_a_file_use_state_directory_from_systemd() -> None:
-    cfg = parse("", "<defaults>", env={"STATE_DIRECTORY": "/var/lib/syscall-kernel:/other"})
-    assert cfg.state_dir == "/var/lib/syscall-kernel"
-    assert cfg.run_dir == "/var/lib/syscall-kernel/runs"
-    assert cfg.watch == "auto"
-    assert cfg.defaults.launches == 100
+def test_defaults_without_a_file_use_the_users_state_dir_for_cli_and_service_alike() -> None:
+    # systemd's $STATE_DIRECTORY is not used: `enroll` run by hand would write another store than the service's.
+    cli = parse("", "<defaults>", env={"XDG_STATE_HOME": "/home/a/.state"})
+    svc = parse("", "<defaults>", env={"XDG_STATE_HOME": "/home/a/.state", "STATE_DIRECTORY": "/var/lib/sk"})
+    assert cli.state_dir == svc.state_dir == "/home/a/.state/syscall-kernel"
+    assert cli.run_dir == "/home/a/.state/syscall-kernel/runs"
+    assert cli.watch == "auto"
+    assert cli.defaults.launches == 100
+    assert cli.allow_root is False
+
+
+def test_the_example_config_gives_cli_and_service_the_same_state_dir() -> None:
+    example = Path(__file__).resolve().parents[2] / "deploy" / "config.example.toml"
+    cli = load(example, env={"HOME": "/home/agents"})
+    svc = load(example, env={"HOME": "/home/agents", "STATE_DIRECTORY": "/var/lib/syscall-kernel/agents"})
+    assert cli.state_dir == svc.state_dir
+    assert cli.state_dir.startswith("/var/lib/syscall-kernel/")
 
 
 def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
