@@ -216,7 +216,7 @@ class Store:
                 f"file:{p}?mode=ro", uri=True, isolation_level=None, check_same_thread=False, timeout=10
             )
         else:
-            # The state dir itself is the caller's (kernel.statedir.prepare): never a whole tree made here.
+            # The state dir itself is the caller's (kernel.io.statedir.prepare): never a whole tree made here.
             p.parent.mkdir(exist_ok=True, mode=0o700)
             conn = sqlite3.connect(p, isolation_level=None, check_same_thread=False, timeout=30)
         store = cls(conn, p)
