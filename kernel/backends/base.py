@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Final, Literal, Protocol
 
 import msgspec
+from anyio.abc import TaskStatus as StartedStatus
 from msgspec import Meta
 
 from channel import limits as L
@@ -119,3 +120,14 @@ class Backend(Protocol):
     async def wait_any_exit(self) -> TaskExit:
         """The next task to finish (its exit-code file is in place)."""
         ...
+
+    def hint_of(self, task_dir: Path) -> str | None:
+        """The backend's own explanation of how a finished task ended, for the wake, when it has one (pure
+        apart from reading the task's kernel-owned files); None defers to the exit kind's hint."""
+        ...
+
+
+class RunnableBackend(Backend, Protocol):
+    """A backend with its service loop (`run`), started in the service's task group."""
+
+    async def run(self, *, task_status: StartedStatus[None] = ...) -> None: ...

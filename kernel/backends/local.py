@@ -339,6 +339,10 @@ class LocalBackend:
         self._poke()
         return out
 
+    def hint_of(self, task_dir: Path) -> str | None:
+        """The local backend adds nothing to what the exit record says."""
+        return None
+
     async def wait_any_exit(self) -> TaskExit:
         return await self._exits_out.receive()
 

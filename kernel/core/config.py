@@ -63,7 +63,7 @@ SlurmWord = Annotated[str, Meta(pattern=_SLURM_WORD)]
 
 
 class SlurmConfig(_Strict, frozen=True, kw_only=True):
-    """Site settings for the Slurm backend (kernel.service.execute.make_backend maps them; docs/operator.md lists them)."""
+    """Site settings for the Slurm backend (kernel.service.factory.make_backend maps them; docs/operator.md lists them)."""
 
     partition: SlurmWord | None = None
     account: SlurmWord | None = None

@@ -27,7 +27,7 @@ import msgspec
 from channel.decode import RequestError
 from channel.messages import EvalContract, SleepRequest, Submit, Verdict, encode
 from kernel.core.budget import Balance, gpu_hours
-from kernel.io.store import JobRow
+from kernel.core.records import JobRow
 
 Side = Literal["base", "candidate"]
 

@@ -39,7 +39,7 @@ from channel.messages import (
 from kernel.core import budget
 from kernel.core.budget import Balance
 from kernel.core.evaluate import charge_eval, check_eval_names, eval_jobs
-from kernel.io.store import JobRow, SleepRow, WorkspaceRow
+from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 
 _verdict_decoder: Final = msgspec.json.Decoder(Verdict)
 

@@ -33,11 +33,12 @@ from kernel.core import budget
 from kernel.core.budget import Balance
 from kernel.core.config import Config
 from kernel.core.evaluate import EVAL_FLAGS, contract_problem
+from kernel.core.records import WorkspaceRow
 from kernel.io import submit as S
 from kernel.io import watch
 from kernel.io.install import ToolSource, install
 from kernel.io.snapshot import git_env
-from kernel.io.store import Store, WorkspaceRow, timestamp
+from kernel.io.store import Store, timestamp
 
 KERNEL_NAME: Final = "syscall-kernel"
 EXCLUDE_LINE: Final = f"/{CHANNEL_DIR}/"

@@ -18,7 +18,6 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -29,6 +28,7 @@ import msgspec
 from channel.messages import Policy
 from channel.safefs import Identity
 from kernel.core.budget import Balance
+from kernel.core.records import JobRow, RequestRow, SleepRow, WorkspaceRow
 
 SCHEMA_VERSION: Final = 1
 
@@ -116,79 +116,12 @@ CREATE TABLE IF NOT EXISTS store_meta (
 
 T = TypeVar("T")
 
-LIVE_TASK_STATES: Final = ("PENDING", "RUNNING")
-
 
 def timestamp(at: float | None = None) -> str:
     """RFC 3339 UTC with milliseconds, as every protocol message uses."""
     t = time.time() if at is None else at
     whole = time.gmtime(t)
     return time.strftime("%Y-%m-%dT%H:%M:%S", whole) + f".{int((t % 1) * 1000):03d}Z"
-
-
-@dataclass(frozen=True, slots=True)
-class WorkspaceRow:
-    key: str
-    path: str
-    identity: Identity
-    balance: Balance
-    policy: Policy
-    tool_sha256: str
-    watch: str
-    enrolled_at: str
-    problem: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class RequestRow:
-    workspace: str
-    id: str
-    sha256: str
-    type: str
-    received_at: str
-    sleep_seq: int | None
-    # The request itself, kept for requests that must be resumed after a crash (sleep, cancel).
-    body: bytes | None
-    answer: bytes | None
-    answered_at: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class SleepRow:
-    workspace: str
-    seq: int
-    id: str
-    state: str
-    note: str
-    submit: bytes | None
-    created_at: str
-    woken_at: str | None
-    verdict: bytes | None
-
-
-@dataclass(frozen=True, slots=True)
-class JobRow:
-    workspace: str
-    seq: int
-    launch: str
-    task: int
-    array_size: int
-    concurrency: int
-    command: str
-    minutes: int
-    gpus: int
-    artifacts: tuple[str, ...]
-    why: str
-    reserved_gpu_s: int
-    state: str
-    backend: str | None = None
-    job_id: str | None = None
-    exit_code: int | None = None
-    signal: int | None = None
-    started_at: str | None = None
-    ended_at: str | None = None
-    run_dir: str | None = None
-    updated_at: str = ""
 
 
 _policy_decoder: Final = msgspec.json.Decoder(Policy)

@@ -31,17 +31,14 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import signal
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, TypeVar
 
 import anyio
 import anyio.to_thread
 import msgspec
-from anyio.abc import TaskStatus
 
 from channel import safefs
 from channel.decode import RequestError
@@ -58,32 +55,25 @@ from channel.messages import (
 from channel.paths import ChannelPaths
 from channel.render import render_wake
 from kernel.backends import jobscript
-from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, Backend, JobSpec, TaskExit
+from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, JobSpec, RunnableBackend, TaskExit
 from kernel.core.budget import release
-from kernel.core.config import Config, ConfigError
+from kernel.core.config import Config
+from kernel.core.records import JobRow, SleepRow
 from kernel.io import log as klog
+from kernel.io.crash import crash_point
 from kernel.io.enroll import write_budget
 from kernel.io.snapshot import Snapshot, SnapshotError, snapshot_ref, take_snapshot
 from kernel.io.snapshot import release as release_snapshot
-from kernel.io.store import JobRow, SleepRow, StoreWorker, timestamp
-from kernel.node.jail import NONE_WARNING, JailPolicy
+from kernel.io.store import StoreWorker, timestamp
+from kernel.node.jail import JailPolicy
 from kernel.service import gather
 from kernel.service.executor import (
     DispatchRefused,
-    Executor,
     ExecutorUnavailable,
-    PendingExecutor,
     SleepOrder,
 )
 
 T = TypeVar("T")
-
-CRASH_ENV: Final = "SYSCALL_KERNEL_CRASH_AT"
-# recorded: dispatch entered (sleep recorded, nothing done); snapshot: snapshot recorded; submit: every launch
-# handed to the backend, job ids not yet recorded; task_end: a task's end recorded while others still run;
-# gathered: the wake recorded, no wake file written. The Slurm backend adds `sbatch` (sbatch answered, the job id
-# not yet recorded anywhere; tests/integration/test_e2e_slurm.py).
-CRASH_STEPS: Final = ("recorded", "snapshot", "submit", "task_end", "gathered")
 
 TICK_S: Final = 1.0
 _wake_decoder: Final = msgspec.json.Decoder(Wake)
@@ -101,56 +91,6 @@ CREATE TABLE IF NOT EXISTS exec_sleeps (
     PRIMARY KEY (workspace, seq)
 ) STRICT
 """
-
-
-def crash_point(step: str) -> None:
-    """TEST ONLY: die here, as a SIGKILL would, when SYSCALL_KERNEL_CRASH_AT names this step."""
-    if os.environ.get(CRASH_ENV) == step:
-        klog.event("crash_injected", logging.WARNING, step=step)
-        for h in logging.getLogger().handlers:
-            h.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class RunnableBackend(Backend, Protocol):
-    async def run(self, *, task_status: TaskStatus[None] = ...) -> None: ...
-
-
-def make_backend(cfg: Config) -> RunnableBackend:
-    """The one place a backend is constructed from the config."""
-    match cfg.backend:
-        case "local":
-            from kernel.backends.local import LocalBackend
-
-            return LocalBackend(
-                max_parallel=cfg.local.max_parallel or None,
-                seconds_per_minute=cfg.local.seconds_per_minute,
-            )
-        case "slurm":
-            from kernel.backends.slurm.backend import SlurmBackend
-
-            return SlurmBackend.from_config(cfg.slurm)
-        case _:
-            raise ConfigError(f"{cfg.source}: key 'backend' {cfg.backend!r} runs no jobs")
-
-
-def executor_factory(cfg: Config) -> Callable[[StoreWorker], Executor]:
-    """What `serve` builds its executor with: the configured backend, or none (`backend = "none"`)."""
-    if cfg.backend == "none":
-        return PendingExecutor
-    if cfg.jail == "none":
-        klog.event("jail_none", logging.WARNING, warning=NONE_WARNING)
-    elif cfg.jail == "bwrap" and shutil.which("bwrap") is None:
-        raise ConfigError(
-            f"{cfg.source}: key 'jail' is 'bwrap' but bwrap is not installed (apt-get install bubblewrap), "
-            "or set jail = 'none' on a single-user laptop"
-        )
-    backend = make_backend(cfg)
-    from kernel.service.submitexec import (
-        SubmitExecutor,  # imported here: kernel.service.submitexec imports this module
-    )
-
-    return lambda worker: SubmitExecutor(cfg, worker, backend)
 
 
 def _write_launches(specs: list[JobSpec]) -> None:
@@ -537,7 +477,7 @@ class RealExecutor:
                     balance = release(balance, cur.reserved_gpu_s, used)
                     self.store.update_job(replace(cur, reserved_gpu_s=0, updated_at=woken_at))
                 refunded += cost - used
-                tasks.append(gather.task_result(cur, tdir, elapsed, arts, skipped))
+                tasks.append(gather.task_result(cur, tdir, elapsed, arts, skipped, self.backend.hint_of))
             shown, verdict = (tuple(tasks), None) if self.judge is None else self.judge(sleep, tuple(tasks))
             wake = gather.build_wake(
                 sleep_id=sleep.id,

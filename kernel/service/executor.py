@@ -18,7 +18,8 @@ from typing import Protocol
 
 from channel.decode import RequestError
 from channel.messages import JobRef, SleepRequest
-from kernel.io.store import JobRow, SleepRow, StoreWorker, WorkspaceRow
+from kernel.core.records import JobRow, SleepRow, WorkspaceRow
+from kernel.io.store import StoreWorker
 
 
 class ExecutorUnavailable(Exception):

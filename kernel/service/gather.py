@@ -16,92 +16,30 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Final
 
 import msgspec
 
 from channel import limits as L
 from channel import safefs
-from channel.lifecycle import TaskEvent
 from channel.messages import Artifact, SkippedArtifact, TaskResult, Verdict, Wake
 from channel.paths import ChannelPaths, RunPaths
 from kernel.backends import jobscript
-from kernel.backends.slurm.backend import WAKE_STATE_OF_KIND, hint_of
+from kernel.core import exits
 from kernel.core.budget import Balance, gpu_hours
-from kernel.io.store import JobRow
+from kernel.core.exits import HINT_CANCELLED_EARLY, Outcome
+from kernel.core.records import JobRow
 from kernel.node import wrapper as W
 
-# What a task's state means for the agent, where channel.render's generic hints do not say enough.
-HINT_FAILED: Final = "the command exited with a non-zero status; the stderr tail below usually says why"
-HINT_SIGNALED: Final = "the command was killed by {signal}"
-HINT_EMPTY: Final = "the command was empty; nothing ran"
-HINT_MATERIALISE: Final = (
-    "the snapshot could not be written out on the node before the command started; this was not your "
-    "command's fault, you may relaunch it"
-)
-HINT_WRAPPER: Final = (
-    "the job wrapper failed around your command (the jail could not start?); see the stderr tail"
-)
-HINT_LOST: Final = "the job ended without leaving a result (its wrapper was killed); relaunch it"
-HINT_CANCELLED_EARLY: Final = "cancelled before it started"
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    event: TaskEvent
-    state: str
-    exit_code: int | None
-    signal: int | None
-    hint: str | None
-
-
-def _signum(name: str | None) -> int | None:
-    if not name:
-        return None
-    try:
-        return int(signal.Signals[name])
-    except KeyError:
-        return None
+# The backend's explanation of a task's end (`Backend.hint_of`).
+HintOf = Callable[[Path], str | None]
 
 
 def outcome(rec: jobscript.ExitRecord) -> Outcome:
-    """The task's end as the lifecycle and the wake state it (pure)."""
-    sig = _signum(rec.signal)
-    ended = WAKE_STATE_OF_KIND.get(rec.kind)
-    if ended is not None:  # written by the Slurm backend for a task that ended without the wrapper's record
-        event = TaskEvent(ended[0])
-        return Outcome(event, ended[1], rec.code if event is TaskEvent.FINISH else None, sig, None)
-    match rec.kind:
-        case W.KIND_EXITED if rec.code == 0:
-            return Outcome(TaskEvent.FINISH, "COMPLETED", 0, None, None)
-        case W.KIND_EXITED:
-            return Outcome(TaskEvent.FINISH, "FAILED", rec.code, None, HINT_FAILED)
-        case W.KIND_SIGNALED:
-            return Outcome(
-                TaskEvent.FINISH,
-                "FAILED",
-                rec.code,
-                sig,
-                HINT_SIGNALED.format(signal=rec.signal or "a signal"),
-            )
-        case W.KIND_TIMEOUT:
-            return Outcome(TaskEvent.FINISH, "TIMEOUT", rec.code, sig, None)
-        case W.KIND_TERMINATED:
-            return Outcome(TaskEvent.CANCEL, "CANCELLED", rec.code, sig, None)
-        case jobscript.KIND_CANCELLED:
-            return Outcome(TaskEvent.CANCEL, "CANCELLED", None, None, HINT_CANCELLED_EARLY)
-        case W.KIND_EMPTY:
-            return Outcome(TaskEvent.FINISH, "FAILED", rec.code, None, HINT_EMPTY)
-        case W.KIND_MATERIALISE:
-            return Outcome(TaskEvent.FINISH, "FAILED", rec.code, None, HINT_MATERIALISE)
-        case jobscript.KIND_LOST:
-            return Outcome(TaskEvent.LOSE, "VANISHED", None, sig, HINT_LOST)
-        case _:
-            return Outcome(TaskEvent.FINISH, "FAILED", rec.code, sig, HINT_WRAPPER)
+    """The task's end as the lifecycle and the wake see it (pure: `kernel.core.exits`)."""
+    return exits.outcome(rec.kind, rec.code, rec.signal)
 
 
 def stamp(dt: datetime | None) -> float | None:
@@ -185,9 +123,9 @@ def deliver_artifacts(
     return tuple(delivered), tuple(skipped)
 
 
-def backend_hint(task_dir: Path) -> str | None:
-    """The backend's own explanation of how a task ended (Slurm: cancelled outside the kernel, out of memory,
-    node failure, ...), when it has one."""
+def backend_hint(task_dir: Path, hint_of: HintOf) -> str | None:
+    """The backend's own explanation of how a task ended (`Backend.hint_of`; Slurm: cancelled outside the kernel,
+    out of memory, node failure, ...), when it has one."""
     try:
         return hint_of(task_dir)
     except (OSError, msgspec.DecodeError):
@@ -200,12 +138,13 @@ def task_result(
     elapsed_s: float | None,
     artifacts: tuple[Artifact, ...],
     skipped: tuple[SkippedArtifact, ...],
+    hint_of: HintOf,
 ) -> TaskResult:
     hint: str | None = None
     if task_dir is not None:
         rec = jobscript.read_exit(task_dir)
         if rec is not None:
-            hint = backend_hint(task_dir) or outcome(rec).hint
+            hint = backend_hint(task_dir, hint_of) or outcome(rec).hint
     elif job.state == "CANCELLED":
         hint = HINT_CANCELLED_EARLY
     return TaskResult(

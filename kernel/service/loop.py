@@ -27,10 +27,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from channel import safefs
 from channel.paths import ChannelPaths
 from kernel.core.config import Config
+from kernel.core.records import WorkspaceRow
 from kernel.io import enroll as enrollment
 from kernel.io import log, submit
 from kernel.io.install import ToolSource
-from kernel.io.store import Store, StoreWorker, WorkspaceRow
+from kernel.io.store import Store, StoreWorker
 from kernel.io.watch import Watcher, choose_mode, fs_type_of, read_mounts
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
@@ -395,9 +396,9 @@ class Service:
 
 
 async def serve(cfg: Config, *, executor_factory: ExecutorFactory | None = None) -> None:
-    """Run the service; the executor is the config's backend (kernel.service.execute) unless a factory is given."""
+    """Run the service; the executor is the config's backend (kernel.service.factory) unless a factory is given."""
     if executor_factory is None:
-        from kernel.service.execute import executor_factory as configured
+        from kernel.service.factory import executor_factory as configured
 
         executor_factory = configured(cfg)
     store = Store.open(cfg.db_path)

@@ -53,9 +53,10 @@ from channel.paths import ChannelPaths
 from kernel.core import rules
 from kernel.core.budget import Balance, refund_sleep
 from kernel.core.config import Config
+from kernel.core.records import RequestRow, SleepRow, WorkspaceRow
 from kernel.io.enroll import kernel_ref, write_budget
 from kernel.io.log import event
-from kernel.io.store import RequestRow, SleepRow, StoreWorker, WorkspaceRow, timestamp
+from kernel.io.store import StoreWorker, timestamp
 from kernel.service.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
 
 # Channels listed per pass by a rescan or poll tick (on top of the channels with news).

@@ -35,14 +35,15 @@ import msgspec
 from channel.lifecycle import TaskEvent, next_task_state
 from channel.messages import EvalContract, JobRef, Submit, TaskResult, Verdict
 from channel.paths import RunPaths
-from kernel.backends.base import DEFAULT_OUTPUT_MAX_BYTES, JobSpec
+from kernel.backends.base import DEFAULT_OUTPUT_MAX_BYTES, JobSpec, RunnableBackend
 from kernel.core import evaluate as E
 from kernel.core.budget import release
 from kernel.core.config import Config
+from kernel.core.records import JobRow, SleepRow
 from kernel.io import log as klog
 from kernel.io import submit as S
-from kernel.io.store import JobRow, SleepRow, StoreWorker, timestamp
-from kernel.service.execute import RealExecutor, RunnableBackend
+from kernel.io.store import StoreWorker, timestamp
+from kernel.service.execute import RealExecutor
 from kernel.service.executor import SleepOrder
 
 _submit_decoder: Final = msgspec.json.Decoder(Submit)

@@ -1,6 +1,6 @@
 """A kernel SIGKILLed at each step of a sleep's lifecycle, then restarted: one wake, no task run twice.
 
-The crash comes from the TEST ONLY hook `SYSCALL_KERNEL_CRASH_AT=<step>` (kernel.service.execute.CRASH_STEPS), read at
+The crash comes from the TEST ONLY hook `SYSCALL_KERNEL_CRASH_AT=<step>` (kernel.io.crash.CRASH_STEPS), read at
 the step itself, so the kill lands exactly there rather than at a time that only usually falls there. Jobs count
 their runs by appending to marker files outside their tree, which needs `jail = "none"`: these tests are about
 the kernel's bookkeeping; the jail has its own tests.
@@ -18,7 +18,7 @@ import pytest
 from kernelproc import Kernel, put_request, read_answer, wait_for
 
 from channel.paths import workspace_key
-from kernel.service.execute import CRASH_ENV, CRASH_STEPS
+from kernel.io.crash import CRASH_ENV, CRASH_STEPS
 
 GPU_S = 3600
 

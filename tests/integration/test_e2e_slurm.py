@@ -32,7 +32,7 @@ from kernelproc import ROOT, Kernel, put_request, read_answer, wait_for
 from channel.paths import RunPaths, workspace_key
 from kernel.backends.slurm import backend as S
 from kernel.backends.slurm import job_name
-from kernel.service.execute import CRASH_ENV
+from kernel.io.crash import CRASH_ENV
 
 pytestmark = [pytest.mark.slurm, pytest.mark.bwrap]
 

@@ -25,8 +25,8 @@ from kernel.core.evaluate import (
     is_improved,
     unchanged_verdict,
 )
+from kernel.core.records import WorkspaceRow
 from kernel.core.rules import accept_sleep
-from kernel.io.store import WorkspaceRow
 
 HIGHER = EvalContract(command="python eval.py", metric="score", direction="higher")
 

@@ -8,6 +8,7 @@ from channel.decode import RequestError
 from channel.messages import CancelRequest, KernelRef, Launch, Policy, SleepRequest, Verdict
 from channel.safefs import Identity
 from kernel.core.budget import Balance
+from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.core.rules import (
     accept_sleep,
     history_answer,
@@ -16,7 +17,6 @@ from kernel.core.rules import (
     queue_answer,
     status_answer,
 )
-from kernel.io.store import JobRow, SleepRow, WorkspaceRow
 
 NOW = "2026-11-30T12:00:00.000Z"
 

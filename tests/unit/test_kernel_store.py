@@ -10,7 +10,8 @@ import pytest
 from channel.messages import Policy
 from channel.safefs import Identity
 from kernel.core.budget import Balance
-from kernel.io.store import RequestRow, Store, StoreError, WorkspaceRow, timestamp
+from kernel.core.records import RequestRow, WorkspaceRow
+from kernel.io.store import Store, StoreError, timestamp
 
 NOW = timestamp(1796040000.0)
 

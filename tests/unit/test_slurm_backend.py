@@ -25,7 +25,7 @@ from kernel.backends.slurm import backend as S
 from kernel.core.config import ConfigError, SlurmConfig, parse
 from kernel.node.jail import JailPolicy
 from kernel.service import gather
-from kernel.service.execute import make_backend
+from kernel.service.factory import make_backend
 
 T = TypeVar("T")
 WS = "ws-0123456789"
@@ -656,4 +656,4 @@ def test_the_wake_reads_every_exit_record_the_backend_writes(
     assert next_task_state("RUNNING", out.event, out.state) == state
     S._write_json(tmp_path, S.STATE_FILE, S.TaskSlurmState("5", S.task_state_of(rec, res), res.hint))
     jobscript.write_exit(tmp_path, rec)
-    assert gather.backend_hint(tmp_path) == res.hint
+    assert gather.backend_hint(tmp_path, S.hint_of) == res.hint

@@ -69,6 +69,7 @@ from kernel.backends.slurm import (
 )
 from kernel.backends.slurm.classify import RUNNING_STATES
 from kernel.backends.slurm.query import SQUEUE_FORMAT, parse_squeue
+from kernel.io.crash import crash_point
 
 if TYPE_CHECKING:
     from kernel.core.config import SlurmConfig
@@ -80,7 +81,7 @@ CANCEL_FILE: Final = "slurm-cancelled.json"  # tasks the kernel asked to stop
 
 # Kinds of the exit records this backend writes for tasks that ended without one (besides the wrapper's).
 KIND_STUCK: Final = "stuck"
-_KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
+KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
     "TIMEOUT": (jobscript.EXIT_TIMEOUT, "timeout"),
     "CANCELLED": (jobscript.EXIT_TERMINATED, jobscript.KIND_CANCELLED),
     "OUT_OF_MEMORY": (jobscript.EXIT_LOST, "out_of_memory"),
@@ -90,17 +91,6 @@ _KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
     "VANISHED": (jobscript.EXIT_LOST, "vanished"),
 }
 
-
-# How the wake reads the exit records this backend writes (kernel.service.gather.outcome): kind -> (lifecycle event,
-# TaskState). The wrapper's own kinds, and `timeout`/`cancelled`, are read as on every backend.
-WAKE_STATE_OF_KIND: Final[Mapping[str, tuple[str, TaskState]]] = {
-    "out_of_memory": ("finish", "OUT_OF_MEMORY"),
-    "failed": ("finish", "FAILED"),
-    "node_fail": ("lose", "NODE_FAIL"),
-    "preempted": ("lose", "PREEMPTED"),
-    "vanished": ("lose", "VANISHED"),
-    KIND_STUCK: ("cancel", "CANCELLED"),  # cancelled by the kernel: its pending reason never clears
-}
 
 # States in which Slurm, not the job, ended a task whose wrapper recorded a SIGTERM.
 _SCHEDULER_ENDS: Final = ("TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED")
@@ -192,7 +182,7 @@ def exit_record_for(res: Resolution, stuck: bool = False) -> jobscript.ExitRecor
             detail=f"{res.hint}; the task was cancelled so it never runs late",
         )
     state = res.state or "VANISHED"
-    code, kind = _KIND_OF_STATE.get(state, (jobscript.EXIT_LOST, "vanished"))
+    code, kind = KIND_OF_STATE.get(state, (jobscript.EXIT_LOST, "vanished"))
     detail = f"Slurm: {state}" + (f"; {res.hint}" if res.hint else "")
     if res.exit_code is not None or res.signal is not None:
         detail += f" (ExitCode {res.exit_code or 0}:{res.signal or 0})"
@@ -209,7 +199,7 @@ def task_state_of(rec: jobscript.ExitRecord, slurm: Resolution | None = None) ->
         return "CANCELLED"
     if rec.kind == KIND_STUCK:
         return "PENDING" if slurm is None else slurm.state or "PENDING"
-    for state, (_, kind) in _KIND_OF_STATE.items():
+    for state, (_, kind) in KIND_OF_STATE.items():
         if rec.kind == kind and state != "FAILED":
             return state  # type: ignore[return-value]
     if rec.code == 0:
@@ -287,13 +277,6 @@ class _Launch:
 Sleep = Callable[[float], Awaitable[None]]
 
 
-def crash_point(step: str) -> None:
-    """kernel.service.execute.crash_point (imported late: kernel.service.execute imports this module through kernel.service.gather)."""
-    from kernel.service.execute import crash_point as crash
-
-    crash(step)
-
-
 class SlurmBackend:
     name = "slurm"
 
@@ -348,7 +331,7 @@ class SlurmBackend:
     def from_config(
         cls, cfg: SlurmConfig, *, policy: SbatchPolicy | None = None, **kw: object
     ) -> SlurmBackend:
-        """The backend `[slurm]` describes (kernel.service.execute.make_backend); `kw` overrides (env, clock, sleep)."""
+        """The backend `[slurm]` describes (kernel.service.factory.make_backend); `kw` overrides (env, clock, sleep)."""
         args: dict[str, object] = {
             "policy": policy or policy_from_config(cfg),
             "client_timeout_s": cfg.client_timeout_seconds,
@@ -809,6 +792,10 @@ class SlurmBackend:
         la.pending_since.pop(t, None)
         self._last_change = self._clock()
         self._exits_in.send_nowait(TaskExit(key=la.spec.key, task=t, task_dir=os.fspath(tdir)))
+
+    def hint_of(self, task_dir: Path) -> str | None:
+        """`hint_of` (the module function: it needs only the task's files)."""
+        return hint_of(task_dir)
 
     async def wait_any_exit(self) -> TaskExit:
         return await self._exits_out.receive()

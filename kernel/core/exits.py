@@ -1,0 +1,111 @@
+"""Exit kind -> task state: the one table that says what a task's `exit-code` record means (pure).
+
+Every finished task has exactly one exit record (`kernel.backends.jobscript.ExitRecord`), written by the wrapper
+(`exited`, `signaled`, `timeout`, `terminated`, `empty_command`, `materialise_failed`, `wrapper_error`) or, for
+a task whose wrapper left none, by its backend (`lost`, `cancelled`; Slurm: `out_of_memory`, `failed`,
+`node_fail`, `preempted`, `vanished`, `stuck`). `KINDS` maps each kind to the lifecycle event the executor
+applies, the TaskState the wake shows, which of the record's exit code and signal are kept, and the hint; a kind
+not in the table (a newer wrapper, a corrupt record) is read as a wrapper failure, never as success.
+A unit test checks that every kind a wrapper or backend writes has its row here.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from channel.lifecycle import TaskEvent
+from channel.messages import TaskState
+
+# What a task's state means for the agent, where channel.render's generic hints do not say enough.
+HINT_FAILED: Final = "the command exited with a non-zero status; the stderr tail below usually says why"
+HINT_SIGNALED: Final = "the command was killed by {signal}"
+HINT_EMPTY: Final = "the command was empty; nothing ran"
+HINT_MATERIALISE: Final = (
+    "the snapshot could not be written out on the node before the command started; this was not your "
+    "command's fault, you may relaunch it"
+)
+HINT_WRAPPER: Final = (
+    "the job wrapper failed around your command (the jail could not start?); see the stderr tail"
+)
+HINT_LOST: Final = "the job ended without leaving a result (its wrapper was killed); relaunch it"
+HINT_CANCELLED_EARLY: Final = "cancelled before it started"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A task's end as the lifecycle and the wake see it."""
+
+    event: TaskEvent
+    state: TaskState
+    exit_code: int | None
+    signal: int | None
+    hint: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """One row of the table: an exit kind's event, state, what of the record is kept, and its hint."""
+
+    event: TaskEvent
+    state: TaskState
+    keep_code: bool
+    keep_signal: bool
+    hint: str | None
+
+
+_F, _C, _L = TaskEvent.FINISH, TaskEvent.CANCEL, TaskEvent.LOSE
+
+# kind -> End. `exited` with code 0 is the one success (`COMPLETED`); every other row is an end without one.
+KINDS: Final[Mapping[str, End]] = {
+    # written by the wrapper
+    "exited": End(_F, "FAILED", True, False, HINT_FAILED),
+    "signaled": End(_F, "FAILED", True, True, HINT_SIGNALED),
+    "timeout": End(_F, "TIMEOUT", True, True, None),
+    "terminated": End(_C, "CANCELLED", True, True, None),
+    "empty_command": End(_F, "FAILED", True, False, HINT_EMPTY),
+    "materialise_failed": End(_F, "FAILED", True, False, HINT_MATERIALISE),
+    "wrapper_error": End(_F, "FAILED", True, True, HINT_WRAPPER),
+    # written by a backend for a task whose wrapper left no record
+    "lost": End(_L, "VANISHED", False, True, HINT_LOST),
+    "cancelled": End(_C, "CANCELLED", False, False, HINT_CANCELLED_EARLY),
+    # written by the Slurm backend from Slurm's own account (its hint is in slurm-state.json)
+    "out_of_memory": End(_F, "OUT_OF_MEMORY", True, True, None),
+    "failed": End(_F, "FAILED", True, True, None),
+    "node_fail": End(_L, "NODE_FAIL", False, True, None),
+    "preempted": End(_L, "PREEMPTED", False, True, None),
+    "vanished": End(_L, "VANISHED", False, True, None),
+    "stuck": End(
+        _C, "CANCELLED", False, True, None
+    ),  # cancelled by the kernel: its pending reason never clears
+}
+_UNKNOWN: Final = KINDS["wrapper_error"]
+
+
+def signum(name: str | None) -> int | None:
+    """The number of a signal named like `SIGKILL`, or None for no or an unknown name."""
+    if not name:
+        return None
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        return None
+
+
+def outcome(kind: str, code: int | None, signal_name: str | None) -> Outcome:
+    """What an exit record (`kind`, exit `code`, `signal_name`) means, from `KINDS` alone."""
+    if kind == "exited" and code == 0:
+        return Outcome(TaskEvent.FINISH, "COMPLETED", 0, None, None)
+    end = KINDS.get(kind, _UNKNOWN)
+    hint = end.hint
+    if hint == HINT_SIGNALED:
+        hint = hint.format(signal=signal_name or "a signal")
+    return Outcome(
+        end.event,
+        end.state,
+        code if end.keep_code else None,
+        signum(signal_name) if end.keep_signal else None,
+        hint,
+    )

@@ -1,0 +1,81 @@
+"""The kernel's records: one row of each store table as the rest of the kernel sees it (pure data, no I/O).
+
+The store (`kernel.io.store`) is the only code that reads or writes them in sqlite; the pure core (`rules`,
+`evaluate`) decides from them, so they live below both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from channel.messages import Policy
+from channel.safefs import Identity
+from kernel.core.budget import Balance
+
+LIVE_TASK_STATES: Final = ("PENDING", "RUNNING")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceRow:
+    key: str
+    path: str
+    identity: Identity
+    balance: Balance
+    policy: Policy
+    tool_sha256: str
+    watch: str
+    enrolled_at: str
+    problem: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    workspace: str
+    id: str
+    sha256: str
+    type: str
+    received_at: str
+    sleep_seq: int | None
+    # The request itself, kept for requests that must be resumed after a crash (sleep, cancel).
+    body: bytes | None
+    answer: bytes | None
+    answered_at: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SleepRow:
+    workspace: str
+    seq: int
+    id: str
+    state: str
+    note: str
+    submit: bytes | None
+    created_at: str
+    woken_at: str | None
+    verdict: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    workspace: str
+    seq: int
+    launch: str
+    task: int
+    array_size: int
+    concurrency: int
+    command: str
+    minutes: int
+    gpus: int
+    artifacts: tuple[str, ...]
+    why: str
+    reserved_gpu_s: int
+    state: str
+    backend: str | None = None
+    job_id: str | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    run_dir: str | None = None
+    updated_at: str = ""
