@@ -22,7 +22,9 @@ from kernel.backends.slurm import (
     read_sacct,
     read_squeue,
     sacct_argv,
+    scancel_argv,
     squeue_argv,
+    squeue_by_name_argv,
 )
 from kernel.backends.slurm.query import (
     MAX_ID_LIST_CHARS,
@@ -336,3 +338,20 @@ def test_queries_name_the_cluster_when_sbatch_named_one() -> None:
     assert clusters_args(None) == []
     with pytest.raises(ValueError, match="not a Slurm cluster name"):
         clusters_args(["a b"])
+
+
+def test_scancel_argv_names_the_cluster_the_job_was_placed_on() -> None:
+    assert scancel_argv(["123"]) == ["scancel", "123"]
+    assert scancel_argv(["123_4", "123_7"], clusters=["gpu"]) == ["scancel", "-M", "gpu", "123_4", "123_7"]
+    for bad in ([], ["12;rm"], ["-u"], ["123_"], ["123_[1-3]"]):
+        with pytest.raises(ValueError, match="job id|at least one"):
+            scancel_argv(bad)
+
+
+def test_squeue_by_name_argv_is_one_query_for_every_name() -> None:
+    argv = squeue_by_name_argv(["sk-a-1-x", "sk-a-1-y"])
+    assert argv[:5] == ["squeue", "-h", "-t", "all", "--me"]
+    assert argv[-1] == "--name=sk-a-1-x,sk-a-1-y"
+    for bad in ([], ["a,b"], ["a|b"], [""]):
+        with pytest.raises(ValueError, match="job name|at least one"):
+            squeue_by_name_argv(bad)

@@ -28,7 +28,9 @@ from kernel.backends.slurm.query import (
     read_sacct,
     read_squeue,
     sacct_argv,
+    scancel_argv,
     squeue_argv,
+    squeue_by_name_argv,
 )
 from kernel.backends.slurm.submit import (
     SbatchJob,
@@ -71,5 +73,7 @@ __all__ = [
     "resolve_task",
     "sacct_argv",
     "sbatch_failure",
+    "scancel_argv",
     "squeue_argv",
+    "squeue_by_name_argv",
 ]

@@ -55,7 +55,6 @@ from kernel.backends.slurm import (
     SqueueResult,
     SqueueRow,
     TaskKey,
-    clusters_args,
     job_name,
     parse_sbatch_output,
     poll_interval,
@@ -65,10 +64,12 @@ from kernel.backends.slurm import (
     resolve_task,
     sacct_argv,
     sbatch_failure,
+    scancel_argv,
     squeue_argv,
+    squeue_by_name_argv,
 )
 from kernel.backends.slurm.classify import RUNNING_STATES
-from kernel.backends.slurm.query import SQUEUE_FORMAT, parse_squeue
+from kernel.backends.slurm.query import parse_squeue
 from kernel.io.crash import crash_point
 
 if TYPE_CHECKING:
@@ -430,7 +431,7 @@ class SlurmBackend:
                 ids = found[la.name]
                 self._record(la, JobRecord(ids[0], la.name, time.time(), adopted=True))
                 if len(ids) > 1:  # an earlier kernel made duplicates: keep the oldest only
-                    await self._client(["scancel", *ids[1:]])
+                    await self._client(scancel_argv(ids[1:]))  # found by the lookup: the local cluster
                 break
             out = await self._client(argv, limit_s=self.submit_timeout_s)
             if out.returncode == 0:
@@ -474,9 +475,7 @@ class SlurmBackend:
         A job counts only if its working directory is the launch's own directory: a name reused after the
         kernel's state was reset (the finished job still listed for MinJobAge) is never mistaken for ours.
         """
-        names = ",".join(la.name for la in launches)
-        argv = ["squeue", "-h", "-t", "all", "--me", "-o", f"%j|%Z|{SQUEUE_FORMAT}", f"--name={names}"]
-        out = await self._client(argv)
+        out = await self._client(squeue_by_name_argv(la.name for la in launches))
         if out.returncode != 0:
             return None, (out.stderr.strip() or f"squeue exited {out.returncode}")[:500]
         workdir = {la.name: str(la.spec.paths.launch_dir) for la in launches}
@@ -527,11 +526,11 @@ class SlurmBackend:
         if la.job is None or not la.unscancelled:
             return True
         todo = la.unscancelled
-        where = clusters_args([la.job.cluster] if la.job.cluster else None)
+        where = [la.job.cluster] if la.job.cluster else None
         if la.spec.array == 1 or todo >= set(range(la.spec.array)):
-            argv = ["scancel", *where, la.job.job_id]
+            argv = scancel_argv([la.job.job_id], clusters=where)
         else:
-            argv = ["scancel", *where, *(f"{la.job.job_id}_{t}" for t in sorted(todo))]
+            argv = scancel_argv((f"{la.job.job_id}_{t}" for t in sorted(todo)), clusters=where)
         out = await self._client(argv)
         # Exit 1 "Invalid job id" for tasks that already ended is fine: they end through the loop anyway.
         if out.returncode == 0 or (out.returncode is not None and "invalid job id" in out.stderr.lower()):

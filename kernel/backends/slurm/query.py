@@ -101,6 +101,9 @@ def _id_list(job_ids: Iterable[str]) -> list[str]:
     return ids
 
 
+_TASK_TARGET_RE: Final = re.compile(r"^[0-9]+(?:_[0-9]+)?$")
+
+
 def clusters_args(clusters: Iterable[str] | None) -> list[str]:
     """`-M a,b` for jobs sbatch placed on named clusters (`id;cluster`); nothing for the local cluster."""
     names = sorted(set(clusters or ()))
@@ -121,6 +124,32 @@ def squeue_argv(
     if len(joined) > MAX_ID_LIST_CHARS:
         return [*argv, "--me"]
     return [*argv, "-j", joined]
+
+
+def squeue_by_name_argv(names: Iterable[str], squeue: str = "squeue") -> list[str]:
+    """One `squeue` for our jobs with any of these job names, every state, each line `name|workdir|<format>`
+    (`SQUEUE_FORMAT` after the job name and working directory), for finding a launch's job by name."""
+    wanted = list(names)
+    for name in wanted:
+        if not name or "," in name or "|" in name or not name.isprintable():
+            raise ValueError(f"job name {name!r} cannot be looked up with squeue --name")
+    if not wanted:
+        raise ValueError("squeue_by_name_argv needs at least one job name")
+    return [squeue, "-h", "-t", "all", "--me", "-o", f"%j|%Z|{SQUEUE_FORMAT}", f"--name={','.join(wanted)}"]
+
+
+def scancel_argv(
+    targets: Iterable[str], scancel: str = "scancel", *, clusters: Iterable[str] | None = None
+) -> list[str]:
+    """One `scancel` of whole jobs (`123`) and array tasks (`123_4`), with `-M` for the clusters sbatch placed
+    them on (the same rule as every query: a job on a named cluster is unknown to the local controller)."""
+    ids = list(targets)
+    for i in ids:
+        if not _TASK_TARGET_RE.match(i):
+            raise ValueError(f"{i!r} is not a Slurm job id or array task (123 or 123_4)")
+    if not ids:
+        raise ValueError("scancel_argv needs at least one job id")
+    return [scancel, *clusters_args(clusters), *ids]
 
 
 def parse_squeue(stdout: str) -> dict[TaskKey, SqueueRow]:
