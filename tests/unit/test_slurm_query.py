@@ -344,7 +344,7 @@ def test_scancel_argv_names_the_cluster_the_job_was_placed_on() -> None:
     assert scancel_argv(["123"]) == ["scancel", "123"]
     assert scancel_argv(["123_4", "123_7"], clusters=["gpu"]) == ["scancel", "-M", "gpu", "123_4", "123_7"]
     for bad in ([], ["12;rm"], ["-u"], ["123_"], ["123_[1-3]"]):
-        with pytest.raises(ValueError, match="job id|at least one"):
+        with pytest.raises(ValueError, match=r"job id|at least one"):
             scancel_argv(bad)
 
 
@@ -353,5 +353,5 @@ def test_squeue_by_name_argv_is_one_query_for_every_name() -> None:
     assert argv[:5] == ["squeue", "-h", "-t", "all", "--me"]
     assert argv[-1] == "--name=sk-a-1-x,sk-a-1-y"
     for bad in ([], ["a,b"], ["a|b"], [""]):
-        with pytest.raises(ValueError, match="job name|at least one"):
+        with pytest.raises(ValueError, match=r"job name|at least one"):
             squeue_by_name_argv(bad)
