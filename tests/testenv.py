@@ -7,3 +7,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def python38() -> tuple[str | None, str]:
+    """A working CPython 3.8 (the tool's oldest): `python3.8` on PATH, else pyenv's versions directory.
+
+    Returns (path, "") or (None, where it was looked for). Each candidate is run to check its version: a pyenv
+    shim on PATH for a version that is not installed does not count.
+    """
+    import shutil
+    import subprocess
+
+    root = Path(os.environ.get("PYENV_ROOT") or "/root/.pyenv") / "versions"
+    candidates = [shutil.which("python3.8") or ""]
+    candidates += [str(d / "bin" / "python3.8") for d in sorted(root.glob("3.8.*"), reverse=True)]
+    for exe in filter(None, candidates):
+        try:
+            out = subprocess.run(
+                [exe, "-c", "import sys; print(sys.version_info[:2] == (3, 8))"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        except OSError:
+            continue
+        if out.stdout.strip() == "True":
+            return exe, ""
+    return None, f"no working python3.8 on PATH or under {root}/3.8.*/bin"
