@@ -114,7 +114,11 @@ class Backend(Protocol):
         ...
 
     async def recover(self, run_dir: Path) -> Recovered:
-        """Rebuild what is running and what finished from the run directories after a restart."""
+        """Rebuild what is running and what finished from the run directories after a restart.
+
+        The order is fixed: the service calls `recover` BEFORE `run` (a restart learns what exists before it
+        serves). So `recover` needs no running loop: work it finds (a launch to submit again) is queued and
+        started by `run`."""
         ...
 
     async def wait_any_exit(self) -> TaskExit:

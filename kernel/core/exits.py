@@ -3,9 +3,9 @@
 Every finished task has exactly one exit record (`kernel.backends.jobscript.ExitRecord`), written by the wrapper
 (`exited`, `signaled`, `timeout`, `terminated`, `empty_command`, `materialise_failed`, `wrapper_error`) or, for
 a task whose wrapper left none, by its backend (`lost`, `cancelled`; Slurm: `out_of_memory`, `failed`,
-`node_fail`, `preempted`, `vanished`, `stuck`). `KINDS` maps each kind to the lifecycle event the executor
-applies, the TaskState the wake shows, which of the record's exit code and signal are kept, and the hint; a kind
-not in the table (a newer wrapper, a corrupt record) is read as a wrapper failure, never as success.
+`node_fail`, `preempted`, `vanished`, `stuck`, `submit_failed`). `KINDS` maps each kind to the lifecycle event
+the executor applies, the TaskState the wake shows, which of the record's exit code and signal are kept, and the
+hint; a kind not in the table (a newer wrapper, a corrupt record) is read as a wrapper failure, never as success.
 A unit test checks that every kind a wrapper or backend writes has its row here.
 """
 
@@ -77,9 +77,10 @@ KINDS: Final[Mapping[str, End]] = {
     "node_fail": End(_L, "NODE_FAIL", False, True, None),
     "preempted": End(_L, "PREEMPTED", False, True, None),
     "vanished": End(_L, "VANISHED", False, True, None),
-    "stuck": End(
-        _C, "CANCELLED", False, True, None
-    ),  # cancelled by the kernel: its pending reason never clears
+    # cancelled by the kernel: its pending reason never clears
+    "stuck": End(_C, "CANCELLED", False, True, None),
+    # a launch resubmitted after a restart was refused
+    "submit_failed": End(_F, "FAILED", True, True, HINT_WRAPPER),
 }
 _UNKNOWN: Final = KINDS["wrapper_error"]
 

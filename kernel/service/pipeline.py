@@ -106,6 +106,8 @@ class Pipeline:
         self.on_idle: Callable[[str], None] = lambda key: None
         self._swept: set[str] = set()
         self._stuck: dict[str, set[str]] = {}
+        # Per workspace, requests whose answer could not be written (kept, retried at every listing).
+        self._blocked: dict[str, set[str]] = {}
         # Per workspace, the last temp name examined: the next listing goes on after it (wrapping around).
         self._temp_cursor: dict[str, str] = {}
         self._after: str | None = None
@@ -125,9 +127,10 @@ class Pipeline:
         for key in list(self.backlog):
             if key not in self.workspaces:
                 del self.backlog[key]
-        for key in list(self._temp_cursor):
-            if key not in self.workspaces:
-                del self._temp_cursor[key]
+        for per_ws in (self._temp_cursor, self._blocked):
+            for key in list(per_ws):
+                if key not in self.workspaces:
+                    del per_ws[key]
         self.dirty &= set(self.workspaces)
 
     def mark(self, key: str) -> None:
@@ -282,15 +285,24 @@ class Pipeline:
     def _deliver(
         self, ch: safefs.Channel, ws: WorkspaceRow, rid: str, answer: bytes, outcome: str, received: float
     ) -> None:
-        """Write the (recorded) answer, then remove the request. A failed write keeps the request for a retry."""
+        """Write the (recorded) answer, then remove the request. The request is removed only once its answer
+        file is in place (spec 3.4): a write that fails or is refused keeps it, and the next listing of the
+        channel (an event, the poll or the rescan) replays the recorded answer, so no answer is ever lost."""
         try:
             ch.write_file(ChannelPaths.ANSWERS, ChannelPaths.answer(rid), answer)
         except safefs.Refused as exc:
-            # The agent blocked its own answer (a directory in the way): the answer stays in the store.
-            event("answer_blocked", logging.WARNING, ws=ws.key, id=rid, reason=exc.reason)
+            # The agent blocked its own answer (`answers/` a symlink, a directory in the way): logged once.
+            if rid not in self._blocked.setdefault(ws.key, set()):
+                self._blocked[ws.key].add(rid)
+                event("answer_blocked", logging.WARNING, ws=ws.key, id=rid, reason=exc.reason)
+            return
         except OSError as exc:
             event("answer_failed", logging.WARNING, ws=ws.key, id=rid, error=exc.strerror or str(exc))
             return
+        blocked = self._blocked.get(ws.key)
+        if blocked and rid in blocked:
+            blocked.discard(rid)
+            event("answer_unblocked", ws=ws.key, id=rid)
         try:
             ch.remove_request(ChannelPaths.request(rid))
         except safefs.Refused:

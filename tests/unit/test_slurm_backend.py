@@ -657,3 +657,25 @@ def test_the_wake_reads_every_exit_record_the_backend_writes(
     S._write_json(tmp_path, S.STATE_FILE, S.TaskSlurmState("5", S.task_state_of(rec, res), res.hint))
     jobscript.write_exit(tmp_path, rec)
     assert gather.backend_hint(tmp_path, S.hint_of) == res.hint
+
+
+def test_recover_before_run_as_the_service_calls_them_resubmits_once_run_starts(w: World) -> None:
+    """A launch with slurm.json but no job (sbatch retries ran out, or the kernel died before sbatch): the
+    service calls recover() before run(); the restart must not fail, and the launch is submitted once run()
+    starts."""
+    never = w.spec("never")
+    never.paths.launch_dir.mkdir(parents=True, exist_ok=True)
+    S._write_json(never.paths.launch_dir, S.SPEC_FILE, never)
+    b = w.backend()
+
+    async def go() -> Recovered:
+        found = await b.recover(w.run_dir)  # no loop yet
+        async with anyio.create_task_group() as tg:
+            await tg.start(b.run)
+            await wait_for(lambda: b.job_of(never.key) is not None)
+            tg.cancel_scope.cancel()
+        return found
+
+    found = run(go)
+    assert [r.key for r in found.requeued] == [never.key]
+    assert w.calls()["sbatch"] == 1

@@ -33,11 +33,11 @@ import math
 import os
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import msgspec
@@ -82,6 +82,7 @@ CANCEL_FILE: Final = "slurm-cancelled.json"  # tasks the kernel asked to stop
 
 # Kinds of the exit records this backend writes for tasks that ended without one (besides the wrapper's).
 KIND_STUCK: Final = "stuck"
+KIND_SUBMIT_FAILED: Final = "submit_failed"  # a launch recover() resubmitted was refused
 KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
     "TIMEOUT": (jobscript.EXIT_TIMEOUT, "timeout"),
     "CANCELLED": (jobscript.EXIT_TERMINATED, jobscript.KIND_CANCELLED),
@@ -327,6 +328,8 @@ class SlurmBackend:
         self._poll_now = False
         self._exits_in, self._exits_out = anyio.create_memory_object_stream[TaskExit](math.inf)
         self._tg: TaskGroup | None = None
+        # Work recover() found before run() started (resubmissions): run() starts it first.
+        self._deferred: list[Callable[[], Coroutine[Any, Any, None]]] = []
 
     @classmethod
     def from_config(
@@ -548,6 +551,9 @@ class SlurmBackend:
         controller is down (9-18 s) never delays the exits the wrapper files already tell."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            deferred, self._deferred = self._deferred, []
+            for go in deferred:
+                tg.start_soon(go)
             task_status.started()
             try:
                 tg.start_soon(self._file_loop)
@@ -856,15 +862,16 @@ class SlurmBackend:
             except (SlurmSubmitError, OSError, ValueError) as e:
                 for t in sorted(la.open):
                     rec = jobscript.ExitRecord(
-                        jobscript.EXIT_WRAPPER_ERROR, "submit_failed", detail=f"resubmission failed: {e}"
+                        jobscript.EXIT_WRAPPER_ERROR, KIND_SUBMIT_FAILED, detail=f"resubmission failed: {e}"
                     )
                     await anyio.to_thread.run_sync(jobscript.write_exit, la.spec.task_dir(t), rec)
                     self._report(la, t, Resolution("done", "FAILED", str(e)), rec)
             self._poke()
 
         if self._tg is None:
-            raise RuntimeError("recover() needs the service loop: start SlurmBackend.run first")
-        self._tg.start_soon(go)
+            self._deferred.append(go)  # recover() before run(): started as soon as run() is
+        else:
+            self._tg.start_soon(go)
 
 
 if TYPE_CHECKING:  # mypy checks that SlurmBackend is a Backend

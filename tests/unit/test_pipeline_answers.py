@@ -1,0 +1,84 @@
+"""Answers are never lost: an answer the kernel cannot write keeps its request, and is delivered once it can
+(spec 3.4, 7.1). Real store, real enrollment, real directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from kernel.core.config import Config, parse
+from kernel.io.enroll import enroll
+from kernel.io.install import ToolSource
+from kernel.io.store import Store, StoreWorker
+from kernel.service.executor import PendingExecutor
+from kernel.service.pipeline import Pipeline
+
+TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Config:
+    return parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
+
+
+@pytest.fixture
+def store(cfg: Config) -> Iterator[Store]:
+    s = Store.open(cfg.db_path)
+    yield s
+    s.close()
+
+
+def put(ch: Path, rid: str) -> Path:
+    req = ch / "requests" / f"{rid}.json"
+    tmp = ch / "requests" / f".{rid}.tmp"
+    tmp.write_text(json.dumps({"protocol": 1, "id": rid, "type": "status"}))
+    tmp.rename(req)
+    return req
+
+
+@pytest.mark.parametrize("block", ["symlink", "directory in the way"])
+def test_a_blocked_answer_keeps_its_request_and_is_delivered_once_unblocked(
+    tmp_path: Path, cfg: Config, store: Store, block: str
+) -> None:
+    ws = tmp_path / "ws"
+    subprocess.run(["git", "init", "-q", str(ws)], check=True)
+    row = enroll(store, cfg, str(ws), TOOL).row
+    ch = ws / ".syscall"
+    worker = StoreWorker(store)
+    pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
+    pipeline.set_workspaces([row])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    answers = ch / "answers"
+    if block == "symlink":
+        answers.rename(ch / "answers.real")
+        answers.symlink_to(elsewhere)
+    else:
+        (answers / "s1.json").mkdir()
+
+    req = put(ch, "s1")
+    pipeline.mark(row.key)
+    anyio.run(pipeline.run_pass)
+    assert req.exists(), "the request of an answer that could not be written must stay for a retry"
+    assert pipeline.answered == 0
+    assert list(elsewhere.iterdir()) == []  # never written through the symlink
+    pipeline.mark(row.key)
+    anyio.run(pipeline.run_pass)  # retried, still blocked: still kept
+    assert req.exists()
+
+    if block == "symlink":
+        answers.unlink()
+        (ch / "answers.real").rename(answers)
+    else:
+        (answers / "s1.json").rmdir()
+    pipeline.mark(row.key)  # the next listing (an event, the poll or the rescan)
+    anyio.run(pipeline.run_pass)
+    assert not req.exists()
+    answer = json.loads((answers / "s1.json").read_text())
+    assert (answer["id"], answer["type"]) == ("s1", "status")
+    assert pipeline.answered == 1
