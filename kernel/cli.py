@@ -6,6 +6,7 @@ Exit codes: 0 ok; 1 the operation was refused or failed (the message says why); 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import logging
 import os
@@ -61,6 +62,8 @@ class KernelStatus(msgspec.Struct, frozen=True):
     state_dir: str
     # The pid of the kernel holding the state dir's lock (0: held, pid unreadable); None: no kernel is running.
     kernel_pid: int | None
+    # The running kernel's latest status line ("degraded (...)" first when it cannot do all of its work).
+    kernel_status: str | None
     workspaces: tuple[WorkspaceStatus, ...]
     live_sleeps: int
     live_jobs: int
@@ -149,7 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    log.setup()
+    log.setup(log_format=cfg.log_format)
     try:
         created = statedir.prepare(cfg.state_dir)
         lock = statedir.StateLock.acquire(cfg.state_dir)
@@ -170,7 +173,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pid=os.getpid(),
     )
     try:
-        anyio.run(serve, cfg)
+        anyio.run(functools.partial(serve, cfg, publish=lock.publish))
+    except Exception as exc:
+        # Through the logger (journald priority crit), not a bare traceback on stderr; nonzero for Restart=.
+        log.crashed(exc)
+        return 1
     finally:
         lock.release()
     return 0
@@ -331,6 +338,7 @@ def _status(cfg: Config) -> KernelStatus:
         return KernelStatus(
             cfg.state_dir,
             statedir.holder(cfg.state_dir),
+            statedir.note(cfg.state_dir),
             tuple(out),
             counts["live_sleeps"],
             counts["live_jobs"],
@@ -364,7 +372,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.kernel_pid is None:
         print("kernel: NOT running (no process holds the state dir's lock)")
     else:
-        print(f"kernel: running (pid {st.kernel_pid or 'unknown'})")
+        print(f"kernel: running (pid {st.kernel_pid or 'unknown'}): {st.kernel_status or ''}")
     print(
         f"{len(st.workspaces)} workspaces, {st.live_sleeps} sleeps and {st.live_jobs} jobs in flight, "
         f"{st.requests} requests recorded"

@@ -145,6 +145,8 @@ class Config(_Strict, frozen=True, kw_only=True):
     on_verdict_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     # `serve` as root is refused unless this is true: one kernel per (non-root) user owning the workspaces.
     allow_root: bool = False
+    # "text": `event=<name> key=value ...` lines; "json": one JSON object per line (docs/operator.md, Logs).
+    log_format: Literal["text", "json"] = "text"
     defaults: Defaults = Defaults()
     slurm: SlurmConfig = SlurmConfig()
     local: LocalConfig = LocalConfig()

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Final
 
 LOCK_NAME: Final = "kernel.lock"
+# The lock file's fixed size: the pid line and the latest status line, padded.
+NOTE_BYTES: Final = 1024
 
 
 class StateDirError(Exception):
@@ -103,16 +105,39 @@ class StateLock:
                         raise StateDirHeld(Path(state_dir), _read_pid(fd)) from None
                     time.sleep(0.05)
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            os.pwrite(fd, _content(os.getpid(), "starting"), 0)
         except BaseException:
             os.close(fd)
             raise
         return cls(fd, path)
 
+    def publish(self, line: str) -> None:
+        """Put the kernel's status line after its pid (read by `status`). The file keeps its size, so this
+        needs no new disk space: it works on a full disk, where `status` most needs to say `degraded`."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.pwrite(self._fd, _content(os.getpid(), line), 0)
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _content(pid: int, line: str) -> bytes:
+    text = f"{pid}\n{' '.join(line.split())}".encode("utf-8", "replace")[: NOTE_BYTES - 1]
+    return text + b"\n" + b" " * (NOTE_BYTES - 1 - len(text))
+
+
+def note(state_dir: str | os.PathLike[str]) -> str | None:
+    """The status line the kernel holding the state dir published last (None when none holds it)."""
+    path = Path(state_dir) / LOCK_NAME
+    if holder(state_dir) is None:
+        return None
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        lines = f.read(NOTE_BYTES).decode("utf-8", "replace").split("\n")
+        return lines[1].strip() if len(lines) > 1 else None
+    return None
 
 
 def holder(state_dir: str | os.PathLike[str]) -> int | None:
@@ -146,5 +171,5 @@ def _open(path: Path, flags: int) -> int:
 
 def _read_pid(fd: int) -> int | None:
     with contextlib.suppress(OSError, ValueError):
-        return int(os.pread(fd, 32, 0).decode("ascii").strip())
+        return int(os.pread(fd, 32, 0).split(b"\n")[0].decode("ascii").strip())
     return None

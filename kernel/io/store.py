@@ -13,6 +13,7 @@ One `Store` is used by one thread at a time (the pipeline's worker); sqlite's ow
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import time
@@ -29,6 +30,7 @@ from channel.messages import Policy
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import JobRow, RequestRow, SleepRow, WorkspaceRow
+from kernel.io import log
 
 SCHEMA_VERSION: Final = 1
 
@@ -194,6 +196,10 @@ class Store:
     def close(self) -> None:
         self._conn.close()
 
+    def changes(self) -> int:
+        """Rows changed by this connection's committed and current statements since it opened."""
+        return self._conn.total_changes
+
     def store_id(self) -> str | None:
         """This store's identity, drawn once when it was made: a channel's kernel.json names the store that owns
         it. None only from a read-only open of a store that no kernel of this version has opened yet."""
@@ -210,7 +216,10 @@ class Store:
         try:
             yield
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            # sqlite has already rolled back after some errors (SQLITE_FULL): a second ROLLBACK would raise and
+            # hide the real error.
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
             raise
         self._conn.execute("COMMIT")
 
@@ -476,14 +485,48 @@ class Store:
         }
 
 
+class StoreUnavailable(StoreError):
+    """The store cannot be written now (disk full, I/O error): nothing of the step was committed, so nothing of
+    it may be answered; it is tried again later. Logged (at err) by the StoreWorker that saw it."""
+
+
+# sqlite's primary result codes that mean "the disk failed us", not "this code is wrong".
+_DISK_CODES: Final = frozenset({10, 13, 14})  # SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
+
+
+def disk_failure(exc: BaseException) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.OperationalError) and code is not None and (code & 0xFF) in _DISK_CODES
+
+
 class StoreWorker:
-    """Runs store work on one worker thread at a time, off the event loop (an fsync must not stall it)."""
+    """Runs store work on one worker thread at a time, off the event loop (an fsync must not stall it).
+
+    A step that fails because the disk failed (full, I/O error) raises StoreUnavailable; the worker then reports
+    `failing` (the service's `degraded` state) until a later step commits a change again."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self._limiter = anyio.CapacityLimiter(1)
+        self.failing: str | None = None
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the worker; it may use `self.store` and channel files. Not abandoned on cancel, so a
         started step always finishes (and commits or rolls back) before shutdown proceeds."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        return await anyio.to_thread.run_sync(self._guarded, fn, *args, limiter=self._limiter)
+
+    def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
+        before = self.store.changes()
+        try:
+            result = fn(*args)
+        except sqlite3.OperationalError as exc:
+            if not disk_failure(exc):
+                raise
+            if self.failing != str(exc):
+                log.event("store_write_failed", logging.ERROR, store=str(self.store.path), error=str(exc))
+            self.failing = str(exc)
+            raise StoreUnavailable(f"{self.store.path}: {exc}") from exc
+        if self.failing is not None and self.store.changes() != before:
+            log.event("store_recovered", store=str(self.store.path), was=self.failing)
+            self.failing = None
+        return result

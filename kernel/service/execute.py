@@ -29,6 +29,7 @@ for the fault tests.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -64,7 +65,7 @@ from kernel.io.crash import crash_point
 from kernel.io.enroll import write_budget
 from kernel.io.snapshot import Snapshot, SnapshotError, snapshot_ref, take_snapshot
 from kernel.io.snapshot import release as release_snapshot
-from kernel.io.store import StoreWorker, timestamp
+from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.node.jail import JailPolicy
 from kernel.service import gather
 from kernel.service.executor import (
@@ -601,7 +602,9 @@ class RealExecutor:
             tg.start_soon(self._exit_loop)
             while True:
                 await anyio.sleep(TICK_S)
-                await self._tick()
+                # A store that cannot be written (logged by the worker) only delays the tick's work.
+                with contextlib.suppress(StoreUnavailable):
+                    await self._tick()
 
     async def _exit_loop(self) -> None:
         while True:
@@ -609,4 +612,10 @@ class RealExecutor:
                 ex = await self.backend.wait_any_exit()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 return
-            await self._on_exit(ex)
+            while True:
+                try:
+                    await self._on_exit(ex)
+                    break
+                except StoreUnavailable:
+                    # The end must be recorded before anything else happens to the task: try again.
+                    await anyio.sleep(TICK_S)

@@ -17,7 +17,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -26,13 +27,15 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from channel import safefs
 from channel.paths import ChannelPaths
-from kernel.core.config import Config
+from kernel.core.config import Config, ConfigError
+from kernel.core.config import load as load_config
 from kernel.core.records import WorkspaceRow
 from kernel.io import enroll as enrollment
 from kernel.io import log, submit
 from kernel.io.install import ToolSource
-from kernel.io.store import Store, StoreWorker
+from kernel.io.store import Store, StoreUnavailable, StoreWorker, disk_failure
 from kernel.io.watch import Watcher, choose_mode, fs_type_of, read_mounts
+from kernel.service import reload
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
 from kernel.service.pipeline import Pipeline, Spawn
@@ -41,6 +44,8 @@ from kernel.service.pipeline import Pipeline, Spawn
 # fresh events between two passes. Beyond it, the watcher asks for a full rescan instead.
 EVENT_STREAM_SIZE = 4096
 STATUS_EVERY_S = 5.0
+STORE_RETRY_S = 2.0
+T = TypeVar("T")
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
 
@@ -63,6 +68,8 @@ class Service:
         self.executor = executor_factory(self.worker)
         self.pipeline = Pipeline(cfg, self.worker, self.executor)
         self.clock = clock
+        # Where the status line also goes (the state dir lock's note, read by `syscall-kernel status`).
+        self.publish: Callable[[str], None] = lambda line: None
         self.watcher: Watcher | None = None
         self.polled: set[str] = set()
         self.stopping = False
@@ -72,6 +79,7 @@ class Service:
         self._send: MemoryObjectSendStream[str] | None = None
         # Channels whose kernel.json names another kernel's store, and glob matches refused (with why).
         self._foreign: set[str] = set()
+        self._reload_wanted = False
         self._refused: dict[str, str] = {}
 
     # --- health -------------------------------------------------------------------------------------------
@@ -84,10 +92,17 @@ class Service:
         started = self.pipeline.pass_started
         return started is None or time.time() - started < self.cfg.stall_seconds
 
+    def degraded(self) -> str | None:
+        """Why the kernel cannot do all of its work now (it keeps doing the rest), or None."""
+        if self.worker.failing is not None:
+            return f"store writes failing: {self.worker.failing}"
+        return None
+
     def status_line(self) -> str:
         n = len(self.pipeline.workspaces)
         watched = n - len(self.polled)
-        return (
+        why = self.degraded()
+        return (("degraded (" + why + "); ") if why else "") + (
             f"serving {n} workspaces ({watched} inotify, {len(self.polled)} poll); "
             f"{self.pipeline.answered} requests answered; last pass {self.pipeline.last_pass_ms:.1f} ms"
         )
@@ -281,15 +296,18 @@ class Service:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._signals)
             try:
-                rows = await self.worker.call(self._startup)
+                started = await self._retrying(lambda: self.worker.call(self._startup))
+                if started is None:
+                    return
+                rows = started
                 if self.cfg.watch != "poll" or any(r.watch != "poll" for r in rows):
                     self.watcher = Watcher(send)
                     self.watcher.start()
                 rows = self.served(rows)
                 self.pipeline.set_workspaces(rows)
                 await self.worker.call(self._watch_all, rows)
-                await self.executor.recover()
-                resumed = await self.pipeline.recover()
+                await self._retrying(self.executor.recover)
+                resumed = await self._retrying(self.pipeline.recover) or 0
                 self.pipeline.sweep()
                 log.event("ready", workspaces=len(rows), polled=len(self.polled), resumed=resumed)
                 self.notifier.ready(self.status_line())
@@ -323,6 +341,33 @@ class Service:
                 self._send.send_nowait(key)
 
     async def _loop(self, recv: MemoryObjectReceiveStream[str], spawn: Spawn) -> None:
+        """Serve until stopped; while the store cannot be written, retry every STORE_RETRY_S (the requests of a
+        failed step stay in their channels, unanswered, and are listed again by the sweep that follows)."""
+        while not self.stopping:
+            try:
+                await self._serve(recv, spawn)
+            except StoreUnavailable:
+                self._publish_status()
+                await anyio.sleep(STORE_RETRY_S)
+                self.pipeline.sweep()
+
+    async def _retrying(self, step: Callable[[], Awaitable[T]]) -> T | None:
+        """Await `step()`, again every STORE_RETRY_S while the store cannot be written (start-up must not
+        crash-loop on a full disk); None if the kernel is stopped meanwhile."""
+        while not self.stopping:
+            try:
+                return await step()
+            except StoreUnavailable:
+                self._publish_status()
+                await anyio.sleep(STORE_RETRY_S)
+        return None
+
+    def _publish_status(self) -> None:
+        line = self.status_line()
+        self.notifier.status(line)
+        self.publish(line)
+
+    async def _serve(self, recv: MemoryObjectReceiveStream[str], spawn: Spawn) -> None:
         now = self.clock()
         next_rescan = now + self.cfg.rescan_seconds
         next_tick = now + self.cfg.poll_seconds
@@ -340,6 +385,8 @@ class Service:
                     self._take(recv.receive_nowait())
                 except anyio.WouldBlock:
                     break
+            if self._reload_wanted:
+                await self._reload()
             if self.watcher is not None:
                 if self.watcher.take_overflow():
                     log.event("rescan", reason="event overflow")
@@ -374,7 +421,7 @@ class Service:
                     log.event("resumed", count=resumed)
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
-                self.notifier.status(self.status_line())
+                self._publish_status()
             if self.is_stopping():
                 break
             await self.pipeline.run_pass(spawn)
@@ -390,21 +437,88 @@ class Service:
             await anyio.sleep(interval)
 
     async def _signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
-                self.stop(signal.Signals(signum).name)
+                if signum == signal.SIGHUP:
+                    # Served by the loop between passes (never in the middle of one).
+                    self._reload_wanted = True
+                    if self._wait_scope is not None:
+                        self._wait_scope.cancel()
+                else:
+                    self.stop(signal.Signals(signum).name)
+
+    # --- SIGHUP -------------------------------------------------------------------------------------------
+
+    async def _reload(self) -> None:
+        """Read the config file again and apply what may change live (kernel.service.reload)."""
+        self._reload_wanted = False
+        if self.cfg.source.startswith("<"):
+            log.event(
+                "reload_failed", logging.ERROR, problem="no config file to read again (built-in defaults)"
+            )
+            return
+        try:
+            reread = load_config(self.cfg.source)
+        except ConfigError as exc:
+            log.event("reload_failed", logging.ERROR, problem=str(exc), kept="the running config")
+            return
+        cfg, applied, kept = reload.merge(self.cfg, reread)
+        for key in kept:
+            log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
+        self.cfg = self.pipeline.cfg = cfg
+        rows = await self.worker.call(self._reapply)
+        await self.worker.call(self._apply_rows, rows)
+        log.event(
+            "reloaded", config=cfg.source, changed=",".join(applied) or "nothing", kept=",".join(kept) or None
+        )
+        self._publish_status()
+
+    def _reapply(self) -> list[WorkspaceRow]:
+        """After a reload: enroll new glob matches, give every workspace the policy of the new defaults."""
+        self._enroll_globs()
+        for row in self.store.workspaces():
+            policy = submit.effective_policy(self.store, row.key, self.cfg.defaults.policy())
+            if policy != row.policy:
+                with self.store.transaction():
+                    self.store.set_policy(row.key, policy)
+                self._refresh(dataclasses.replace(row, policy=policy))
+        return self.store.workspaces()
 
 
-async def serve(cfg: Config, *, executor_factory: ExecutorFactory | None = None) -> None:
-    """Run the service; the executor is the config's backend (kernel.service.factory) unless a factory is given."""
+async def _open_store(cfg: Config, notifier: Notifier) -> Store:
+    """The store, opened again every STORE_RETRY_S while the disk refuses (full: the WAL cannot be made)."""
+    failing = None
+    while True:
+        try:
+            return Store.open(cfg.db_path)
+        except Exception as exc:
+            if not disk_failure(exc):
+                raise
+            if str(exc) != failing:
+                failing = str(exc)
+                log.event("store_write_failed", logging.ERROR, store=str(cfg.db_path), error=failing)
+            notifier.status(f"degraded (store cannot be opened: {failing}); not serving yet")
+            await anyio.sleep(STORE_RETRY_S)
+
+
+async def serve(
+    cfg: Config,
+    *,
+    executor_factory: ExecutorFactory | None = None,
+    publish: Callable[[str], None] | None = None,
+) -> None:
+    """Run the service; the executor is the config's backend (kernel.service.factory) unless a factory is given.
+    `publish` also gets every status line (the state dir lock's note)."""
     if executor_factory is None:
         from kernel.service.factory import executor_factory as configured
 
         executor_factory = configured(cfg)
-    store = Store.open(cfg.db_path)
     notifier = Notifier.from_env()
+    store = await _open_store(cfg, notifier)
     try:
         svc = Service(cfg, store, notifier, ToolSource.bundled(), executor_factory)
+        if publish is not None:
+            svc.publish = publish
         await svc.run()
     finally:
         notifier.close()

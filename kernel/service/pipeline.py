@@ -56,7 +56,7 @@ from kernel.core.config import Config
 from kernel.core.records import RequestRow, SleepRow, WorkspaceRow
 from kernel.io.enroll import kernel_ref, write_budget
 from kernel.io.log import event
-from kernel.io.store import StoreWorker, timestamp
+from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.service.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
 
 # Channels listed per pass by a rescan or poll tick (on top of the channels with news).
@@ -297,7 +297,7 @@ class Pipeline:
                 event("answer_blocked", logging.WARNING, ws=ws.key, id=rid, reason=exc.reason)
             return
         except OSError as exc:
-            event("answer_failed", logging.WARNING, ws=ws.key, id=rid, error=exc.strerror or str(exc))
+            event("answer_failed", logging.ERROR, ws=ws.key, id=rid, error=exc.strerror or str(exc))
             return
         blocked = self._blocked.get(ws.key)
         if blocked and rid in blocked:
@@ -504,6 +504,10 @@ class Pipeline:
         """Call the executor for a recorded sleep or cancel, then record and deliver its answer."""
         try:
             await self._advance(c)
+        except StoreUnavailable:
+            # Logged by the worker. Nothing of the failed step was committed; the request stays recorded and
+            # unanswered, and the next rescan's recover resumes it.
+            pass
         finally:
             self.busy.discard(c.key)
             self.dirty.add(c.key)
