@@ -1763,7 +1763,7 @@ MCP_FLAGS = {
 
 
 def _arg_refusal(code: str, message: str, name: str) -> None:
-    """Refuse a tool argument that no request carries (`wait`, `timeout_s`...); its path: `arguments.NAME`."""
+    """Refuse an argument no request carries (`wait`, `timeout_s`...): path `arguments.NAME`, MCP codes."""
     refuse((code, message, "arguments." + name), False)
 
 
@@ -1778,7 +1778,7 @@ def _arg(arguments: dict[str, Any], name: str, kind: str, default: Any) -> Any:
         if 0 < v <= MCP_WAIT_MAX_S:
             return float(v)
         _arg_refusal(
-            "field.out_of_range", f"{name} must be > 0 and <= {MCP_WAIT_MAX_S:g} seconds, got {v!r}", name
+            "argument.out_of_range", f"{name} must be > 0 and <= {MCP_WAIT_MAX_S:g} seconds, got {v!r}", name
         )
     if kind == "string" and isinstance(v, str):
         return v
@@ -1787,7 +1787,7 @@ def _arg(arguments: dict[str, Any], name: str, kind: str, default: Any) -> Any:
     expected = {"boolean": "a boolean", "seconds": "a number", "string": "a string"}.get(
         kind, "an array of strings"
     )
-    _arg_refusal("field.type", f"{name} must be {expected}, got {_a(v)}", name)
+    _arg_refusal("argument.type", f"{name} must be {expected}, got {_a(v)}", name)
     return default
 
 
@@ -1796,7 +1796,7 @@ def _only(arguments: dict[str, Any], names: tuple[str, ...]) -> None:
         if key not in names:
             shown = key if len(key) <= ECHO_MAX_CHARS else key[:ECHO_MAX_CHARS] + "..."
             _arg_refusal(
-                "field.unknown",
+                "argument.unknown",
                 "{} is not an argument of this tool (it takes: {})".format(
                     json.dumps(shown), ", ".join(names) or "none"
                 ),
@@ -2257,6 +2257,10 @@ class _Wire:
                 os._exit(0)
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _finite(obj: Any) -> Any:
     if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
         return None
@@ -2327,7 +2331,7 @@ class McpServer:
         if not line.strip():
             return
         try:
-            msg = json.loads(line.decode("utf-8"))
+            msg = json.loads(line.decode("utf-8"), parse_constant=_not_json)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             self.error(None, JSONRPC_PARSE_ERROR, f"not JSON: {str(exc)[:200]}")
             return

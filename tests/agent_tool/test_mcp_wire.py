@@ -166,6 +166,7 @@ def _next_is_ping_answer(c: RawClient) -> None:
     [
         (b"{not json\n", -32700),
         (b"\xff\xfe{}\n", -32700),  # not UTF-8
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"x": NaN}}\n', -32700),
         (b"[" * 100_000 + b"]" * 100_000 + b"\n", -32700),  # nesting past the parser's recursion
         (b'[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]\n', -32600),  # batches are gone since 2025-06-18
         (b'"ping"\n', -32600),
@@ -214,13 +215,13 @@ def test_notifications_and_responses_are_never_answered(client: RawClient) -> No
 @pytest.mark.parametrize(
     ("tool", "arguments", "code", "path"),
     [
-        ("sleep", {"wait": "yes"}, "field.type", "arguments.wait"),
-        ("sleep", {"timeout_s": -1}, "field.out_of_range", "arguments.timeout_s"),
-        ("sleep", {"timeout_s": 1e300}, "field.out_of_range", "arguments.timeout_s"),
+        ("sleep", {"wait": "yes"}, "argument.type", "arguments.wait"),
+        ("sleep", {"timeout_s": -1}, "argument.out_of_range", "arguments.timeout_s"),
+        ("sleep", {"timeout_s": 1e300}, "argument.out_of_range", "arguments.timeout_s"),
         ("sleep", {"note": 5}, "field.type", "$.note"),
-        ("wait", {"sleep_id": ["x"]}, "field.type", "arguments.sleep_id"),
-        ("status", {"verbose": True}, "field.unknown", "arguments.verbose"),
-        ("unstage", {"names": "train"}, "field.type", "arguments.names"),
+        ("wait", {"sleep_id": ["x"]}, "argument.type", "arguments.sleep_id"),
+        ("status", {"verbose": True}, "argument.unknown", "arguments.verbose"),
+        ("unstage", {"names": "train"}, "argument.type", "arguments.names"),
         ("launch", {"name": "a", "command": ["ls"]}, "field.type", "$.launches[0].command"),
         ("launch", {"name": "a", "command": "ls", "gpus": True}, "field.type", "$.launches[0].gpus"),
         ("launch", {"name": "a", "command": "ls", "minutes": None}, "field.type", "$.launches[0].minutes"),

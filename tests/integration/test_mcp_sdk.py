@@ -105,7 +105,11 @@ async def session(ws: Path, py38: str, kernel: Kernel) -> list[str]:
         s = Session(client)
         # the SDK probes the 2026-07-28 `server/discover`, is told "method not found", and falls back
         assert client.protocol_version == "2025-11-25"
-        s.log.append(f"(connected: protocol {client.protocol_version}, server {client.server_info})")
+        server = client.server_info
+        assert server is not None
+        s.log.append(
+            f"(connected: protocol {client.protocol_version}, server {server.name} {server.version})"
+        )
 
         listed = await client.list_tools()
         tools = {t.name: t for t in listed.tools}
