@@ -30,6 +30,9 @@ class TaskEvent(StrEnum):
     FINISH = "finish"  # ended on its own: COMPLETED, FAILED, TIMEOUT, OUT_OF_MEMORY
     CANCEL = "cancel"  # cancelled by the agent or the kernel
     LOSE = "lose"  # the scheduler says NODE_FAIL, PREEMPTED or the job vanished
+    SKIP = (
+        "skip"  # a submit's evaluation run the kernel decided not to run (REUSED or SKIPPED), before dispatch
+    )
 
 
 SLEEP_TRANSITIONS: Final[dict[tuple[str, SleepEvent], str]] = {
@@ -53,6 +56,7 @@ TASK_TRANSITIONS: Final[dict[tuple[str, TaskEvent], frozenset[str]]] = {
     ("PENDING", TaskEvent.CANCEL): frozenset({"CANCELLED"}),
     ("PENDING", TaskEvent.FINISH): frozenset({"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}),
     ("PENDING", TaskEvent.LOSE): frozenset({"NODE_FAIL", "PREEMPTED", "VANISHED"}),
+    ("PENDING", TaskEvent.SKIP): frozenset({"REUSED", "SKIPPED"}),
     ("RUNNING", TaskEvent.FINISH): frozenset({"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}),
     ("RUNNING", TaskEvent.CANCEL): frozenset({"CANCELLED"}),
     ("RUNNING", TaskEvent.LOSE): frozenset({"NODE_FAIL", "PREEMPTED", "VANISHED"}),

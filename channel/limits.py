@@ -32,6 +32,12 @@ CANCEL_MAX_NAMES: Final = MAX_LAUNCHES * 4
 HISTORY_MAX: Final = 100
 HISTORY_DEFAULT: Final = 20
 
+# The submit contract (operator-set; the kernel refuses a config or enrollment beyond these).
+REPEATS_MAX: Final = 16  # pairs per submit (each pair is one base and one candidate run)
+PROTECTED_MAX: Final = 64  # protected path patterns
+PROTECTED_MAX_CHARS: Final = 256
+PATH_MAX_CHARS: Final = 4096
+
 # Kernel-written sizes.
 TAIL_MAX_CHARS: Final = 8000
 

@@ -33,10 +33,27 @@ TaskState = Literal[
     "NODE_FAIL",
     "PREEMPTED",
     "VANISHED",
+    "REUSED",
+    "SKIPPED",
 ]
 TERMINAL_TASK_STATES: Final[frozenset[str]] = frozenset(
-    {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "NODE_FAIL", "PREEMPTED", "VANISHED"}
+    {
+        "COMPLETED",
+        "FAILED",
+        "TIMEOUT",
+        "OUT_OF_MEMORY",
+        "CANCELLED",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "VANISHED",
+        "REUSED",
+        "SKIPPED",
+    }
 )
+# A submit's evaluation run the kernel decided not to run: REUSED (the base's measurement of an earlier submit
+# with the same seeds stands in for it) or SKIPPED (nothing to compare: the candidate's tree is the base's, or
+# there is no base). Neither was charged.
+NOT_RUN_TASK_STATES: Final[frozenset[str]] = frozenset({"REUSED", "SKIPPED"})
 
 SleepState = Literal[
     "received", "validated", "snapshotted", "submitted", "running", "gathered", "woken", "rejected"
@@ -267,9 +284,23 @@ class TaskResult(_Strict, frozen=True):
 
 
 Outcome = Literal["improved", "not_improved", "failed", "unchanged"]
+PairTest = Literal["sign", "bootstrap"]
+
+
+class Pair(_Strict, frozen=True):
+    """One seed's base and candidate values (the seed itself stays private)."""
+
+    base: float
+    candidate: float
+    delta: float  # candidate - base
 
 
 class Verdict(_Strict, frozen=True):
+    """A submit's verdict. With repeats, the values are means over the pairs and `delta` is the mean difference.
+
+    `trusted`: the metric came from the operator's `score` stage (or from `command` with the whole tree
+    protected) in a real jail; false means the candidate's own code printed it (self-reported)."""
+
     outcome: Outcome
     metric: str
     direction: Literal["higher", "lower"]
@@ -278,12 +309,21 @@ class Verdict(_Strict, frozen=True):
     delta: float | None = None
     min_delta: float | None = None
     min_relative: float | None = None
-    seed: int | None = None
     failed_side: Literal["base", "candidate"] | None = None
     reason: str | None = None
     baseline_reused: bool = False
     base_commit: str | None = None
     candidate_commit: str | None = None
+    trusted: bool = False
+    # sha256 hex of the base tree and the private seeds (kernel.core.evaluate.seed_commitment); null without seeds
+    seed_commitment: str | None = None
+    repeats: int = 1
+    pairs: tuple[Pair, ...] = ()
+    test: PairTest | None = None  # the one-sided test on the pairs (N >= 3), else null
+    confidence: float | None = None
+    p_value: float | None = None  # the sign test's
+    lower_bound: float | None = None  # the bootstrap's lower bound of the mean improvement
+    protected_changed: tuple[str, ...] = ()  # protected paths the candidate changed (replaced by the base's)
 
 
 class Wake(_Strict, frozen=True):
@@ -311,8 +351,18 @@ FLOOR_MAX: Final = 1e15
 _Floor = Annotated[float, Meta(ge=0, le=FLOOR_MAX)]
 
 
+# A protected path pattern: relative, '/'-separated; `*` and `?` within one component, `**` any number of them.
+PROTECTED_PATTERN: Final = r"^(?!/)(?!.*(^|/)\.\.?(/|$))(?!.*//)[^\x00-\x1f\\]+$"
+ABS_PATH_PATTERN: Final = r"^/[^\x00-\x1f]*$"
+
+
 class EvalContract(_Strict, frozen=True):
-    """The operator's evaluation contract for `submit`; agents read it, never set it."""
+    """The operator's evaluation contract for `submit`; agents read it, never set it.
+
+    `command` runs the agent's code on each side; `score`, when set, is the operator's scorer, run after
+    `command` in a separate jail that sees the side's tree read-only, `score_data` read-only and the seeds, and
+    only its stdout carries the metric. `score_from`: "operator" (the scorer lives outside every workspace:
+    `score_data` or a system directory) or "base" (the base commit's tree, never the candidate's)."""
 
     command: Annotated[str, Meta(min_length=1, max_length=L.COMMAND_MAX_CHARS)]
     metric: Annotated[str, Meta(pattern=METRIC_PATTERN)]
@@ -322,6 +372,16 @@ class EvalContract(_Strict, frozen=True):
     eval_minutes: Annotated[int, Meta(ge=L.MINUTES_MIN, le=L.MINUTES_CEILING)] = L.MINUTES_DEFAULT
     gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING)] = 0
     seed: bool = True
+    score: Annotated[str, Meta(min_length=1, max_length=L.COMMAND_MAX_CHARS)] | None = None
+    score_data: Annotated[str, Meta(pattern=ABS_PATH_PATTERN, max_length=L.PATH_MAX_CHARS)] | None = None
+    score_from: Literal["operator", "base"] = "operator"
+    protected: Annotated[
+        tuple[Annotated[str, Meta(pattern=PROTECTED_PATTERN, max_length=L.PROTECTED_MAX_CHARS)], ...],
+        Meta(max_length=L.PROTECTED_MAX),
+    ] = ()
+    repeats: Annotated[int, Meta(ge=1, le=L.REPEATS_MAX)] = 1
+    confidence: Annotated[float, Meta(ge=0.5, le=0.999)] = 0.95
+    test: PairTest = "sign"
 
 
 class Policy(_Strict, frozen=True):

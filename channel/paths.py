@@ -91,6 +91,8 @@ class RunPaths:
     JOB_SCRIPT: ClassVar[str] = "job.sh"
     STDOUT: ClassVar[str] = "stdout"
     STDERR: ClassVar[str] = "stderr"
+    SCORE_STDOUT: ClassVar[str] = "score-stdout"  # the operator's `score` stage (submit); kernel-read only
+    SCORE_STDERR: ClassVar[str] = "score-stderr"
     EXIT_CODE: ClassVar[str] = "exit-code"
     STARTED: ClassVar[str] = "started"
     ENDED: ClassVar[str] = "ended"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from channel.messages import Budget, TaskResult, Verdict, Wake
+from channel.messages import NOT_RUN_TASK_STATES, Budget, TaskResult, Verdict, Wake
 
 _RUN_RE: Final = re.compile(r"`+|~+")
 
@@ -21,6 +21,8 @@ HINTS: Final[dict[str, str]] = {
     "NODE_FAIL": "the node running it failed; this was not your job's fault, you may relaunch it",
     "PREEMPTED": "preempted by the scheduler for other work; not your job's fault, you may relaunch it",
     "VANISHED": "the scheduler lost track of it without a result; relaunch it",
+    "REUSED": "not run: an earlier measurement stands in for it; nothing was charged",
+    "SKIPPED": "not run: it was not needed; nothing was charged",
 }
 
 
@@ -90,16 +92,57 @@ def render_task(t: TaskResult) -> str:
     return "\n".join(out)
 
 
+def _num(x: float) -> str:
+    return repr(x)
+
+
 def render_verdict(v: Verdict) -> str:
-    out = [f"## Submit verdict: {v.outcome}", ""]
+    """The whole verdict section of a wake (one function: every verdict line is decided here)."""
+    out = [f"## Submit verdict: {v.outcome}" + ("" if v.trusted else " (self-reported)"), ""]
+    if v.trusted:
+        out.append(
+            "Trusted: the metric came from the operator's scorer (or from files taken from the base), "
+            "out of the candidate's reach."
+        )
+    else:
+        out.append(
+            "Self-reported: the metric was printed by code the candidate controls (the contract has no `score` "
+            "command and does not protect every file its eval runs); it is the candidate's own claim."
+        )
     better = "higher" if v.direction == "higher" else "lower"
     out.append(f"Metric `{v.metric}` ({better} is better).")
+    n = len(v.pairs)
+    mean = f" (mean of {n})" if n > 1 else ""
     if v.base_value is not None:
-        out.append(f"Base: {v.base_value!r}" + (" (reused measurement)" if v.baseline_reused else ""))
+        out.append(
+            f"Base: {_num(v.base_value)}{mean}" + (" (reused measurement)" if v.baseline_reused else "")
+        )
     if v.candidate_value is not None:
-        out.append(f"Candidate: {v.candidate_value!r}")
+        out.append(f"Candidate: {_num(v.candidate_value)}{mean}")
     if v.delta is not None:
-        out.append(f"Delta: {v.delta!r}")
+        out.append(f"Delta: {_num(v.delta)}" + (" (mean of the paired differences)" if n > 1 else ""))
+    if n > 1:
+        out += ["", "| pair | base | candidate | delta |", "|---|---|---|---|"]
+        out += [
+            f"| {i + 1} | {_num(p.base)} | {_num(p.candidate)} | {_num(p.delta)} |"
+            for i, p in enumerate(v.pairs)
+        ]
+        out.append("")
+    if v.test == "sign" and v.p_value is not None and v.confidence is not None:
+        alpha = round(1 - v.confidence, 6)
+        verdict = "passed" if v.p_value <= alpha else "not passed"
+        out.append(
+            f"Sign test over {n} pairs: p = {v.p_value:.4g} (one-sided; needs <= {alpha:g} for confidence "
+            f"{v.confidence:g}): {verdict}."
+        )
+    elif v.test == "bootstrap" and v.lower_bound is not None and v.confidence is not None:
+        verdict = "passed" if v.lower_bound > 0 else "not passed"
+        out.append(
+            f"Bootstrap lower bound of the mean improvement at confidence {v.confidence:g}: "
+            f"{_num(v.lower_bound)} (needs > 0): {verdict}."
+        )
+    elif n > 1 or v.repeats > 1:
+        out.append(f"{v.repeats} pairs: too few for a test (3 or more); the floors alone decide.")
     floors = []
     if v.min_delta is not None:
         floors.append(f"at least {v.min_delta!r} absolute")
@@ -107,14 +150,24 @@ def render_verdict(v: Verdict) -> str:
         floors.append(f"at least {v.min_relative!r} relative")
     if floors:
         out.append("Required improvement: " + " and ".join(floors) + ".")
-    if v.seed is not None:
-        out.append(f"Seed: {v.seed}")
+    if v.seed_commitment is not None:
+        out.append(
+            f"Seed commitment: sha256 {v.seed_commitment} (the seeds stay private; the operator can check them)."
+        )
+    if v.protected_changed:
+        out.append("Protected paths the candidate changed (the base's versions were used on both sides):")
+        out += [f"- {_inline(p)}" for p in v.protected_changed]
     if v.outcome == "failed":
         out.append(f"Failed side: {v.failed_side or 'unknown'}.")
         if v.reason:  # may quote the eval's own output
             out.append(data_block("Why it failed", v.reason))
     elif v.outcome == "unchanged":
-        out.append("The candidate's tree equals the base's: nothing was run or charged.")
+        if v.reason:  # kernel-written: what was charged after all
+            out.append(f"The candidate's tree equals the base's: the evaluation was not run; {v.reason}.")
+        else:
+            out.append(
+                "The candidate's tree equals the base's: nothing was run or charged, the sleep included."
+            )
     elif v.reason:
         out.append(data_block("Note", v.reason))
     return "\n".join(out) + "\n"
@@ -122,10 +175,12 @@ def render_verdict(v: Verdict) -> str:
 
 def render_wake(w: Wake) -> str:
     ok = sum(1 for t in w.tasks if t.state == "COMPLETED")
+    unrun = sum(1 for t in w.tasks if t.state in NOT_RUN_TASK_STATES)
     out = [
         f"# Wake: sleep {w.id} (#{w.seq})",
         "",
-        f"Slept from {w.created_at} to {w.woken_at}. {ok} of {len(w.tasks)} tasks completed.",
+        f"Slept from {w.created_at} to {w.woken_at}. {ok} of {len(w.tasks) - unrun} tasks completed"
+        + (f"; {unrun} not run (REUSED or SKIPPED)." if unrun else "."),
     ]
     if not w.tasks:
         out.append("This sleep was a checkpoint: it had no launches.")

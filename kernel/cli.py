@@ -21,7 +21,7 @@ from channel import limits as L
 from channel.messages import EvalContract
 from kernel.core.budget import Balance
 from kernel.core.config import Config, ConfigError, load
-from kernel.core.evaluate import EVAL_FLAGS, contract_problem
+from kernel.core.evaluate import EVAL_FLAGS, SELF_REPORTED_WARNING, contract_problem, is_trusted
 from kernel.io import log, statedir
 from kernel.io.store import Store, StoreError
 
@@ -123,6 +123,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--eval-gpus", type=int, metavar="G", default=0, help="GPUs per side")
     ev.add_argument("--no-seed", action="store_true", help="pass no EVAL_SEED to the eval")
+    ev.add_argument(
+        "--score-command",
+        metavar="CMD",
+        help="the operator's scorer: run after --eval-command in its own jail (the side's tree read-only at "
+        "$EVAL_TREE, --score-data read-only at $SCORE_DATA, cwd $SCORER); only its stdout carries the metric",
+    )
+    ev.add_argument(
+        "--score-data", metavar="DIR", help="private data for the scorer, outside every workspace (read-only)"
+    )
+    ev.add_argument(
+        "--score-from",
+        choices=("operator", "base"),
+        default="operator",
+        help="where the scorer's files come from: outside every workspace, or the base commit's tree",
+    )
+    ev.add_argument(
+        "--protected",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="a path pattern taken from the base commit on both sides (repeatable; `**` spans directories)",
+    )
+    ev.add_argument(
+        "--repeats", type=int, metavar="N", default=1, help="paired runs per submit, each with its own seed"
+    )
+    ev.add_argument(
+        "--confidence", type=float, metavar="C", default=0.95, help="of the one-sided test on >= 3 pairs"
+    )
+    ev.add_argument(
+        "--test", choices=("sign", "bootstrap"), default="sign", help="the one-sided test on >= 3 pairs"
+    )
     config_opt(e)
     rb = sub.add_parser("rebase", help="move a workspace's submit base to a commit (default: its HEAD)")
     rb.add_argument("workspace", help="an enrolled workspace directory")
@@ -245,6 +276,8 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     print(
         f"  submit: {'not available (no eval contract)' if c is None else f'{c.command!r}, metric {c.metric!r} ({c.direction} is better)'}"
     )
+    if c is not None and not is_trusted(c, cfg.jail):
+        print(f"  warning: {SELF_REPORTED_WARNING}")
     return 0
 
 
@@ -257,6 +290,9 @@ def _contract(args: argparse.Namespace) -> EvalContract | str | None:
                 ("--min-delta", args.min_delta),
                 ("--min-relative", args.min_relative),
                 ("--no-seed", args.no_seed or None),
+                ("--score-command", args.score_command),
+                ("--score-data", args.score_data),
+                ("--protected", args.protected or None),
             )
             if v is not None
         ]
@@ -274,6 +310,13 @@ def _contract(args: argparse.Namespace) -> EvalContract | str | None:
         eval_minutes=args.eval_minutes,
         gpus=args.eval_gpus,
         seed=not args.no_seed,
+        score=args.score_command,
+        score_data=args.score_data,
+        score_from=args.score_from,
+        protected=tuple(args.protected),
+        repeats=args.repeats,
+        confidence=args.confidence,
+        test=args.test,
     )
     problem = contract_problem(contract)
     if problem is None:
@@ -316,7 +359,7 @@ def cmd_rebase(args: argparse.Namespace) -> int:
     finally:
         store.close()
     print(
-        f"submit base of {ws.path} is now {found[0]} (tree {found[1]}), held as {S.base_ref(ws.key)}; new seed drawn"
+        f"submit base of {ws.path} is now {found[0]} (tree {found[1]}), held as {S.base_ref(ws.key)}; measurements of the old base are no longer reused"
     )
     return 0
 

@@ -71,7 +71,18 @@ DEFAULT_POLICY: dict[str, Any] = {
 }
 
 TERMINAL_STATES = frozenset(
-    {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "NODE_FAIL", "PREEMPTED", "VANISHED"}
+    {
+        "COMPLETED",
+        "FAILED",
+        "TIMEOUT",
+        "OUT_OF_MEMORY",
+        "CANCELLED",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "VANISHED",
+        "REUSED",
+        "SKIPPED",
+    }
 )
 ANSWER_TIMEOUT_S = 60.0
 PROGRESS_EVERY_S = 10.0

@@ -26,6 +26,26 @@ DEFAULT_ARTIFACT_TOTAL_MAX_BYTES: Final = 256 * 1024 * 1024
 DEFAULT_OUTPUT_MAX_BYTES: Final = 64 * 1024 * 1024
 
 
+class BaseFiles(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Protected paths of a submit's evaluation run: on the node, every path of the run's tree under one of
+    `patterns` is taken from this commit (the workspace's submit base) instead of the run's own commit."""
+
+    commit: str
+    tree: str
+    patterns: tuple[str, ...]
+
+
+class ScoreStage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The operator's `score` command, run on the node after the run's command has exited, in a jail of its own
+    (kernel.node.jail.score_template_argv): the tree read-only, `data` read-only, the scorer directory as cwd, which
+    is the base commit's tree when `scorer_commit` is set and an empty directory otherwise."""
+
+    command: str
+    data: str | None = None
+    scorer_commit: str | None = None
+    scorer_tree: str | None = None
+
+
 class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One launch of one sleep, as every backend runs it."""
 
@@ -43,7 +63,12 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING)] = 0
     artifacts: tuple[str, ...] = ()
     jail: JailPolicy = JailPolicy()
-    eval_seed: str | None = None
+    # A submit's evaluation run: task i gets seed i as EVAL_SEED (the command only when `seeds_to_command`;
+    # the score stage always), protected files from the base, and the operator's score stage.
+    eval_seeds: tuple[int, ...] = ()
+    seeds_to_command: bool = True
+    base_files: BaseFiles | None = None
+    score: ScoreStage | None = None
     scratch: str | None = None  # node scratch base; None = the node's TMPDIR or /tmp
     artifact_max_bytes: int = DEFAULT_ARTIFACT_MAX_BYTES
     artifact_total_max_bytes: int = DEFAULT_ARTIFACT_TOTAL_MAX_BYTES

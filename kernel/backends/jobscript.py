@@ -52,6 +52,7 @@ class ExitRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: ExitKind
     signal: str | None = None
     command_code: int | None = None
+    score_code: int | None = None  # the operator's score stage (submit), when it ran
     finished_at: str | None = None
     host: str | None = None
     detail: str | None = None
@@ -68,7 +69,7 @@ class ArtifactRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def wrapper_config(spec: JobSpec) -> dict[str, object]:
     """The configuration `job.sh` embeds (pure)."""
     paths = spec.paths
-    env = J.jail_env(home=J.HOME_TOKEN, eval_seed=spec.eval_seed)
+    env = J.jail_env(home=J.HOME_TOKEN)
     # The run directory and the live workspace are never bound; should an operator place them below a bound
     # system directory, they are masked as well.
     hide = tuple(dict.fromkeys((*spec.jail.hide, spec.run_dir, spec.workspace_path)))
@@ -83,7 +84,17 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
             "commit": spec.commit,
             "tree": spec.tree,
             "env": git_env(spec.workspace_path),
+            "protected": None
+            if spec.base_files is None
+            else {
+                "commit": spec.base_files.commit,
+                "tree": spec.base_files.tree,
+                "patterns": list(spec.base_files.patterns),
+            },
         },
+        "seeds": list(spec.eval_seeds),
+        "seed_to_command": spec.seeds_to_command,
+        "score": None if spec.score is None else _score_config(spec, jail),
         "jail": {"kind": spec.jail.kind, "argv": J.template_argv(jail, gpus=spec.gpus)},
         "env": env,
         "index_vars": list(J.INDEX_VARS),
@@ -94,6 +105,22 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         "output_max_bytes": spec.output_max_bytes,
         "scratch": spec.scratch,
         "kill_grace_s": spec.kill_grace_s,
+    }
+
+
+def _score_config(spec: JobSpec, jail: J.JailPolicy) -> dict[str, object]:
+    score = spec.score
+    assert score is not None
+    env = J.score_env(home=J.HOME_TOKEN, tree=J.TREE_TOKEN, scorer=J.SCORER_TOKEN, data=score.data)
+    scorer = None
+    if score.scorer_commit is not None:
+        scorer = {"commit": score.scorer_commit, "tree": score.scorer_tree}
+    return {
+        "command": score.command,
+        "kind": jail.kind,
+        "argv": J.score_template_argv(jail, data=score.data),
+        "env": env,
+        "scorer": scorer,
     }
 
 

@@ -236,7 +236,7 @@ def _resolve(cfg: Config, source: str, env: dict[str, str]) -> Config:
     if cfg.defaults.submit is not None:
         # The bounds are the Struct's (refused by `convert` above with the key named); this adds what a schema
         # cannot say: a blank command, a metric that is one of the contract's reserved keys.
-        problem = contract_problem(cfg.defaults.submit)
+        problem = contract_problem(cfg.defaults.submit) or score_data_problem(cfg.defaults.submit)
         if problem is not None:
             raise ConfigError(f"{source}: key 'defaults.submit.{problem[0]}': {problem[1]}")
     if cfg.batch_per_workspace > cfg.batch_per_pass:
@@ -266,3 +266,21 @@ def load(path: str | os.PathLike[str] | None = None, *, env: dict[str, str] | No
     except OSError as exc:
         raise ConfigError(f"{chosen}: cannot read the config file: {exc.strerror}") from None
     return parse(text, str(chosen), env=env)
+
+
+def score_data_problem(contract: EvalContract, workspace: str | None = None) -> tuple[str, str] | None:
+    """What is wrong with the contract's private score data on this machine, as (field, why): it must be an
+    existing directory, and lie outside the workspace (the agent would read it) while not holding it."""
+    if contract.score_data is None:
+        return None
+    data = os.path.realpath(contract.score_data)
+    if not os.path.isdir(data):
+        return "score_data", f"{contract.score_data!r} is not an existing directory"
+    if workspace is not None:
+        ws = os.path.realpath(workspace)
+        if os.path.commonpath([data, ws]) in (data, ws):
+            return "score_data", (
+                f"{contract.score_data!r} and the workspace {ws} overlap; private data must lie outside every "
+                "workspace (the agent can read its own tree)"
+            )
+    return None

@@ -8,16 +8,24 @@ There is deliberately no regex fallback: an eval that wants a verdict prints the
 Values are compared as decimals parsed from the JSON text itself, so a floor written as 0.2 in the config is met
 by 0.3 - 0.1 exactly (binary floats would say 0.19999999999999998).
 
-Also here, pure: the two evaluation job rows a sleep with a submit records at acceptance (`eval_jobs`, named
-`EVAL_BASE` / `EVAL_CANDIDATE`, charged like launches by `charge_eval`), the operator's contract check
-(`contract_problem`), and the hook's payload (`hook_payload`). The stateful side is `kernel.io.submit`.
+With a `score` stage the metric is read from the score's stdout only (the agent's `command` prints whatever it
+likes); without one, from `command`'s stdout, and when the contract protects paths the metric line must appear
+exactly once (a second one means something besides the protected eval printed it: an `atexit` hook, an import).
+
+Also here, pure: the evaluation job rows a sleep with a submit records at acceptance (`eval_jobs`: `repeats` tasks
+each of `EVAL_BASE` / `EVAL_CANDIDATE`, charged like launches by `charge_eval`), the operator's contract check
+(`contract_problem`), whether a contract's verdict can be trusted (`is_trusted`), the seed commitment, and the
+hook's payload (`hook_payload`). The paired arithmetic is `kernel.core.paired`; the stateful side is
+`kernel.io.submit`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Final, Literal
@@ -25,7 +33,8 @@ from typing import Any, Final, Literal
 import msgspec
 
 from channel.decode import RequestError
-from channel.messages import EvalContract, SleepRequest, Submit, Verdict, encode
+from channel.messages import EvalContract, Pair, SleepRequest, Submit, Verdict, encode
+from kernel.core import paired
 from kernel.core.budget import Balance, gpu_hours
 from kernel.core.records import JobRow
 
@@ -44,11 +53,14 @@ class MetricError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class EvalRun:
-    """What one side's eval produced: its exit code and stdout (or why it never ran to the end)."""
+    """What one run of one side produced: `command`'s exit code and stdout (or why it never ran to the end) and,
+    with a `score` stage, the scorer's exit code and stdout (None: the scorer never ran)."""
 
     exit_code: int | None
     stdout: str
     state: str = "COMPLETED"
+    score_code: int | None = None
+    score_stdout: str | None = None
 
 
 def to_decimal(x: float | int | str) -> Decimal:
@@ -58,6 +70,22 @@ def to_decimal(x: float | int | str) -> Decimal:
 
 def _reject_constant(name: str) -> Any:
     raise MetricError(f"the metric line holds {name}, which is not a finite number")
+
+
+def metric_lines(stdout: str, metric: str) -> int:
+    """How many single-line JSON objects on stdout carry `metric` (well-formed or not as values)."""
+    count = 0
+    for line in stdout.splitlines():
+        text = line.strip()
+        if not (text.startswith("{") and text.endswith("}")):
+            continue
+        try:
+            obj = json.loads(text, parse_float=Decimal, parse_int=Decimal, parse_constant=lambda _: None)
+        except (ValueError, InvalidOperation):
+            continue
+        if isinstance(obj, dict) and (metric in obj or (obj.get("metric") == metric and "value" in obj)):
+            count += 1
+    return count
 
 
 def extract_metric(stdout: str, metric: str) -> Decimal:
@@ -88,75 +116,134 @@ def extract_metric(stdout: str, metric: str) -> Decimal:
     )
 
 
-def measure(run: EvalRun, metric: str) -> Decimal:
-    """The value one side measured, or MetricError saying why there is none."""
+def measure(run: EvalRun, contract: EvalContract) -> Decimal:
+    """The value one run measured, or MetricError saying why there is none."""
+    metric = contract.metric
     if run.state != "COMPLETED" and run.exit_code is None:
         raise MetricError(f"the eval ended as {run.state} without an exit code")
     if run.exit_code != 0:
         raise MetricError(f"the eval exited with code {run.exit_code} ({run.state})")
+    if contract.score is not None:
+        if run.score_code is None or run.score_stdout is None:
+            raise MetricError("the operator's score command did not run to the end")
+        if run.score_code != 0:
+            raise MetricError(f"the operator's score command exited with code {run.score_code}")
+        return extract_metric(run.score_stdout, metric)
+    if contract.protected and metric_lines(run.stdout, metric) > 1:
+        raise MetricError(
+            f"the metric {metric!r} was printed more than once; with protected files only the protected eval "
+            "may print it, so another line came from code the candidate controls"
+        )
     return extract_metric(run.stdout, metric)
 
 
-def improvement(contract: EvalContract, base: Decimal, candidate: Decimal) -> Decimal:
-    """How much better the candidate is (positive = better), in the contract's direction."""
-    return candidate - base if contract.direction == "higher" else base - candidate
+SELF_REPORTED_WARNING: Final = (
+    "the eval contract lets the candidate print its own metric (no `score` command, and `protected` does not "
+    "cover every file `command` runs, or jail = 'none'): its verdicts are marked self-reported"
+)
 
 
-def is_improved(contract: EvalContract, base: Decimal, candidate: Decimal) -> bool:
-    """Strictly better, and at least every configured floor (floors are inclusive)."""
-    gain = improvement(contract, base, candidate)
-    if gain <= 0:
-        return False
-    if contract.min_delta is not None and gain < to_decimal(contract.min_delta):
-        return False
-    return not (contract.min_relative is not None and gain < to_decimal(contract.min_relative) * abs(base))
+def is_trusted(contract: EvalContract, jail: str) -> bool:
+    """Whether the contract's number is out of the candidate's reach: it comes from the operator's `score` stage,
+    or from `command` with every file of the tree protected (`**`: nothing the candidate wrote can run), and
+    the jobs run in a real jail (with `jail = "none"` the candidate's processes can reach everything)."""
+    return (contract.score is not None or "**" in contract.protected) and jail != "none"
+
+
+def seed_commitment(seeds: Sequence[int], base_tree: str) -> str:
+    """sha256 hex of the base tree and the seeds (`<tree>:<s1>,<s2>,...`): shown to the agent in place of the
+    seeds, checkable by the operator against `eval_plans` (kernel.io.submit)."""
+    text = f"{base_tree}:{','.join(str(s) for s in seeds)}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _floor(x: float | None) -> Decimal | None:
+    return None if x is None else to_decimal(x)
 
 
 def decide(
     contract: EvalContract,
-    base: EvalRun | Decimal,
-    candidate: EvalRun,
+    base: Sequence[EvalRun] | Sequence[Decimal],
+    candidate: Sequence[EvalRun],
     *,
-    seed: int | None,
+    seeds: Sequence[int],
+    base_tree: str,
     base_commit: str,
     candidate_commit: str,
+    trusted: bool,
     baseline_reused: bool = False,
+    protected_changed: tuple[str, ...] = (),
 ) -> Verdict:
-    """The verdict of a paired evaluation. `base` is a Decimal when a stored measurement was reused."""
+    """The verdict of a paired evaluation: run i of each side is pair i (seed i). `base` holds Decimals when a
+    stored measurement with the same seeds was reused."""
     common: dict[str, Any] = {
         "metric": contract.metric,
         "direction": contract.direction,
         "min_delta": contract.min_delta,
         "min_relative": contract.min_relative,
-        "seed": seed,
         "baseline_reused": baseline_reused,
         "base_commit": base_commit,
         "candidate_commit": candidate_commit,
+        "trusted": trusted,
+        "seed_commitment": seed_commitment(seeds, base_tree) if seeds else None,
+        "repeats": len(candidate),
+        "protected_changed": protected_changed,
     }
-    sides: dict[Side, Decimal] = {}
-    pairs: tuple[tuple[Side, EvalRun | Decimal], ...] = (("base", base), ("candidate", candidate))
-    for side, run in pairs:
-        if isinstance(run, Decimal):
-            sides[side] = run
-            continue
-        try:
-            sides[side] = measure(run, contract.metric)
-        except MetricError as exc:
-            return Verdict(outcome="failed", failed_side=side, reason=str(exc), **common)
-    b, c = sides["base"], sides["candidate"]
+    if len(base) != len(candidate):
+        return Verdict(
+            outcome="failed",
+            failed_side="base",
+            reason=f"{len(base)} base values for {len(candidate)} candidate runs",
+            **common,
+        )
+    values: dict[Side, list[Decimal]] = {"base": [], "candidate": []}
+    sides: tuple[tuple[Side, Sequence[EvalRun | Decimal]], ...] = (("base", base), ("candidate", candidate))
+    for side, runs in sides:
+        for i, run in enumerate(runs):
+            if isinstance(run, Decimal):
+                values[side].append(run)
+                continue
+            try:
+                values[side].append(measure(run, contract))
+            except MetricError as exc:
+                where = f" (pair {i + 1} of {len(runs)})" if len(runs) > 1 else ""
+                return Verdict(outcome="failed", failed_side=side, reason=f"{exc}{where}", **common)
+    pairs = list(zip(values["base"], values["candidate"], strict=True))
+    digest = seed_commitment(seeds, base_tree)
+    r = paired.judge_pairs(
+        pairs,
+        direction=contract.direction,
+        min_delta=_floor(contract.min_delta),
+        min_relative=_floor(contract.min_relative),
+        confidence=to_decimal(contract.confidence),
+        test=contract.test,
+        rng_seed=int(digest[:16], 16),
+    )
+    tested = r.test_passed is not None
     return Verdict(
-        outcome="improved" if is_improved(contract, b, c) else "not_improved",
-        base_value=float(b),
-        candidate_value=float(c),
-        delta=float(c - b),
+        outcome="improved" if r.improved else "not_improved",
+        base_value=float(r.mean_base),
+        candidate_value=float(r.mean_candidate),
+        delta=float(r.mean_candidate - r.mean_base),
+        pairs=tuple(Pair(base=float(b), candidate=float(c), delta=float(c - b)) for b, c in pairs),
+        test=contract.test if tested else None,
+        confidence=contract.confidence if tested else None,
+        p_value=None if r.p_value is None else float(r.p_value),
+        lower_bound=None if r.lower_bound is None else float(r.lower_bound),
         **common,
     )
 
 
 def unchanged_verdict(
-    contract: EvalContract, base_commit: str, candidate_commit: str | None = None
+    contract: EvalContract,
+    base_commit: str,
+    candidate_commit: str | None = None,
+    *,
+    trusted: bool = False,
+    sleep_refunded: bool = True,
 ) -> Verdict:
-    """The candidate's tree equals the base's: nothing is run or charged."""
+    """The candidate's tree equals the base's: nothing is run or charged (the sleep too, when it carried
+    nothing but the submit)."""
     return Verdict(
         outcome="unchanged",
         metric=contract.metric,
@@ -165,6 +252,11 @@ def unchanged_verdict(
         min_relative=contract.min_relative,
         base_commit=base_commit,
         candidate_commit=base_commit if candidate_commit is None else candidate_commit,
+        trusted=trusted,
+        repeats=contract.repeats,
+        reason=None
+        if sleep_refunded
+        else "the sleep's own launches ran and were charged as usual; the evaluation was not",
     )
 
 
@@ -178,6 +270,13 @@ EVAL_FLAGS: Final = {
     "eval_minutes": "eval-minutes",
     "gpus": "eval-gpus",
     "seed": "no-seed",
+    "score": "score-command",
+    "score_data": "score-data",
+    "score_from": "score-from",
+    "protected": "protected",
+    "repeats": "repeats",
+    "confidence": "confidence",
+    "test": "test",
 }
 _AT_FIELD: Final = re.compile(r"^(?P<msg>.*?) - at `\$\.(?P<field>[a-z_]+)`$", re.S)
 
@@ -200,21 +299,33 @@ def contract_problem(c: EvalContract) -> tuple[str, str] | None:
         return "command", "the eval command is empty"
     if c.metric in ("metric", "value"):
         return "metric", f"{c.metric!r} is one of the reserved keys metric/value of the metric line"
+    if c.score is not None and not c.score.strip():
+        return "score", "the score command is empty"
+    if c.score is None and c.score_data is not None:
+        return "score_data", "private score data needs a `score` command to read it (`command` never sees it)"
+    if c.score is None and c.score_from == "base":
+        return (
+            "score_from",
+            '"base" names where the `score` command comes from, but there is no score command',
+        )
+    if c.score_data is not None and os.path.normpath(c.score_data) == "/":
+        return "score_data", "'/' cannot be the private score data directory"
     return None
 
 
 def eval_jobs(
     contract: EvalContract, submit: Submit, workspace: str, seq: int, now: str
-) -> tuple[JobRow, JobRow]:
-    """The base and candidate evaluation rows of a sleep, PENDING, each reserving its GPU time."""
+) -> tuple[JobRow, ...]:
+    """The base and candidate evaluation rows of a sleep (`repeats` tasks each), PENDING, each reserving its GPU
+    time."""
     minutes = submit.eval_minutes or contract.eval_minutes
-    return tuple(  # type: ignore[return-value]
+    return tuple(
         JobRow(
             workspace=workspace,
             seq=seq,
             launch=name,
-            task=0,
-            array_size=1,
+            task=task,
+            array_size=contract.repeats,
             concurrency=0,
             command=contract.command,
             minutes=minutes,
@@ -226,6 +337,7 @@ def eval_jobs(
             updated_at=now,
         )
         for name in EVAL_LAUNCHES
+        for task in range(contract.repeats)
     )
 
 
@@ -249,7 +361,7 @@ def charge_eval(balance: Balance, jobs: tuple[JobRow, ...]) -> Balance:
     if cost > balance.gpu_s:
         raise RequestError(
             "budget.gpu_hours",
-            f"the submit's two evaluation runs reserve {gpu_hours(cost):g} GPU-hours but only "
+            f"the submit's {len(jobs)} evaluation runs reserve {gpu_hours(cost):g} GPU-hours but only "
             f"{gpu_hours(balance.gpu_s):g} are left after the launches",
             "$.submit",
         )
@@ -271,19 +383,24 @@ def baseline_key(
     *,
     base_tree: str,
     contract: EvalContract,
-    seed: int | None,
     jail: str,
     image: str | None,
     gpus: int,
     backend: str,
 ) -> str:
-    """Everything that determines a baseline measurement, hashed. Reuse only on an exact match."""
+    """Everything that determines a baseline measurement but its seeds, hashed. A stored measurement with this
+    key is reused together with its own seeds (the candidate then runs with them), so reuse holds only for the
+    same seeds."""
     parts = {
         "base_tree": base_tree,
         "command": contract.command,
         "metric": contract.metric,
         "seed_policy": contract.seed,
-        "seed": seed,
+        "score": contract.score,
+        "score_data": contract.score_data,
+        "score_from": contract.score_from,
+        "protected": list(contract.protected),
+        "repeats": contract.repeats,
         "jail": jail,
         "image": image,
         "gpus": gpus,

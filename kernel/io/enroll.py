@@ -31,7 +31,7 @@ from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Li
 from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
 from kernel.core import budget
 from kernel.core.budget import Balance
-from kernel.core.config import Config
+from kernel.core.config import Config, score_data_problem
 from kernel.core.evaluate import EVAL_FLAGS, contract_problem
 from kernel.core.records import WorkspaceRow
 from kernel.io import submit as S
@@ -299,7 +299,7 @@ def enroll(
     S.ensure_schema(store)
     chosen = contract or S.contract_of(store, key) or cfg.defaults.submit
     if chosen is not None:
-        problem = contract_problem(chosen)
+        problem = contract_problem(chosen) or score_data_problem(chosen, resolved)
         if problem is not None:
             where = f"--{EVAL_FLAGS.get(problem[0], problem[0])}" if contract is not None else problem[0]
             raise EnrollError(f"{path}: the eval contract's {where}: {problem[1]}")

@@ -2,15 +2,17 @@
 
 Tables (created on demand next to the core schema, like the executor's):
 - `eval_workspaces`: the recorded base commit and tree (HEAD at enrollment; moved only by the operator with
-  `syscall-kernel rebase`), the private seed, drawn per base (the first time it is needed, and again at every
-  rebase: the agent sees it in verdicts), and the workspace's own eval contract when the operator gave one at
-  enrollment (else `[defaults.submit]` applies).
+  `syscall-kernel rebase`), and the workspace's own eval contract when the operator gave one at enrollment
+  (else `[defaults.submit]` applies). (Its `seed` column is no longer used: seeds are drawn per submit.)
 - `eval_plans`: what dispatch decided for a sleep's submit, recorded with the snapshot's commit and tree before
-  any evaluation runs: `run` (both sides), `reuse` (the base value comes from `eval_baselines`), `unchanged`
+  any evaluation runs: `run` (both sides), `reuse` (the base values come from `eval_measurements`), `unchanged`
   (candidate tree == base tree) or `no_base` (nothing recorded to compare against). The contract as it was then
-  is kept with it, so the verdict is judged by the contract that ran.
+  is kept with it, so the verdict is judged by the contract that ran; so are the private seeds (`seeds`, a JSON
+  list: fresh for every submit, or the reused measurement's), which the agent never sees: its verdict carries
+  `evaluate.seed_commitment(seeds, base_tree)`, which the operator can recompute from this row.
 - `eval_verdicts`: every verdict with the agent's report, and the `on_verdict` hook's status.
-- `eval_baselines`: finished base measurements keyed by `evaluate.baseline_key` (exact decimal text).
+- `eval_measurements`: finished base measurements (one decimal per seed) keyed by `evaluate.baseline_key`,
+  with the seeds they were measured with.
 
 Git is run only to resolve the base commit and to hold it under the kernel ref `refs/syscall/<key>/base` (so
 history the agent rewrites, followed by `git gc`, cannot remove it), with the same neutralised environment as
@@ -19,6 +21,7 @@ snapshots.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import subprocess
@@ -31,6 +34,7 @@ import msgspec
 from channel.messages import EvalContract, Policy, Verdict, encode
 from kernel.io.snapshot import REF_PREFIX, git_argv, git_env, snapshot_ref
 from kernel.io.store import Store, timestamp
+from kernel.node.wrapper import is_protected
 
 Decision = Literal["run", "reuse", "unchanged", "no_base"]
 SEED_BOUND: Final = 2**31
@@ -69,14 +73,17 @@ _SCHEMA: Final = (
     hook_status TEXT NOT NULL,
     PRIMARY KEY (workspace, seq)
 ) STRICT""",
-    """CREATE TABLE IF NOT EXISTS eval_baselines (
+    """CREATE TABLE IF NOT EXISTS eval_measurements (
     key         TEXT PRIMARY KEY,
-    value       TEXT NOT NULL,
+    seeds       TEXT NOT NULL,
+    vals        TEXT NOT NULL,
     workspace   TEXT NOT NULL,
     seq         INTEGER NOT NULL,
     measured_at TEXT NOT NULL
 ) STRICT""",
 )
+# Columns added to eval_plans after its first release (added to an older database by ensure_schema).
+_PLAN_COLUMNS: Final = (("seeds", "TEXT"), ("protected_changed", "TEXT"))
 
 _contract_decoder: Final = msgspec.json.Decoder(EvalContract)
 _verdict_decoder: Final = msgspec.json.Decoder(Verdict)
@@ -93,6 +100,20 @@ def ensure_schema(store: Store) -> None:
     with store.transaction():
         for stmt in _SCHEMA:
             store._one(stmt)
+        have = {r[1] for r in store._all("PRAGMA table_info(eval_plans)", ())}
+        for name, kind in _PLAN_COLUMNS:
+            if name not in have:
+                store._one(f"ALTER TABLE eval_plans ADD COLUMN {name} {kind}")
+
+
+def draw_seeds(n: int) -> tuple[int, ...]:
+    """`n` fresh private seeds (distinct, so no two pairs repeat one)."""
+    seeds: list[int] = []
+    while len(seeds) < n:
+        s = secrets.randbelow(SEED_BOUND)
+        if s not in seeds:
+            seeds.append(s)
+    return tuple(seeds)
 
 
 # --- base commit and seed -----------------------------------------------------------------------------------
@@ -171,6 +192,24 @@ def hold_base(workspace: str, key: str, commit: str) -> None:
         )
 
 
+def changed_paths(
+    workspace: str, base_commit: str, commit: str, patterns: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The protected paths (`patterns`, matched as on the node: kernel.node.wrapper.is_protected) that differ between
+    the base commit and the candidate's, from the repository that holds both."""
+    for c in (base_commit, commit):
+        if not _OID.fullmatch(c):
+            raise BaseError(f"{c!r} is not a commit id")
+    out = _git(workspace, "diff-tree", "-r", "-z", "--name-only", "--no-renames", base_commit, commit)
+    if out.returncode != 0:
+        first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
+        raise BaseError(
+            f"cannot compare {commit[:12]} with the base: {first[0] if first else out.returncode}"
+        )
+    names = [n.decode("utf-8", "surrogateescape") for n in out.stdout.split(b"\0") if n]
+    return tuple(n for n in names if is_protected(list(patterns), n))
+
+
 def base_of(store: Store, workspace: str) -> tuple[str, str] | None:
     row = store._one("SELECT base_commit, base_tree FROM eval_workspaces WHERE workspace=?", (workspace,))
     return None if row is None or row[0] is None else (row[0], row[1])
@@ -186,19 +225,10 @@ def set_base(store: Store, workspace: str, commit: str, tree: str) -> None:
     )
 
 
-def rebase(store: Store, workspace: str, commit: str, tree: str) -> int:
-    """Move the base and draw a new private seed (in the caller's transaction); returns the seed.
-
-    The seed is per base: the agent has seen the old one in verdicts, and a stored baseline is keyed by its seed,
-    so a rebase starts with nothing reused."""
+def rebase(store: Store, workspace: str, commit: str, tree: str) -> None:
+    """Move the base (in the caller's transaction). Measurements are keyed by the base tree, so a rebase starts
+    with nothing reused."""
     set_base(store, workspace, commit, tree)
-    row = store._one("SELECT seed FROM eval_workspaces WHERE workspace=?", (workspace,))
-    old = None if row is None else row[0]
-    seed = secrets.randbelow(SEED_BOUND)
-    while seed == old:
-        seed = secrets.randbelow(SEED_BOUND)
-    store._one("UPDATE eval_workspaces SET seed=? WHERE workspace=?", (seed, workspace))
-    return seed
 
 
 def contract_of(store: Store, workspace: str) -> EvalContract | None:
@@ -221,20 +251,6 @@ def effective_policy(store: Store, workspace: str, defaults: Policy) -> Policy:
     return defaults if own is None else msgspec.structs.replace(defaults, submit=own)
 
 
-def seed_of(store: Store, workspace: str) -> int:
-    """The workspace's private seed, drawn and stored the first time (in the caller's transaction)."""
-    row = store._one("SELECT seed FROM eval_workspaces WHERE workspace=?", (workspace,))
-    if row is not None and row[0] is not None:
-        return int(row[0])
-    seed = secrets.randbelow(SEED_BOUND)
-    store._one(
-        "INSERT INTO eval_workspaces (workspace, seed) VALUES (?,?) "
-        "ON CONFLICT(workspace) DO UPDATE SET seed=excluded.seed",
-        (workspace, seed),
-    )
-    return seed
-
-
 # --- plans ------------------------------------------------------------------------------------------------
 
 
@@ -250,13 +266,15 @@ class Plan:
     candidate_commit: str
     candidate_tree: str
     baseline_key: str | None
-    reused_value: Decimal | None
+    reused_values: tuple[Decimal, ...] | None
+    seeds: tuple[int, ...] = ()
+    protected_changed: tuple[str, ...] = ()
 
 
 def plan_of(store: Store, workspace: str, seq: int) -> Plan | None:
     row = store._one(
         "SELECT decision, contract, seed, base_commit, base_tree, candidate_commit, candidate_tree, "
-        "baseline_key, reused_value FROM eval_plans WHERE workspace=? AND seq=?",
+        "baseline_key, reused_value, seeds, protected_changed FROM eval_plans WHERE workspace=? AND seq=?",
         (workspace, seq),
     )
     if row is None:
@@ -272,14 +290,17 @@ def plan_of(store: Store, workspace: str, seq: int) -> Plan | None:
         row[5],
         row[6],
         row[7],
-        None if row[8] is None else Decimal(row[8]),
+        None if row[8] is None else tuple(Decimal(v) for v in json.loads(row[8])),
+        tuple(json.loads(row[9])) if row[9] else (),
+        tuple(json.loads(row[10])) if row[10] else (),
     )
 
 
 def put_plan(store: Store, p: Plan) -> None:
     store._one(
         "INSERT INTO eval_plans (workspace, seq, decision, contract, seed, base_commit, base_tree, "
-        "candidate_commit, candidate_tree, baseline_key, reused_value) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        "candidate_commit, candidate_tree, baseline_key, reused_value, seeds, protected_changed) "
+        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (
             p.workspace,
             p.seq,
@@ -291,7 +312,9 @@ def put_plan(store: Store, p: Plan) -> None:
             p.candidate_commit,
             p.candidate_tree,
             p.baseline_key,
-            None if p.reused_value is None else str(p.reused_value),
+            None if p.reused_values is None else json.dumps([str(v) for v in p.reused_values]),
+            json.dumps(list(p.seeds)),
+            json.dumps(list(p.protected_changed)),
         ),
     )
 
@@ -299,15 +322,21 @@ def put_plan(store: Store, p: Plan) -> None:
 # --- baselines and verdicts -------------------------------------------------------------------------------
 
 
-def baseline(store: Store, key: str) -> Decimal | None:
-    row = store._one("SELECT value FROM eval_baselines WHERE key=?", (key,))
-    return None if row is None else Decimal(row[0])
+def measurement(store: Store, key: str) -> tuple[tuple[int, ...], tuple[Decimal, ...]] | None:
+    """A stored base measurement: (seeds, one value per seed)."""
+    row = store._one("SELECT seeds, vals FROM eval_measurements WHERE key=?", (key,))
+    if row is None:
+        return None
+    return tuple(json.loads(row[0])), tuple(Decimal(v) for v in json.loads(row[1]))
 
 
-def put_baseline(store: Store, key: str, value: Decimal, workspace: str, seq: int) -> None:
+def put_measurement(
+    store: Store, key: str, seeds: tuple[int, ...], values: tuple[Decimal, ...], workspace: str, seq: int
+) -> None:
     store._one(
-        "INSERT OR IGNORE INTO eval_baselines (key, value, workspace, seq, measured_at) VALUES (?,?,?,?,?)",
-        (key, str(value), workspace, seq, timestamp()),
+        "INSERT OR IGNORE INTO eval_measurements (key, seeds, vals, workspace, seq, measured_at) "
+        "VALUES (?,?,?,?,?,?)",
+        (key, json.dumps(list(seeds)), json.dumps([str(v) for v in values]), workspace, seq, timestamp()),
     )
 
 

@@ -29,10 +29,16 @@ HOME_TOKEN: Final = "@@SYSCALL_HOME@@"
 WORK_TOKEN: Final = "@@SYSCALL_WORK@@"
 ENV_TOKEN: Final = "@@SYSCALL_ENV@@"
 COMMAND_TOKEN: Final = "@@SYSCALL_COMMAND@@"
+SCORER_TOKEN: Final = "@@SYSCALL_SCORER@@"
+SCORE_DATA_TOKEN: Final = "@@SYSCALL_SCORE_DATA@@"
 
 JAIL_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_LANG: Final = "C.UTF-8"
 SEED_VAR: Final = "EVAL_SEED"
+# What the score stage is told (kernel.core.evaluate: the operator's `score` command).
+TREE_VAR: Final = "EVAL_TREE"
+SCORER_VAR: Final = "SCORER"
+SCORE_DATA_VAR: Final = "SCORE_DATA"
 INDEX_VARS: Final = ("SWEEP_INDEX", "SLURM_ARRAY_TASK_ID")
 # Forwarded from the node's environment when set there (the scheduler assigns GPUs).
 FORWARD_VARS: Final = ("CUDA_VISIBLE_DEVICES",)
@@ -111,6 +117,23 @@ def jail_env(
     return env
 
 
+def score_env(
+    *, home: str, tree: str, scorer: str, data: str | None, lang: str = DEFAULT_LANG
+) -> dict[str, str]:
+    """The score stage's environment (its seed is added per task by the wrapper, like the command's)."""
+    env = {
+        "PATH": JAIL_PATH,
+        "LANG": lang,
+        "HOME": home,
+        "TMPDIR": "/tmp",
+        TREE_VAR: tree,
+        SCORER_VAR: scorer,
+    }
+    if data is not None:
+        env[SCORE_DATA_VAR] = data
+    return env
+
+
 def env_args(kind: JailKind, env: Mapping[str, str]) -> list[str]:
     """The env as jail arguments (the wrapper's copy of this function is tested against this one)."""
     out: list[str] = []
@@ -128,7 +151,7 @@ def _under(path: str, parent: str) -> bool:
 
 
 def _abs(path: str, what: str) -> str:
-    if not path.startswith("/") and path not in (TREE_TOKEN, HOME_TOKEN, WORK_TOKEN):
+    if not path.startswith("/") and path not in (TREE_TOKEN, HOME_TOKEN, WORK_TOKEN, SCORER_TOKEN):
         raise ValueError(f"jail {what} must be an absolute path, got {path!r}")
     return path
 
@@ -184,6 +207,77 @@ def apptainer_argv(
 def none_argv(command: str) -> list[str]:
     """No jail: the command runs as the wrapper's child with the allowlisted env and cwd in the tree."""
     return ["sh", "-c", command]
+
+
+def score_bwrap_argv(
+    policy: JailPolicy, paths: JailPaths, scorer: str, data: str | None, env: Sequence[str], command: str
+) -> list[str]:
+    """The score stage's bwrap: like a job's, but never with network, the side's tree read-only (it reads what
+    `command` wrote, it cannot change it), the scorer and the private data read-only, cwd in the scorer (so a
+    relative path or `sys.path[0]` never resolves into the candidate's tree), and a home of its own."""
+    tree, home, scorer = _abs(paths.tree, "tree"), _abs(paths.home, "home"), _abs(scorer, "scorer")
+    argv = [
+        policy.bwrap,
+        "--unshare-user",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-uts",
+        "--unshare-cgroup",
+        "--unshare-net",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--clearenv",
+        "--hostname",
+        "syscall-score",
+    ]
+    for d in (*policy.system_dirs, *policy.etc):
+        _abs(d, "system path")
+        argv += ["--ro-bind-try", d, d]
+    for h in policy.hide:
+        _abs(h, "hidden path")
+        if any(_under(h, d) for d in (*policy.system_dirs, *policy.etc)):
+            argv += ["--tmpfs", h]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    argv += ["--bind", home, home, "--ro-bind", tree, tree, "--ro-bind", scorer, scorer]
+    if data is not None:
+        argv += ["--ro-bind", _abs(data, "score data"), data]
+    argv += ["--chdir", scorer]
+    argv += list(env)
+    argv += ["--", "sh", "-c", command]
+    return argv
+
+
+def score_apptainer_argv(
+    policy: JailPolicy, paths: JailPaths, scorer: str, data: str | None, env: Sequence[str], command: str
+) -> list[str]:
+    if not policy.image:
+        raise ValueError("jail 'apptainer' needs an image (jail.image in the kernel config)")
+    tree, home, work = _abs(paths.tree, "tree"), _abs(paths.home, "home"), _abs(paths.work, "work")
+    argv = [policy.apptainer, "exec", "--containall", "--cleanenv", "--net", "--network", "none"]
+    argv += ["--bind", f"{tree}:{tree}:ro", "--bind", f"{_abs(scorer, 'scorer')}:{scorer}:ro"]
+    if data is not None:
+        argv += ["--bind", f"{_abs(data, 'score data')}:{data}:ro"]
+    argv += ["--pwd", scorer, "--home", home, "--workdir", work]
+    argv += list(env)
+    argv += [policy.image, "sh", "-c", command]
+    return argv
+
+
+def score_template_argv(policy: JailPolicy, *, data: str | None) -> list[str]:
+    """The score stage's argv with node-side tokens (the tree, its home and the scorer directory live in the
+    node's scratch); `data` is the operator's directory, the same path on every node."""
+    match policy.kind:
+        case "bwrap":
+            return score_bwrap_argv(policy, TEMPLATE_PATHS, SCORER_TOKEN, data, [ENV_TOKEN], COMMAND_TOKEN)
+        case "apptainer":
+            return score_apptainer_argv(
+                policy, TEMPLATE_PATHS, SCORER_TOKEN, data, [ENV_TOKEN], COMMAND_TOKEN
+            )
+        case "none":
+            return none_argv(COMMAND_TOKEN)
 
 
 def build_argv(

@@ -55,6 +55,7 @@ HOME_TOKEN = "@@SYSCALL_HOME@@"
 WORK_TOKEN = "@@SYSCALL_WORK@@"
 ENV_TOKEN = "@@SYSCALL_ENV@@"
 COMMAND_TOKEN = "@@SYSCALL_COMMAND@@"
+SCORER_TOKEN = "@@SYSCALL_SCORER@@"
 
 # Replaced by kernel.backends.jobscript with the JSON text of this task's configuration.
 CONFIG_JSON: str | None = None  # @@SYSCALL_CONFIG@@
@@ -124,23 +125,44 @@ def env_args(kind: str, env: dict[str, str]) -> list[str]:
 
 
 def render_argv(
-    template: list[str], kind: str, tree: str, home: str, work: str, env: dict[str, str], command: str
+    template: list[str],
+    kind: str,
+    tree: str,
+    home: str,
+    work: str,
+    env: dict[str, str],
+    command: str,
+    scorer: str = "",
 ) -> list[str]:
-    """Fill the jail template's whole-argument tokens with node-side values."""
-    values = {TREE_TOKEN: tree, HOME_TOKEN: home, WORK_TOKEN: work, COMMAND_TOKEN: command}
+    """Fill the jail template's tokens with node-side values: the env and the command replace whole arguments;
+    a path token may also sit inside one (apptainer's `SRC:DST:ro`)."""
+    values = {TREE_TOKEN: tree, HOME_TOKEN: home, WORK_TOKEN: work, SCORER_TOKEN: scorer}
     out: list[str] = []
     for arg in template:
         if arg == ENV_TOKEN:
             out += env_args(kind, env)
+        elif arg == COMMAND_TOKEN:
+            out.append(command)
         else:
-            out.append(values.get(arg, arg))
+            for token, value in values.items():
+                arg = arg.replace(token, value)
+            out.append(arg)
     return out
+
+
+def fill_env(env: dict[str, str], **paths: str) -> dict[str, str]:
+    """Env values that are path tokens, filled with the node's paths (`tree=`, `home=`, `scorer=`)."""
+    tokens = {TREE_TOKEN: paths.get("tree"), HOME_TOKEN: paths.get("home"), SCORER_TOKEN: paths.get("scorer")}
+    return {k: (tokens.get(v) or v) for k, v in env.items()}
 
 
 def job_env(config: dict[str, Any], index: int, home: str, environ: dict[str, str]) -> dict[str, str]:
     env = {k: (home if v == HOME_TOKEN else v) for k, v in config["env"].items()}
     for name in config["index_vars"]:
         env[name] = str(index)
+    seeds = config.get("seeds") or []
+    if seeds and config.get("seed_to_command", True):
+        env["EVAL_SEED"] = str(seeds[index % len(seeds)])
     for name in config["forward_vars"]:
         if name in environ:
             env[name] = environ[name]
@@ -203,17 +225,16 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
             ["git", "--no-pager", *args], env=env, cwd=scratch, pass_fds=(gfd,), capture_output=True, **kw
         )
 
-    try:
-        commit = git["commit"]
+    def listing_of(commit: str, tree_id: str) -> list[tuple[bytes, bytes, bytes, bytes]]:
         got = run(["rev-parse", "--verify", f"{commit}^{{tree}}"])
         if got.returncode != 0:
             raise fail(f"snapshot {commit} is not in {dot_git}: {got.stderr.decode(errors='replace')}")
-        if got.stdout.decode().strip() != git["tree"]:
-            raise fail(f"snapshot {commit} does not have tree {git['tree']}")
+        if got.stdout.decode().strip() != tree_id:
+            raise fail(f"snapshot {commit} does not have tree {tree_id}")
         listing = run(["ls-tree", "-r", "-z", "--full-tree", commit])
         if listing.returncode != 0:
             raise fail(f"git ls-tree failed: {listing.stderr.decode(errors='replace')}")
-        entries = []
+        out = []
         for rec in listing.stdout.split(b"\0"):
             if not rec:
                 continue
@@ -221,7 +242,23 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
             mode, kind, oid = meta.split(b" ")
             if not valid_tree_path(path):
                 raise fail(f"snapshot holds an unsafe path {path!r}")
-            entries.append((mode, kind, oid, path))
+            out.append((mode, kind, oid, path))
+        return out
+
+    try:
+        entries = listing_of(git["commit"], git["tree"])
+        protected = git.get("protected")
+        if protected:
+            # Protected paths come from the base commit whatever this side's tree holds: this side's entries
+            # under a protected pattern are dropped and the base's are written instead.
+            patterns = list(protected["patterns"])
+            base_entries = listing_of(protected["commit"], protected["tree"])
+            entries = [
+                e for e in entries if not is_protected(patterns, e[3].decode("utf-8", "surrogateescape"))
+            ]
+            entries += [
+                e for e in base_entries if is_protected(patterns, e[3].decode("utf-8", "surrogateescape"))
+            ]
         oids = os.path.join(scratch, "oids")
         with open(oids, "wb") as f:
             f.writelines(oid + b"\n" for mode, kind, oid, path in entries if kind == b"blob")
@@ -275,6 +312,34 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
         raise fail(f"materialising the snapshot failed: {e}") from None
     finally:
         os.close(gfd)
+
+
+# --- protected paths ---------------------------------------------------------------------------------------
+
+
+def _match_parts(pattern: list[str], parts: list[str]) -> bool:
+    import fnmatch
+
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_match_parts(rest, parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], head) and _match_parts(rest, parts[1:])
+
+
+def protected_match(pattern: str, path: str) -> bool:
+    """Whether `path` (a '/'-separated path of the tree) is covered by one protected pattern: the pattern matches
+    the path or one of its leading directories (`data/val` covers `data/val/x`); `*` and `?` stay within one
+    component, `**` spans any number of them. (The kernel imports this one for the wake's list, so the wake names
+    exactly the paths the node replaced.)"""
+    pat = pattern.split("/")
+    parts = path.split("/")
+    return any(_match_parts(pat, parts[:i]) for i in range(1, len(parts) + 1))
+
+
+def is_protected(patterns: list[str], path: str) -> bool:
+    return any(protected_match(p, path) for p in patterns)
 
 
 # --- artifacts ---------------------------------------------------------------------------------------------
@@ -496,6 +561,52 @@ def drain(src: int, dest: int, cap: int) -> None:
         os.close(src)
 
 
+def run_score(
+    score: dict[str, Any],
+    config: dict[str, Any],
+    index: int,
+    scratch: str,
+    tree: str,
+    tdir: str,
+    runner: Runner,
+    note: Any,
+) -> int | None:
+    """The operator's score stage for this side, in its own jail; returns its exit status (128+N for a signal),
+    None when it could not start. Its stdout and stderr go to score-stdout / score-stderr of the task dir, which
+    the agent never sees whole (the kernel reads the metric from score-stdout)."""
+    home, scorer = os.path.join(scratch, "score-home"), os.path.join(scratch, "scorer")
+    for d in (home, scorer):
+        os.mkdir(d, 0o700)
+    if score.get("scorer") is not None:  # score_from = "base": the scorer is the base commit's tree
+        try:
+            materialise(dict(config["git"], protected=None, **score["scorer"]), scorer, scratch)
+        except WrapperError as e:
+            note(f"the scorer (the base commit) could not be written: {e}")
+            return None
+    env = fill_env(dict(score["env"]), tree=tree, home=home, scorer=scorer)
+    seeds = config.get("seeds") or []
+    if seeds:
+        env["EVAL_SEED"] = str(seeds[index % len(seeds)])
+    kind = score["kind"]
+    argv = render_argv(
+        score["argv"], kind, tree, home, os.path.join(scratch, "work"), env, score["command"], scorer
+    )
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    out_fd = os.open(os.path.join(tdir, "score-stdout"), flags, 0o644)
+    err_fd = os.open(os.path.join(tdir, "score-stderr"), flags, 0o644)
+    try:
+        if runner.reason is not None:
+            return None
+        status = runner.run(argv, scorer, env, out_fd, err_fd, int(config.get("output_max_bytes", 64 << 20)))
+    except OSError as e:
+        note(f"the score jail could not be started: {e}")
+        return None
+    finally:
+        os.close(out_fd)
+        os.close(err_fd)
+    return status if status >= 0 else 128 - status
+
+
 def exit_record(kind: str, code: int, **extra: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {"code": code, "kind": kind}
     rec.update(extra)
@@ -578,6 +689,16 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
             rec = exit_record(KIND_SIGNALED, cmd_code, signal=signal.Signals(-status).name)
         else:
             rec = exit_record(KIND_EXITED, status)
+        score = config.get("score")
+        if score is not None and rec["kind"] == KIND_EXITED and rec["code"] == 0:
+            # Every process of `command` is gone by now: its jail's pid namespace died with it (bwrap
+            # --unshare-pid), so nothing it left behind can print into the score's output or touch the tree.
+            rec["score_code"] = run_score(score, config, index, scratch, tree, tdir, runner, note)
+            write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
+            reason = runner.stopped_for()
+            if reason is not None:
+                code = EXIT_TIMEOUT if reason == KIND_TIMEOUT else EXIT_TERMINATED
+                rec = exit_record(reason, code, signal=runner.signal_name, command_code=cmd_code)
         try:
             copy_artifacts(
                 tree,

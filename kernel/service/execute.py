@@ -250,7 +250,7 @@ class RealExecutor:
             assert row is not None, (key, seq)
             await self._call(self.prepare, order, row[1], row[2])
             jobs = await self._call(self.store.jobs_of, key, seq)
-            specs = self.specs_of(order, row[1], row[2], [j for j in jobs if j.state != "CANCELLED"])
+            specs = self.specs_of(order, row[1], row[2], [j for j in jobs if j.state == "PENDING"])
             ids: dict[tuple[str, int], str] = {}
             try:
                 # Every run directory first, then every submit back to back: the launches start together.

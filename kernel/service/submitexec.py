@@ -1,17 +1,22 @@
 """The executor with submit: paired evaluation runs as job rows of the sleep, the verdict at gathering, the hook.
 
-A sleep carrying a submit holds two extra job rows from its acceptance (`evaluate.eval_jobs`: `submit-base` and
-`submit-candidate`, the contract's command, its GPU time reserved like a launch's). Here:
+A sleep carrying a submit holds `2 x repeats` extra job rows from its acceptance (`evaluate.eval_jobs`:
+`submit-base[i]` and `submit-candidate[i]`, pair i; the contract's command, its GPU time reserved like a
+launch's). Here:
 
 - `prepare` (once the snapshot is recorded, before anything is submitted; idempotent) decides the plan in one
-  transaction: `unchanged` when the snapshot's tree equals the base's, `reuse` when a finished baseline with the
-  same `baseline_key` is stored, `no_base` when the workspace has no recorded base, else `run`. Rows that will
-  not run are cancelled there and their reservation refunded in full (nothing is charged for them).
-- `specs_of` gives both evaluation runs the workspace's seed as `EVAL_SEED` and points the base run at the base
-  commit and tree; they run on the workspace's backend and jail next to the sleep's launches.
-- `judge` (inside the gather transaction) reads each side's full stdout from its run directory, decides the
-  verdict (`evaluate.decide`), stores it with the report and, when the base was measured, the baseline. The
-  wake shows the runs that happened as tasks (tails fenced as job output) labelled by a kernel-written hint.
+  transaction: `unchanged` when the snapshot's tree equals the base's, `reuse` when a finished base measurement
+  with the same `baseline_key` is stored (its seeds come with it), `no_base` when the workspace has no recorded
+  base, else `run` with fresh private seeds. Rows that will not run become REUSED or SKIPPED there and their
+  reservation is refunded in full; an `unchanged` submit in a sleep with nothing else refunds the sleep too.
+  The protected paths the candidate changed are listed from git here (`submit.changed_paths`).
+- `specs_of` gives the evaluation runs their seeds (to the score stage, and to `command` only when there is no
+  score stage), the protected files from the base commit, and the operator's score stage; the base runs read
+  the base commit and tree.
+- `judge` (inside the gather transaction) reads each run's stdout (or its score stage's) from its run
+  directory, decides the verdict (`evaluate.decide`, `kernel.core.paired`), stores it with the report and, when the
+  base was measured, the measurement. The wake shows every evaluation run as a task labelled by a kernel hint;
+  a seed that a run's own output printed is blanked from its tails (the seeds stay private).
 - `on_verdict`: after the verdict is committed, the operator's command gets the verdict and report as JSON on
   stdin (cwd = state_dir, clean env, a timeout). A failing or hanging hook is logged and recorded; the verdict
   is already in the store and the wake. A kernel killed while a hook runs runs it again at restart.
@@ -33,9 +38,10 @@ import anyio.to_thread
 import msgspec
 
 from channel.lifecycle import TaskEvent, next_task_state
-from channel.messages import EvalContract, JobRef, Submit, TaskResult, Verdict
+from channel.messages import NOT_RUN_TASK_STATES, EvalContract, JobRef, Submit, TaskResult, Verdict
 from channel.paths import RunPaths
-from kernel.backends.base import DEFAULT_OUTPUT_MAX_BYTES, JobSpec, RunnableBackend
+from kernel.backends.base import DEFAULT_OUTPUT_MAX_BYTES, BaseFiles, JobSpec, RunnableBackend, ScoreStage
+from kernel.backends.jobscript import read_exit
 from kernel.core import evaluate as E
 from kernel.core.budget import release
 from kernel.core.config import Config
@@ -50,14 +56,12 @@ _submit_decoder: Final = msgspec.json.Decoder(Submit)
 HOOK_ENV: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
-def read_stdout(run_dir: str | None) -> str:
-    """A side's whole stdout (the wrapper caps it), for the metric contract."""
+def read_stdout(run_dir: str | None, name: str = RunPaths.STDOUT) -> str:
+    """A run's whole stdout (or its score stage's; the wrapper caps both), for the metric contract."""
     if run_dir is None:
         return ""
     try:
-        fd = os.open(
-            Path(run_dir) / RunPaths.STDOUT, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        )
+        fd = os.open(Path(run_dir) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return ""
     try:
@@ -112,14 +116,29 @@ class SubmitExecutor(RealExecutor):
         if sleep is None or sleep.submit is None:
             return
         self._hold_base(order.workspace.path, key)
+        changed: tuple[str, ...] = ()
+        if S.plan_of(self.store, key, seq) is None:
+            changed = self._protected_changed(order, commit)
         with self.store.transaction():
             plan = S.plan_of(self.store, key, seq)
             if plan is None:
-                plan = self._decide_plan(order, commit, tree)
+                plan = self._decide_plan(order, commit, tree, changed)
                 S.put_plan(self.store, plan)
-                self._cancel_unrun(key, seq, plan.decision)
+                self._skip_unrun(key, seq, plan.decision)
         self._plans[(key, seq)] = plan
-        klog.event("submit_planned", ws=key, seq=seq, decision=plan.decision)
+        klog.event("submit_planned", ws=key, seq=seq, decision=plan.decision, pairs=len(plan.seeds))
+
+    def _protected_changed(self, order: SleepOrder, commit: str) -> tuple[str, ...]:
+        """The protected paths the candidate's commit changed against the base (the wake lists them)."""
+        contract = order.workspace.policy.submit
+        base = S.base_of(self.store, order.workspace.key)
+        if contract is None or not contract.protected or base is None:
+            return ()
+        try:
+            return S.changed_paths(order.workspace.path, base[0], commit, contract.protected)
+        except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
+            klog.event("submit_diff_failed", logging.WARNING, ws=order.workspace.key, problem=str(exc)[:300])
+            return ()
 
     def _hold_base(self, path: str, key: str) -> None:
         """Re-point the base ref at the recorded base if the agent moved or deleted it (the base run reads the
@@ -132,58 +151,72 @@ class SubmitExecutor(RealExecutor):
         except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
             klog.event("submit_base_unheld", logging.WARNING, ws=key, problem=str(exc)[:300])
 
-    def _decide_plan(self, order: SleepOrder, commit: str, tree: str) -> S.Plan:
+    def _decide_plan(self, order: SleepOrder, commit: str, tree: str, changed: tuple[str, ...]) -> S.Plan:
         ws = order.workspace
         contract = ws.policy.submit
         jobs = {j.launch: j for j in self.store.jobs_of(ws.key, order.sleep.seq)}
         if contract is None:
             # Withdrawn after acceptance: judge by the rows' command; no line carries this metric, so it fails.
-            contract = EvalContract(command=jobs[E.EVAL_CANDIDATE].command, metric="contract_withdrawn")
-        seed = S.seed_of(self.store, ws.key) if contract.seed else None
+            row = jobs[E.EVAL_CANDIDATE]
+            contract = EvalContract(command=row.command, metric="contract_withdrawn", repeats=row.array_size)
         base = S.base_of(self.store, ws.key)
         decision: S.Decision = "no_base"
         bkey: str | None = None
-        stored: Decimal | None = None
+        seeds: tuple[int, ...] = ()
+        stored: tuple[Decimal, ...] | None = None
         if base is not None and base[1] == tree:
             decision = "unchanged"
         elif base is not None:
             bkey = E.baseline_key(
                 base_tree=base[1],
                 contract=contract,
-                seed=seed,
                 jail=self._jail_id(order),
                 image=self.cfg.apptainer_image or None,
                 gpus=jobs[E.EVAL_BASE].gpus,
                 backend=self.cfg.backend,
             )
-            stored = S.baseline(self.store, bkey)
-            decision = "run" if stored is None else "reuse"
+            found = S.measurement(self.store, bkey)
+            if found is not None and len(found[1]) == contract.repeats:
+                decision = "reuse"
+                seeds, stored = found
+            else:
+                decision = "run"
+                seeds = S.draw_seeds(contract.repeats) if contract.seed else ()
         return S.Plan(
             workspace=ws.key,
             seq=order.sleep.seq,
             decision=decision,
             contract=contract,
-            seed=seed,
+            seed=None,
             base_commit=None if base is None else base[0],
             base_tree=None if base is None else base[1],
             candidate_commit=commit,
             candidate_tree=tree,
             baseline_key=bkey,
-            reused_value=stored,
+            reused_values=stored,
+            seeds=seeds,
+            protected_changed=changed if decision in ("run", "reuse") else (),
         )
 
-    def _cancel_unrun(self, key: str, seq: int, decision: S.Decision) -> None:
-        """Cancel the evaluation rows the plan does not run, refunding their whole reservation."""
+    def _skip_unrun(self, key: str, seq: int, decision: S.Decision) -> None:
+        """Mark the evaluation rows the plan does not run REUSED or SKIPPED, refunding their whole reservation;
+        an `unchanged` submit that is all its sleep carries refunds the sleep as well (it cost nothing)."""
+        reused = E.EVAL_BASE if decision == "reuse" else None
         unrun = {"run": (), "reuse": (E.EVAL_BASE,)}.get(decision, E.EVAL_LAUNCHES)
         ws = self.store.workspace(key)
         assert ws is not None
         balance = ws.balance
         now = timestamp()
-        for j in self.store.jobs_of(key, seq):
+        jobs = self.store.jobs_of(key, seq)
+        for j in jobs:
             if j.launch in unrun and j.state == "PENDING" and j.job_id is None:
                 balance = release(balance, j.reserved_gpu_s, 0)
-                state = next_task_state(j.state, TaskEvent.CANCEL)
+                state = next_task_state(
+                    j.state, TaskEvent.SKIP, "REUSED" if j.launch == reused else "SKIPPED"
+                )
                 self.store.update_job(replace(j, state=state, reserved_gpu_s=0, ended_at=now, updated_at=now))
+        if decision == "unchanged" and all(j.launch in E.EVAL_LAUNCHES for j in jobs):
+            balance = replace(balance, sleeps=balance.sleeps + 1)
         self.store.set_balance(key, balance)
 
     def specs_of(
@@ -193,7 +226,19 @@ class SubmitExecutor(RealExecutor):
         plan = self._plans.get((order.workspace.key, order.sleep.seq))
         if plan is None:
             return specs
-        seed = None if plan.seed is None else str(plan.seed)
+        c = plan.contract
+        base_files = score = None
+        if plan.base_commit is not None and plan.base_tree is not None:
+            if c.protected:
+                base_files = BaseFiles(commit=plan.base_commit, tree=plan.base_tree, patterns=c.protected)
+            if c.score is not None:
+                from_base = c.score_from == "base"
+                score = ScoreStage(
+                    command=c.score,
+                    data=c.score_data,
+                    scorer_commit=plan.base_commit if from_base else None,
+                    scorer_tree=plan.base_tree if from_base else None,
+                )
         for name in E.EVAL_LAUNCHES:
             spec = specs.get(name)
             if spec is None:
@@ -202,7 +247,13 @@ class SubmitExecutor(RealExecutor):
                 assert plan.base_commit is not None
                 assert plan.base_tree is not None
                 spec = msgspec.structs.replace(spec, commit=plan.base_commit, tree=plan.base_tree)
-            specs[name] = msgspec.structs.replace(spec, eval_seed=seed)
+            specs[name] = msgspec.structs.replace(
+                spec,
+                eval_seeds=plan.seeds,
+                seeds_to_command=c.score is None,
+                base_files=base_files,
+                score=score,
+            )
         return specs
 
     async def dispatch(self, order: SleepOrder) -> tuple[JobRef, ...]:
@@ -222,9 +273,10 @@ class SubmitExecutor(RealExecutor):
         plan = S.plan_of(self.store, key, seq)
         if plan is None:  # cannot happen: a submitted sleep was prepared
             return tasks, None
-        rows = {j.launch: j for j in self.store.jobs_of(key, seq) if j.launch in E.EVAL_LAUNCHES}
-        verdict = self._verdict(plan, rows)
-        shown = tuple(self._label(t, plan) for t in tasks if not self._unrun(t, plan))
+        every = self.store.jobs_of(key, seq)
+        rows = [j for j in every if j.launch in E.EVAL_LAUNCHES]
+        verdict = self._verdict(plan, rows, only_submit=len(rows) == len(every))
+        shown = tuple(self._label(t, plan) for t in tasks)
         report = _submit_decoder.decode(sleep.submit).report
         S.put_verdict(self.store, key, seq, sleep.id, verdict, report, hook=bool(self.hook_argv))
         klog.event(
@@ -234,14 +286,18 @@ class SubmitExecutor(RealExecutor):
             outcome=verdict.outcome,
             side=verdict.failed_side,
             reused=verdict.baseline_reused,
+            trusted=verdict.trusted,
         )
         return shown, verdict
 
-    def _verdict(self, plan: S.Plan, rows: dict[str, JobRow]) -> Verdict:
+    def _verdict(self, plan: S.Plan, rows: list[JobRow], *, only_submit: bool) -> Verdict:
         c = plan.contract
+        trusted = E.is_trusted(c, self.cfg.jail)
         if plan.decision == "unchanged":
             assert plan.base_commit is not None
-            return E.unchanged_verdict(c, plan.base_commit, plan.candidate_commit)
+            return E.unchanged_verdict(
+                c, plan.base_commit, plan.candidate_commit, trusted=trusted, sleep_refunded=only_submit
+            )
         if plan.decision == "no_base":
             return Verdict(
                 outcome="failed",
@@ -249,44 +305,43 @@ class SubmitExecutor(RealExecutor):
                 direction=c.direction,
                 min_delta=c.min_delta,
                 min_relative=c.min_relative,
-                seed=plan.seed,
                 failed_side="base",
                 reason="the workspace has no recorded base commit (it had no commit when enrolled); the "
                 "operator sets one with `syscall-kernel rebase`",
                 candidate_commit=plan.candidate_commit,
+                trusted=trusted,
+                repeats=c.repeats,
             )
         assert plan.base_commit is not None
-        cand = _run_of(rows[E.EVAL_CANDIDATE])
-        base: E.EvalRun | Decimal
+        assert plan.base_tree is not None
+        by_task = sorted(rows, key=lambda j: j.task)
+        cand = [_run_of(j) for j in by_task if j.launch == E.EVAL_CANDIDATE]
+        base: list[E.EvalRun] | list[Decimal]
         if plan.decision == "reuse":
-            assert plan.reused_value is not None
-            base = plan.reused_value
+            assert plan.reused_values is not None
+            base = list(plan.reused_values)
         else:
-            base = _run_of(rows[E.EVAL_BASE])
+            runs = [_run_of(j) for j in by_task if j.launch == E.EVAL_BASE]
+            base = runs
             try:
-                value = E.measure(base, c.metric)
+                values = tuple(E.measure(r, c) for r in runs)
             except E.MetricError:
                 pass
             else:
                 assert plan.baseline_key is not None
-                S.put_baseline(self.store, plan.baseline_key, value, plan.workspace, plan.seq)
+                S.put_measurement(self.store, plan.baseline_key, plan.seeds, values, plan.workspace, plan.seq)
         return E.decide(
             c,
             base,
             cand,
-            seed=plan.seed,
+            seeds=plan.seeds,
+            base_tree=plan.base_tree,
             base_commit=plan.base_commit,
             candidate_commit=plan.candidate_commit,
+            trusted=trusted,
             baseline_reused=plan.decision == "reuse",
+            protected_changed=plan.protected_changed,
         )
-
-    @staticmethod
-    def _unrun(t: TaskResult, plan: S.Plan) -> bool:
-        if t.launch == E.EVAL_BASE:
-            return plan.decision != "run"
-        if t.launch == E.EVAL_CANDIDATE:
-            return plan.decision not in ("run", "reuse")
-        return False
 
     @staticmethod
     def _label(t: TaskResult, plan: S.Plan) -> TaskResult:
@@ -295,8 +350,31 @@ class SubmitExecutor(RealExecutor):
         side, commit = (
             ("base", plan.base_commit) if t.launch == E.EVAL_BASE else ("candidate", plan.candidate_commit)
         )
-        label = f"the kernel's evaluation run of the {side} (commit {(commit or '')[:12]}), the operator's eval command"
-        return msgspec.structs.replace(t, hint=label if t.hint is None else f"{label}; {t.hint}")
+        pair = f", pair {t.task + 1} of {plan.contract.repeats}" if plan.contract.repeats > 1 else ""
+        what = "the operator's eval command" + (
+            ", scored by the operator's score command" if plan.contract.score is not None else ""
+        )
+        label = f"the kernel's evaluation run of the {side} (commit {(commit or '')[:12]}{pair}), {what}"
+        if t.state == "REUSED":
+            label = (
+                f"not run: the {side}'s measurement by an earlier submit with the same contract and seeds "
+                "stands in for it (nothing was charged)"
+            )
+        elif t.state == "SKIPPED":
+            why = (
+                "the candidate's tree equals the base's"
+                if plan.decision == "unchanged"
+                else "there is no base to compare against"
+            )
+            label = f"not run: {why} (nothing was charged)"
+        elif t.state in NOT_RUN_TASK_STATES:
+            label = f"not run ({t.state})"
+        return msgspec.structs.replace(
+            t,
+            hint=label if t.hint is None else f"{label}; {t.hint}",
+            stdout_tail=_blank_seeds(t.stdout_tail, plan.seeds),
+            stderr_tail=_blank_seeds(t.stderr_tail, plan.seeds),
+        )
 
     # --- the operator's hook ------------------------------------------------------------------------------
 
@@ -341,4 +419,19 @@ class SubmitExecutor(RealExecutor):
 
 
 def _run_of(row: JobRow) -> E.EvalRun:
-    return E.EvalRun(exit_code=row.exit_code, stdout=read_stdout(row.run_dir), state=row.state)
+    rec = None if row.run_dir is None else read_exit(Path(row.run_dir))
+    score_code = None if rec is None else rec.score_code
+    return E.EvalRun(
+        exit_code=row.exit_code,
+        stdout=read_stdout(row.run_dir),
+        state=row.state,
+        score_code=score_code,
+        score_stdout=None if score_code is None else read_stdout(row.run_dir, RunPaths.SCORE_STDOUT),
+    )
+
+
+def _blank_seeds(text: str, seeds: tuple[int, ...]) -> str:
+    """`text` with every seed's decimal digits blanked (a run that prints its EVAL_SEED does not show it)."""
+    for seed in sorted(seeds, key=lambda s: -len(str(s))):
+        text = text.replace(str(seed), "[seed]")
+    return text

@@ -220,7 +220,7 @@ def test_the_kernels_environment_is_not_visible(
 ) -> None:
     w, policy = jailed
     monkeypatch.setenv("SYSCALL_TEST_SECRET", "hunter2")
-    spec = w.spec("env", "env; cat /proc/[0-9]*/environ | tr '\\0' '\\n'", jail=policy, eval_seed="99")
+    spec = w.spec("env", "env; cat /proc/[0-9]*/environ | tr '\\0' '\\n'", jail=policy, eval_seeds=(99,))
     run([spec])  # the backend's base env defaults to the kernel's own os.environ
     out = text(spec, "stdout")
     assert "hunter2" not in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from decimal import Decimal
 
+import msgspec
 import pytest
 
 from channel.decode import RequestError
@@ -22,7 +23,7 @@ from kernel.core.evaluate import (
     decide,
     extract_metric,
     hook_payload,
-    is_improved,
+    seed_commitment,
     unchanged_verdict,
 )
 from kernel.core.records import WorkspaceRow
@@ -33,6 +34,21 @@ HIGHER = EvalContract(command="python eval.py", metric="score", direction="highe
 
 def ok(stdout: str) -> EvalRun:
     return EvalRun(exit_code=0, stdout=stdout)
+
+
+def is_improved(contract: EvalContract, base: Decimal, candidate: Decimal) -> bool:
+    """One pair judged through `decide` (the candidate prints its value as the metric line)."""
+    v = decide(
+        contract,
+        [base],
+        [ok(f'{{"{contract.metric}": {candidate}}}')],
+        seeds=(1,),
+        base_tree="t",
+        base_commit="b",
+        candidate_commit="c",
+        trusted=False,
+    )
+    return v.outcome == "improved"
 
 
 @pytest.mark.parametrize(
@@ -88,18 +104,27 @@ def test_equal_values_are_not_an_improvement() -> None:
 def test_decide_names_the_failing_side() -> None:
     v = decide(
         HIGHER,
-        ok('{"score": 0.5}'),
-        EvalRun(exit_code=1, stdout="Traceback", state="FAILED"),
-        seed=7,
+        [ok('{"score": 0.5}')],
+        [EvalRun(exit_code=1, stdout="Traceback", state="FAILED")],
+        seeds=(7,),
+        base_tree="t",
         base_commit="b",
         candidate_commit="c",
+        trusted=False,
     )
     assert v.outcome == "failed"
     assert v.failed_side == "candidate"
     assert v.reason is not None
     assert "code 1" in v.reason
     v = decide(
-        HIGHER, ok('{"score": NaN}'), ok('{"score": 1}'), seed=7, base_commit="b", candidate_commit="c"
+        HIGHER,
+        [ok('{"score": NaN}')],
+        [ok('{"score": 1}')],
+        seeds=(7,),
+        base_tree="t",
+        base_commit="b",
+        candidate_commit="c",
+        trusted=False,
     )
     assert (v.outcome, v.failed_side) == ("failed", "base")
 
@@ -107,16 +132,20 @@ def test_decide_names_the_failing_side() -> None:
 def test_decide_reports_values_delta_and_reuse() -> None:
     v = decide(
         HIGHER,
-        Decimal("0.5"),
-        ok('{"score": 0.75}'),
-        seed=3,
+        [Decimal("0.5")],
+        [ok('{"score": 0.75}')],
+        seeds=(3,),
+        base_tree="t",
         base_commit="b",
         candidate_commit="c",
+        trusted=True,
         baseline_reused=True,
     )
     assert (v.outcome, v.base_value, v.candidate_value, v.delta) == ("improved", 0.5, 0.75, 0.25)
     assert v.baseline_reused
-    assert v.seed == 3
+    assert v.trusted
+    assert v.seed_commitment == seed_commitment((3,), "t")
+    assert "3" not in [str(x) for x in msgspec.structs.asdict(v).values()]
 
 
 def test_unchanged_verdict() -> None:
@@ -245,7 +274,16 @@ def test_a_bad_defaults_submit_is_refused_at_load_with_the_key_named(
 
 
 def test_the_hook_payload_is_one_json_object_with_the_verdict_and_report() -> None:
-    v = decide(HIGHER, Decimal("0.5"), ok('{"score": 0.75}'), seed=3, base_commit="b", candidate_commit="c")
+    v = decide(
+        HIGHER,
+        [Decimal("0.5")],
+        [ok('{"score": 0.75}')],
+        seeds=(3,),
+        base_tree="t",
+        base_commit="b",
+        candidate_commit="c",
+        trusted=False,
+    )
     payload = hook_payload("w-1", "/w", "s1", 4, v, 'a "quoted"\nreport')
     got = json.loads(payload)
     assert got["verdict"]["outcome"] == "improved"
@@ -258,7 +296,6 @@ def _key(**over: object) -> str:
     args: dict[str, object] = {
         "base_tree": "t1",
         "contract": HIGHER,
-        "seed": 1,
         "jail": "bwrap",
         "image": None,
         "gpus": 0,
@@ -275,7 +312,10 @@ def test_baseline_key_changes_with_anything_that_determines_the_measurement() ->
         _key(base_tree="t2"),
         _key(contract=EvalContract(command="python eval.py --fast", metric="score")),
         _key(contract=EvalContract(command="python eval.py", metric="acc")),
-        _key(seed=2),
+        _key(contract=EvalContract(command="python eval.py", metric="score", seed=False)),
+        _key(contract=EvalContract(command="python eval.py", metric="score", score="python3 /s/score.py")),
+        _key(contract=EvalContract(command="python eval.py", metric="score", protected=("eval.py",))),
+        _key(contract=EvalContract(command="python eval.py", metric="score", repeats=3)),
         _key(jail="apptainer"),
         _key(image="img.sif"),
         _key(gpus=1),

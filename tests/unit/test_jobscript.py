@@ -44,7 +44,7 @@ def _embedded(script: str) -> dict[str, object]:
 
 
 def test_rendered_script_is_python_with_the_config_embedded(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, array=4, eval_seed="1234", jail=JailPolicy(hide=("/opt/state",)))
+    spec = _spec(tmp_path, array=4, eval_seeds=(1234, 5678), jail=JailPolicy(hide=("/opt/state",)))
     script = jobscript.render_job_script(spec)
     assert script.startswith("#!/usr/bin/env python3\n")
     compile(script, "job.sh", "exec")
@@ -52,7 +52,10 @@ def test_rendered_script_is_python_with_the_config_embedded(tmp_path: Path) -> N
     assert cfg["launch_dir"] == str(spec.paths.launch_dir)
     assert cfg["array"] == 4
     assert cfg["artifacts"] == ["out/curve.json"]
-    assert cfg["env"]["EVAL_SEED"] == "1234"  # type: ignore[index]
+    assert cfg["seeds"] == [1234, 5678]  # task i's EVAL_SEED, set by the wrapper
+    assert cfg["seed_to_command"] is True
+    assert cfg["score"] is None
+    assert "EVAL_SEED" not in cfg["env"]  # type: ignore[operator]
     git = cfg["git"]
     assert isinstance(git, dict)
     assert git["commit"] == "a" * 40
