@@ -18,7 +18,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from channel import limits as L
-from channel.messages import EvalContract, Policy
+from channel.messages import VERBS, EvalContract, Policy, Verb
 from kernel.core.evaluate import contract_problem
 
 ENV_CONFIG: Final = "SYSCALL_KERNEL_CONFIG"
@@ -46,6 +46,9 @@ class Defaults(_Strict, frozen=True, kw_only=True):
     max_concurrent_gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING * L.ARRAY_MAX)] = L.POLICY_MAX_GPUS
     network: bool = False
     submit: EvalContract | None = None
+    # the verbs a workspace may use (policy.verb_disabled for the others); e.g. withhold `queue`, which shows
+    # other workspaces' jobs
+    verbs: tuple[Verb, ...] = VERBS
 
     def policy(self) -> Policy:
         return Policy(
@@ -54,6 +57,7 @@ class Defaults(_Strict, frozen=True, kw_only=True):
             max_concurrent_gpus=self.max_concurrent_gpus,
             network=self.network,
             submit=self.submit,
+            verbs=self.verbs,
         )
 
 

@@ -122,6 +122,7 @@ class CancelPlan:
 def plan_cancel(
     ws: WorkspaceRow, current: SleepRow | None, jobs: Sequence[JobRow], req: CancelRequest, now: str
 ) -> CancelPlan:
+    check_policy(req, ws.policy)
     if current is None:
         raise RequestError("cancel.no_sleep", "there is no sleep in progress to cancel", None)
     names = {j.launch for j in jobs}

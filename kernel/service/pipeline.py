@@ -32,7 +32,7 @@ from typing import Final
 
 from channel import limits as L
 from channel import safefs
-from channel.decode import RequestError, decode_request, parse_request, rejected
+from channel.decode import RequestError, check_policy, decode_request, parse_request, rejected
 from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
 from channel.messages import (
     Accepted,
@@ -354,6 +354,14 @@ class Pipeline:
                 self._deliver(ch, ws, rid, answer, f"rejected:{decoded.error.code}", received)
                 return None
             case StatusRequest() | QueueRequest() | HistoryRequest():
+                try:
+                    # read-only verbs obey the policy's `verbs` too (an operator may withhold `queue`)
+                    check_policy(decoded, ws.policy)
+                except RequestError as err:
+                    answer = encode(rejected(rid, err))
+                    self._record(ws.key, rid, digest, _verb(decoded), now, answer)
+                    self._deliver(ch, ws, rid, answer, f"rejected:{err.code}", received)
+                    return None
                 with self.store.transaction():
                     answer = encode(self._read_only(ws.key, decoded, received))
                     self.store.insert_request(

@@ -7,7 +7,6 @@ must validate against the published JSON Schema, and every decoder code of CODES
 
 from __future__ import annotations
 
-import base64
 import json
 from functools import cache
 from pathlib import Path
@@ -20,10 +19,11 @@ import pytest
 from channel.decode import RequestError, check_policy, decode_request
 from channel.errors import CODES
 from channel.messages import Policy, Rejected, Request, encode
+from spec import SPEC_DIR, VECTOR_DIR
+from spec.conformance.vectors import Vector, load_vectors, vector_files
 
-SPEC = Path(__file__).resolve().parents[2] / "spec"
-VECTOR_DIR = SPEC / "vectors" / "v1"
-VECTOR_FILES = sorted(VECTOR_DIR.glob("*.json"))
+SPEC = SPEC_DIR
+VECTOR_FILES = vector_files()
 # Codes no vector can express: they concern the file object (its type, links, readability), not its bytes.
 NOT_EXPRESSIBLE = {"request.unreadable": "4.1.3: a FIFO, symlink or hardlinked file is not a byte string"}
 
@@ -34,17 +34,18 @@ def _load(path: Path) -> list[dict[str, Any]]:
 
 
 @cache
+def loaded() -> dict[str, Vector]:
+    """The vectors as the conformance runner loads them (spec.conformance.vectors), by name."""
+    return {v.name: v for v in load_vectors()}
+
+
+@cache
 def all_vectors() -> list[dict[str, Any]]:
     return [v for f in VECTOR_FILES for v in _load(f)]
 
 
 def request_bytes(v: dict[str, Any]) -> bytes:
-    if "request" in v:
-        return json.dumps(v["request"], separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    if "request_text" in v:
-        text: str = v["request_text"]
-        return text.encode("utf-8")
-    return base64.b64decode(v["request_base64"], validate=True)
+    return loaded()[v["name"]].data
 
 
 def run(v: dict[str, Any]) -> Request | Rejected:
@@ -83,6 +84,13 @@ def test_vector_file_matches_vector_schema(path: Path) -> None:
         jsonschema.Draft202012Validator(schema).iter_errors(json.loads(path.read_text("utf-8"))), key=str
     )
     assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:5])
+
+
+def test_the_runner_loads_every_vector_as_written() -> None:
+    assert [v["name"] for v in all_vectors()] == list(loaded())
+    for raw in all_vectors():
+        assert loaded()[raw["name"]].outcome() == raw["expect"]
+        assert (loaded()[raw["name"]].policy is None) == ("policy" not in raw)
 
 
 def test_vector_names_are_unique() -> None:

@@ -41,10 +41,19 @@ def test_wheel_holds_every_package(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     in_tree = {
         str(init.relative_to(REPO))
-        for top in ("channel", "kernel", "tool")
+        for top in ("channel", "kernel", "tool", "spec")
         for init in (REPO / top).rglob("__init__.py")
     }
     assert in_tree, "no packages found in the tree"
     missing = sorted(in_tree - names)
     assert not missing, f"the wheel lacks {missing}: list them in pyproject.toml's packages.find"
     assert "tool/syscall.py" in names
+    # the conformance runner finds the protocol beside it in an installed wheel
+    spec_files = {
+        str(p.relative_to(REPO))
+        for p in (REPO / "spec").rglob("*")
+        if p.suffix in (".json", ".md") and p.is_file()
+    }
+    assert spec_files, "no spec data files found in the tree"
+    missing = sorted(spec_files - names)
+    assert not missing, f"the wheel lacks {missing}: list them in pyproject.toml's package-data"

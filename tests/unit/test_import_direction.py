@@ -32,3 +32,13 @@ def test_the_check_sees_a_forbidden_import(tmp_path: Path) -> None:
     sample = tmp_path / "m.py"
     sample.write_text("import subprocess\nfrom anyio import run\n")
     assert _imports(sample) & FORBIDDEN == {"subprocess", "anyio"}
+
+
+SPEC = CHANNEL.parent / "spec"
+
+
+@pytest.mark.parametrize("module", sorted(SPEC.rglob("*.py")), ids=lambda p: str(p.relative_to(SPEC)))
+def test_the_conformance_runner_sees_no_kernel(module: Path) -> None:
+    # black-box: the runner knows an implementation only through its channel's files
+    bad = _imports(module) & {"kernel", "tool"}
+    assert not bad, f"{module.name} imports {sorted(bad)}; spec/ must not depend on an implementation"

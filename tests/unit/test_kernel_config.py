@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from channel.messages import VERBS
 from kernel.core.config import ConfigError, load, parse
 
 
@@ -53,6 +54,7 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
         ("[defaults]\nmax_gpus = 9\nmax_concurrent_gpus = 4", "key 'defaults.max_gpus'"),
         ("state_dir = ", "not valid TOML"),
         ("source = 'x'", "key 'source' is not a known setting"),
+        ("[defaults]\nverbs = ['sleep', 'tail-all']", "key 'defaults.verbs"),
     ],
 )
 def test_bad_config_names_the_file_and_key(tmp_path: Path, text: str, needle: str) -> None:
@@ -62,6 +64,13 @@ def test_bad_config_names_the_file_and_key(tmp_path: Path, text: str, needle: st
         load(f, env={})
     assert str(info.value).startswith(f"{f}: ")
     assert needle in str(info.value)
+
+
+def test_defaults_verbs_narrow_the_policy(tmp_path: Path) -> None:
+    f = tmp_path / "v.toml"
+    f.write_text("[defaults]\nverbs = ['sleep', 'status']\n")
+    assert load(f, env={}).defaults.policy().verbs == ("sleep", "status")
+    assert parse("", "<defaults>", env={}).defaults.policy().verbs == VERBS
 
 
 def test_missing_file_is_named(tmp_path: Path) -> None:

@@ -100,6 +100,11 @@ def test_cancel_refusals() -> None:
         )
     assert info.value.code == "cancel.unknown_launch"
     assert info.value.path == "$.launches[1]"
+    # a workspace whose policy withholds `cancel` is refused before its state is looked at
+    no_cancel = Policy(verbs=("sleep", "status"))
+    with pytest.raises(RequestError) as info:
+        plan_cancel(ws(policy=no_cancel), sleep_row(), [job("a", 0)], CancelRequest(protocol=1, id="c"), NOW)
+    assert (info.value.code, info.value.path) == ("policy.verb_disabled", "$.type")
 
 
 def test_read_only_answers() -> None:

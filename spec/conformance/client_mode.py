@@ -1,0 +1,233 @@
+"""`syscall-conformance client`: run a client in a scratch channel and check every request it commits.
+
+The scratch channel is a fresh `<tmp>/workspace/.syscall/` with the directories of section 2.1 and a `kernel.json`
+and `budget.json` as a kernel would write them (the protocol's limits, the default policy). No kernel answers
+there: a client that waits for answers times out, which is not a fault. The command runs with `sh -c` in the
+workspace, with `SYSCALL_CHANNEL` and `SYSCALL_WORKSPACE` set, under a time limit (its process group is killed
+after it). inotify records how each file arrived; each committed request is read the moment it arrives, so a
+client that withdraws it later is still judged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from channel import limits as L
+from channel.decode import is_valid_id
+from channel.messages import (
+    VERBS,
+    Budget,
+    BudgetFile,
+    KernelInfo,
+    KernelRef,
+    Limits,
+    Policy,
+    encode,
+)
+from channel.paths import CHANNEL_DIR, ChannelPaths
+from spec.conformance import checks
+from spec.conformance.inotify import IN_CLOSE_WRITE, IN_MOVED_TO, Event, Unavailable, Watcher
+from spec.conformance.report import Result, failed, not_run, passed
+
+SCRATCH_KERNEL: Final = KernelRef(name="syscall-conformance", version="scratch")
+TIMESTAMP: Final = "2026-01-01T00:00:00.000Z"
+_KERNEL_FILES: Final = (ChannelPaths.KERNEL_JSON, ChannelPaths.BUDGET_JSON)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    command: str
+    timeout: float = 60.0
+    keep: bool = False
+
+
+class _Capture:
+    """Reads each request file the moment inotify says it arrived (before the client can withdraw it)."""
+
+    def __init__(self, requests: Path, watcher: Watcher) -> None:
+        self.requests = requests
+        self.watcher = watcher
+        self.seen: dict[str, bytes | None] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="conformance-capture", daemon=True)
+
+    def __enter__(self) -> _Capture:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(10)
+        self.poll()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.002):
+            self.poll()
+
+    def poll(self) -> None:
+        for e in self.watcher.events():
+            if e.directory != str(self.requests) or ChannelPaths.is_temp(e.name):
+                continue
+            if e.mask & (IN_MOVED_TO | IN_CLOSE_WRITE) and e.name not in self.seen:
+                self.seen[e.name] = _read_request(self.requests / e.name)
+
+
+def scratch_channel(root: Path) -> Path:
+    """A channel as a kernel lays it out (section 2.1), with the protocol's limits and the default policy."""
+    ws = root / "workspace"
+    ch = ws / CHANNEL_DIR
+    for sub in ChannelPaths.SUBDIRS:
+        (ch / sub).mkdir(parents=True)
+    info = KernelInfo(
+        protocol=L.PROTOCOL_VERSION,
+        kernel=SCRATCH_KERNEL,
+        workspace=str(ws),
+        limits=Limits(),
+        policy=Policy(),
+        verbs=VERBS,
+        tool_sha256="0" * 64,
+    )
+    budget = Budget(
+        launches=L.BUDGET_LAUNCHES,
+        sleeps=L.BUDGET_SLEEPS,
+        gpu_hours=L.BUDGET_GPU_HOURS,
+        reserved_gpu_hours=0.0,
+    )
+    (ch / ChannelPaths.KERNEL_JSON).write_bytes(encode(info))
+    (ch / ChannelPaths.BUDGET_JSON).write_bytes(
+        encode(BudgetFile(protocol=L.PROTOCOL_VERSION, budget=budget, updated_at=TIMESTAMP))
+    )
+    return ch
+
+
+def run_client(opts: Options) -> tuple[list[Result], str]:
+    """The results, and how the command ended with its output (stdout and stderr, last 4000 characters)."""
+    root = Path(tempfile.mkdtemp(prefix="syscall-conformance-client-"))
+    try:
+        results, output = _run(root, opts)
+        return results, output + (f"\nthe scratch directory is kept: {root}\n" if opts.keep else "")
+    finally:
+        if not opts.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(root: Path, opts: Options) -> tuple[list[Result], str]:
+    ch = scratch_channel(root)
+    ws = ch.parent
+    requests = ch / ChannelPaths.REQUESTS
+    kernel_files = {n: (ch / n).read_bytes() for n in _KERNEL_FILES}
+    watched = [str(ch)] + [str(ch / s) for s in ChannelPaths.SUBDIRS]
+    try:
+        watcher = Watcher(watched)
+    except Unavailable as exc:
+        return [not_run("3.1", "client run", f"inotify is needed to see how files arrive: {exc}")], ""
+    results: list[Result] = []
+    with watcher, _Capture(requests, watcher) as capture:
+        output, status = _execute(opts, ws, ch)
+        # what the client left in requests/ after it exited, read now (covers writes the watch raced with)
+        for name in os.listdir(requests):
+            if not ChannelPaths.is_temp(name) and name not in capture.seen:
+                capture.seen[name] = _read_request(requests / name)
+    events = watcher.events()
+    if not capture.seen:
+        results.append(failed("14.1", "the client committed a request", "no file was committed to requests/"))
+    for name in sorted(capture.seen):
+        results.extend(_judge_request(name, capture.seen[name], events, str(requests)))
+    results.append(_kernel_area(ch, kernel_files, events))
+    return results, f"the client command: {status}\n{output}"
+
+
+def _execute(opts: Options, ws: Path, ch: Path) -> tuple[str, str]:
+    env = dict(os.environ, SYSCALL_CHANNEL=str(ch), SYSCALL_WORKSPACE=str(ws))
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        ["sh", "-c", opts.command],
+        cwd=ws,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=opts.timeout)
+        status = f"exit status {proc.returncode} after {time.monotonic() - start:.1f} s"
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        status = f"killed after the {opts.timeout:g} s limit"
+    return out.decode("utf-8", errors="replace")[-4000:], status
+
+
+def _judge_request(name: str, data: bytes | None, events: list[Event], requests: str) -> list[Result]:
+    stem = name[:-5] if name.endswith(".json") else name
+    label = f"{name}"
+    out: list[Result] = []
+    if not name.endswith(".json") or not is_valid_id(stem):
+        out.append(
+            failed(
+                "3.2",
+                f"{label}: id well formed",
+                f"{name!r} is not <id>.json with an id matching {L.ID_PATTERN}; a kernel drops it unanswered",
+            )
+        )
+        return out
+    out.append(passed("3.2", f"{label}: id well formed", "matches the id pattern"))
+    problem = checks.commit_problem(events, requests, name, ChannelPaths.request_temp(stem))
+    out.append(
+        failed("3.1", f"{label}: temp, then rename", problem)
+        if problem
+        else passed("3.1", f"{label}: temp, then rename", f"renamed from {ChannelPaths.request_temp(stem)}")
+    )
+    if data is None:
+        out.append(
+            not_run("4", f"{label}: contents", "the file was gone (or unreadable) before it could be read")
+        )
+        return out
+    for section, check, issue in checks.request_problems(stem, data):
+        out.append(
+            failed(section, f"{label}: {check}", issue)
+            if issue
+            else passed(section, f"{label}: {check}", "ok")
+        )
+    return out
+
+
+def _kernel_area(ch: Path, before: dict[str, bytes], events: list[Event]) -> Result:
+    """Section 2.4: clients never write answers/, wakes/, results/, kernel.json or budget.json."""
+    name = "the client writes nothing kernel-owned"
+    touched = sorted(
+        {
+            f"{Path(e.directory).name}/{e.name}"
+            for e in events
+            if e.directory
+            in {str(ch / s) for s in (ChannelPaths.ANSWERS, ChannelPaths.WAKES, ChannelPaths.RESULTS)}
+        }
+    )
+    changed = [n for n, data in before.items() if _read_request(ch / n) != data]
+    if touched or changed:
+        return failed("2.4", name, f"the client wrote {', '.join(touched + changed)[:200]}")
+    return passed("2.4", name, "answers/, wakes/, results/, kernel.json, budget.json untouched")
+
+
+def _read_request(path: Path) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, L.REQUEST_MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

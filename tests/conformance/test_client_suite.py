@@ -1,0 +1,100 @@
+"""`syscall-conformance client`: our tool passes; clients that write in place or use a bad id are caught."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import pytest
+
+from tests.testenv import ROOT
+
+TOOL = ROOT / "tool" / "syscall.py"
+FAKE = ROOT / "tests" / "conformance" / "fake_client.py"
+
+
+def conformance(command: str, junit: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "spec.conformance.cli", "client", "--run", command, "--junit", str(junit)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout + 60,
+    )
+
+
+def cases(junit: Path) -> dict[str, str | None]:
+    """testcase name -> failure message (None when it passed or was not run)."""
+    out: dict[str, str | None] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        failure = case.find("failure")
+        out[case.attrib["name"]] = None if failure is None else failure.attrib["message"]
+    return out
+
+
+def test_our_tool_passes_the_client_suite(tmp_path: Path) -> None:
+    tool = f"{shlex.quote(sys.executable)} {shlex.quote(str(TOOL))}"
+    command = "; ".join(
+        [
+            f"{tool} status --timeout 0.2",
+            f"{tool} launch --name train --minutes 5 --why 'lr 3e-4' -- python train.py --lr 3e-4",
+            f"{tool} launch --name eval --array 2 --artifact out/metrics.json -- python eval.py",
+            f"{tool} sleep --timeout 0.2 --note 'first try'",
+            f"{tool} history --timeout 0.2",
+            f"{tool} queue --timeout 0.2",
+            f"{tool} cancel train --timeout 0.2",
+        ]
+    )
+    junit = tmp_path / "junit.xml"
+    out = conformance(command, junit)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = cases(junit)
+    assert not [n for n, why in got.items() if why is not None]
+    committed = {n.split(":")[0] for n in got if n.endswith(": temp, then rename")}
+    assert len(committed) == 5, out.stdout  # status, sleep, history, queue, cancel
+
+
+@pytest.mark.parametrize(
+    ("flaw", "check", "words"),
+    [
+        ("in-place", "1764460800000-0badc0de.json: temp, then rename", "written in place"),
+        ("bad-id", "R1.json: id well formed", "is not <id>.json with an id matching"),
+    ],
+)
+def test_a_broken_client_is_caught_with_the_check_named(
+    flaw: str, check: str, words: str, tmp_path: Path
+) -> None:
+    junit = tmp_path / "junit.xml"
+    out = conformance(f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} --flaw {flaw}", junit)
+    assert out.returncode == 1, out.stdout
+    failed = {n: why for n, why in cases(junit).items() if why is not None}
+    assert list(failed) == [check], out.stdout
+    assert words in failed[check]
+
+
+def test_the_correct_fake_client_passes(tmp_path: Path) -> None:
+    junit = tmp_path / "junit.xml"
+    out = conformance(f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))}", junit)
+    assert out.returncode == 0, out.stdout
+
+
+def test_a_client_that_writes_nothing_does_not_pass(tmp_path: Path) -> None:
+    junit = tmp_path / "junit.xml"
+    out = conformance("true", junit)
+    assert out.returncode == 1
+    assert cases(junit)["the client committed a request"] == "no file was committed to requests/"
+
+
+def test_a_client_that_hangs_is_killed_at_the_limit(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "spec.conformance.cli", "client", "--run", "sleep 600", "--timeout", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "killed after the 1 s limit" in out.stdout

@@ -1,0 +1,200 @@
+"""`syscall-conformance kernel` against real kernels: ours passes every vector and check; broken ones are caught.
+
+Our kernel hosts one workspace per policy the vectors need (a kernel's policy comes from its config, so one
+kernel process per policy), all enrolled with a budget of 0 launches, so no vector's sleep runs a job; the
+policy workspaces also get 0 sleeps (only the main one takes the checkpoint). The broken kernels are
+tests/conformance/fake_kernel.py with one --flaw each.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import pytest
+from kernelproc import Kernel, git_workspace
+
+from spec.conformance import kernel_mode
+from spec.conformance.report import Result, Status, render_table
+from spec.conformance.vectors import load_vectors
+from tests.testenv import ROOT
+
+FAKE = ROOT / "tests" / "conformance" / "fake_kernel.py"
+EVAL = ("--eval-command", "python eval.py", "--metric", "accuracy")
+# name -> ([defaults] lines, whether a second workspace with an eval contract is enrolled on it)
+POLICIES: dict[str, tuple[str, bool]] = {
+    "main": ("", True),
+    "m60": ("max_minutes = 60", True),
+    "m20": ("max_minutes = 20", False),
+    "g2": ("max_gpus = 2", False),
+    "m1g0": ("max_minutes = 1\nmax_gpus = 0", False),
+    "no-queue": ('verbs = ["sleep", "cancel", "status", "history"]', False),
+    "no-sleep": ('verbs = ["status", "queue", "history"]', False),
+    "status-only": ('verbs = ["status"]', False),
+}
+
+
+def listing(ws: Path) -> dict[str, bytes | None]:
+    """Every name under the channel with its content (kernel.json, budget.json and the tool excepted)."""
+    ch = ws / ".syscall"
+    out: dict[str, bytes | None] = {}
+    for dirpath, dirnames, filenames in os.walk(ch):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(ch))
+            if rel in ("budget.json",):
+                continue
+            out[rel] = p.read_bytes() if p.is_file() and not p.is_symlink() else None
+    return out
+
+
+@pytest.fixture
+def our_kernels(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    kernels: list[Kernel] = []
+    places: dict[str, Path] = {}
+    try:
+        for name, (defaults, with_submit) in POLICIES.items():
+            k = Kernel(
+                tmp_path, f'jail = "none"\nrescan_seconds = 5\n[defaults]\n{defaults}\n', name=f"k-{name}"
+            )
+            kernels.append(k)
+            ws = git_workspace(tmp_path / f"ws-{name}")
+            sleeps = () if name == "main" else ("--sleeps", "0")
+            k.enroll(ws, "--launches", "0", *sleeps)
+            places[name] = ws
+            if with_submit:
+                sub = git_workspace(tmp_path / f"ws-{name}-submit")
+                k.enroll(sub, "--launches", "0", "--sleeps", "0", *EVAL)
+                places[f"{name}-submit"] = sub
+            k.start(wait_ready=False)
+        for k in kernels:
+            k.wait_log("event=ready", 60)
+        yield places
+    finally:
+        for k in kernels:
+            k.ensure_stopped()
+
+
+def by_name(results: list[Result]) -> dict[str, Result]:
+    return {r.name: r for r in results}
+
+
+@pytest.mark.slow
+def test_our_kernel_passes_the_whole_kernel_suite(our_kernels: dict[str, Path]) -> None:
+    before = {n: listing(ws) for n, ws in our_kernels.items()}
+    main = our_kernels.pop("main")
+    opts = kernel_mode.Options(workspace=main, policy_workspaces=tuple(our_kernels.items()), deadline=10.0)
+    results = kernel_mode.KernelRun(opts).run()
+    table = render_table(results)
+    print(table)
+    problems = [r for r in results if r.status is not Status.PASS]
+    assert not problems, render_table(problems)
+    names = by_name(results)
+    assert {v.name for v in load_vectors()} <= set(names)
+    for check in kernel_mode.BEHAVIOURS:
+        assert names[check[1]].status is Status.PASS
+    # the runner leaves every channel as it found it (budget.json aside: the checkpoint was charged)
+    our_kernels["main"] = main
+    assert {n: listing(ws) for n, ws in our_kernels.items()} == before
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "spec.conformance.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Iterator[object]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(flaw: str) -> Path:
+        ws = tmp_path / f"ws-{flaw}"
+        ws.mkdir()
+        proc = subprocess.Popen(
+            [sys.executable, str(FAKE), str(ws), "--flaw", flaw], stdout=subprocess.PIPE, cwd=ROOT
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n"
+        return ws
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait(30)
+        if p.stdout is not None:
+            p.stdout.close()
+
+
+def failures(junit: Path) -> dict[str, str]:
+    """vector or check -> why, for every failed testcase of the JUnit report."""
+    root = ET.parse(junit).getroot()
+    return {
+        case.attrib["name"]: failure.attrib["message"]
+        for case in root.iter("testcase")
+        for failure in case.iter("failure")
+    }
+
+
+# flaw -> checks that must fail (by name), and the words their reason must carry
+CAUGHT = {
+    "accept-all": {
+        "json-trailing-comma": "got a `accepted` answer",
+        "launch-command-empty": "got a `accepted` answer",
+        "valid-pretty-printed": "expected a valid history request",
+    },
+    "follow-symlink": {
+        "a symlinked request is refused, never followed": "the link was followed",
+        "a hardlinked request is refused, never read": "",
+    },
+    "in-place": {"answers and wakes arrive atomically": ""},
+    "keep-requests": {"answered requests are removed": "still in requests/"},
+    "fence-short": {"the markdown wake fences agent text": "not the whole content of any fenced block"},
+}
+
+
+@pytest.mark.parametrize("flaw", sorted(CAUGHT))
+def test_a_broken_kernel_is_caught_with_the_check_named(fake: object, flaw: str, tmp_path: Path) -> None:
+    ws = fake(flaw)  # type: ignore[operator]
+    junit = tmp_path / "junit.xml"
+    out = run_cli("kernel", "--workspace", str(ws), "--deadline", "3", "--junit", str(junit))
+    assert out.returncode == 1, out.stdout + out.stderr
+    failed = failures(junit)
+    for check, words in CAUGHT[flaw].items():
+        assert check in failed, f"{check} should fail for {flaw}:\n{out.stdout}"
+        assert words in failed[check], failed[check]
+    if flaw != "accept-all":
+        assert len(failed) <= 2, f"only the broken MUST should fail:\n{out.stdout}"
+
+
+def test_the_correct_fake_kernel_passes(fake: object) -> None:
+    ws = fake("none")  # type: ignore[operator]
+    out = run_cli("kernel", "--workspace", str(ws), "--deadline", "3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert " 0 failed" in out.stdout
+
+
+def test_a_silent_kernel_ends_the_run_within_deadlines(fake: object, tmp_path: Path) -> None:
+    ws = fake("silent")  # type: ignore[operator]
+    before = listing(ws)
+    junit = tmp_path / "junit.xml"
+    out = run_cli("kernel", "--workspace", str(ws), "--deadline", "1", "--junit", str(junit), timeout=60)
+    assert out.returncode == 1
+    assert "no answer to" in failures(junit)["the kernel answers a request"]
+    assert "not run" in out.stdout
+    assert listing(ws) == before, "the runner withdrew its unanswered request"
+
+
+def test_a_workspace_without_a_channel_is_a_usage_error(tmp_path: Path) -> None:
+    out = run_cli("kernel", "--workspace", str(tmp_path))
+    assert out.returncode == 2
+    assert "has no .syscall/ channel; enroll it first" in out.stderr
