@@ -242,6 +242,17 @@ def history_answer(request_id: str, sleeps: Sequence[tuple[SleepRow, Sequence[Jo
     return HistoryAnswer(protocol=L.PROTOCOL_VERSION, id=request_id, sleeps=tuple(entries))
 
 
+# --- retrying the executor -----------------------------------------------------------------------------
+
+
+def retry_delay(failures: int, base_s: float, cap_s: float) -> float:
+    """Seconds to wait before the `failures`-th retry of a workspace whose executor call failed for the world's
+    reasons (`ExecutorUnavailable`): `base_s`, doubling per failure, never more than `cap_s`."""
+    if failures < 1:
+        return 0.0
+    return min(cap_s, base_s * 2.0 ** min(failures - 1, 62))
+
+
 # --- fairness --------------------------------------------------------------------------------------------
 
 

@@ -373,8 +373,10 @@ class Service:
         next_tick = now + self.cfg.poll_seconds
         next_status = now + STATUS_EVERY_S
         while not self.stopping:
+            retry_at = self.pipeline.due_retries()  # marks the workspaces whose backoff has ended
             if not self.pipeline.has_work():
-                timeout = max(0.0, min(next_rescan, next_tick) - self.clock())
+                wake_at = min(next_rescan, next_tick, retry_at if retry_at is not None else next_tick)
+                timeout = max(0.0, wake_at - self.clock())
                 with anyio.move_on_after(timeout) as scope:
                     self._wait_scope = scope
                     if not self.stopping:

@@ -65,6 +65,18 @@ SWEEP_PER_PASS: Final = 16
 JUNK_PER_LISTING: Final = 256
 # Temp names examined (lstat, and removed if stale) per listing; the rest go at the next listing.
 TEMPS_PER_LISTING: Final = 256
+# A workspace whose executor call failed for the world's reasons (`ExecutorUnavailable`: fork failing at the
+# process limit, a full disk, the scheduler unreachable) is retried after RETRY_BASE_S, doubling per failure up to
+# RETRY_CAP_S; meanwhile its other requests are answered as usual.
+RETRY_BASE_S: Final = 1.0
+RETRY_CAP_S: Final = 300.0
+
+
+@dataclass(slots=True)
+class _Backoff:
+    failures: int
+    until: float
+    error: str
 
 
 Spawn = Callable[["Continuation"], object]
@@ -107,6 +119,7 @@ class Pipeline:
         self._swept: set[str] = set()
         self._stuck: dict[str, set[str]] = {}
         # Per workspace, requests whose answer could not be written (kept, retried at every listing).
+        self._backoff: dict[str, _Backoff] = {}
         self._blocked: dict[str, set[str]] = {}
         # Per workspace, the last temp name examined: the next listing goes on after it (wrapping around).
         self._temp_cursor: dict[str, str] = {}
@@ -127,7 +140,7 @@ class Pipeline:
         for key in list(self.backlog):
             if key not in self.workspaces:
                 del self.backlog[key]
-        for per_ws in (self._temp_cursor, self._blocked):
+        for per_ws in (self._temp_cursor, self._blocked, self._backoff):
             for key in list(per_ws):
                 if key not in self.workspaces:
                     del per_ws[key]
@@ -341,8 +354,11 @@ class Pipeline:
                 self._deliver(ch, ws, rid, encode(rejected(rid, err)), "rejected:request.id.reused", received)
                 return None
             if known.answer is None:
-                # Being resumed already (busy), or interrupted by a crash: resume it.
-                return None if ws.key in self.busy else self._resume(known)
+                # Being resumed already (busy), backing off after a failure (retried when `due_retries` says
+                # so), or interrupted by a crash: resume it.
+                if ws.key in self.busy or self._backing_off(ws.key):
+                    return None
+                return self._resume(known)
             self._deliver(ch, ws, rid, known.answer, "replayed", received)
             return None
         now = timestamp(received)
@@ -528,6 +544,7 @@ class Pipeline:
                 try:
                     refs = await self.executor.dispatch(order)
                 except DispatchRefused as refusal:
+                    self._recovered(c.key)  # the executor answered: a refusal is not the world's fault
                     await self.worker.call(self._refuse_sleep, c, order, refusal.error)
                     return
                 await self.worker.call(self._finish_sleep, c, refs)
@@ -535,7 +552,48 @@ class Pipeline:
                 await self.executor.cancel(order, c.names)
                 await self.worker.call(self._finish_cancel, c, order)
         except ExecutorUnavailable as exc:
-            event("executor_unavailable", logging.WARNING, ws=c.key, id=c.request_id, error=str(exc))
+            self._failed(c, str(exc))
+        else:
+            self._recovered(c.key)
+
+    # --- backoff after the executor failed for the world's reasons ------------------------------------------
+
+    def _backing_off(self, key: str) -> bool:
+        b = self._backoff.get(key)
+        return b is not None and self.clock() < b.until
+
+    def _failed(self, c: Continuation, error: str) -> None:
+        b = self._backoff.get(c.key)
+        failures = 1 if b is None else b.failures + 1
+        delay = rules.retry_delay(failures, RETRY_BASE_S, RETRY_CAP_S)
+        self._backoff[c.key] = _Backoff(failures, self.clock() + delay, error)
+        if b is None or b.error != error:  # logged once per state change, not once per retry
+            event(
+                "executor_unavailable",
+                logging.WARNING,
+                ws=c.key,
+                id=c.request_id,
+                error=error,
+                retry_in=f"{delay:g}s",
+            )
+
+    def _recovered(self, key: str) -> None:
+        b = self._backoff.pop(key, None)
+        if b is not None:
+            event("executor_available", ws=key, failures=b.failures)
+
+    def due_retries(self) -> float | None:
+        """Mark the workspaces whose backoff has ended for listing; the next end still ahead (clock time), if
+        any, so the service wakes up for it."""
+        now = self.clock()
+        later: float | None = None
+        for key, b in self._backoff.items():
+            if b.until <= now:
+                if key not in self.busy:
+                    self.dirty.add(key)
+            elif later is None or b.until < later:
+                later = b.until
+        return later
 
     def _answer_and_deliver(
         self, c: Continuation, make: Callable[[WorkspaceRow], bytes], outcome: str

@@ -1,0 +1,125 @@
+"""A dispatch that fails for the world's reasons (ExecutorUnavailable) is retried with a per-workspace,
+exponential, capped backoff, logged once per state change; other workspaces and the same workspace's read-only
+requests are served meanwhile. Real store, real enrollment, real directories; the clock is the test's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from kernel.core import rules
+from kernel.core.config import Config, parse
+from kernel.io.enroll import Grant, enroll
+from kernel.io.install import ToolSource
+from kernel.io.store import Store, StoreWorker
+from kernel.service.executor import ExecutorUnavailable, JobRef, PendingExecutor, SleepOrder
+from kernel.service.pipeline import RETRY_BASE_S, RETRY_CAP_S, Pipeline
+
+TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
+T0 = 1_800_000_000.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Failing(PendingExecutor):
+    """An executor that cannot dispatch (fork failing at the process limit) until `healthy` is set."""
+
+    def __init__(self, worker: StoreWorker, clock: Clock) -> None:
+        super().__init__(worker)
+        self.clock = clock
+        self.at: list[float] = []
+        self.healthy = False
+
+    @property
+    def calls(self) -> int:
+        return len(self.at)
+
+    async def dispatch(self, order: SleepOrder) -> tuple[JobRef, ...]:
+        self.at.append(self.clock.now)
+        if not self.healthy:
+            raise ExecutorUnavailable("fork: Resource temporarily unavailable")
+        return await super().dispatch(order)
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Config:
+    return parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
+
+
+@pytest.fixture
+def store(cfg: Config) -> Iterator[Store]:
+    s = Store.open(cfg.db_path)
+    yield s
+    s.close()
+
+
+def put(ws: Path, rid: str, body: dict[str, object]) -> Path:
+    rq = ws / ".syscall" / "requests"
+    (rq / f".{rid}.tmp").write_text(json.dumps({"protocol": 1, "id": rid, **body}))
+    (rq / f".{rid}.tmp").rename(rq / f"{rid}.json")
+    return rq / f"{rid}.json"
+
+
+def test_retry_delay_doubles_and_is_capped() -> None:
+    assert [rules.retry_delay(n, 1.0, 60.0) for n in range(9)] == [0, 1, 2, 4, 8, 16, 32, 60, 60]
+    assert rules.retry_delay(10_000, 1.0, 60.0) == 60.0
+
+
+def test_executor_unavailable_backs_off_per_workspace_and_logs_once(
+    tmp_path: Path, cfg: Config, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    ws = tmp_path / "ws"
+    subprocess.run(["git", "init", "-q", str(ws)], check=True)
+    row = enroll(store, cfg, str(ws), TOOL, Grant(launches=5, sleeps=5, gpu_hours=1)).row
+    clock = Clock()
+    worker = StoreWorker(store)
+    executor = Failing(worker, clock)
+    pipeline = Pipeline(cfg, worker, executor, clock=clock)
+    pipeline.set_workspaces([row])
+    put(ws, "s1", {"type": "sleep", "launches": [{"name": "a", "command": "true", "minutes": 1}]})
+
+    def serve_for(seconds: float, step: float = 0.01) -> None:
+        """What the service loop does: pass after pass (a storm would call the executor at every one)."""
+        end = clock.now + seconds
+        while clock.now < end:
+            pipeline.due_retries()
+            pipeline.mark(row.key)  # as if events kept coming
+            anyio.run(pipeline.run_pass)
+            clock.now += step
+
+    caplog.set_level(logging.INFO)
+    serve_for(10.0)
+    # 1 s, 2 s, 4 s after the first failure: 4 calls in 10 s, not one per pass (1,000)
+    assert executor.calls == 4
+    assert caplog.text.count("event=executor_unavailable") == 1
+    assert pipeline.due_retries() is not None  # the service sleeps until then
+
+    put(ws, "q1", {"type": "status"})  # read-only requests are answered meanwhile
+    serve_for(0.05)
+    assert (ws / ".syscall" / "answers" / "q1.json").exists()
+    assert not (ws / ".syscall" / "answers" / "s1.json").exists()
+
+    serve_for(RETRY_CAP_S * 3, step=0.5)
+    gaps = [round(b - a) for a, b in zip(executor.at, executor.at[1:])]
+    doubling = [RETRY_BASE_S * 2**i for i in range(len(gaps))]
+    assert gaps == [min(RETRY_CAP_S, d) for d in doubling], gaps  # exponential, then capped
+    assert gaps[-1] == RETRY_CAP_S
+
+    executor.healthy = True
+    serve_for(RETRY_CAP_S + 1, step=0.5)
+    answer = json.loads((ws / ".syscall" / "answers" / "s1.json").read_text())
+    assert answer["type"] == "accepted"
+    assert "event=executor_available" in caplog.text
+    assert pipeline.due_retries() is None
