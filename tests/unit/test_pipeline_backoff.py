@@ -4,6 +4,7 @@ requests are served meanwhile. Real store, real enrollment, real directories; th
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import subprocess
@@ -112,7 +113,7 @@ def test_executor_unavailable_backs_off_per_workspace_and_logs_once(
     assert not (ws / ".syscall" / "answers" / "s1.json").exists()
 
     serve_for(RETRY_CAP_S * 3, step=0.5)
-    gaps = [round(b - a) for a, b in zip(executor.at, executor.at[1:])]
+    gaps = [round(b - a) for a, b in itertools.pairwise(executor.at)]
     doubling = [RETRY_BASE_S * 2**i for i in range(len(gaps))]
     assert gaps == [min(RETRY_CAP_S, d) for d in doubling], gaps  # exponential, then capped
     assert gaps[-1] == RETRY_CAP_S
