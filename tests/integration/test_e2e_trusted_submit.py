@@ -1,0 +1,313 @@
+"""End to end: the attacks of a hostile candidate on `submit`, through the tool, a real kernel, the local backend
+and bwrap; and what the operator's `score` stage and protected paths do about them.
+
+Every workspace's base commit holds a synthetic model (`model.py`: how many of 10 private labels it gets right,
+5 in the base), `eval.py` (prints that fraction as the metric: the candidate's own code reports it) and
+`predict.py` (writes `predictions.txt`, which the operator's scorer compares with the private labels), and
+`peek.py` (looks for the private data and the seed from inside `command`). Every
+candidate is WORSE (2 of 10 right) and attacks the number:
+
+- rewrite: the candidate rewrites the file that prints the metric (`eval.py`, or `predict.py` / the base scorer
+  copy in its tree) to print {"score": 0.999};
+- atexit: the candidate's `model.py` registers an `atexit` hook printing a later {"score": 0.999} line, and
+  leaves a detached process behind that prints one more after the eval is over.
+
+With a `score` command or protected paths no attack yields `improved`; with neither, the verdict says
+self-reported. The private data lives outside every workspace; `command` cannot read it, and the scorer
+cannot write the tree or see the candidate's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kernelproc import Kernel
+
+from channel.paths import workspace_key
+from kernel.core.evaluate import seed_commitment
+
+pytestmark = pytest.mark.bwrap
+
+LABELS = "0 1 0 1 0 1 0 1 0 1\n"
+SECRET = "LABEL-SECRET-7f3a"
+
+MODEL = "CORRECT = {n}\n"
+EVAL_PY = "import json\nimport model\nprint(json.dumps({'score': model.CORRECT / 10}))\n"
+PREDICT_PY = """import model
+labels = [i % 2 for i in range(10)]
+preds = [l if i < model.CORRECT else 1 - l for i, l in enumerate(labels)]
+with open("predictions.txt", "w") as f:
+    f.write(" ".join(str(p) for p in preds) + "\\n")
+"""
+SCORE_PY = """import json, os
+tree, data = os.environ["EVAL_TREE"], os.environ["SCORE_DATA"]
+labels = open(os.path.join(data, "labels.txt")).read().split()
+try:
+    preds = open(os.path.join(tree, "predictions.txt")).read().split()
+except OSError:
+    preds = []
+print(json.dumps({"score": sum(a == b for a, b in zip(labels, preds)) / len(labels)}))
+"""
+# A scorer that checks its own jail and reports 1 only if every check holds: the tree is read-only, no process
+# of the candidate is visible (the candidate leaves a detached `sleep` behind), the seed is there.
+JAIL_CHECK_PY = """import json, os
+tree = os.environ["EVAL_TREE"]
+ok = 1
+try:
+    open(os.path.join(tree, "scorer-was-here"), "w").write("x")
+    ok = 0
+except OSError:
+    pass
+try:
+    os.unlink(os.path.join(tree, "predictions.txt"))
+    ok = 0
+except OSError:
+    pass
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        try:
+            if b"sleep" in open("/proc/%s/cmdline" % pid, "rb").read():
+                ok = 0
+        except OSError:
+            pass
+if not os.environ.get("EVAL_SEED", "").isdigit():
+    ok = 0
+print(json.dumps({"score": ok}))
+"""
+ATEXIT_MODEL = """CORRECT = 2
+import atexit, json, subprocess
+atexit.register(lambda: print(json.dumps({"score": 0.999}), flush=True))
+subprocess.Popen(["setsid", "sh", "-c", "sleep 2; echo '{\\"score\\": 0.999}'"], start_new_session=True)
+"""
+REWRITE = "import json\nprint(json.dumps({'score': 0.999}))\n"
+# The candidate's `command` looks for the private data (its path is public in kernel.json) and the seed.
+PEEK_PY = """import os
+data = os.environ.get("PEEK", "")
+for name in ("labels.txt", "secret.txt"):
+    try:
+        print("read", name, open(os.path.join(data, name)).read())
+    except OSError as e:
+        print("cannot read", name, type(e).__name__)
+print("SCORE_DATA" in os.environ, "EVAL_SEED" in os.environ)
+import model
+labels = [i % 2 for i in range(10)]
+open("predictions.txt", "w").write(" ".join(str(l if i < model.CORRECT else 1 - l) for i, l in enumerate(labels)))
+"""
+
+
+def git(ws: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+        cwd=ws,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+def score_flags(private: Path, scorer: str = "score.py") -> tuple[str, ...]:
+    return (
+        "--eval-command",
+        "python3 predict.py",
+        "--metric",
+        "score",
+        "--score-command",
+        f"python3 {private / scorer}",
+        "--score-data",
+        str(private),
+    )
+
+
+EVAL_FLAGS = ("--eval-command", "python3 eval.py", "--metric", "score")
+
+
+def cases(private: Path) -> dict[str, tuple[tuple[str, ...], dict[str, str]]]:
+    """name -> (enroll flags, candidate files written into the working tree)"""
+    worse = {"model.py": MODEL.format(n=2)}
+    return {
+        "score-rewrite": (score_flags(private), {**worse, "predict.py": PREDICT_PY + REWRITE}),
+        "score-atexit": (score_flags(private), {"model.py": ATEXIT_MODEL}),
+        "score-base": (
+            (
+                "--eval-command",
+                "python3 predict.py",
+                "--metric",
+                "score",
+                "--score-command",
+                "python3 score_base.py",
+                "--score-from",
+                "base",
+                "--score-data",
+                str(private),
+            ),
+            {**worse, "score_base.py": REWRITE},
+        ),
+        "protected-rewrite": ((*EVAL_FLAGS, "--protected", "eval.py"), {**worse, "eval.py": REWRITE}),
+        "protected-atexit": ((*EVAL_FLAGS, "--protected", "eval.py"), {"model.py": ATEXIT_MODEL}),
+        "neither-rewrite": (EVAL_FLAGS, {**worse, "eval.py": REWRITE}),
+        "neither-atexit": (EVAL_FLAGS, {"model.py": ATEXIT_MODEL}),
+        "peek": (
+            (*score_flags(private)[:1], f"PEEK={private} python3 peek.py", *score_flags(private)[2:]),
+            worse,
+        ),
+        "jail-check": (
+            (*score_flags(private, "jail_check.py"), "--repeats", "3"),
+            {"predict.py": PREDICT_PY + "import subprocess\nsubprocess.Popen(['setsid', 'sleep', '30'])\n"},
+        ),
+    }
+
+
+class Env:
+    def __init__(self, tmp: Path, kernel: Kernel, spaces: dict[str, Path]) -> None:
+        self.tmp = tmp
+        self.kernel = kernel
+        self.spaces = spaces
+        self.sleeps: dict[str, str] = {}
+
+    def tool(self, name: str, *args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, str(self.spaces[name] / ".syscall" / "syscall"), *args],
+            cwd=self.spaces[name],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}\n{self.kernel.log_text()[-3000:]}"
+        return done.stdout
+
+    def wake(self, name: str) -> dict[str, Any]:
+        return json.loads(self.tool(name, "wait", self.sleeps[name], "--json", "--timeout", "120"))  # type: ignore[no-any-return]
+
+    def md(self, name: str) -> str:
+        return (self.spaces[name] / ".syscall" / "wakes" / f"{self.sleeps[name]}.md").read_text()
+
+    def plans(self, name: str) -> list[tuple[list[int], str]]:
+        db = sqlite3.connect(f"file:{self.kernel.state / 'state.sqlite'}?mode=ro", uri=True)
+        try:
+            rows = db.execute(
+                "SELECT seeds, base_tree FROM eval_plans WHERE workspace=? ORDER BY seq",
+                (workspace_key(self.spaces[name].resolve()),),
+            ).fetchall()
+        finally:
+            db.close()
+        return [(json.loads(r[0]), r[1]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("trusted")
+    private = tmp / "private"
+    private.mkdir()
+    (private / "labels.txt").write_text(LABELS)
+    (private / "secret.txt").write_text(SECRET + "\n")
+    (private / "score.py").write_text(SCORE_PY)
+    (private / "jail_check.py").write_text(JAIL_CHECK_PY)
+    kernel = Kernel(tmp, 'jail = "bwrap"\n[local]\nseconds_per_minute = 1.0\n')
+    spaces: dict[str, Path] = {}
+    all_cases = cases(private)
+    for name, (flags, _) in all_cases.items():
+        ws = tmp / "spaces" / name
+        ws.mkdir(parents=True)
+        git(ws, "init", "-q")
+        (ws / "model.py").write_text(MODEL.format(n=5))
+        (ws / "eval.py").write_text(EVAL_PY)
+        (ws / "predict.py").write_text(PREDICT_PY)
+        (ws / "score_base.py").write_text(SCORE_PY)
+        (ws / "peek.py").write_text(PEEK_PY)
+        git(ws, "add", "-A")
+        git(ws, "commit", "-q", "-m", "base")
+        kernel.enroll(ws, "--sleeps", "10", "--gpu-hours", "4", *flags)
+        spaces[name] = ws
+    kernel.start()
+    e = Env(tmp, kernel, spaces)
+    try:
+        for name, (_, files) in all_cases.items():
+            for rel, text in files.items():
+                (spaces[name] / rel).write_text(text)
+            report = tmp / f"{name}.md"
+            report.write_text(f"# {name}\n")
+            e.tool(name, "submit", "--report", str(report))
+            accepted = json.loads(e.tool(name, "sleep", "--json"))
+            assert accepted["type"] == "accepted", accepted
+            e.sleeps[name] = str(accepted["id"])
+        yield e
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+
+
+@pytest.mark.parametrize("name", ["score-rewrite", "score-atexit", "score-base"])
+def test_with_a_score_stage_no_attack_makes_a_worse_candidate_improved(env: Env, name: str) -> None:
+    v = env.wake(name)["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"], v["trusted"]) == (
+        "not_improved",
+        0.5,
+        0.2,
+        True,
+    ), v
+    md = env.md(name)
+    assert "## Submit verdict: not_improved\n" in md
+    assert "Trusted:" in md
+
+
+def test_with_the_eval_protected_its_rewrite_is_replaced_by_the_base_and_named(env: Env) -> None:
+    v = env.wake("protected-rewrite")["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"]) == ("not_improved", 0.5, 0.2)
+    assert v["protected_changed"] == ["eval.py"]
+    assert "- 'eval.py'" in env.md("protected-rewrite")
+
+
+def test_with_the_eval_protected_a_second_metric_line_fails_the_candidate(env: Env) -> None:
+    v = env.wake("protected-atexit")["verdict"]
+    assert (v["outcome"], v["failed_side"]) == ("failed", "candidate")
+    assert "printed more than once" in v["reason"]
+
+
+@pytest.mark.parametrize("name", ["neither-rewrite", "neither-atexit"])
+def test_with_neither_the_attack_wins_but_the_verdict_says_self_reported(env: Env, name: str) -> None:
+    v = env.wake(name)["verdict"]
+    assert (v["outcome"], v["candidate_value"], v["trusted"]) == ("improved", 0.999, False)
+    md = env.md(name)
+    assert "## Submit verdict: improved (self-reported)" in md
+    assert "Self-reported:" in md
+
+
+def test_the_candidates_command_cannot_read_the_private_data_nor_get_the_seed(env: Env) -> None:
+    wake = env.wake("peek")
+    assert wake["verdict"]["outcome"] == "not_improved"
+    out = next(t for t in wake["tasks"] if t["launch"] == "submit-candidate")["stdout_tail"]
+    assert "cannot read labels.txt" in out
+    assert "cannot read secret.txt" in out
+    assert "False False" in out  # neither SCORE_DATA nor EVAL_SEED is in the command's environment
+    assert SECRET not in json.dumps(wake)
+    assert SECRET not in env.md("peek")
+
+
+def test_the_scorer_cannot_write_the_tree_nor_see_the_candidates_processes(env: Env) -> None:
+    wake = env.wake("jail-check")
+    v = wake["verdict"]
+    # every pair's scorer found the tree read-only, no `sleep` of the candidate, and its seed
+    assert [(p["base"], p["candidate"]) for p in v["pairs"]] == [(1.0, 1.0)] * 3
+    assert (v["outcome"], v["repeats"], v["test"], v["p_value"]) == ("not_improved", 3, "sign", 1.0)
+    # three pairs, three private seeds, shown only as their commitment
+    [(seeds, base_tree)] = env.plans("jail-check")
+    assert len(set(seeds)) == 3
+    assert v["seed_commitment"] == seed_commitment(seeds, base_tree)
+    assert sorted((t["launch"], t["task"]) for t in wake["tasks"]) == [
+        ("submit-base", 0),
+        ("submit-base", 1),
+        ("submit-base", 2),
+        ("submit-candidate", 0),
+        ("submit-candidate", 1),
+        ("submit-candidate", 2),
+    ]
+    text = json.dumps(wake) + env.md("jail-check") + env.tool("jail-check", "history", "--json")
+    for s in seeds:
+        assert str(s) not in text
