@@ -272,7 +272,14 @@ class RealExecutor:
                     ids[(spec.launch, r.task)] = r.job_id
             crash_point("submit")
             await self._call(self._record_submitted, key, seq, specs, ids)
-            klog.event("submitted", ws=key, seq=seq, launches=len(specs), tasks=len(ids))
+            klog.event(
+                "submitted",
+                ws=key,
+                seq=seq,
+                launches=len(specs),
+                tasks=len(ids),
+                jobs=",".join(sorted({i for i in ids.values() if i}, key=_job_order)),
+            )
         jobs = await self._call(self.store.jobs_of, key, seq)
         # Tasks that ended while the kernel was down (or before their ids were recorded), and a checkpoint.
         await self._call(self._sweep_sleep, key, seq)
@@ -345,7 +352,16 @@ class RealExecutor:
                     updated_at=now,
                 )
             )
-        klog.event("task_ended", ws=key, seq=seq, launch=launch, task=task, state=state, code=out.exit_code)
+        klog.event(
+            "task_ended",
+            ws=key,
+            seq=seq,
+            launch=launch,
+            task=task,
+            job=job.job_id,
+            state=state,
+            code=out.exit_code,
+        )
         return True
 
     def _sweep_sleep(self, key: str, seq: int) -> list[JobRow]:
@@ -539,7 +555,8 @@ class RealExecutor:
                 key, seq, next_sleep_state("gathered", SleepEvent.WAKE), woken_at=woken_at
             )
         self._problems.pop((key, seq), None)
-        klog.event("woken", ws=key, seq=seq, id=sleep.id)
+        jobs = sorted({j.job_id for j in self.store.jobs_of(key, seq) if j.job_id}, key=_job_order)
+        klog.event("woken", ws=key, seq=seq, id=sleep.id, jobs=",".join(jobs))
         return True
 
     def _problem(self, name: str, key: str, seq: int, problem: str) -> None:
@@ -619,3 +636,9 @@ class RealExecutor:
                 except StoreUnavailable:
                     # The end must be recorded before anything else happens to the task: try again.
                     await anyio.sleep(TICK_S)
+
+
+def _job_order(job_id: str) -> tuple[int, str]:
+    """Job ids in submission order for log lines (numeric where they are: `99` before `100`)."""
+    head = job_id.split("_")[0].split(".")[0]
+    return (int(head) if head.isdigit() else 0, job_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -319,6 +320,15 @@ def test_slurmctld_down_for_30_s_fails_no_job_and_the_wake_comes_after_it_return
     ends = [line for line in log.splitlines() if "event=task_ended" in line and f"ws={key}" in line]
     assert len(ends) == 2, ends
     assert all("state=COMPLETED" in line for line in ends), ends
+    # The job ids are on the lines, and the outage was logged when it began and when it ended (issue 12).
+    ids = sorted({j["job_id"] for j in accepted["jobs"]})
+    assert all(re.search(r" job=\S+ ", line) for line in ends), ends
+    [submitted] = [line for line in log.splitlines() if "event=submitted" in line and f"ws={key}" in line]
+    assert f"jobs={','.join(ids)}" in submitted or all(i.split("_")[0] in submitted for i in ids), submitted
+    assert " ERROR event=slurm_outage " in log
+    assert "WARNING event=slurm_call_failed call=squeue" in log
+    assert "event=slurm_outage_ended lasted_s=" in log
+    assert log.index(" ERROR event=slurm_outage ") < log.index("event=slurm_outage_ended")
 
 
 def test_the_walltime_kills_a_job_that_runs_too_long(env: Env) -> None:

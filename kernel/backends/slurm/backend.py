@@ -29,6 +29,7 @@ the loop asks again each cycle until the tasks end.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import subprocess
@@ -70,6 +71,7 @@ from kernel.backends.slurm import (
 )
 from kernel.backends.slurm.classify import RUNNING_STATES
 from kernel.backends.slurm.query import parse_squeue
+from kernel.io import log as klog
 from kernel.io.crash import crash_point
 
 if TYPE_CHECKING:
@@ -310,6 +312,9 @@ class SlurmBackend:
         self.client_timeout_s = client_timeout_s
         self.submit_timeout_s = submit_timeout_s
         self.submit_attempts = submit_attempts
+        # Since when the scheduler's clients fail for the world's reasons (None: they work), and how often.
+        self._outage_since: float | None = None
+        self._outage_calls = 0
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.poll_floor_s = poll_floor_s
@@ -367,6 +372,11 @@ class SlurmBackend:
     # --- clients ---------------------------------------------------------------------------------------------
 
     async def _client(self, argv: list[str], limit_s: float | None = None) -> Completed:
+        out = await self._run_client(argv, limit_s)
+        self._observe(argv, out)
+        return out
+
+    async def _run_client(self, argv: list[str], limit_s: float | None) -> Completed:
         with anyio.move_on_after(limit_s or self.client_timeout_s):
             try:
                 out = await anyio.run_process(argv, check=False, env=self.env, stdin=subprocess.DEVNULL)
@@ -376,6 +386,30 @@ class SlurmBackend:
                 out.returncode, out.stdout.decode(errors="replace"), out.stderr.decode(errors="replace")
             )
         return Completed(None, "", f"{argv[0]} did not answer within {limit_s or self.client_timeout_s:g} s")
+
+    def _observe(self, argv: list[str], out: Completed) -> None:
+        """Log every client call that fails, and the scheduler's outages: one `slurm_outage` line at err when
+        calls start failing for the world's reasons (timeouts, an unreachable or busy controller), one
+        `slurm_outage_ended` with its length when a call succeeds again."""
+        tool = os.path.basename(argv[0])
+        if out.returncode == 0:
+            if self._outage_since is not None:
+                klog.event(
+                    "slurm_outage_ended",
+                    lasted_s=f"{time.time() - self._outage_since:.1f}",
+                    failed_calls=self._outage_calls,
+                    call=tool,
+                )
+                self._outage_since = None
+            return
+        detail = (out.stderr.strip() or out.stdout.strip() or f"exit {out.returncode}").splitlines()[0][:300]
+        klog.event("slurm_call_failed", logging.WARNING, call=tool, rc=out.returncode, error=detail)
+        if sbatch_failure(out.returncode, out.stderr) == "transient" or out.returncode is None:
+            if self._outage_since is None:
+                self._outage_since = time.time()
+                self._outage_calls = 0
+                klog.event("slurm_outage", logging.ERROR, call=tool, error=detail)
+            self._outage_calls += 1
 
     # --- submission ------------------------------------------------------------------------------------------
 
@@ -423,7 +457,17 @@ class SlurmBackend:
         problems: list[str] = []
         for attempt in range(self.submit_attempts):
             if attempt:
-                await self._sleep(min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)))
+                delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
+                klog.event(
+                    "slurm_retry",
+                    logging.WARNING,
+                    launch=la.name,
+                    attempt=attempt + 1,
+                    of=self.submit_attempts,
+                    after_s=f"{delay:g}",
+                    last=problems[-1][:200] if problems else None,
+                )
+                await self._sleep(delay)
             if not la.open:
                 return  # cancelled while we waited: nothing to submit
             found, detail = ({}, "") if attempt == 0 and fresh else await self._lookup([la])
