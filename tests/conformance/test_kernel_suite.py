@@ -156,7 +156,7 @@ CAUGHT = {
         "a symlinked request is refused, never followed": "the link was followed",
         "a hardlinked request is refused, never read": "",
     },
-    "in-place": {"answers and wakes arrive atomically": ""},
+    "in-place": {"answers and wakes arrive atomically": "written in place under the final name"},
     "keep-requests": {"answered requests are removed": "still in requests/"},
     "fence-short": {"the markdown wake fences agent text": "not the whole content of any fenced block"},
 }
@@ -176,11 +176,18 @@ def test_a_broken_kernel_is_caught_with_the_check_named(fake: object, flaw: str,
         assert len(failed) <= 2, f"only the broken MUST should fail:\n{out.stdout}"
 
 
-def test_the_correct_fake_kernel_passes(fake: object) -> None:
+def test_the_correct_fake_kernel_passes(fake: object, tmp_path: Path) -> None:
     ws = fake("none")  # type: ignore[operator]
     out = run_cli("kernel", "--workspace", str(ws), "--deadline", "3")
     assert out.returncode == 0, out.stdout + out.stderr
     assert " 0 failed" in out.stdout
+    # --only: that section's vectors, plus the prerequisites (kernel.json, budget.json, a first answer)
+    junit = tmp_path / "only.xml"
+    out = run_cli("kernel", "--workspace", str(ws), "--only", "4.2", "--junit", str(junit))
+    assert out.returncode == 0, out.stdout
+    sections = {c.attrib["classname"] for c in ET.parse(junit).getroot().iter("testcase")}
+    assert sections == {"section 4.2", "section 9.1", "section 9.2", "section 7.1"}
+    assert len([v for v in load_vectors() if v.section == "4.2"]) + 3 == len(list(ET.parse(junit).getroot()))
 
 
 def test_a_silent_kernel_ends_the_run_within_deadlines(fake: object, tmp_path: Path) -> None:
