@@ -18,6 +18,7 @@ import binascii
 import json
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any, Final
 
@@ -25,17 +26,13 @@ import msgspec
 
 from channel import limits as L
 from channel.errors import CODES
-from channel.messages import Answer, Policy, Rejected
-from spec import VECTOR_DIR
+from channel.messages import VERBS, Answer, Policy, Rejected
+from spec import VECTOR_DIR, VECTOR_SCHEMA
 
-SECTIONS: Final = ("4.1", "4.2", "4.3", "4.4", "4.5", "4.6", "5")
-# The answer type a valid request of each verb gets (section 7.1).
-ANSWER_TYPE: Final = {
-    "sleep": "accepted",
-    "cancel": "cancelled",
-    "status": "status",
-    "queue": "queue",
-    "history": "history",
+# The answer type a valid request of each verb gets (section 7.1): `accepted` and `cancelled`, else the verb's
+# own name. Verbs come from the protocol's messages, so a verb added there is picked up here.
+ANSWER_TYPE: Final[dict[str, str]] = {
+    str(v): {"sleep": "accepted", "cancel": "cancelled"}.get(v, v) for v in VERBS
 }
 _NAME_RE: Final = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _ID_RE: Final = re.compile(L.ID_PATTERN)
@@ -44,6 +41,13 @@ _WHITESPACE: Final = b" \t\r\n"
 # Stems at least this long are replaced by a fresh id of the same length (the length may be the point of the
 # vector: `id-length-at-limit`); shorter stems used by one vector only keep their value (`id-one-character`).
 _SAME_LENGTH_FROM: Final = 16
+
+
+@cache
+def sections() -> tuple[str, ...]:
+    """The sections a vector may name, as vectors/vector.schema.json lists them (it grows with the vectors)."""
+    schema = json.loads(VECTOR_SCHEMA.read_text("utf-8"))
+    return tuple(schema["$defs"]["vector"]["properties"]["section"]["enum"])
 
 
 class VectorFileError(Exception):
@@ -142,8 +146,8 @@ def parse_vector(raw: Any, where: str) -> Vector:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or len(name) > 80:
         raise bad("name", "must match ^[a-z0-9][a-z0-9-]*$ (at most 80 characters)")
     where = f"{where} ({name})"
-    if section not in SECTIONS:
-        raise bad("section", f"must be one of {', '.join(SECTIONS)}")
+    if section not in sections():
+        raise bad("section", f"must be one of {', '.join(sections())}")
     if not isinstance(raw["description"], str) or not raw["description"]:
         raise bad("description", "must be a non-empty string")
     if not isinstance(stem, str) or not _ID_RE.fullmatch(stem):
