@@ -1068,6 +1068,28 @@ def reconcile(ch: Channel, st: Staging) -> bool:
     return True
 
 
+# One read-modify-write of staged.json at a time within this process: the MCP server runs tool calls on
+# threads, and two launches loading the same staging would each save it without the other's launch.
+_STAGING_LOCK = threading.RLock()
+
+
+def _staging_locked(fn: Callable[..., int]) -> Callable[..., int]:
+    def locked(*args: Any, **kwargs: Any) -> int:
+        with _STAGING_LOCK:
+            return fn(*args, **kwargs)
+
+    return locked
+
+
+def _settled_staging(ch: Channel) -> Staging:
+    """The staging, with a sleep answered since it was saved settled (and saved); StagingError if unusable."""
+    with _STAGING_LOCK:
+        st = load_staging(ch)
+        if reconcile(ch, st):
+            save_staging(ch, st)
+        return st
+
+
 def _sleep_request(ch: Channel, st: Staging, note: str) -> dict[str, Any]:
     req = _request(ch, "sleep", launches=list(st.launches), submit=st.submit, note=note)
     return req
@@ -1177,6 +1199,7 @@ def cmd_launch(ch: Channel, args: argparse.Namespace) -> int:
     return stage_launch(ch, launch, args.json)
 
 
+@_staging_locked
 def stage_launch(ch: Channel, launch: dict[str, Any], json_mode: bool) -> int:
     """Add `launch` (a request's launch object; absent `minutes` = kernel.json's default) to the staging.
 
@@ -1226,6 +1249,7 @@ def cmd_submit(ch: Channel, args: argparse.Namespace) -> int:
     return stage_submit(ch, {"report": report, "eval_minutes": args.minutes}, args.json)
 
 
+@_staging_locked
 def stage_submit(ch: Channel, submit: dict[str, Any], json_mode: bool) -> int:
     """Stage `submit` (a request's submit object) for the next sleep, validated as the whole sleep first."""
     st = _staging_for_change(ch)
@@ -1250,6 +1274,7 @@ def stage_submit(ch: Channel, submit: dict[str, Any], json_mode: bool) -> int:
     return EXIT_OK
 
 
+@_staging_locked
 def cmd_unstage(ch: Channel, args: argparse.Namespace) -> int:
     try:
         st = load_staging(ch)
@@ -1299,14 +1324,45 @@ def cmd_unstage(ch: Channel, args: argparse.Namespace) -> int:
 
 def _staging_for_change(ch: Channel) -> Staging:
     ch.info()
-    st = load_staging(ch)
-    if reconcile(ch, st):
-        save_staging(ch, st)
-    return st
+    return _settled_staging(ch)
 
 
 def cmd_sleep(ch: Channel, args: argparse.Namespace) -> int:
     ch.require_verb("sleep", args.json)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    answer_timeout = ANSWER_TIMEOUT_S if args.timeout is None else min(ANSWER_TIMEOUT_S, args.timeout)
+    req, st = _commit_sleep(ch, args)
+    try:
+        ans = await_answer(ch, req, answer_timeout, question=False)
+    except ToolError as exc:
+        if exc.exit_code == EXIT_TIMEOUT:
+            exc.message += " Your staged launches are kept; `{} wait {}` follows the sleep.".format(
+                PROG, req["id"]
+            )
+        raise
+    _settle_staging(ch)
+    error = ans.get("error")
+    error = error if isinstance(error, dict) else {}
+    kept = "Nothing was charged and your staged launches are kept. " + _where(error.get("path"), st)
+    _check_rejected(ans, args.json, kept.rstrip())
+    _expect(ans, "accepted")
+    if _result(ans, args.json and not args.wait):
+        return EXIT_OK
+    if not args.json:
+        _render_accepted(ans, len(req["launches"]))
+    if not args.wait:
+        _out(f"Next: `{PROG} wait` blocks until the sleep wakes and prints the wake.")
+        return EXIT_OK
+    return wait_for_wake(ch, req["id"], deadline, args.every, args.json)
+
+
+def _commit_sleep(ch: Channel, args: argparse.Namespace) -> tuple[dict[str, Any], Staging]:
+    """Check what is staged, remember the sleep as pending, write its request: (the request, the staging)."""
+    with _STAGING_LOCK:
+        return _commit_sleep_locked(ch, args)
+
+
+def _commit_sleep_locked(ch: Channel, args: argparse.Namespace) -> tuple[dict[str, Any], Staging]:
     st = _staging_for_change(ch)
     if st.pending:
         raise ToolError(
@@ -1321,37 +1377,13 @@ def cmd_sleep(ch: Channel, args: argparse.Namespace) -> int:
     # Remember the sleep before it exists, so a tool killed mid-way still knows what it committed.
     st.pending = {"id": req["id"], "launches": req["launches"], "submit": req["submit"]}
     save_staging(ch, st)
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    answer_timeout = ANSWER_TIMEOUT_S if args.timeout is None else min(ANSWER_TIMEOUT_S, args.timeout)
     try:
         ch.write_request(req)
     except ToolError:
         st.pending = None  # never committed: nothing to follow
         save_staging(ch, st)
         raise
-    try:
-        ans = await_answer(ch, req, answer_timeout, question=False)
-    except ToolError as exc:
-        if exc.exit_code == EXIT_TIMEOUT:
-            exc.message += " Your staged launches are kept; `{} wait {}` follows the sleep.".format(
-                PROG, req["id"]
-            )
-        raise
-    reconcile(ch, st)
-    save_staging(ch, st)
-    error = ans.get("error")
-    error = error if isinstance(error, dict) else {}
-    kept = "Nothing was charged and your staged launches are kept. " + _where(error.get("path"), st)
-    _check_rejected(ans, args.json, kept.rstrip())
-    _expect(ans, "accepted")
-    if _result(ans, args.json and not args.wait):
-        return EXIT_OK
-    if not args.json:
-        _render_accepted(ans, len(req["launches"]))
-    if not args.wait:
-        _out(f"Next: `{PROG} wait` blocks until the sleep wakes and prints the wake.")
-        return EXIT_OK
-    return wait_for_wake(ch, req["id"], deadline, args.every, args.json)
+    return req, st
 
 
 def _render_accepted(ans: dict[str, Any], n_launches: int) -> None:
@@ -1406,13 +1438,10 @@ def cmd_wait(ch: Channel, args: argparse.Namespace) -> int:
 
 def _current_sleep(ch: Channel, args: argparse.Namespace) -> str:
     try:
-        st = load_staging(ch)
+        st = _settled_staging(ch)
     except StagingError as exc:
         _err(exc.message)
         st = Staging({})
-    else:
-        if reconcile(ch, st):
-            save_staging(ch, st)
     if st.pending and isinstance(st.pending.get("id"), str):
         return str(st.pending["id"])
     if st.current_sleep:
@@ -1534,12 +1563,8 @@ def _report_ended(say: Callable[[str], None], tasks: list[dict[str, Any]], repor
 
 def _settle_staging(ch: Channel) -> None:
     """Clear what an accepted sleep committed from the staging file (when it was this tool's sleep)."""
-    try:
-        st = load_staging(ch)
-    except StagingError:
-        return
-    if reconcile(ch, st):
-        save_staging(ch, st)
+    with contextlib.suppress(StagingError):
+        _settled_staging(ch)
 
 
 def _print_wake(ch: Channel, sleep_id: str, json_mode: bool, announced: bool) -> int:
@@ -1597,9 +1622,7 @@ def cmd_status(ch: Channel, args: argparse.Namespace) -> int:
     info = ch.info()
     staging_problem = ""
     try:
-        st = load_staging(ch)
-        if reconcile(ch, st):
-            save_staging(ch, st)
+        st = _settled_staging(ch)
     except ToolError as exc:
         staging_problem = exc.message
         st = Staging({})

@@ -378,3 +378,23 @@ def test_a_client_that_never_reads_gets_a_bounded_server(kernel: FakeKernel, pyt
                     pipe.close()
     assert rc == 1
     assert b"the client has read nothing for 2 s; exiting." in stderr
+
+
+def test_parallel_calls_that_change_the_staging_lose_nothing(client: RawClient, kernel: FakeKernel) -> None:
+    """A model may call launch several times at once: each call's launch is staged (and reported) exactly once."""
+    for n in range(6):
+        assert client.call("unstage", {})["result"]["isError"] is False
+        for i in range(4):
+            arguments = {"name": f"job{i}", "command": f"echo {i}"}
+            client.send(
+                {
+                    "jsonrpc": "2.0",
+                    "id": f"{n}-{i}",
+                    "method": "tools/call",
+                    "params": {"name": "launch", "arguments": arguments},
+                }
+            )
+        answers = [client.recv() for _ in range(4)]
+        assert all(a["result"]["isError"] is False for a in answers), answers
+        staged = json.loads((kernel.channel / "staged.json").read_text())
+        assert sorted(x["name"] for x in staged["launches"]) == ["job0", "job1", "job2", "job3"], n
