@@ -238,11 +238,14 @@ def _check_surrogates(obj: Any, path: str) -> None:
 
 
 def _depth(obj: Any) -> int:
-    if isinstance(obj, dict):
-        return 1 + max((_depth(v) for v in obj.values()), default=0)
-    if isinstance(obj, list):
-        return 1 + max((_depth(v) for v in obj), default=0)
-    return 0
+    """How deep objects and arrays nest in `obj` (iterative: any depth Python could parse is measured)."""
+    deepest, todo = 0, [(obj, 0)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            todo.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def _a(value: Any) -> str:
@@ -2515,7 +2518,12 @@ class McpServer:
         _CALL.stop, _CALL.progress, _CALL.flags = stop, progress, MCP_FLAGS
         answer: dict[str, Any] | None
         try:
-            tool.run(find_channel(self.channel), arguments)
+            ch = find_channel(self.channel)
+            try:  # nested past the limit: what the decoder says, before any recursive check could overflow
+                _check_json_limits(arguments, ch.limits)
+            except _Refuse as r:
+                refuse((r.code, r.message, r.path), False)
+            tool.run(ch, arguments)
             answer = {
                 "content": [{"type": "text", "text": "".join(out + err).rstrip("\n")}],
                 "structuredContent": tool.structured(results),

@@ -398,3 +398,15 @@ def test_parallel_calls_that_change_the_staging_lose_nothing(client: RawClient, 
         assert all(a["result"]["isError"] is False for a in answers), answers
         staged = json.loads((kernel.channel / "staged.json").read_text())
         assert sorted(x["name"] for x in staged["launches"]) == ["job0", "job1", "job2", "job3"], n
+
+
+@pytest.mark.parametrize("depth", [17, 900])
+def test_arguments_nested_too_deep_are_the_decoders_refusal(client: RawClient, depth: int) -> None:
+    why = "[" * depth + "]" * depth
+    line = '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "launch", '
+    line += '"arguments": {"name": "a", "command": "true", "why": ' + why + "}}}\n"
+    client.write(line.encode())
+    result = client.recv()["result"]
+    assert result["isError"] is True
+    assert result["structuredContent"]["error"]["code"] == "json.too_deep"
+    assert result["structuredContent"]["error"]["path"] is None
