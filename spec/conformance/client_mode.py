@@ -148,25 +148,32 @@ def _run(root: Path, opts: Options) -> tuple[list[Result], str]:
 
 
 def _execute(opts: Options, ws: Path, ch: Path) -> tuple[str, str]:
+    """Run the command; its output goes to a file, so a background process holding it open cannot stall us."""
     env = dict(os.environ, SYSCALL_CHANNEL=str(ch), SYSCALL_WORKSPACE=str(ws))
     start = time.monotonic()
-    proc = subprocess.Popen(
-        ["sh", "-c", opts.command],
-        cwd=ws,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=opts.timeout)
-        status = f"exit status {proc.returncode} after {time.monotonic() - start:.1f} s"
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(
+            ["sh", "-c", opts.command],
+            cwd=ws,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=opts.timeout)
+            status = f"exit status {proc.returncode} after {time.monotonic() - start:.1f} s"
+        except subprocess.TimeoutExpired:
+            status = f"killed after the {opts.timeout:g} s limit"
+        # the whole session goes, including what the command left running in the background
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        status = f"killed after the {opts.timeout:g} s limit"
-    return out.decode("utf-8", errors="replace")[-4000:], status
+        proc.wait()
+        out.seek(0, os.SEEK_END)
+        out.seek(max(0, out.tell() - 16000))
+        text = out.read().decode("utf-8", errors="replace")[-4000:]
+    return text, status
 
 
 def _judge_request(name: str, data: bytes | None, events: list[Event], requests: str) -> list[Result]:

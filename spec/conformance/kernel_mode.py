@@ -439,7 +439,9 @@ class KernelRun:
             )
         if secret.encode() in ans:
             return failed(
-                section, label, "the answer quotes the marker file outside the channel: the link was followed"
+                section,
+                label,
+                "the answer quotes the marker file outside the channel: the kernel read it through the link",
             )
         decoded, problem = vectors.decode_answer(ans)
         if not isinstance(decoded, Rejected):

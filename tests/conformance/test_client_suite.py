@@ -98,3 +98,18 @@ def test_a_client_that_hangs_is_killed_at_the_limit(tmp_path: Path) -> None:
     )
     assert out.returncode == 1
     assert "killed after the 1 s limit" in out.stdout
+
+
+def test_a_client_leaving_a_daemon_does_not_stall_the_run(tmp_path: Path) -> None:
+    # a daemon in its own session keeps the command's output open and escapes the process-group kill: the runner
+    # must not wait for it (it ends by itself after 90 s)
+    junit = tmp_path / "junit.xml"
+    command = f"setsid sleep 90 & {shlex.quote(sys.executable)} {shlex.quote(str(FAKE))}"
+    out = subprocess.run(
+        [sys.executable, "-m", "spec.conformance.cli", "client", "--run", command, "--junit", str(junit)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
+    assert out.returncode == 0, out.stdout

@@ -153,7 +153,7 @@ CAUGHT = {
         "valid-pretty-printed": "expected a valid history request",
     },
     "follow-symlink": {
-        "a symlinked request is refused, never followed": "the link was followed",
+        "a symlinked request is refused, never followed": "the kernel read it through the link",
         "a hardlinked request is refused, never read": "",
     },
     "in-place": {"answers and wakes arrive atomically": "written in place under the final name"},
