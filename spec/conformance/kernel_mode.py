@@ -91,10 +91,15 @@ class KernelRun:
         self.watcher: Watcher | None = None
         self.watch_problem: str | None = None
         self.marker_dir: Path | None = None
+        self.vectors: list[Vector] = []
 
     # --- the run ---------------------------------------------------------------------------------------
 
     def run(self) -> list[Result]:
+        # a bad vector file stops the run before the channel is touched (VectorFileError)
+        self.vectors = [
+            v for v in vectors.load_vectors(self.opts.vector_dir) if selected(v.section, self.opts.only)
+        ]
         usable = [p for p in self.places if self._read_kernel_files(p)]
         if self.main not in usable:
             self._skip_rest("main workspace's kernel.json is unusable")
@@ -138,8 +143,13 @@ class KernelRun:
             self.progress(f"{r.status.value:7}  {r.section:5} {r.name}")
 
     def _skip_rest(self, why: str) -> None:
+        """Everything not decided yet is reported `not run`, with `why` (never silently left out)."""
+        done = {r.name for r in self.results}
         for section, name in BEHAVIOURS:
-            self._add(not_run(section, name, why))
+            if name not in done:
+                self._add(not_run(section, name, why))
+        for v in self.vectors:
+            self._add(not_run(v.section, v.name, why))
 
     # --- kernel.json and budget.json (section 9) -------------------------------------------------------
 
@@ -458,7 +468,7 @@ class KernelRun:
     # --- sections 4 and 5: the vectors -----------------------------------------------------------------
 
     def _vectors(self, usable: list[Place]) -> None:
-        vs = [v for v in vectors.load_vectors(self.opts.vector_dir) if selected(v.section, self.opts.only)]
+        vs = self.vectors
         shared = vectors.shared_stems(vs)
         by_key: dict[tuple[int, int, frozenset[str], bool], Place] = {}
         for p in usable:

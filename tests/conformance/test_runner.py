@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from functools import cache
+from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
@@ -261,3 +262,18 @@ def test_every_valid_vector_agrees_with_the_request_schema() -> None:
             continue
         assert checks.schema_problem(v.data, Request, "request.json") is None, v.name
         assert schema_valid(v.data, "request.json"), v.name
+
+
+def test_a_bad_vector_file_stops_the_run_before_the_channel_is_touched(tmp_path: Path) -> None:
+    from spec.conformance import kernel_mode
+
+    bad = tmp_path / "vectors"
+    bad.mkdir()
+    (bad / "x.json").write_text('{"vectors": [{"name": "Bad Name"}]}')
+    ws = tmp_path / "ws"
+    for sub in ("requests", "answers", "wakes", "results"):
+        (ws / ".syscall" / sub).mkdir(parents=True)
+    opts = kernel_mode.Options(workspace=ws, vector_dir=bad)
+    with pytest.raises(VectorFileError, match=r"x\.json\[0\]: `section` is missing"):
+        kernel_mode.KernelRun(opts).run()
+    assert sorted(p.name for p in (ws / ".syscall").rglob("*")) == ["answers", "requests", "results", "wakes"]
