@@ -13,19 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from testenv import IN_CI, ROOT
+from testenv import IN_CI, ROOT, need
 
 __all__ = ["IN_CI", "ROOT", "need"]
-
-
-def need(component: str, available: bool, why: str) -> None:
-    """Skip (locally) or fail (in CI) when `component` is not available."""
-    if available:
-        return
-    message = f"{component} is not available: {why}"
-    if IN_CI:
-        pytest.fail(f"{message} (CI=true: tests needing {component} must run)")
-    pytest.skip(message)
 
 
 def bwrap_works() -> tuple[bool, str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -34,3 +36,13 @@ def python38() -> tuple[str | None, str]:
         if out.stdout.strip() == "True":
             return exe, ""
     return None, f"no working python3.8 on PATH or under {root}/3.8.*/bin"
+
+
+def need(component: str, available: bool, why: str) -> None:
+    """Skip (locally) or fail (in CI) when `component` is not available."""
+    if available:
+        return
+    message = f"{component} is not available: {why}"
+    if IN_CI:
+        pytest.fail(f"{message} (CI=true: tests needing {component} must run)")
+    pytest.skip(message)

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import need
 from kernelproc import Kernel, git_workspace, put_request, read_answer, status, wait_for
+from testenv import need
 
 
 @pytest.fixture
