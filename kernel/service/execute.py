@@ -30,6 +30,7 @@ for the fault tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from channel.decode import RequestError
 from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
 from channel.messages import (
     TERMINAL_TASK_STATES,
+    Artifact,
     JobRef,
     SkippedArtifact,
     TaskResult,
@@ -59,7 +61,7 @@ from kernel.backends import jobscript
 from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, JobSpec, RunnableBackend, TaskExit
 from kernel.core.budget import release
 from kernel.core.config import Config
-from kernel.core.records import JobRow, SleepRow
+from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.io import log as klog
 from kernel.io.crash import crash_point
 from kernel.io.enroll import write_budget
@@ -73,6 +75,7 @@ from kernel.service.executor import (
     ExecutorUnavailable,
     SleepOrder,
 )
+from kernel.service.heavy import HeavyPool
 
 T = TypeVar("T")
 
@@ -119,6 +122,8 @@ def _split_key(key: str) -> tuple[str, int, str] | None:
 # Called at gathering (worker thread, inside the gather transaction) with every task's result: returns the tasks
 # the wake shows and the submit's verdict. The extension point for evaluation runs, which are extra job rows of
 # the sleep (dispatched and tracked like any launch; `specs_of` may be overridden to give them an eval seed).
+# What `_collect` found for one task: (job, task dir, elapsed seconds, artifacts delivered, artifacts skipped).
+Collected = tuple[JobRow, Path | None, float | None, tuple[Artifact, ...], tuple[SkippedArtifact, ...]]
 Judge = Callable[[SleepRow, tuple[TaskResult, ...]], tuple[tuple[TaskResult, ...], Verdict | None]]
 
 
@@ -134,6 +139,8 @@ class RealExecutor:
         self.tmp_dir = Path(cfg.state_dir) / "tmp"
         self._gathering: set[tuple[str, int]] = set()
         self._problems: dict[tuple[str, int], str] = {}
+        # Snapshots, artifact copies and wake writes: never on the store worker (see kernel.service.heavy).
+        self.heavy = HeavyPool()
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.worker.call(fn, *args)
@@ -233,7 +240,12 @@ class RealExecutor:
         if sleep.state == "validated":
             crash_point("recorded")
             try:
-                snap = await take_snapshot(order.workspace.path, snapshot_ref(key, seq), tmp_dir=self.tmp_dir)
+                snap = await self.heavy.run_async(
+                    key,
+                    functools.partial(take_snapshot, tmp_dir=self.tmp_dir),
+                    order.workspace.path,
+                    snapshot_ref(key, seq),
+                )
             except SnapshotError as e:
                 raise DispatchRefused(
                     RequestError("snapshot.failed", f"the workspace could not be snapshotted: {e}", None)
@@ -439,8 +451,9 @@ class RealExecutor:
 
     # --- gathering and waking -------------------------------------------------------------------------
 
-    def _gather(self, key: str, seq: int) -> bool:
-        """Deliver artifacts, then record the wake and the refunds (the sleep -> gathered); False if not ready."""
+    def _gather_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, list[JobRow]] | bool:
+        """(store worker) What gathering needs, once every task has ended; True if already gathered, False if
+        not ready."""
         sleep = self.store.sleep(key, seq)
         if sleep is None or sleep.state not in ("submitted", "running"):
             return sleep is not None and sleep.state == "gathered"
@@ -449,7 +462,13 @@ class RealExecutor:
             return False
         ws = self.store.workspace(key)
         assert ws is not None
-        results = []
+        return ws, jobs
+
+    def _collect(self, ws: WorkspaceRow, seq: int, jobs: list[JobRow]) -> list[Collected] | None:
+        """(heavy pool; no store access) Deliver every task's artifacts into the channel; None if the channel
+        cannot be used now (retried at every tick)."""
+        key = ws.key
+        results: list[Collected] = []
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
                 for j in jobs:
@@ -473,7 +492,11 @@ class RealExecutor:
         except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
             # Retried at every tick until the channel is usable again; logged once per problem.
             self._problem("gather_deferred", key, seq, f"{type(e).__name__}: {e}")
-            return False
+            return None
+        return results
+
+    def _record_gather(self, key: str, seq: int, results: list[Collected]) -> bool:
+        """(store worker) Record the wake and the refunds (the sleep -> gathered)."""
         woken_at = timestamp()
         with self.store.transaction():
             sleep = self.store.sleep(key, seq)
@@ -522,17 +545,23 @@ class RealExecutor:
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks))
         return True
 
-    def _write_wake(self, key: str, seq: int) -> bool:
-        """Write the recorded wake and budget.json, then move the sleep to woken (idempotent)."""
+    def _wake_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, str, bytes, bytes, str] | None:
+        """(store worker) The recorded wake of a gathered sleep: (workspace, sleep id, json, md, woken_at)."""
         sleep = self.store.sleep(key, seq)
         row = self._exec_row(key, seq)
         ws = self.store.workspace(key)
         if sleep is None or ws is None or row is None or sleep.state != "gathered":
-            return False
+            return None
         wake_json, wake_md = row[3], row[4]
         assert wake_json is not None
         assert wake_md is not None
-        woken_at = _wake_decoder.decode(wake_json).woken_at
+        return ws, sleep.id, wake_json, wake_md, _wake_decoder.decode(wake_json).woken_at
+
+    def _write_wake_files(
+        self, ws: WorkspaceRow, seq: int, sleep_id: str, wake_json: bytes, wake_md: bytes, woken_at: str
+    ) -> bool:
+        """(heavy pool; no store access) Write the wake and budget.json into the channel."""
+        key = ws.key
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
                 try:
@@ -541,8 +570,8 @@ class RealExecutor:
                         safefs.sweep_kernel_temps(wakes)  # a wake write cut short by a crash
                     finally:
                         os.close(wakes)
-                    ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_json(sleep.id), wake_json)
-                    ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_md(sleep.id), wake_md)
+                    ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_json(sleep_id), wake_json)
+                    ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_md(sleep_id), wake_md)
                 except safefs.Refused as e:
                     # The agent blocked its own wake (a directory in the way): it stays in the store.
                     klog.event("wake_blocked", logging.WARNING, ws=key, seq=seq, reason=e.reason)
@@ -550,14 +579,33 @@ class RealExecutor:
         except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
             self._problem("wake_deferred", key, seq, f"{type(e).__name__}: {e}")
             return False
+        return True
+
+    def _record_woken(self, key: str, seq: int, sleep_id: str, woken_at: str) -> bool:
+        """(store worker) The sleep -> woken, once its wake is written (idempotent)."""
+        sleep = self.store.sleep(key, seq)
+        if sleep is None or sleep.state != "gathered":
+            return False
         with self.store.transaction():
             self.store.set_sleep_state(
                 key, seq, next_sleep_state("gathered", SleepEvent.WAKE), woken_at=woken_at
             )
         self._problems.pop((key, seq), None)
         jobs = sorted({j.job_id for j in self.store.jobs_of(key, seq) if j.job_id}, key=_job_order)
-        klog.event("woken", ws=key, seq=seq, id=sleep.id, jobs=",".join(jobs))
+        klog.event("woken", ws=key, seq=seq, id=sleep_id, jobs=",".join(jobs))
         return True
+
+    async def _write_wake(self, key: str, seq: int) -> bool:
+        """Write the recorded wake and budget.json, then move the sleep to woken (idempotent)."""
+        got = await self._call(self._wake_inputs, key, seq)
+        if got is None:
+            return False
+        ws, sleep_id, wake_json, wake_md, woken_at = got
+        if not await self.heavy.run(
+            key, self._write_wake_files, ws, seq, sleep_id, wake_json, wake_md, woken_at
+        ):
+            return False
+        return await self._call(self._record_woken, key, seq, sleep_id, woken_at)
 
     def _problem(self, name: str, key: str, seq: int, problem: str) -> None:
         if self._problems.get((key, seq)) != problem:
@@ -590,10 +638,16 @@ class RealExecutor:
             return
         self._gathering.add((key, seq))
         try:
-            if not await self._call(self._gather, key, seq):
+            got = await self._call(self._gather_inputs, key, seq)
+            if got is False:
                 return
+            if got is not True:
+                ws, jobs = got
+                results = await self.heavy.run(key, self._collect, ws, seq, jobs)
+                if results is None or not await self._call(self._record_gather, key, seq, results):
+                    return
             crash_point("gathered")
-            if await self._call(self._write_wake, key, seq):
+            if await self._write_wake(key, seq):
                 await self._release(key, seq)
         finally:
             self._gathering.discard((key, seq))
