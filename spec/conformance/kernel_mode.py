@@ -302,7 +302,13 @@ class KernelRun:
             else (problem or decoded.__struct_config__.tag, None)
         )
         if got != ("request.id.reused", "$.id"):
-            self._add(failed("3.3", name, f"expected request.id.reused at $.id, got {got[0]} at {got[1]}"))
+            self._add(
+                failed(
+                    "3.3",
+                    name,
+                    f"expected request.id.reused at $.id, got {got[0]} at {vectors.shown_path(got[1])}",
+                )
+            )
             return
         self._drop_answer(p, rid)
         back = self._ask(p, rid, data)
@@ -459,7 +465,9 @@ class KernelRun:
             return failed(section, label, f"expected {want}, got {got}: the file was read", took)
         if (decoded.error.code, decoded.error.path) != (want, None):
             return failed(
-                section, label, f"expected {want} at null, got {decoded.error.code} at {decoded.error.path}"
+                section,
+                label,
+                f"expected {want} at null, got {decoded.error.code} at {vectors.shown_path(decoded.error.path)}",
             )
         if marker.read_bytes() != content:
             return failed(section, label, "the marker file outside the channel was changed")

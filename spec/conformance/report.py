@@ -56,7 +56,7 @@ def summary(results: list[Result]) -> str:
     return f"{counts[Status.PASS]} passed, {counts[Status.FAIL]} failed, {counts[Status.NOT_RUN]} not run: {verdict}"
 
 
-def render_table(results: list[Result], *, only_problems: bool = False, width: int = 150) -> str:
+def render_table(results: list[Result], *, only_problems: bool = False, width: int = 180) -> str:
     """A fixed-width table: section, vector or check, status, why (cut to fit `width`)."""
     rows = [r for r in results if not only_problems or r.status is not Status.PASS]
     sec_w = max([len("section"), *(len(r.section) for r in rows)])

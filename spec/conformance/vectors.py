@@ -65,7 +65,7 @@ class Expect:
     def describe(self) -> str:
         if self.verb is not None:
             return f"a valid {self.verb} request ({ANSWER_TYPE[self.verb]})"
-        return f"rejected {self.code} at {self.path}"
+        return f"rejected {self.code} at {shown_path(self.path)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +257,11 @@ def describe_policy(policy: Policy) -> str:
 # --- judging an answer -----------------------------------------------------------------------------------
 
 
+def shown_path(path: str | None) -> str:
+    """An error path as the spec writes it: `null` when there is none."""
+    return "null" if path is None else path
+
+
 def decode_answer(data: bytes) -> tuple[Any, str | None]:
     """The answer Struct, or None and why `data` is not an answer of schema/v1/answer.json."""
     try:
@@ -285,8 +290,11 @@ def judge(vector: Vector, answer: bytes, rid: str) -> tuple[bool, str]:
             return False, f"expected {exp.describe()}, got a `{tag}` answer"
         got = (ans.error.code, ans.error.path)
         if got != (exp.code, exp.path):
-            return False, f"expected {exp.code} at {exp.path}, got {got[0]} at {got[1]}"
-        return True, f"{exp.code} at {exp.path}"
+            return (
+                False,
+                f"expected {exp.code} at {shown_path(exp.path)}, got {got[0]} at {shown_path(got[1])}",
+            )
+        return True, f"{exp.code} at {shown_path(exp.path)}"
     want = ANSWER_TYPE[exp.verb]
     if tag == want:
         return True, want
@@ -297,5 +305,5 @@ def judge(vector: Vector, answer: bytes, rid: str) -> tuple[bool, str]:
             if section == "6" or (section == "5" and vector.policy is None):
                 stage = 6 if section == "6" else 5
                 return True, f"{want} or a later-stage refusal: got {code} (stage {stage})"
-        return False, f"expected {exp.describe()}, got rejected {code} at {ans.error.path}"
+        return False, f"expected {exp.describe()}, got rejected {code} at {shown_path(ans.error.path)}"
     return False, f"expected {exp.describe()}, got a `{tag}` answer"
