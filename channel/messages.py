@@ -432,6 +432,9 @@ class KernelInfo(_Strict, frozen=True):
     verbs: tuple[str, ...]
     tool_sha256: str
     owner: StoreRef | None = None
+    # Whether `submit`'s verdicts will be trusted (the metric comes from the operator's score stage, or from
+    # files all taken from the base, in a real jail); null without a contract. The kernel decides it.
+    submit_trusted: bool | None = None
 
 
 class BudgetFile(_Strict, frozen=True):

@@ -56,6 +56,8 @@ class WorkspaceStatus(msgspec.Struct, frozen=True):
     problem: str | None
     budget: dict[str, float | int]
     sleep: SleepStatus | None
+    # "none" (no eval contract), "trusted" or "self-reported" (kernel.core.evaluate.is_trusted)
+    submit: str = "none"
 
 
 class KernelStatus(msgspec.Struct, frozen=True):
@@ -376,7 +378,11 @@ def _status(cfg: Config) -> KernelStatus:
                     TaskStatus(j.launch, j.task, j.state, j.job_id) for j in store.jobs_of(ws.key, s.seq)
                 )
                 sleep = SleepStatus(s.id, s.seq, s.state, s.created_at, tasks)
-            out.append(WorkspaceStatus(ws.key, ws.path, ws.watch, ws.problem, _budget(ws.balance), sleep))
+            c = ws.policy.submit
+            trust = "none" if c is None else "trusted" if is_trusted(c, cfg.jail) else "self-reported"
+            out.append(
+                WorkspaceStatus(ws.key, ws.path, ws.watch, ws.problem, _budget(ws.balance), sleep, trust)
+            )
         counts = store.counts()
         return KernelStatus(
             cfg.state_dir,
@@ -429,6 +435,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         if w.problem:
             print(f"    problem: {w.problem}")
+        if w.submit == "self-reported":
+            print(f"    warning: {SELF_REPORTED_WARNING}")
         if w.sleep is not None:
             states: dict[str, int] = {}
             for t in w.sleep.tasks:

@@ -1621,6 +1621,108 @@ def _question(ch: Channel, args: argparse.Namespace, verb: str, **fields: Any) -
     return ans
 
 
+def contract_lines(info: dict[str, Any]) -> list[str]:
+    """The workspace's submit contract as the agent should read it before paying: what runs, what is
+    measured and how it is judged, which files are the base's, whether the number is trusted, and what one
+    submit costs. From kernel.json (`policy.submit`, and `submit_trusted`, which the kernel decides)."""
+    policy = info.get("policy")
+    c = policy.get("submit") if isinstance(policy, dict) else None
+    if not isinstance(c, dict):
+        return ["Submit: not available (this workspace has no evaluation contract)."]
+
+    def q(x: Any) -> str:  # operator-written text, one line, quoted
+        return json.dumps(str(x), ensure_ascii=True)
+
+    lines = [
+        "Submit contract (set by the operator; you cannot change it):",
+        "  command: {} runs on the base commit and on your snapshot, each in a jail.".format(
+            q(c.get("command"))
+        ),
+    ]
+    if c.get("score"):
+        origin = "the base commit's tree" if c.get("score_from") == "base" else "outside every workspace"
+        lines.append(
+            "  score: {} (the operator's scorer, from {}) runs after the command has exited, in a "
+            "separate jail that reads your tree read-only and private data you cannot see; only its "
+            "output carries the metric.".format(q(c.get("score")), origin)
+        )
+    lines.append(
+        "  metric: {}, {} is better.".format(
+            q(c.get("metric")), "higher" if c.get("direction") != "lower" else "lower"
+        )
+    )
+    floors = []
+    if c.get("min_delta") is not None:
+        floors.append("at least {} absolute".format(c["min_delta"]))
+    if c.get("min_relative") is not None:
+        floors.append("at least {} relative to the base".format(c["min_relative"]))
+    lines.append("  floors: " + (" and ".join(floors) if floors else "none (any improvement counts)") + ".")
+    n = int(c.get("repeats") or 1)
+    if n >= 3:
+        test = (
+            "an exact one-sided sign test"
+            if c.get("test", "sign") == "sign"
+            else "a one-sided bootstrap lower bound of the mean improvement"
+        )
+        judged = "; the mean difference must clear the floors and {} at confidence {} must clear zero".format(
+            test, c.get("confidence", 0.95)
+        )
+    elif n == 2:
+        judged = "; the mean difference must clear the floors (too few pairs for a test)"
+    else:
+        judged = ""
+    lines.append(
+        "  repeats: {} pair{} (base and candidate run {} time{}, each pair with its own private "
+        "seed{}){}.".format(
+            n,
+            "" if n == 1 else "s",
+            n,
+            "" if n == 1 else "s",
+            ", given to the scorer only" if c.get("score") else " as EVAL_SEED",
+            judged,
+        )
+    )
+    protected = c.get("protected") or []
+    if protected:
+        lines.append(
+            "  protected (taken from the base commit on both sides, whatever your tree holds): {}.".format(
+                ", ".join(q(p) for p in protected)
+            )
+        )
+    trusted = info.get("submit_trusted")
+    if trusted:
+        lines.append("  trusted: yes; the number is out of your code's reach.")
+    else:
+        lines.append(
+            "  trusted: no; the number is printed by code you control, and the verdict says "
+            "self-reported."
+        )
+    minutes, gpus = int(c.get("eval_minutes") or 30), int(c.get("gpus") or 0)
+    runs = 2 * n
+    lines.append(
+        "  cost of one submit: 1 sleep (refunded when your tree equals the base's and the sleep "
+        "carries nothing else) and {} runs of up to {} minutes on {} GPU{} each, {:g} GPU-hours "
+        "reserved; what is not used is refunded, and a reused base measurement is not charged.".format(
+            runs, minutes, gpus, "" if gpus == 1 else "s", round(runs * gpus * minutes / 60, 6)
+        )
+    )
+    return lines
+
+
+def _submit_help_contract(argv: list[str]) -> str:
+    """The contract for `submit --help`, read from the channel the command would use."""
+    explicit = None
+    for i, a in enumerate(argv):
+        if a == "--channel" and i + 1 < len(argv):
+            explicit = argv[i + 1]
+        elif a.startswith("--channel="):
+            explicit = a.split("=", 1)[1]
+    try:
+        return "\n".join(contract_lines(find_channel(explicit).info()))
+    except ToolError as exc:
+        return "The contract could not be read: {}".format(exc.message)
+
+
 def cmd_status(ch: Channel, args: argparse.Namespace) -> int:
     info = ch.info()
     staging_problem = ""
@@ -1644,6 +1746,9 @@ def cmd_status(ch: Channel, args: argparse.Namespace) -> int:
             pol["max_minutes"], pol["max_gpus"], "available" if pol.get("submit") else "not available"
         )
     )
+    if pol.get("submit"):
+        for line in contract_lines(info):
+            _out(line)
     if isinstance(ans.get("budget"), dict):
         _out(_budget_line(ans["budget"]))
     sleep = ans.get("sleep")
@@ -2631,7 +2736,7 @@ def _sub(
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--json",
@@ -2681,7 +2786,8 @@ def build_parser() -> argparse.ArgumentParser:
         "submit",
         "Stage a submit: ask for an evaluation of this snapshot against the base.",
         "{p} submit --report notes/report.md --minutes 45",
-        "Only when the workspace has an evaluation contract (`status` says whether submit is available).",
+        "Only when the workspace has an evaluation contract (`status` says whether submit is available)."
+        + ("\n\n" + submit_contract if submit_contract else ""),
     )
     p.add_argument(
         "--report", required=True, metavar="FILE", help="UTF-8 text file with your report ('-' = stdin)"
@@ -2791,7 +2897,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = build_parser()
+    wants_help = argv[:1] == ["submit"] and any(a in ("-h", "--help") for a in argv)
+    parser = build_parser(_submit_help_contract(argv) if wants_help else "")
     if argv[:1] == ["launch"] and "--" in argv:
         cut = argv.index("--")
         args, extra = parser.parse_known_args(argv[:cut])

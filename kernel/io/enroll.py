@@ -32,7 +32,7 @@ from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
 from kernel.core import budget
 from kernel.core.budget import Balance
 from kernel.core.config import Config, score_data_problem
-from kernel.core.evaluate import EVAL_FLAGS, contract_problem
+from kernel.core.evaluate import EVAL_FLAGS, contract_problem, is_trusted
 from kernel.core.records import WorkspaceRow
 from kernel.io import submit as S
 from kernel.io import watch
@@ -248,7 +248,8 @@ def check_owner(store: Store, ch: safefs.Channel, path: str) -> StoreRef:
     return StoreRef(store=mine, state_dir=str(store.path.parent))
 
 
-def kernel_json(row: WorkspaceRow, tool: ToolSource, owner: StoreRef | None = None) -> bytes:
+def kernel_json(row: WorkspaceRow, tool: ToolSource, owner: StoreRef | None = None, *, jail: str) -> bytes:
+    """`kernel.json`; `jail` (the config's) decides, with the contract, whether its verdicts are trusted."""
     from channel.messages import VERBS
 
     return encode(
@@ -261,6 +262,7 @@ def kernel_json(row: WorkspaceRow, tool: ToolSource, owner: StoreRef | None = No
             verbs=VERBS,
             tool_sha256=tool.sha256,
             owner=owner,
+            submit_trusted=None if row.policy.submit is None else is_trusted(row.policy.submit, jail),
         )
     )
 
@@ -365,7 +367,7 @@ def enroll(
             except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
                 base_problem = str(exc)
         # Side effects after the commit: the channel's kernel-written files.
-        ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool, owner))
+        ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool, owner, jail=cfg.jail))
         ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
     return Enrolled(
         row=row,
@@ -404,7 +406,9 @@ def write_budget(ch: safefs.Channel, balance: Balance, now: str, *, only_if_chan
     ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(balance, now))
 
 
-def refresh(store: Store, ch: safefs.Channel, row: WorkspaceRow, tool: ToolSource) -> str | None:
+def refresh(
+    store: Store, ch: safefs.Channel, row: WorkspaceRow, tool: ToolSource, *, jail: str
+) -> str | None:
     """At start, for an enrolled workspace: reinstall the tool if it changed, and rewrite `kernel.json` and
     `budget.json` where they differ from the store (a crash may have left them stale). Returns the tool note.
     OwnedElsewhere, with nothing written, when the channel was taken over by another kernel's store."""
@@ -413,7 +417,7 @@ def refresh(store: Store, ch: safefs.Channel, row: WorkspaceRow, tool: ToolSourc
         with store.transaction():
             store.put_workspace(replace(row, tool_sha256=tool.sha256))
     note = install(ch, tool)
-    wanted = kernel_json(row, tool, owner)
+    wanted = kernel_json(row, tool, owner, jail=jail)
     try:
         current: bytes | None = safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024)
     except safefs.Refused:

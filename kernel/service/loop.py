@@ -163,7 +163,7 @@ class Service:
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 try:
-                    note = enrollment.refresh(self.store, ch, row, self.tool)
+                    note = enrollment.refresh(self.store, ch, row, self.tool, jail=self.cfg.jail)
                 except enrollment.OwnedElsewhere as exc:
                     self._owned_elsewhere(row, exc)
                     return

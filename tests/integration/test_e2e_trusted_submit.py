@@ -311,3 +311,42 @@ def test_the_scorer_cannot_write_the_tree_nor_see_the_candidates_processes(env: 
     text = json.dumps(wake) + env.md("jail-check") + env.tool("jail-check", "history", "--json")
     for s in seeds:
         assert str(s) not in text
+
+
+def test_the_agent_sees_the_contract_and_its_cost_before_paying(env: Env) -> None:
+    for text in (env.tool("jail-check", "status"), env.tool("jail-check", "submit", "--help")):
+        assert "Submit contract (set by the operator; you cannot change it):" in text
+        assert 'command: "python3 predict.py"' in text
+        assert "jail_check.py" in text
+        assert 'metric: "score", higher is better.' in text
+        assert "floors: none" in text
+        assert "repeats: 3 pairs" in text
+        assert "an exact one-sided sign test at confidence 0.95" in text
+        assert "trusted: yes" in text
+        assert "cost of one submit: 1 sleep" in text
+        assert "6 runs of up to 30 minutes on 0 GPUs each, 0 GPU-hours reserved" in text
+    protected = env.tool("protected-rewrite", "submit", "--help")
+    assert (
+        'protected (taken from the base commit on both sides, whatever your tree holds): "eval.py".'
+        in protected
+    )
+    assert "trusted: no" in protected
+    info = json.loads((env.spaces["neither-rewrite"] / ".syscall" / "kernel.json").read_text())
+    assert info["submit_trusted"] is False
+    assert "trusted: no" in env.tool("neither-rewrite", "status")
+
+
+def test_the_operator_is_warned_of_a_self_reported_contract(env: Env) -> None:
+    status = env.kernel.cli("status").stdout
+    lines = status.splitlines()
+    warned = {
+        name
+        for name, ws in env.spaces.items()
+        for i, line in enumerate(lines)
+        if line.startswith(f"- {workspace_key(ws.resolve())} ")
+        and any("print its own metric" in x for x in lines[i + 1 : i + 4])
+    }
+    assert warned == {"protected-rewrite", "protected-atexit", "neither-rewrite", "neither-atexit"}
+    again = env.kernel.cli("enroll", str(env.spaces["neither-rewrite"])).stdout
+    assert "warning: the eval contract lets the candidate print its own metric" in again
+    assert "print its own metric" not in env.kernel.cli("enroll", str(env.spaces["jail-check"])).stdout
