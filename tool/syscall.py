@@ -700,7 +700,7 @@ class Channel:
             raise ToolError(EXIT_NO_KERNEL, f"cannot read {where}: {exc.strerror}") from None
         try:
             info = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ToolError(EXIT_NO_KERNEL, f"{where} is not valid JSON ({exc}).{hint}") from None
         if not isinstance(info, dict) or info.get("protocol") != PROTOCOL:
             got = info.get("protocol") if isinstance(info, dict) else None
@@ -790,7 +790,7 @@ class Channel:
             return None
         try:
             return json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):
             return None
 
     def read_text(self, *parts: str) -> str | None:
@@ -1010,7 +1010,7 @@ def load_staging(ch: Channel) -> Staging:
         raise StagingError(f"cannot read {where}: {exc.strerror}") from None
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise StagingError(f"{where} is corrupt ({exc})") from None
     if not isinstance(data, dict) or data.get("tool") != "syscall":
         raise StagingError(f"{where} is not a staging file of this tool")

@@ -410,3 +410,17 @@ def test_arguments_nested_too_deep_are_the_decoders_refusal(client: RawClient, d
     assert result["isError"] is True
     assert result["structuredContent"]["error"]["code"] == "json.too_deep"
     assert result["structuredContent"]["error"]["path"] is None
+
+
+def test_a_staging_file_nested_past_the_parser_is_corrupt_not_a_crash(
+    client: RawClient, kernel: FakeKernel
+) -> None:
+    (kernel.channel / "staged.json").write_text("[" * 100_000 + "]" * 100_000)
+    refused = client.call("launch", {"name": "a", "command": "true"})["result"]
+    assert refused["isError"] is True
+    assert "staged.json is corrupt" in refused["content"][0]["text"]
+    assert "unstage" in refused["content"][0]["text"]
+    cleared = client.call("unstage", {})["result"]
+    assert cleared["isError"] is False
+    assert cleared["structuredContent"]["launches"] == []
+    assert client.call("launch", {"name": "a", "command": "true"})["result"]["isError"] is False
