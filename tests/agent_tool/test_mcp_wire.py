@@ -80,8 +80,13 @@ def test_golden_transcript(kernel: FakeKernel, python: str) -> None:
     want = GOLDEN.read_text().splitlines()
     got = text.splitlines()
     for i, (w, g) in enumerate(zip(want, got, strict=False)):
-        assert json.loads(g) == json.loads(w), f"message {i} differs from {GOLDEN.name}"
-    assert len(got) == len(want)
+        assert json.loads(g) == json.loads(w), (
+            f"message {i} differs from {GOLDEN.name}; if the change is intended, "
+            "SYSCALL_UPDATE_GOLDEN=1 rewrites the file (then read its diff)"
+        )
+    assert len(got) == len(want), (
+        f"{GOLDEN.name} has {len(want)} messages; SYSCALL_UPDATE_GOLDEN=1 rewrites it"
+    )
 
 
 def test_transcript_shapes(client: RawClient) -> None:
