@@ -70,6 +70,16 @@ def test_golden_transcript(kernel: FakeKernel, python: str) -> None:
         assert c.close() == 0
     finally:
         c.kill()
+    # Every result that is not an error matches its tool's outputSchema (as the SDK client checks).
+    listed = next(m for m in c.received if m.get("id") == 3)["result"]["tools"]
+    schemas = {t["name"]: t["outputSchema"] for t in listed}
+    called = {m["id"]: m["params"]["name"] for m in c.sent if m.get("method") == "tools/call"}
+    checked = 0
+    for m in c.received:
+        if m.get("id") in called and "result" in m and not m["result"]["isError"]:
+            jsonschema.validate(m["result"]["structuredContent"], schemas[called[m["id"]]])
+            checked += 1
+    assert checked == 7  # status, launch, sleep, wait, history, queue, budget
     lines = [json.dumps({"send": m}, sort_keys=True) for m in c.sent]
     lines += [json.dumps({"recv": normalize(m)}, sort_keys=True) for m in c.received]
     text = "\n".join(lines) + "\n"
