@@ -1694,8 +1694,7 @@ def contract_lines(info: dict[str, Any]) -> list[str]:
         lines.append("  trusted: yes; the number is out of your code's reach.")
     else:
         lines.append(
-            "  trusted: no; the number is printed by code you control, and the verdict says "
-            "self-reported."
+            "  trusted: no; the number is printed by code you control, and the verdict says self-reported."
         )
     minutes, gpus = int(c.get("eval_minutes") or 30), int(c.get("gpus") or 0)
     runs = 2 * n
@@ -2141,6 +2140,7 @@ class McpTool:
         inputs: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] = lambda lim, pol: {},
         structured: Callable[[list[Any]], Any] = _last,
         read_only: bool = True,
+        request: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.title = title
@@ -2150,6 +2150,9 @@ class McpTool:
         self.inputs = inputs
         self.structured = structured
         self.read_only = read_only
+        # For a tool whose call writes a request of the verb `name`: argument -> the request member it becomes
+        # (copied unchanged, so the request's own rules judge it). None for tools that write no such request.
+        self.request = request
 
     def listing(self, lim: dict[str, Any], pol: dict[str, Any]) -> dict[str, Any]:
         schema: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -2188,6 +2191,7 @@ MCP_TOOLS = [
             },
             "required": ["answer", "staged"],
         },
+        request={},
     ),
     McpTool(
         "budget",
@@ -2269,6 +2273,7 @@ MCP_TOOLS = [
             }
         },
         structured=_sleep_result,
+        request={"note": "note"},  # and what launch and submit staged
         read_only=False,
     ),
     McpTool(
@@ -2295,6 +2300,7 @@ MCP_TOOLS = [
         'answer. Example: cancel {{"names": ["sweep"]}}',
         _run_cancel,
         _answer_out("cancelled", ("cancelled", "budget")),
+        request={"names": "launches"},
         inputs=lambda lim, pol: {
             "properties": {"names": _names_in(lim, "launches to cancel (none: all)", CANCEL_MAX_NAMES)}
         },
@@ -2307,6 +2313,7 @@ MCP_TOOLS = [
         "instructions. Free. Returns a table and the kernel's answer. Example: queue {{}}",
         _run_queue,
         _answer_out("queue", ("jobs",)),
+        request={},
     ),
     McpTool(
         "history",
@@ -2315,6 +2322,7 @@ MCP_TOOLS = [
         'Returns the text and the kernel\'s answer. Example: history {{"limit": 5}}',
         _run_history,
         _answer_out("history", ("sleeps",)),
+        request={"limit": "limit"},
         inputs=lambda lim, pol: {
             "properties": {
                 "limit": {"type": "integer", "minimum": 1, "maximum": HISTORY_MAX, "default": HISTORY_DEFAULT}
