@@ -44,6 +44,7 @@ from kernel.backends.base import JobSpec  # noqa: E402
 from kernel.backends.slurm import SbatchPolicy  # noqa: E402
 from kernel.backends.slurm import backend as B  # noqa: E402
 from kernel.io import snapshot as S  # noqa: E402
+from kernel.io.repo import KernelRepo  # noqa: E402
 from kernel.node.jail import JailPolicy  # noqa: E402
 
 WS = "bench-0123456789"
@@ -202,7 +203,8 @@ def real_scenario(conf: Path, jobs: int) -> dict[str, Any]:
         subprocess.run(["git", "add", "-A"], cwd=ws, env=plain, check=True)
         subprocess.run(["git", "commit", "-qm", "i"], cwd=ws, env=plain, check=True)
         (root / "ktmp").mkdir()
-        snap = anyio.run(lambda: S.take_snapshot(ws, S.snapshot_ref(WS, 1), tmp_dir=root / "ktmp"))
+        repo = KernelRepo.at(root / "runs", WS)
+        snap = anyio.run(lambda: S.take_snapshot(ws, repo, 1, tmp_dir=root / "ktmp"))
         log = root / "calls.log"
         log.touch()
         counting_shims(root / "bin", log)

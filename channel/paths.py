@@ -99,6 +99,13 @@ class RunPaths:
     ARTIFACTS: ClassVar[str] = "artifacts"
     ARTIFACTS_LOG: ClassVar[str] = "artifacts.log"
     SCHEDULER_OUT: ClassVar[str] = "scheduler.out"
+    # `<run_dir>/repos/<workspace>.git`: the kernel's own git repository of a workspace (snapshots, bases).
+    # A workspace key always ends in `-<hash>`, so it never collides with this directory's name.
+    REPOS: ClassVar[str] = "repos"
+
+    @staticmethod
+    def repo_of(run_dir: Path, workspace: str) -> Path:
+        return run_dir / RunPaths.REPOS / f"{workspace}.git"
 
     @property
     def sleep_dir(self) -> Path:

@@ -10,9 +10,9 @@ import functools
 import importlib.metadata
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -23,6 +23,7 @@ from kernel.core.budget import Balance
 from kernel.core.config import Config, ConfigError, load
 from kernel.core.evaluate import EVAL_FLAGS, SELF_REPORTED_WARNING, contract_problem, is_trusted
 from kernel.io import log, statedir
+from kernel.io.repo import KernelRepo, RepoError, UntrustedGit, base_ref
 from kernel.io.store import Store, StoreError
 
 EXAMPLES = """examples:
@@ -342,26 +343,23 @@ def cmd_rebase(args: argparse.Namespace) -> int:
             print(f"syscall-kernel rebase: {args.workspace} is not enrolled", file=sys.stderr)
             return 1
         S.ensure_schema(store)
+        repo = KernelRepo.at(cfg.run_dir, ws.key)
         try:
-            found = S.resolve_commit(ws.path, args.commit)
-        except S.BaseError as exc:
+            # Taken through the verified path and held in the kernel's repository before it is recorded.
+            found = S.take_base(repo, ws.path, args.commit, Path(cfg.state_dir) / "tmp")
+        except (UntrustedGit, RepoError, OSError) as exc:
             print(f"syscall-kernel rebase: {exc}", file=sys.stderr)
             return 1
         if found is None:
             print(f"syscall-kernel rebase: {ws.path} has no commit yet", file=sys.stderr)
             return 1
-        try:
-            # The ref first: a base recorded but not held could be garbage-collected under the kernel.
-            S.hold_base(ws.path, ws.key, found[0])
-        except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
-            print(f"syscall-kernel rebase: {exc}", file=sys.stderr)
-            return 1
         with store.transaction():
-            S.rebase(store, ws.key, *found)
+            S.rebase(store, ws.key, found.commit, found.tree)
     finally:
         store.close()
     print(
-        f"submit base of {ws.path} is now {found[0]} (tree {found[1]}), held as {S.base_ref(ws.key)}; measurements of the old base are no longer reused"
+        f"submit base of {ws.path} is now {found.commit} (tree {found.tree} in the kernel's repository "
+        f"{repo.path}, held as {base_ref(found.tree)}); measurements of the old base are no longer reused"
     )
     return 0
 

@@ -92,12 +92,15 @@ class Kernel:
     def enroll(self, ws: Path, *args: str) -> None:
         self.cli("enroll", str(ws), *args)
 
-    def start(self, env: dict[str, str] | None = None, *, wait_ready: bool = True) -> subprocess.Popen[bytes]:
+    def start(
+        self, env: dict[str, str] | None = None, *, wait_ready: bool = True, prefix: list[str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start `serve`; `prefix` is a command that execs the kernel (e.g. into its own mount namespace)."""
         self._log_file = open(self.log, "ab")  # noqa: SIM115 - closed in stop()/kill()
         full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kernel.cli", "serve", "--config", str(self.config)],
+            [*(prefix or []), sys.executable, "-m", "kernel.cli", "serve", "--config", str(self.config)],
             cwd=ROOT,
             stdout=self._log_file,
             stderr=self._log_file,

@@ -50,7 +50,7 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One launch of one sleep, as every backend runs it."""
 
     workspace: str  # the workspace key (channel.paths.workspace_key)
-    workspace_path: str  # the resolved workspace directory, whose .git holds the snapshot
+    workspace_path: str  # the resolved workspace directory (never read by the job: it runs the snapshot)
     seq: int
     launch: Annotated[str, Meta(pattern=L.NAME_PATTERN)]
     run_dir: str
@@ -78,6 +78,11 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def paths(self) -> RunPaths:
         return RunPaths(Path(self.run_dir), self.workspace, self.seq, self.launch)
+
+    @property
+    def repo_path(self) -> Path:
+        """The kernel's repository of the workspace, which holds `tree` (the job materialises from it)."""
+        return RunPaths.repo_of(Path(self.run_dir), self.workspace)
 
     @property
     def key(self) -> str:

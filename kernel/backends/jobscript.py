@@ -6,10 +6,10 @@ embedded as a JSON literal; every backend runs the same file. The layout it writ
 gone without an `exit-code` (SIGKILL after the grace, a lost node) writes one itself through `write_exit`, so
 every finished task has exactly one explanation.
 
-Materialisation reads the snapshot straight from git objects (`ls-tree` + `cat-file --batch`) rather than
-`git worktree add` or `git archive`: a checkout or archive applies the workspace's attributes and filter
-drivers and a worktree writes admin files into the workspace's repository and leaves a `.git` link in the tree;
-reading objects runs nothing the workspace chose, writes nothing into its repository and leaves no `.git` behind.
+Materialisation reads the snapshot straight from the objects of the kernel's repository of the workspace
+(`<run_dir>/repos/<key>.git`, kernel.io.repo; `ls-tree` + `cat-file --batch`, every blob re-hashed and the
+tree id recomputed) rather than `git worktree add` or `git archive`: nothing the workspace chose runs, its
+`.git` is neither read nor written on the node, and no `.git` is left in the job's tree.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import msgspec
 
 from channel.paths import RunPaths
 from kernel.backends.base import JobSpec
-from kernel.io.snapshot import git_env
+from kernel.io.repo import neutral_env
 from kernel.node import jail as J
 from kernel.node import wrapper as W
 
@@ -80,10 +80,10 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         "launch_dir": str(paths.launch_dir),
         "array": spec.array,
         "git": {
-            "workspace": spec.workspace_path,
+            "repo": str(spec.repo_path),
             "commit": spec.commit,
             "tree": spec.tree,
-            "env": git_env(spec.workspace_path),
+            "env": neutral_env(str(spec.repo_path)),
             "protected": None
             if spec.base_files is None
             else {

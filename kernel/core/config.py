@@ -49,6 +49,11 @@ class Defaults(_Strict, frozen=True, kw_only=True):
     # the verbs a workspace may use (policy.verb_disabled for the others); e.g. withhold `queue`, which shows
     # other workspaces' jobs
     verbs: tuple[Verb, ...] = VERBS
+    # Set as `[defaults.submit] share_baselines` (see `parse`). Off: a measured baseline is reused only by the
+    # workspace that measured it. On: by any workspace whose base tree (as the kernel's repository computed it)
+    # and evaluation setup are the same; one workspace's measurement is then another's, so a fault or a
+    # nondeterministic eval in one is inherited by the others.
+    share_baselines: bool = False
 
     def policy(self) -> Policy:
         return Policy(
@@ -151,6 +156,9 @@ class Config(_Strict, frozen=True, kw_only=True):
     allow_root: bool = False
     # "text": `event=<name> key=value ...` lines; "json": one JSON object per line (docs/operator.md, Logs).
     log_format: Literal["text", "json"] = "text"
+    # Each workspace's kernel repository (`<run_dir>/repos/<key>.git`) is packed and pruned this often; released
+    # snapshots go then, held bases never.
+    repo_gc_hours: Annotated[float, Meta(gt=0, le=24 * 365)] = 24.0
     defaults: Defaults = Defaults()
     slurm: SlurmConfig = SlurmConfig()
     local: LocalConfig = LocalConfig()
@@ -203,12 +211,35 @@ def parse(text: str, source: str = "<config>", *, env: dict[str, str] | None = N
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     if "source" in raw:
         raise ConfigError(f"{source}: key 'source' is not a known setting")
+    raw = _lift_share_baselines(raw, source)
     try:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
         key, why = _friendly(str(exc))
         raise ConfigError(f"{source}: key '{key}' {why}") from None
     return _resolve(cfg, source, env)
+
+
+def _lift_share_baselines(raw: dict[str, object], source: str) -> dict[str, object]:
+    """`[defaults.submit] share_baselines` is the kernel's setting, not part of the contract agents read: it moves
+    to `Defaults.share_baselines` (a table holding only it means no default contract)."""
+    defaults = raw.get("defaults")
+    if not isinstance(defaults, dict):
+        return raw
+    if "share_baselines" in defaults:
+        raise ConfigError(f"{source}: key 'defaults.share_baselines' belongs in [defaults.submit]")
+    submit = defaults.get("submit")
+    if not isinstance(submit, dict) or "share_baselines" not in submit:
+        return raw
+    share = submit["share_baselines"]
+    if not isinstance(share, bool):
+        raise ConfigError(f"{source}: key 'defaults.submit.share_baselines' must be true or false")
+    rest = {k: v for k, v in submit.items() if k != "share_baselines"}
+    lifted = {k: v for k, v in defaults.items() if k != "submit"}
+    lifted["share_baselines"] = share
+    if rest:
+        lifted["submit"] = rest
+    return {**raw, "defaults": lifted}
 
 
 def _resolve(cfg: Config, source: str, env: dict[str, str]) -> Config:

@@ -387,11 +387,16 @@ def baseline_key(
     image: str | None,
     gpus: int,
     backend: str,
+    workspace: str | None,
 ) -> str:
     """Everything that determines a baseline measurement but its seeds, hashed. A stored measurement with this
     key is reused together with its own seeds (the candidate then runs with them), so reuse holds only for the
-    same seeds."""
+    same seeds.
+
+    `base_tree` is the id the kernel's own repository computed (never one read from the agent's `.git`);
+    `workspace` binds the measurement to the workspace that made it (None: shared, `share_baselines`)."""
     parts = {
+        "workspace": workspace,
         "base_tree": base_tree,
         "command": contract.command,
         "metric": contract.metric,

@@ -7,9 +7,10 @@ budget and policy, and then writes `kernel.json` and `budget.json`. Re-enrolling
 tool and the kernel-written files and keeps the budget unless new grants are given. An operator's explicit
 `enroll` adopts a channel that was replaced (and says so); automatic enrollment at start never does.
 
-Git is run only to ask whether `.syscall/` is tracked, with every config-driven program neutralised (no hooks,
-no fsmonitor, no global/system config, no HOME) through `GIT_CONFIG_*` variables, because the repository's own
-config is the agent's.
+Git never reads the agent's `.git` here: whether `.syscall/` is tracked is asked of a kernel-owned copy of the
+index (kernel.snapshot.tracked_under), and the submit base is taken through kernel.io.repo's verified import.
+The one write into `.git` is the `info/exclude` line, made once at enrollment by the operator's command through
+directory fds (never a path, never a link followed); the kernel's service never writes there.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import functools
 import glob
 import os
 import stat
-import subprocess
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Final
 
 import msgspec
@@ -34,10 +35,12 @@ from kernel.core.budget import Balance
 from kernel.core.config import Config, score_data_problem
 from kernel.core.evaluate import EVAL_FLAGS, contract_problem, is_trusted
 from kernel.core.records import WorkspaceRow
+from kernel.io import repo as R
 from kernel.io import submit as S
 from kernel.io import watch
 from kernel.io.install import ToolSource, install
-from kernel.io.snapshot import git_env
+from kernel.io.repo import KernelRepo
+from kernel.io.snapshot import SnapshotError, tracked_under
 from kernel.io.store import Store, timestamp
 
 KERNEL_NAME: Final = "syscall-kernel"
@@ -100,27 +103,11 @@ class Enrolled:
 def tracked_channel_files(workspace: str) -> list[str]:
     """Paths under `.syscall/` that the workspace's git index tracks (should be none)."""
     try:
-        out = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--", CHANNEL_DIR],
-            cwd=workspace,
-            env=git_env(workspace),
-            capture_output=True,
-            timeout=60,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-    except FileNotFoundError:
-        raise EnrollError(
-            "git is not installed; the kernel needs it to check and snapshot workspaces"
-        ) from None
-    except subprocess.TimeoutExpired:
-        raise EnrollError(f"{workspace}: `git ls-files` did not finish within 60 s") from None
-    if out.returncode != 0:
-        first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
-        raise EnrollError(
-            f"{workspace}: git cannot read the repository: {first[0] if first else out.returncode}"
-        )
-    return [p.decode("utf-8", "replace") for p in out.stdout.split(b"\0") if p]
+        return tracked_under(workspace, CHANNEL_DIR)
+    except SnapshotError as exc:
+        raise EnrollError(f"{workspace}: {exc}") from None
+    except R.RepoError as exc:
+        raise EnrollError(str(exc)) from None
 
 
 def check_workspace(path: str) -> str:
@@ -288,7 +275,8 @@ def enroll(
     The eval contract: `contract` when given (kept for this workspace from then on), else the one given at an
     earlier enrollment, else the config's `[defaults.submit]`. The base commit for submit is recorded as HEAD the
     first time the workspace has one; later enrollments keep it (the operator moves it with `syscall-kernel
-    rebase`). Every enrollment holds it under `refs/syscall/<key>/base`.
+    rebase`). Every enrollment makes sure the kernel's own repository holds it (kernel.io.repo; nothing is
+    written into the agent's `.git`).
 
     A channel whose kernel.json names another store as its owner is refused (OwnedElsewhere) unless `take_over`.
     """
@@ -305,10 +293,6 @@ def enroll(
         if problem is not None:
             where = f"--{EVAL_FLAGS.get(problem[0], problem[0])}" if contract is not None else problem[0]
             raise EnrollError(f"{path}: the eval contract's {where}: {problem[1]}")
-    try:
-        head = S.resolve_commit(resolved)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise EnrollError(f"{path}: cannot read HEAD for the submit base: {exc}") from None
     adopted = False
     try:
         ch = safefs.open_channel(resolved, create=True)
@@ -356,16 +340,9 @@ def enroll(
             store.put_workspace(row)
             if contract is not None:
                 S.set_contract(store, key, contract)
-            if head is not None and S.base_of(store, key) is None:
-                S.set_base(store, key, *head)
-            base = S.base_of(store, key)
-        # Every enrollment (re)holds the recorded base: one the agent's history no longer reaches is kept.
-        base_problem = None
-        if base is not None:
-            try:
-                S.hold_base(resolved, key, base[0])
-            except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
-                base_problem = str(exc)
+        # The submit base: HEAD the first time, taken through the verified path into the kernel's repository (an
+        # older kernel's base, recorded but held only in the agent's repository, is re-imported by its id).
+        base_problem = hold_recorded_base(store, cfg, key, resolved)
         # Side effects after the commit: the channel's kernel-written files.
         ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool, owner, jail=cfg.jail))
         ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
@@ -378,6 +355,30 @@ def enroll(
         base_problem=base_problem,
         taken_from=taken_from,
     )
+
+
+def hold_recorded_base(store: Store, cfg: Config, key: str, path: str) -> str | None:
+    """Make the kernel's repository hold the workspace's recorded base, recording HEAD if there is none yet.
+    Returns what went wrong (for the operator), or None. A base refused here (e.g. an object rewritten in place)
+    stays recorded by its commit id and is retried before each submit, which is refused while it fails."""
+    repo = KernelRepo.at(cfg.run_dir, key)
+    with store.transaction():
+        base, recorded = S.base_to_hold(store, key)
+    if base is not None and R.held(repo, base[1]):
+        return None
+    rev = recorded or "HEAD"
+    try:
+        got = S.take_base(repo, path, rev, Path(cfg.state_dir) / "tmp")
+    except (R.UntrustedGit, R.RepoError, OSError) as exc:
+        head = S.head_of(path) if rev == "HEAD" else None
+        if head is not None:
+            with store.transaction():
+                S.set_pending_base(store, key, head)
+        return f"the submit base ({head or rev}) is not held: {exc}"
+    if got is not None:
+        with store.transaction():
+            S.record_held(store, key, base, got)
+    return None
 
 
 def expand_globs(patterns: tuple[str, ...]) -> list[str]:

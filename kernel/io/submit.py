@@ -14,17 +14,19 @@ Tables (created on demand next to the core schema, like the executor's):
 - `eval_measurements`: finished base measurements (one decimal per seed) keyed by `evaluate.baseline_key`,
   with the seeds they were measured with.
 
-Git is run only to resolve the base commit and to hold it under the kernel ref `refs/syscall/<key>/base` (so
-history the agent rewrites, followed by `git gc`, cannot remove it), with the same neutralised environment as
-snapshots.
+The base is taken from the agent's `.git` only through `kernel.io.repo.import_base` (a copy read without links,
+every object re-hashed) and held in the kernel's own repository of the workspace under `refs/bases/<tree>`, so
+nothing the agent does to its history, objects or refs afterwards changes what the base evaluation runs. The
+recorded `base_tree` is the tree id the kernel's repository computed; a `base_commit` with no `base_tree` is a
+base recorded (HEAD at enrollment) whose import was refused so far: it is retried before each submit, and a
+submit is refused (`snapshot.failed`, nothing charged) while it cannot be taken.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import os
 import secrets
-import subprocess
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Final, Literal
@@ -32,7 +34,7 @@ from typing import Final, Literal
 import msgspec
 
 from channel.messages import EvalContract, Policy, Verdict, encode
-from kernel.io.snapshot import REF_PREFIX, git_argv, git_env, snapshot_ref
+from kernel.io import repo as R
 from kernel.io.store import Store, timestamp
 from kernel.node.wrapper import is_protected
 
@@ -89,13 +91,6 @@ _contract_decoder: Final = msgspec.json.Decoder(EvalContract)
 _verdict_decoder: Final = msgspec.json.Decoder(Verdict)
 
 
-_OID: Final = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
-
-
-class BaseError(Exception):
-    """The base commit cannot be resolved in the workspace."""
-
-
 def ensure_schema(store: Store) -> None:
     with store.transaction():
         for stmt in _SCHEMA:
@@ -119,100 +114,75 @@ def draw_seeds(n: int) -> tuple[int, ...]:
 # --- base commit and seed -----------------------------------------------------------------------------------
 
 
-def resolve_commit(workspace: str, rev: str = "HEAD") -> tuple[str, str] | None:
-    """(commit, tree) of `rev` in the workspace's repository; None when HEAD has no commit yet."""
-    if rev.startswith("-"):
-        raise BaseError(f"{rev!r} is not a revision")
-    env = git_env(workspace)
-    found = []
-    for peel in ("commit", "tree"):
-        out = subprocess.run(
-            git_argv("rev-parse", "--verify", "--end-of-options", f"{rev}^{{{peel}}}"),
-            cwd=workspace,
-            env=env,
-            capture_output=True,
-            timeout=60,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-        if out.returncode != 0:
-            if rev == "HEAD":
-                return None
-            first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
-            raise BaseError(
-                f"{rev!r} is not a commit of {workspace}: {first[0] if first else out.returncode}"
-            )
-        found.append(out.stdout.decode().strip())
-    return found[0], found[1]
-
-
-def base_ref(key: str) -> str:
-    """The kernel ref that keeps a workspace's base commit (and so its objects) in the repository."""
-    snapshot_ref(key, 0)  # the same check of the key as one safe ref component
-    return f"{REF_PREFIX}/{key}/base"
-
-
-def _git(workspace: str, *args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        git_argv(*args),
-        cwd=workspace,
-        env=git_env(workspace),
-        capture_output=True,
-        timeout=60,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def held_base(workspace: str, key: str) -> str | None:
-    """The commit the base ref holds now (None when there is no such ref)."""
-    out = _git(workspace, "rev-parse", "--verify", "-q", "--end-of-options", f"{base_ref(key)}^{{commit}}")
-    return (out.stdout.decode().strip() or None) if out.returncode == 0 else None
-
-
-def hold_base(workspace: str, key: str, commit: str) -> None:
-    """Point the base ref at `commit`: created if missing, else moved from the value just read, so a concurrent
-    change of the ref makes this fail instead of being overwritten. `--no-deref`: a ref the agent turned into a
-    symbolic one is replaced, never followed to move one of the agent's own branches."""
-    if not _OID.fullmatch(commit) or not commit.strip("0"):
-        # (the all-zero id would make update-ref delete the ref)
-        raise BaseError(f"{commit!r} is not a commit id")
-    ref = base_ref(key)
-    old = _git(workspace, "rev-parse", "--verify", "-q", "--end-of-options", ref)
-    current = old.stdout.decode().strip() if old.returncode == 0 else ""
-    if current == commit:
-        return
-    out = _git(
-        workspace, "update-ref", "--no-deref", "-m", "syscall-kernel submit base", ref, commit, current
-    )
-    if out.returncode != 0:
-        first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
-        raise BaseError(
-            f"cannot hold the base {commit[:12]} under {ref} in {workspace}: {first[0] if first else out.returncode}"
-        )
-
-
 def changed_paths(
-    workspace: str, base_commit: str, commit: str, patterns: tuple[str, ...]
+    repo: R.KernelRepo, base_tree: str, tree: str, patterns: tuple[str, ...]
 ) -> tuple[str, ...]:
     """The protected paths (`patterns`, matched as on the node: kernel.node.wrapper.is_protected) that differ between
-    the base commit and the candidate's, from the repository that holds both."""
-    for c in (base_commit, commit):
-        if not _OID.fullmatch(c):
-            raise BaseError(f"{c!r} is not a commit id")
-    out = _git(workspace, "diff-tree", "-r", "-z", "--name-only", "--no-renames", base_commit, commit)
+    the base tree and the candidate's, both held in the kernel's repository of the workspace."""
+    out = repo.git(
+        "diff-tree", "-r", "-z", "--name-only", "--no-renames", "--end-of-options", base_tree, tree
+    )
     if out.returncode != 0:
-        first = out.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
-        raise BaseError(
-            f"cannot compare {commit[:12]} with the base: {first[0] if first else out.returncode}"
-        )
+        raise R.RepoError(f"cannot compare {tree[:12]} with the base {base_tree[:12]}: {R.first_line(out)}")
     names = [n.decode("utf-8", "surrogateescape") for n in out.stdout.split(b"\0") if n]
     return tuple(n for n in names if is_protected(list(patterns), n))
 
 
 def base_of(store: Store, workspace: str) -> tuple[str, str] | None:
+    """(commit, kernel tree) of the recorded base; None when there is none or it is not held yet."""
     row = store._one("SELECT base_commit, base_tree FROM eval_workspaces WHERE workspace=?", (workspace,))
-    return None if row is None or row[0] is None else (row[0], row[1])
+    return None if row is None or row[0] is None or row[1] is None else (row[0], row[1])
+
+
+def pending_base(store: Store, workspace: str) -> str | None:
+    """A base commit recorded but not held yet (its import from the agent's `.git` was refused so far)."""
+    row = store._one("SELECT base_commit, base_tree FROM eval_workspaces WHERE workspace=?", (workspace,))
+    return None if row is None or row[0] is None or row[1] is not None else str(row[0])
+
+
+def set_pending_base(store: Store, workspace: str, commit: str) -> None:
+    """Record HEAD as the base before it could be held (in the caller's transaction; only when none is)."""
+    store._one(
+        "INSERT INTO eval_workspaces (workspace, base_commit, base_set_at) VALUES (?,?,?) "
+        "ON CONFLICT(workspace) DO UPDATE SET base_commit=excluded.base_commit, base_tree=NULL, "
+        "base_set_at=excluded.base_set_at WHERE eval_workspaces.base_commit IS NULL",
+        (workspace, commit, timestamp()),
+    )
+
+
+def base_to_hold(store: Store, workspace: str) -> tuple[tuple[str, str] | None, str | None]:
+    """(recorded base or None, the commit to import when it is not held: the recorded one or a pending one;
+    None when nothing is recorded) in the caller's transaction."""
+    base = base_of(store, workspace)
+    return base, base[0] if base is not None else pending_base(store, workspace)
+
+
+def record_held(store: Store, workspace: str, before: tuple[str, str] | None, got: R.Base) -> None:
+    """Record a base just imported (in the caller's transaction), unless the operator moved it meanwhile."""
+    now = base_of(store, workspace)
+    if now == before and (before is None or before[0] == got.commit):
+        set_base(store, workspace, got.commit, got.tree)
+
+
+def take_base(repo: R.KernelRepo, path: str, rev: str, tmp_dir: str | os.PathLike[str]) -> R.Base | None:
+    """Import `rev` of the workspace as a base through the verified path (kernel.io.repo.import_base): held in
+    the kernel's repository. R.UntrustedGit (the agent's .git, named), R.RepoError (the kernel's side)."""
+    repo.ensure()
+    return R.import_base(repo, path, rev, tmp_dir=tmp_dir)
+
+
+def head_of(path: str) -> str | None:
+    """The workspace's HEAD commit id, read without git and without following a link (None when unreadable)."""
+    try:
+        fd = R.open_dot_git(path)
+    except R.UntrustedGit:
+        return None
+    try:
+        return R.read_head(fd, os.path.join(path, ".git"))
+    except (R.UntrustedGit, OSError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def set_base(store: Store, workspace: str, commit: str, tree: str) -> None:

@@ -10,8 +10,9 @@ right here than in sh. Everything it writes goes into the kernel-owned task dire
     atomically: temp file + rename)
 
 Steps: find the task index (SLURM_ARRAY_TASK_ID or SWEEP_INDEX); read command.txt; materialise the snapshot into
-node scratch straight from git objects (ls-tree + cat-file: no checkout machinery, so no hook, no filter, no
-`.git` in the tree and nothing written into the workspace's repository); run `sh -c COMMAND` in the jail;
+node scratch straight from the objects of the KERNEL's repository of the workspace (`<run_dir>/repos/<key>.git`;
+ls-tree + cat-file: no checkout machinery, so no hook, no filter, no `.git` in the tree; every blob re-hashed
+and the tree id recomputed; the workspace's own `.git` is never read); run `sh -c COMMAND` in the jail;
 copy declared artifacts out of the tree (contained, regular files, size-capped, every skip logged); remove the
 scratch; write exit-code. SIGTERM/SIGINT/SIGHUP (cancel, scheduler) and SIGUSR2 (the walltime warning) stop the
 jail and are recorded, so a killed job still leaves an exit-code that says why.
@@ -203,18 +204,49 @@ def _read_exact(stream: IO[bytes], n: int) -> bytes:
     return b"".join(chunks)
 
 
+def tree_id_of(entries: list[tuple[bytes, bytes, bytes, bytes]]) -> str:
+    """git's id of the tree holding exactly `entries` ((mode, kind, oid, path) of a recursive listing)."""
+    import hashlib
+
+    root: dict[bytes, Any] = {}
+    for mode, _kind, oid, path in entries:
+        *dirs, name = path.split(b"/")
+        node = root
+        for d in dirs:
+            node = node.setdefault(d, {})
+        node[name] = (mode, oid)
+
+    def digest(node: dict[bytes, Any]) -> bytes:
+        body = []
+        for name in sorted(node, key=lambda n: n + b"/" if isinstance(node[n], dict) else n):
+            item = node[name]
+            if isinstance(item, dict):
+                body.append(b"40000 " + name + b"\0" + digest(item))
+            else:
+                body.append(item[0] + b" " + name + b"\0" + bytes.fromhex(item[1].decode()))
+        raw = b"".join(body)
+        return hashlib.sha1(b"tree %d\0" % len(raw) + raw).digest()
+
+    return digest(root).hex()
+
+
 def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
-    """Write the snapshot's files into the empty directory `tree`; returns the number of entries written."""
+    """Write the snapshot's files into the empty directory `tree`; returns the number of entries written.
+
+    The snapshot is read from the KERNEL's repository of the workspace (never the agent's `.git`), and checked:
+    every blob is re-hashed as it is read and the tree id is recomputed from the listing, so what runs is
+    exactly the tree the kernel recorded."""
+    import hashlib
     import subprocess
 
     def fail(message: str) -> WrapperError:
         return WrapperError(KIND_MATERIALISE, EXIT_MATERIALISE_FAILED, message)
 
-    dot_git = os.path.join(git["workspace"], ".git")
+    repo = git["repo"]
     try:
-        gfd = os.open(dot_git, _O_DIR)
+        gfd = os.open(repo, _O_DIR)
     except OSError as e:
-        raise fail(f"cannot open {dot_git} as a real directory: {e.strerror}") from None
+        raise fail(f"cannot open the kernel's repository {repo} as a real directory: {e.strerror}") from None
     env = dict(git["env"])
     env["GIT_DIR"] = f"/proc/self/fd/{gfd}"
     env.pop("GIT_WORK_TREE", None)
@@ -225,15 +257,11 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
             ["git", "--no-pager", *args], env=env, cwd=scratch, pass_fds=(gfd,), capture_output=True, **kw
         )
 
-    def listing_of(commit: str, tree_id: str) -> list[tuple[bytes, bytes, bytes, bytes]]:
-        got = run(["rev-parse", "--verify", f"{commit}^{{tree}}"])
-        if got.returncode != 0:
-            raise fail(f"snapshot {commit} is not in {dot_git}: {got.stderr.decode(errors='replace')}")
-        if got.stdout.decode().strip() != tree_id:
-            raise fail(f"snapshot {commit} does not have tree {tree_id}")
-        listing = run(["ls-tree", "-r", "-z", "--full-tree", commit])
+    def listing_of(tree_id: str) -> list[tuple[bytes, bytes, bytes, bytes]]:
+        """The recursive listing of `tree_id`, checked: it must hash back to that id."""
+        listing = run(["ls-tree", "-r", "-z", "--full-tree", tree_id])
         if listing.returncode != 0:
-            raise fail(f"git ls-tree failed: {listing.stderr.decode(errors='replace')}")
+            raise fail(f"the tree {tree_id} is not in {repo}: {listing.stderr.decode(errors='replace')}")
         out = []
         for rec in listing.stdout.split(b"\0"):
             if not rec:
@@ -243,16 +271,18 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
             if not valid_tree_path(path):
                 raise fail(f"snapshot holds an unsafe path {path!r}")
             out.append((mode, kind, oid, path))
+        if tree_id_of(out) != tree_id:
+            raise fail(f"the listing of {tree_id} in {repo} does not hash to that tree id")
         return out
 
     try:
-        entries = listing_of(git["commit"], git["tree"])
+        entries = listing_of(git["tree"])
         protected = git.get("protected")
         if protected:
-            # Protected paths come from the base commit whatever this side's tree holds: this side's entries
-            # under a protected pattern are dropped and the base's are written instead.
+            # Protected paths come from the base (held in the same kernel repository) whatever this side's tree
+            # holds: this side's entries under a protected pattern are dropped and the base's are written instead.
             patterns = list(protected["patterns"])
-            base_entries = listing_of(protected["commit"], protected["tree"])
+            base_entries = listing_of(protected["tree"])
             entries = [
                 e for e in entries if not is_protected(patterns, e[3].decode("utf-8", "surrogateescape"))
             ]
@@ -288,6 +318,8 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
                         raise fail(f"git cat-file could not read blob {oid.decode()}")
                     data = _read_exact(proc.stdout, int(header[2]))
                     _read_exact(proc.stdout, 1)
+                    if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != oid.decode():
+                        raise fail(f"blob {oid.decode()} ({path!r}) in {repo} does not hash to its id")
                     if mode == b"120000":
                         os.symlink(data, name, dir_fd=pfd)
                         continue

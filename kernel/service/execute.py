@@ -2,7 +2,8 @@
 
 A sleep's life here (the pipeline has already recorded it `validated` with PENDING tasks and charged it):
 
-1. dispatch: snapshot the workspace under `refs/syscall/<ws>/<seq>` and record the commit and tree with the
+1. dispatch: snapshot the workspace into the kernel's own repository of it (`<run_dir>/repos/<ws>.git`, ref
+   `refs/snapshots/<seq>`; nothing is written into the agent's `.git`) and record the commit and tree with the
    sleep `snapshotted`; write each launch's run directory (`jobscript.write_launch`) and hand it to the backend
    (`submit` is idempotent per launch: a local launch already on disk or a Slurm job found by name is not
    submitted again); record every task's job id with the sleep `submitted`. A `SnapshotError` is the agent's
@@ -15,7 +16,7 @@ A sleep's life here (the pipeline has already recorded it `validated` with PENDI
    ONE transaction releases the reservations (refunding what the measured elapsed time did not use), stores the
    wake's exact bytes and moves the sleep to `gathered`. Only then are `wakes/<id>.json`, `wakes/<id>.md` and
    `budget.json` written (from the stored bytes, so a restart rewrites the same wake), the sleep moves to
-   `woken`, and the snapshot ref is released.
+   `woken`, and the snapshot ref is released (its objects go at the kernel repository's next gc).
 4. recovery at start: `backend.recover(run_dir)` adopts what still runs; recorded ends, complete sleeps and
    gathered-but-unwritten wakes are finished from the store and the run directories. No task is submitted
    twice (the backend looks before it acts) and no wake is written with different content.
@@ -65,7 +66,8 @@ from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.io import log as klog
 from kernel.io.crash import crash_point
 from kernel.io.enroll import write_budget
-from kernel.io.snapshot import Snapshot, SnapshotError, snapshot_ref, take_snapshot
+from kernel.io.repo import KernelRepo, RepoError, snapshot_ref
+from kernel.io.snapshot import Snapshot, SnapshotError, snapshot_sync
 from kernel.io.snapshot import release as release_snapshot
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.node.jail import JailPolicy
@@ -79,6 +81,7 @@ from kernel.service.heavy import HeavyPool
 
 T = TypeVar("T")
 
+GC_LOOK_S: Final = 60.0  # how often the kernel looks for a repository due for gc
 TICK_S: Final = 1.0
 _wake_decoder: Final = msgspec.json.Decoder(Wake)
 
@@ -193,6 +196,14 @@ class RealExecutor:
 
     # --- dispatch -------------------------------------------------------------------------------------
 
+    def repo_of(self, key: str) -> KernelRepo:
+        """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""
+        return KernelRepo.at(self.cfg.run_dir, key)
+
+    async def precheck(self, order: SleepOrder) -> None:
+        """Before the snapshot of a validated sleep: an extension point (kernel.submitexec makes sure the base
+        is held, refusing with `snapshot.failed` at no cost when it cannot be taken from the agent's `.git`)."""
+
     def prepare(self, order: SleepOrder, commit: str, tree: str) -> None:
         """Worker thread, once the snapshot is recorded and before any launch is built (idempotent: it runs again
         after a crash). An extension point: kernel.service.submitexec decides and records the submit's plan here."""
@@ -240,17 +251,19 @@ class RealExecutor:
         if sleep.state == "validated":
             crash_point("recorded")
             try:
-                snap = await self.heavy.run_async(
+                await self.precheck(order)
+                snap = await self.heavy.run(
                     key,
-                    functools.partial(take_snapshot, tmp_dir=self.tmp_dir),
+                    functools.partial(snapshot_sync, tmp_dir=self.tmp_dir),
                     order.workspace.path,
-                    snapshot_ref(key, seq),
+                    self.repo_of(key),
+                    seq,
                 )
             except SnapshotError as e:
                 raise DispatchRefused(
                     RequestError("snapshot.failed", f"the workspace could not be snapshotted: {e}", None)
                 ) from None
-            except OSError as e:
+            except (OSError, RepoError) as e:
                 raise ExecutorUnavailable(f"snapshot of {order.workspace.path}: {e}") from e
             await self._call(self._record_snapshot, key, seq, snap)
             klog.event("snapshotted", ws=key, seq=seq, commit=snap.commit[:12], files=snap.files)
@@ -539,7 +552,7 @@ class RealExecutor:
                 "INSERT INTO exec_sleeps (workspace, seq, ref, commit_id, tree, wake_json, wake_md) "
                 "VALUES (?,?,?,?,?,?,?) ON CONFLICT(workspace, seq) DO UPDATE SET "
                 "wake_json=excluded.wake_json, wake_md=excluded.wake_md",
-                (key, seq, snapshot_ref(key, seq), "", "", encode(wake), render_wake(wake).encode()),
+                (key, seq, snapshot_ref(seq), "", "", encode(wake), render_wake(wake).encode()),
             )
             self.store.set_sleep_state(key, seq, next_sleep_state(sleep.state, SleepEvent.GATHER))
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks))
@@ -628,8 +641,8 @@ class RealExecutor:
         if ws is None:
             return
         try:
-            await release_snapshot(ws.path, snapshot_ref(key, seq))
-        except (SnapshotError, OSError) as e:
+            await release_snapshot(self.repo_of(key), seq)
+        except (RepoError, OSError) as e:
             klog.event("snapshot_release_failed", logging.WARNING, ws=key, seq=seq, problem=str(e))
         await self._call(self._mark_released, key, seq)
 
@@ -671,11 +684,27 @@ class RealExecutor:
         async with anyio.create_task_group() as tg:
             await tg.start(self.backend.run)
             tg.start_soon(self._exit_loop)
+            tg.start_soon(self._gc_loop)
             while True:
                 await anyio.sleep(TICK_S)
                 # A store that cannot be written (logged by the worker) only delays the tick's work.
                 with contextlib.suppress(StoreUnavailable):
                     await self._tick()
+
+    async def _gc_loop(self) -> None:
+        """Each workspace's kernel repository is packed and pruned every `repo_gc_hours`, one at a time, off the
+        hot path (held bases and unreleased snapshots are refs, so they stay)."""
+        while True:
+            await anyio.sleep(GC_LOOK_S)
+            for ws in await self._call(self.store.workspaces):
+                repo = self.repo_of(ws.key)
+                if not repo.gc_due(self.cfg.repo_gc_hours * 3600):
+                    continue
+                try:
+                    await self.heavy.run(ws.key, repo.gc)
+                    klog.event("repo_gc", ws=ws.key)
+                except (RepoError, OSError) as e:
+                    klog.event("repo_gc_failed", logging.WARNING, ws=ws.key, problem=str(e)[:300])
 
     async def _exit_loop(self) -> None:
         while True:

@@ -9,10 +9,14 @@ launch's). Here:
   with the same `baseline_key` is stored (its seeds come with it), `no_base` when the workspace has no recorded
   base, else `run` with fresh private seeds. Rows that will not run become REUSED or SKIPPED there and their
   reservation is refunded in full; an `unchanged` submit in a sleep with nothing else refunds the sleep too.
-  The protected paths the candidate changed are listed from git here (`submit.changed_paths`).
+  The protected paths the candidate changed are listed from the kernel's repository here (`submit.changed_paths`,
+  base tree against snapshot tree; never from the agent's `.git`).
 - `specs_of` gives the evaluation runs their seeds (to the score stage, and to `command` only when there is no
-  score stage), the protected files from the base commit, and the operator's score stage; the base runs read
-  the base commit and tree.
+  score stage), the protected files from the base tree, and the operator's score stage; the base runs read
+  the base tree. Every tree is read on the node from the kernel's repository of the workspace.
+- `precheck` (before the snapshot) makes sure the recorded base is held in the kernel's repository, importing
+  it through the verified path when it is not (kernel.io.repo.import_base); a base the agent's `.git` cannot
+  give intact refuses the sleep with `snapshot.failed`, nothing charged.
 - `judge` (inside the gather transaction) reads each run's stdout (or its score stage's) from its run
   directory, decides the verdict (`evaluate.decide`, `kernel.core.paired`), stores it with the report and, when the
   base was measured, the measurement. The wake shows every evaluation run as a task labelled by a kernel hint;
@@ -47,7 +51,9 @@ from kernel.core.budget import release
 from kernel.core.config import Config
 from kernel.core.records import JobRow, SleepRow
 from kernel.io import log as klog
+from kernel.io import repo as R
 from kernel.io import submit as S
+from kernel.io.snapshot import SnapshotError
 from kernel.io.store import StoreWorker, timestamp
 from kernel.service.execute import RealExecutor
 from kernel.service.executor import SleepOrder
@@ -115,10 +121,9 @@ class SubmitExecutor(RealExecutor):
         sleep = self.store.sleep(key, seq)
         if sleep is None or sleep.submit is None:
             return
-        self._hold_base(order.workspace.path, key)
         changed: tuple[str, ...] = ()
         if S.plan_of(self.store, key, seq) is None:
-            changed = self._protected_changed(order, commit)
+            changed = self._protected_changed(order, tree)
         with self.store.transaction():
             plan = S.plan_of(self.store, key, seq)
             if plan is None:
@@ -128,28 +133,72 @@ class SubmitExecutor(RealExecutor):
         self._plans[(key, seq)] = plan
         klog.event("submit_planned", ws=key, seq=seq, decision=plan.decision, pairs=len(plan.seeds))
 
-    def _protected_changed(self, order: SleepOrder, commit: str) -> tuple[str, ...]:
-        """The protected paths the candidate's commit changed against the base (the wake lists them)."""
+    def _protected_changed(self, order: SleepOrder, tree: str) -> tuple[str, ...]:
+        """The protected paths the candidate's tree changed against the base's, both in the kernel's repository
+        (the wake lists them)."""
         contract = order.workspace.policy.submit
         base = S.base_of(self.store, order.workspace.key)
         if contract is None or not contract.protected or base is None:
             return ()
         try:
-            return S.changed_paths(order.workspace.path, base[0], commit, contract.protected)
-        except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
+            return S.changed_paths(self.repo_of(order.workspace.key), base[1], tree, contract.protected)
+        except (R.RepoError, OSError) as exc:
             klog.event("submit_diff_failed", logging.WARNING, ws=order.workspace.key, problem=str(exc)[:300])
             return ()
 
-    def _hold_base(self, path: str, key: str) -> None:
-        """Re-point the base ref at the recorded base if the agent moved or deleted it (the base run reads the
-        commit it holds). A base commit already gone stays gone: the base run then fails and the verdict says so."""
-        base = S.base_of(self.store, key)
-        if base is None:
+    async def precheck(self, order: SleepOrder) -> None:
+        """A sleep carrying a submit needs its base held in the kernel's repository: one recorded but not held
+        (refused at enrollment, or left by an older kernel in the agent's repository) is imported now through
+        the verified path; when the agent's `.git` cannot give it intact the sleep is refused (`snapshot.failed`,
+        the path named, nothing charged)."""
+        sleep = await self._call(self.store.sleep, order.workspace.key, order.sleep.seq)
+        if sleep is None or sleep.submit is None:
             return
         try:
-            S.hold_base(path, key, base[0])
-        except (S.BaseError, OSError, subprocess.TimeoutExpired) as exc:
-            klog.event("submit_base_unheld", logging.WARNING, ws=key, problem=str(exc)[:300])
+            await self.hold_base(order.workspace.key, order.workspace.path)
+        except R.UntrustedGit as exc:
+            raise SnapshotError(
+                f"the submit base cannot be taken from the workspace's repository: {exc}"
+            ) from None
+
+    def _base_to_hold(self, key: str) -> tuple[tuple[str, str] | None, str | None]:
+        with self.store.transaction():
+            return S.base_to_hold(self.store, key)
+
+    def _record_held(self, key: str, before: tuple[str, str] | None, got: R.Base) -> None:
+        with self.store.transaction():
+            S.record_held(self.store, key, before, got)
+
+    async def hold_base(self, key: str, path: str) -> None:
+        """Make the kernel's repository hold the recorded base (R.UntrustedGit, R.RepoError when it cannot).
+        Nothing recorded: nothing to do (HEAD becomes the base only at enrollment or by `rebase`)."""
+        base, rev = await self._call(self._base_to_hold, key)
+        repo = self.repo_of(key)
+        if rev is None or (base is not None and await anyio.to_thread.run_sync(R.held, repo, base[1])):
+            return
+        got = await self.heavy.run(key, S.take_base, repo, path, rev, self.tmp_dir)
+        if got is not None:
+            await self._call(self._record_held, key, base, got)
+            klog.event("submit_base_held", ws=key, commit=got.commit[:12], tree=got.tree[:12])
+
+    async def recover(self) -> None:
+        await super().recover()
+        await self._upgrade()
+
+    async def _upgrade(self) -> None:
+        """Once per start: refs an older kernel left under `refs/syscall/` of an agent's repository are reported
+        (once per workspace, ever) and never followed; each recorded base is held in the kernel's repository."""
+        for ws in await self._call(self.store.workspaces):
+            repo = self.repo_of(ws.key)
+            try:
+                found = await anyio.to_thread.run_sync(_legacy_refs_once, repo, ws.path)
+                if found:
+                    klog.event(
+                        "legacy_refs_ignored", logging.WARNING, ws=ws.key, path=ws.path, refs=found[:20]
+                    )
+                await self.hold_base(ws.key, ws.path)
+            except (R.UntrustedGit, R.RepoError, OSError) as exc:
+                klog.event("submit_base_unheld", logging.WARNING, ws=ws.key, problem=str(exc)[:500])
 
     def _decide_plan(self, order: SleepOrder, commit: str, tree: str, changed: tuple[str, ...]) -> S.Plan:
         ws = order.workspace
@@ -174,6 +223,7 @@ class SubmitExecutor(RealExecutor):
                 image=self.cfg.apptainer_image or None,
                 gpus=jobs[E.EVAL_BASE].gpus,
                 backend=self.cfg.backend,
+                workspace=None if self.cfg.defaults.share_baselines else ws.key,
             )
             found = S.measurement(self.store, bkey)
             if found is not None and len(found[1]) == contract.repeats:
@@ -416,6 +466,25 @@ class SubmitExecutor(RealExecutor):
                 await self._call(S.set_hook_status, self.store, key, seq, status)
         finally:
             self._hooking = False
+
+
+def _legacy_refs_once(repo: R.KernelRepo, path: str) -> list[str]:
+    """Names of refs an older kernel left in the workspace's `.git`, the first time only (a marker in the
+    kernel's repository remembers it was said); nothing there is followed or changed."""
+    repo.ensure()
+    marker = repo.path / R.LEGACY_REPORTED
+    if marker.exists():
+        return []
+    try:
+        fd = R.open_dot_git(path)
+    except R.UntrustedGit:
+        return []
+    try:
+        found = R.legacy_refs(fd)
+    finally:
+        os.close(fd)
+    marker.touch()
+    return found
 
 
 def _run_of(row: JobRow) -> E.EvalRun:

@@ -149,15 +149,22 @@ def test_a_successful_launch_delivers_its_artifact_with_evidence(env: Env) -> No
     md = (env.spaces["artifact"] / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
     assert "make[0]: COMPLETED" in md
 
-    # The snapshot ref is released once the sleep is woken (the submit base ref, `.../base`, stays).
+    # The snapshot lives in the kernel's repository of the workspace (never the agent's .git) and its ref is
+    # released once the sleep is woken (held bases, `refs/bases/...`, stay).
+    repo = env.kernel.state / "runs" / "repos" / f"{workspace_key(env.spaces['artifact'].resolve())}.git"
+
     def snapshot_refs() -> list[str]:
-        cmd = ["git", "for-each-ref", "--format=%(refname)", "refs/syscall"]
-        out = subprocess.run(
-            cmd, cwd=env.spaces["artifact"], capture_output=True, text=True, check=True
-        ).stdout
-        return [ref for ref in out.split() if not ref.endswith("/base")]
+        cmd = ["git", "--git-dir", str(repo), "for-each-ref", "--format=%(refname)", "refs/snapshots"]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
 
     wait_for(lambda: snapshot_refs() == [], 10, "the snapshot ref to be released")
+    agent_refs = subprocess.run(
+        ["git", "for-each-ref", "--format=%(refname)"],
+        cwd=env.spaces["artifact"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "syscall" not in agent_refs
 
 
 def test_a_failing_command_reports_its_exit_code_and_stderr(env: Env) -> None:
@@ -304,12 +311,14 @@ def test_a_filter_driver_in_the_workspace_config_does_not_run(env: Env, tmp_path
 def test_a_workspace_that_cannot_be_snapshotted_is_refused_and_costs_nothing(env: Env) -> None:
     ws = env.spaces["unusable"]
     before = json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]
-    git(ws, "config", "include.path", "/etc/gitconfig")
+    index = ws / ".git" / "index"
+    index.rename(ws.parent / "unusable-index")
+    index.symlink_to(ws.parent / "unusable-index")  # the kernel never reads .git through a link
     env.launch("unusable", "--name", "x", "--gpus", "1", "--", "true")
     done = env.tool("unusable", "sleep")
     assert done.returncode == 3, done.stdout + done.stderr
     assert "snapshot.failed" in done.stdout + done.stderr
-    assert "includes are refused" in done.stdout + done.stderr
+    assert ".git/index is a symlink" in done.stdout + done.stderr
     assert json.loads((ws / ".syscall" / "budget.json").read_text())["budget"] == before
     assert not (env.run_dir / env.key("unusable")).exists()
 

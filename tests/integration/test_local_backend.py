@@ -26,6 +26,7 @@ from kernel.backends import jobscript
 from kernel.backends import local as L
 from kernel.backends.base import JobSpec, TaskExit
 from kernel.io import snapshot as S
+from kernel.io.repo import KernelRepo
 from kernel.node.jail import JailPolicy
 
 T = TypeVar("T")
@@ -82,8 +83,9 @@ def make_world(root: Path, files: dict[str, str] | None = None) -> World:
     (ws / "dirty.txt").write_text("measured as it is\n")
     kernel_tmp = root / "kernel-tmp"
     kernel_tmp.mkdir()
-    snap = anyio.run(lambda: S.take_snapshot(ws, S.snapshot_ref("ws-test", 1), tmp_dir=kernel_tmp))
     (root / "runs").mkdir()
+    repo = KernelRepo.at(root / "runs", "ws-test")
+    snap = anyio.run(lambda: S.take_snapshot(ws, repo, 1, tmp_dir=kernel_tmp))
     (root / "scratch").mkdir()
     return World(root, ws, root / "runs", root / "scratch", snap)
 
@@ -188,7 +190,7 @@ def test_success_failure_and_outputs(world: World) -> None:
 
 def test_empty_command_and_failed_materialisation_have_their_own_codes(world: World) -> None:
     empty = world.spec("empty", "  \n")
-    broken = world.spec("broken", "true", commit="0" * 40)
+    broken = world.spec("broken", "true", tree="0" * 40)
 
     async def go(b: L.LocalBackend) -> None:
         await b.submit(empty)

@@ -24,6 +24,7 @@ from kernel.backends.base import JobSpec, TaskExit
 from kernel.backends.slurm import SbatchJob, SbatchPolicy, render_sbatch_argv
 from kernel.backends.slurm import backend as B
 from kernel.io import snapshot as S
+from kernel.io.repo import KernelRepo
 from kernel.node.jail import JailPolicy
 
 pytestmark = pytest.mark.slurm
@@ -99,8 +100,9 @@ def world(slurm_conf: Path, tmp_path: Path) -> Iterator[World]:
     subprocess.run(["git", "add", "-A"], cwd=ws, env=PLAIN_GIT, check=True)
     subprocess.run(["git", "commit", "-qm", "init"], cwd=ws, env=PLAIN_GIT, check=True)
     (tmp_path / "ktmp").mkdir()
-    snap = anyio.run(lambda: S.take_snapshot(ws, S.snapshot_ref(WS, 1), tmp_dir=tmp_path / "ktmp"))
     (tmp_path / "runs").mkdir()
+    repo = KernelRepo.at(tmp_path / "runs", WS)
+    snap = anyio.run(lambda: S.take_snapshot(ws, repo, 1, tmp_dir=tmp_path / "ktmp"))
     (tmp_path / "scratch").mkdir()
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SLURM_CONF": str(slurm_conf)}
     w = World(env, ws, tmp_path / "runs", tmp_path / "scratch", snap)

@@ -1,6 +1,8 @@
-"""Snapshots with real git, against the workspace tricks of threat-model.md.
+"""Snapshots with real git, against the workspace tricks of docs/threat-model.md.
 
 Each "does not run" test first shows that the same trick DOES run under plain git, so it cannot pass vacuously.
+Snapshots go into the kernel's own repository (kernel.io.repo); the agent's `.git` is only ever read, by the
+kernel itself, and checked byte for byte unchanged.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from kernel.io import repo as R
 from kernel.io import snapshot as S
 
 PLAIN_GIT = {
@@ -44,19 +47,44 @@ def make_repo(tmp_path: Path, files: dict[str, str], *, commit: bool = True) -> 
     return ws
 
 
-def snap(ws: Path, tmp_path: Path, seq: int = 1) -> S.Snapshot:
+def kernel_repo(tmp_path: Path) -> R.KernelRepo:
+    return R.KernelRepo.at(tmp_path / "run", "ws-abc")
+
+
+def snap(ws: Path, tmp_path: Path, seq: int = 1, **kw: int) -> S.Snapshot:
     kernel_tmp = tmp_path / "kernel-tmp"
     kernel_tmp.mkdir(exist_ok=True)
-    return anyio.run(lambda: S.take_snapshot(ws, S.snapshot_ref("ws-abc", seq), tmp_dir=kernel_tmp))
+    return anyio.run(lambda: S.take_snapshot(ws, kernel_repo(tmp_path), seq, tmp_dir=kernel_tmp, **kw))
 
 
-def tree_of(ws: Path, rev: str) -> dict[str, str]:
-    """path -> 'mode content' of every entry in `rev`."""
+def kgit(tmp_path: Path, *args: str) -> str:
+    """git in the kernel's repository."""
+    env = {**PLAIN_GIT, "GIT_DIR": str(kernel_repo(tmp_path).path)}
+    return subprocess.run(["git", *args], env=env, check=True, capture_output=True, text=True).stdout
+
+
+def tree_of(tmp_path: Path, rev: str) -> dict[str, str]:
+    """path -> 'mode content' of every entry in `rev` of the kernel's repository."""
     out = {}
-    for line in git(ws, "ls-tree", "-r", "--full-tree", rev).splitlines():
+    for line in kgit(tmp_path, "ls-tree", "-r", "--full-tree", rev).splitlines():
         meta, path = line.split("\t", 1)
         mode, _, oid = meta.split()
-        out[path] = f"{mode} {git(ws, 'cat-file', 'blob', oid) if mode != '160000' else oid}"
+        out[path] = f"{mode} {kgit(tmp_path, 'cat-file', 'blob', oid) if mode != '160000' else oid}"
+    return out
+
+
+def fingerprint(root: Path) -> dict[str, tuple[int, int, float, bytes]]:
+    """Every entry below `root` (links not followed): mode, size, mtime and content (or link target)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        if p.is_symlink():
+            data = os.readlink(p).encode()
+        elif p.is_file():
+            data = p.read_bytes()
+        else:
+            data = b""
+        out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime, data)
     return out
 
 
@@ -80,12 +108,15 @@ def test_dirty_untracked_symlinks_and_modes_are_captured_and_the_channel_is_not(
     (ws / ".syscall" / "kernel.json").write_text("{}")
     (ws / ".syscall" / "requests" / "r.json").write_text("{}")
 
+    before = fingerprint(ws / ".git")
     s = snap(ws, tmp_path)
     assert s.parent == head
-    assert git(ws, "rev-parse", f"{s.ref}^").strip() == head
-    assert git(ws, "rev-parse", f"{s.ref}^{{tree}}").strip() == s.tree
-    assert git(ws, "rev-parse", s.ref).strip() == s.commit
-    assert tree_of(ws, s.ref) == {
+    assert s.ref == "refs/snapshots/1"
+    assert kgit(tmp_path, "rev-list", "--parents", "-n1", s.ref).split() == [s.commit]  # a root commit
+    assert head in kgit(tmp_path, "log", "-1", "--format=%B", s.ref)
+    assert kgit(tmp_path, "rev-parse", f"{s.ref}^{{tree}}").strip() == s.tree
+    assert kgit(tmp_path, "rev-parse", s.ref).strip() == s.commit
+    assert tree_of(tmp_path, s.ref) == {
         ".gitignore": "100644 *.log\nkept.log\n",
         "kept.log": "100644 tracked\n",  # tracked stays tracked whatever .gitignore says
         "latest": "120000 train.py",
@@ -93,8 +124,9 @@ def test_dirty_untracked_symlinks_and_modes_are_captured_and_the_channel_is_not(
         "run.sh": "100755 #!/bin/sh\n",
         "train.py": "100644 v2 dirty\n",
     }
-    # The workspace's own index and HEAD are untouched.
-    assert git(ws, "rev-parse", "HEAD").strip() == head
+    # The workspace's .git is untouched, byte for byte, and holds nothing of the snapshot.
+    assert fingerprint(ws / ".git") == before
+    assert subprocess.run(["git", "cat-file", "-e", s.commit], cwd=ws, env=PLAIN_GIT).returncode != 0
     assert "gone.txt" in git(ws, "ls-files")
 
 
@@ -102,8 +134,8 @@ def test_a_repository_without_commits_gets_a_root_commit(tmp_path: Path) -> None
     ws = make_repo(tmp_path, {"a.txt": "a\n"}, commit=False)
     s = snap(ws, tmp_path)
     assert s.parent is None
-    assert git(ws, "rev-list", "--parents", "-n1", s.ref).split() == [s.commit]
-    assert tree_of(ws, s.ref) == {"a.txt": "100644 a\n"}
+    assert kgit(tmp_path, "rev-list", "--parents", "-n1", s.ref).split() == [s.commit]
+    assert tree_of(tmp_path, s.ref) == {"a.txt": "100644 a\n"}
 
 
 def test_identical_content_gives_the_same_tree_and_a_new_seq_a_new_ref(tmp_path: Path) -> None:
@@ -117,10 +149,11 @@ def test_identical_content_gives_the_same_tree_and_a_new_seq_a_new_ref(tmp_path:
 
 def test_release_drops_the_ref_and_is_idempotent(tmp_path: Path) -> None:
     ws = make_repo(tmp_path, {"a.txt": "a\n"})
-    s = snap(ws, tmp_path)
-    anyio.run(S.release, ws, s.ref)
-    assert git(ws, "for-each-ref", "refs/syscall") == ""
-    anyio.run(S.release, ws, s.ref)
+    snap(ws, tmp_path)
+    anyio.run(S.release, kernel_repo(tmp_path), 1)
+    assert kgit(tmp_path, "for-each-ref") == ""
+    anyio.run(S.release, kernel_repo(tmp_path), 1)
+    anyio.run(S.release, R.KernelRepo.at(tmp_path / "run", "never-made"), 1)
 
 
 def test_a_filter_driver_does_not_run(tmp_path: Path) -> None:
@@ -139,7 +172,7 @@ def test_a_filter_driver_does_not_run(tmp_path: Path) -> None:
 
     s = snap(ws, tmp_path)
     assert not marker.exists(), "the workspace's filter driver ran during the snapshot"
-    assert tree_of(ws, s.ref)["a.txt"] == "100644 dirty raw bytes\n"
+    assert tree_of(tmp_path, s.ref)["a.txt"] == "100644 dirty raw bytes\n"
 
 
 def test_hooks_and_fsmonitor_do_not_run(tmp_path: Path) -> None:
@@ -200,21 +233,25 @@ def test_a_workspace_without_git_is_refused(tmp_path: Path) -> None:
         snap(tmp_path / "ws", tmp_path)
 
 
-def test_alternates_are_refused(tmp_path: Path) -> None:
+def test_alternates_are_never_read(tmp_path: Path) -> None:
     (tmp_path / "o").mkdir()
     other = make_repo(tmp_path / "o", {"x": "x\n"})
     ws = make_repo(tmp_path, {"a.txt": "a\n"})
     (ws / ".git" / "objects" / "info" / "alternates").write_text(f"{other / '.git' / 'objects'}\n")
-    with pytest.raises(S.SnapshotError, match="alternates"):
-        snap(ws, tmp_path)
+    s = snap(ws, tmp_path)
+    assert tree_of(tmp_path, s.ref) == {"a.txt": "100644 a\n"}
 
 
-def test_config_includes_are_refused(tmp_path: Path) -> None:
+def test_the_agents_config_is_never_read_includes_and_all(tmp_path: Path) -> None:
     ws = make_repo(tmp_path, {"a.txt": "a\n"})
-    (tmp_path / "elsewhere.cfg").write_text("[core]\n\tfsmonitor = true\n")
+    (tmp_path / "ignore-all").write_text("*.txt\n")
+    (tmp_path / "elsewhere.cfg").write_text(f"[core]\n\texcludesFile = {tmp_path / 'ignore-all'}\n")
     git(ws, "config", "include.path", str(tmp_path / "elsewhere.cfg"))
-    with pytest.raises(S.SnapshotError, match="include"):
-        snap(ws, tmp_path)
+    (ws / "new.txt").write_text("new\n")
+    # Plain git follows the include and hides new.txt.
+    assert "new.txt" not in git(ws, "ls-files", "--others", "--exclude-standard")
+    s = snap(ws, tmp_path)
+    assert "new.txt" in tree_of(tmp_path, s.ref)
 
 
 def test_a_tracked_directory_swapped_for_a_symlink_is_not_followed(tmp_path: Path) -> None:
@@ -226,7 +263,7 @@ def test_a_tracked_directory_swapped_for_a_symlink_is_not_followed(tmp_path: Pat
     (ws / "conf").rmdir()
     (ws / "conf").symlink_to(secret)
     s = snap(ws, tmp_path)
-    entries = tree_of(ws, s.ref)
+    entries = tree_of(tmp_path, s.ref)
     assert entries == {"conf": f"120000 {secret}"}
     assert "TOP SECRET" not in "".join(entries.values())
 
@@ -237,9 +274,7 @@ def test_files_above_the_cap_are_refused_with_the_name(tmp_path: Path) -> None:
     kernel_tmp = tmp_path / "kt"
     kernel_tmp.mkdir()
     with pytest.raises(S.SnapshotError, match=r"big\.bin.*per-file cap"):
-        anyio.run(
-            lambda: S.take_snapshot(ws, S.snapshot_ref("k", 1), tmp_dir=kernel_tmp, max_file_bytes=1024)
-        )
+        snap(ws, tmp_path, max_file_bytes=1024)
 
 
 def test_odd_file_names_survive(tmp_path: Path) -> None:
@@ -248,56 +283,82 @@ def test_odd_file_names_survive(tmp_path: Path) -> None:
     for n in names:
         (ws / n).write_text(n)
     s = snap(ws, tmp_path)
-    listed = git(ws, "ls-tree", "-r", "-z", "--name-only", s.ref).split("\0")
+    listed = kgit(tmp_path, "ls-tree", "-r", "-z", "--name-only", s.ref).split("\0")
     assert set(names) <= set(listed)
 
 
 def test_git_env_is_built_from_nothing_and_pins_the_dangerous_config() -> None:
-    env = S.git_env("/w", filter_drivers=["lfs", "evil"])
+    env = R.neutral_env("/k/repo.git", work_tree="/w")
     assert "HOME" not in env
+    assert env["GIT_DIR"] == "/k/repo.git"
     assert env["GIT_CONFIG_GLOBAL"] == env["GIT_CONFIG_SYSTEM"] == "/dev/null"
     assert env["GIT_TERMINAL_PROMPT"] == "0"
     assert env["GIT_SSH_COMMAND"] == "false"
+    assert env["GIT_OPTIONAL_LOCKS"] == "0"
     cfg = {
         env[f"GIT_CONFIG_KEY_{i}"]: env[f"GIT_CONFIG_VALUE_{i}"] for i in range(int(env["GIT_CONFIG_COUNT"]))
     }
     assert cfg["core.hooksPath"] == "/dev/null"
     assert cfg["core.fsmonitor"] == "false"
+    assert cfg["core.logAllRefUpdates"] == "false"
     assert cfg["protocol.allow"] == "never"
     assert cfg["credential.helper"] == ""
-    assert cfg["safe.directory"] == "/w"
-    for d in ("lfs", "evil"):
-        assert cfg[f"filter.{d}.clean"] == "cat"
-        assert cfg[f"filter.{d}.process"] == ""
-    assert not any(k.startswith("-c") for k in S.git_argv("status"))
+    assert not any(k.startswith("-c") for k in R.git_argv("status"))
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "..", ".hidden"])
-def test_snapshot_ref_refuses_unsafe_keys(bad: str) -> None:
+@pytest.mark.parametrize("bad", ["", "a/b", "..", ".hidden", "a..b"])
+def test_kernel_repo_refuses_unsafe_keys(bad: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="workspace key"):
-        S.snapshot_ref(bad, 1)
-
-
-def test_includes_in_the_worktree_config_are_refused_too(tmp_path: Path) -> None:
-    ws = make_repo(tmp_path, {"a.txt": "a\n"})
-    git(ws, "config", "extensions.worktreeConfig", "true")
-    git(ws, "config", "--worktree", "include.path", str(tmp_path / "elsewhere.cfg"))
-    assert "include" in (ws / ".git" / "config.worktree").read_text()
-    with pytest.raises(S.SnapshotError, match="include"):
-        snap(ws, tmp_path)
+        R.KernelRepo.at(tmp_path, bad)
 
 
 def test_pure_helpers() -> None:
-    assert S._cquote(b'a "b"\\c\nd\x7f') == b'"a \\"b\\"\\\\c\\012d\\177"'
-    refusals, drivers = S.config_problems(
-        ["core.bare", "filter.lfs.clean", "filter.a.b.process", "includeif.x.path"]
-    )
-    assert drivers == ["a.b", "lfs"]
-    assert refusals == ["config key 'includeif.x.path' includes another file; includes are refused"]
+    assert R._cquote(b'a "b"\\c\nd\x7f') == b'"a \\"b\\"\\\\c\\012d\\177"'
     assert S.is_channel_path(b".syscall/requests/x.json")
     assert not S.is_channel_path(b".syscallx")
     assert not S.valid_repo_path(b".git/hooks/x")
-    assert S.parse_ls_tree(b"100644 blob aa\tx y\x00160000 commit bb\tsub\x00") == [
-        S._Entry(b"x y"),
-        S._Entry(b"sub", "bb"),
-    ]
+    assert not S.valid_repo_path(b"a/.GIT/x")
+    assert S.parse_ls_files_stage(
+        b"100644 aa 0\tx y\x00160000 bb 0\tsub\x00100644 cc 1\tc\x00100644 dd 2\tc\x00"
+    ) == [S._Entry(b"x y"), S._Entry(b"sub", "bb"), S._Entry(b"c")]
+
+
+def test_links_in_dot_git_are_never_followed_and_nothing_is_written_there(tmp_path: Path) -> None:
+    """objects/, refs/, logs/ and packed-refs swapped for links to an outside directory, an index.lock planted,
+    and `.git` read-only: the snapshot reads none of the links, writes nothing, and takes the working tree."""
+    ws = make_repo(tmp_path, {"a.txt": "a\n"})
+    head = git(ws, "rev-parse", "HEAD").strip()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_text("precious\n")
+    dot = ws / ".git"
+    for name in ("objects", "refs", "logs"):
+        (dot / name).rename(tmp_path / f"real-{name}")
+        (dot / name).symlink_to(outside)
+    (dot / "packed-refs").symlink_to(outside / "victim")
+    (dot / "index.lock").write_text("planted\n")
+    (ws / "b.txt").write_text("b\n")
+    before_out = fingerprint(outside)
+    before = fingerprint(dot)
+    for p in [dot, *dot.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(p.stat().st_mode & ~0o222)
+    try:
+        s = snap(ws, tmp_path)
+    finally:
+        for p in [dot, *dot.rglob("*")]:
+            if not p.is_symlink():
+                p.chmod(p.stat().st_mode | 0o200)
+    assert tree_of(tmp_path, s.ref) == {"a.txt": "100644 a\n", "b.txt": "100644 b\n"}
+    assert s.parent is None  # HEAD names a branch under the linked refs/: not followed
+    assert fingerprint(dot) == before
+    assert fingerprint(outside) == before_out
+    assert head  # (the branch the link hides)
+
+
+def test_a_linked_index_is_refused_with_its_path(tmp_path: Path) -> None:
+    ws = make_repo(tmp_path, {"a.txt": "a\n"})
+    (ws / ".git" / "index").rename(tmp_path / "index")
+    (ws / ".git" / "index").symlink_to(tmp_path / "index")
+    with pytest.raises(S.SnapshotError, match=r"\.git/index is a symlink"):
+        snap(ws, tmp_path)

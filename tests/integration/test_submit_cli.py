@@ -36,11 +36,19 @@ def base_of(kernel: Kernel, ws: Path) -> tuple[str, str] | None:
     return None if row is None else (row[0], row[1])
 
 
-def held(ws: Path) -> str | None:
-    """The commit the kernel's base ref holds in the workspace's repository."""
-    ref = f"refs/syscall/{workspace_key(ws.resolve())}/base"
-    done = subprocess.run(["git", "rev-parse", "--verify", "-q", ref], cwd=ws, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
+def held(kernel: Kernel, ws: Path) -> set[str]:
+    """The base trees the kernel's own repository of the workspace holds."""
+    repo = kernel.state / "runs" / "repos" / f"{workspace_key(ws.resolve())}.git"
+    done = subprocess.run(
+        ["git", "--git-dir", str(repo), "for-each-ref", "--format=%(refname)", "refs/bases"],
+        capture_output=True,
+        text=True,
+    )
+    return {r.removeprefix("refs/bases/") for r in done.stdout.split()}
+
+
+def agent_refs(ws: Path) -> str:
+    return git(ws, "for-each-ref", "--format=%(refname)")
 
 
 def policy(ws: Path) -> dict[str, object]:
@@ -153,7 +161,7 @@ def test_eval_flags_are_checked_against_the_contract_bounds(
     assert not (ws / ".syscall").exists()
 
 
-def test_the_base_is_held_under_a_kernel_ref_and_moved_by_each_rebase(tmp_path: Path) -> None:
+def test_the_base_is_held_in_the_kernels_repository_and_moved_by_each_rebase(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     ws.mkdir()
     git(ws, "init", "-q")
@@ -161,27 +169,40 @@ def test_the_base_is_held_under_a_kernel_ref_and_moved_by_each_rebase(tmp_path: 
     git(ws, "add", "-A")
     git(ws, "commit", "-q", "-m", "one")
     first = git(ws, "rev-parse", "HEAD")
+    first_tree = git(ws, "rev-parse", "HEAD^{tree}")
     kernel = Kernel(tmp_path)
     kernel.enroll(ws, "--eval-command", "sh eval.sh", "--metric", "score")
-    assert held(ws) == first
+    assert base_of(kernel, ws) == (first, first_tree)
+    assert held(kernel, ws) == {first_tree}
+    assert "syscall" not in agent_refs(ws)  # nothing is written into the agent's repository
 
-    # The agent drops the ref and rewrites history; the next enrollment holds the recorded base again.
-    git(ws, "update-ref", "-d", f"refs/syscall/{workspace_key(ws.resolve())}/base")
+    # The agent rewrites its history and prunes the old commit: the kernel's copy of the base stays.
     (ws / "a").write_text("2\n")
     git(ws, "commit", "-q", "--amend", "-am", "rewritten")
-    kernel.enroll(ws)
-    assert held(ws) == first
     git(ws, "reflog", "expire", "--expire=now", "--all")
     git(ws, "gc", "-q", "--prune=now")
-    assert git(ws, "cat-file", "-t", first) == "commit"
+    assert subprocess.run(["git", "cat-file", "-e", first], cwd=ws).returncode != 0
+    kernel.enroll(ws)
+    assert base_of(kernel, ws) == (first, first_tree)
+    assert held(kernel, ws) == {first_tree}
 
-    # A rebase moves the ref with the base (seeds are drawn per submit, not per base: nothing to redraw).
-    for rev in ("HEAD", first, "HEAD"):
+    # A rebase takes the named commit through the verified path and holds it (seeds are drawn per submit,
+    # not per base: nothing to redraw).
+    (ws / "a").write_text("3\n")
+    git(ws, "commit", "-q", "-am", "three")
+    for rev in ("HEAD", "HEAD~1", "HEAD"):
         kernel.cli("rebase", str(ws), rev)
-        assert held(ws) == git(ws, "rev-parse", rev) == base_of(kernel, ws)[0]  # type: ignore[index]
+        assert base_of(kernel, ws) == (git(ws, "rev-parse", rev), git(ws, "rev-parse", f"{rev}^{{tree}}"))
+    assert held(kernel, ws) == {
+        first_tree,
+        git(ws, "rev-parse", "HEAD^{tree}"),
+        git(ws, "rev-parse", "HEAD~1^{tree}"),
+    }
+    assert "syscall" not in agent_refs(ws)
 
     # A rebase to a commit that is gone leaves the base as it was.
-    gone = "0" * 40
-    bad = kernel.cli("rebase", str(ws), gone, check=False)
+    before = base_of(kernel, ws)
+    bad = kernel.cli("rebase", str(ws), "0" * 40, check=False)
     assert bad.returncode == 1
-    assert held(ws) == git(ws, "rev-parse", "HEAD")
+    assert "is missing" in bad.stderr, bad.stderr
+    assert base_of(kernel, ws) == before

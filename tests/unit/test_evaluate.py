@@ -300,6 +300,7 @@ def _key(**over: object) -> str:
         "image": None,
         "gpus": 0,
         "backend": "local",
+        "workspace": "ws-a",
     }
     args.update(over)
     return baseline_key(**args)  # type: ignore[arg-type]
@@ -320,6 +321,8 @@ def test_baseline_key_changes_with_anything_that_determines_the_measurement() ->
         _key(image="img.sif"),
         _key(gpus=1),
         _key(backend="slurm"),
+        _key(workspace="ws-b"),
+        _key(workspace=None),
     ]
     assert key not in variants
     assert len(set(variants)) == len(variants)

@@ -89,3 +89,20 @@ def test_example_config_is_valid() -> None:
     cfg = load(example, env={})
     assert cfg.backend in ("local", "slurm")
     assert cfg.workspaces
+
+
+def test_share_baselines_is_the_kernels_setting_in_the_submit_table() -> None:
+    assert not parse("").defaults.share_baselines
+    cfg = parse("[defaults.submit]\ncommand = 'sh e.sh'\nmetric = 'm'\nshare_baselines = true\n")
+    assert cfg.defaults.share_baselines
+    assert cfg.defaults.submit is not None
+    assert cfg.defaults.submit.command == "sh e.sh"
+    only = parse("[defaults.submit]\nshare_baselines = true\n")
+    assert (only.defaults.share_baselines, only.defaults.submit) == (True, None)
+    with pytest.raises(ConfigError, match=r"'defaults\.submit\.share_baselines' must be true or false"):
+        parse("[defaults.submit]\nshare_baselines = 1\n")
+    with pytest.raises(ConfigError, match=r"'defaults.share_baselines' belongs in \[defaults.submit\]"):
+        parse("[defaults]\nshare_baselines = true\n")
+    assert parse("repo_gc_hours = 1.5\n").repo_gc_hours == 1.5
+    with pytest.raises(ConfigError, match="repo_gc_hours"):
+        parse("repo_gc_hours = 0\n")

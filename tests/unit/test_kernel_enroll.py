@@ -167,6 +167,6 @@ def test_exclude_written_through_dir_fds_never_follows_a_symlink(
     victim.write_text("precious\n")
     (ws / ".git/info/exclude").unlink()
     (ws / ".git/info/exclude").symlink_to(victim)
-    with pytest.raises(EnrollError, match="exclude: a symlink"):
+    with pytest.raises(EnrollError, match="exclude is a symlink"):
         enroll(store, cfg, str(ws), TOOL)
     assert victim.read_text() == "precious\n"
