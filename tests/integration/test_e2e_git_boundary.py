@@ -7,7 +7,7 @@ One kernel serves the module's workspaces (enrolled, then armed by the "agent", 
   workspace and `.git/refs/syscall` a symlink to an outside directory; a sleep with a launch and a submit.
 - `forged` and `twin`: the same base; after enrollment `forged` rewrites the loose object of its base's
   `result.txt` in place (same id, `{"score": 0.0}`); both submit a worse candidate with `--no-seed` (so an
-  unbound baseline would be shared between them).
+  unbound baseline would be shared between them). `packed` does the same to the blob inside a pack.
 - `pending`: the base blob is rewritten BEFORE enrollment: the base cannot be taken, so a submit is refused
   with `snapshot.failed` naming the file, at no cost; a plain launch still runs.
 - `sealed`: `.git` read-only to the kernel (bind-mounted read-only in the kernel's mount namespace, or made
@@ -41,7 +41,7 @@ FORGED = '{"score": 0.0}\n'  # the same length as BASE, so a packed entry can be
 WORSE = '{"score": 0.4}\n'
 CONTRACT = ("--eval-command", "sh eval.sh", "--metric", "score", "--no-seed")
 HOSTILE_NAME = "x;touch${IFS}%s;#"
-SPACES = ("reflog", "forged", "twin", "pending", "sealed")
+SPACES = ("reflog", "forged", "twin", "packed", "pending", "sealed")
 
 
 def git(ws: Path, *args: str, **kw: Any) -> str:
@@ -188,8 +188,9 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
     shutil.rmtree(ws / ".git" / "refs" / "syscall", ignore_errors=True)
     (ws / ".git" / "refs" / "syscall").symlink_to(outside / "refdir")
 
-    # forged: the base blob is rewritten in place after enrollment.
+    # forged / packed: the base blob is rewritten in place after enrollment, as a loose object / inside a pack.
     forge_loose(spaces["forged"], "result.txt", FORGED)
+    forge_packed(spaces["packed"], "result.txt", FORGED)
 
     # sealed: links everywhere in .git, a planted lock, and .git read-only to the kernel.
     ws = spaces["sealed"]
@@ -213,6 +214,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
             (spaces[name] / "result.txt").write_text(WORSE)
         e.sleeps["reflog"] = e.submit("reflog", launch=True)
         e.sleeps["forged"] = e.submit("forged")
+        e.sleeps["packed"] = e.submit("packed")
         e.sleeps["sealed"] = e.submit("sealed", launch=True)
         yield e
         assert kernel.stop() == 0
@@ -241,6 +243,12 @@ def test_a_base_blob_rewritten_in_place_is_measured_true_here_and_in_a_twin(env:
     env.sleeps["twin"] = env.submit("twin")
     v = env.wake("twin")["verdict"]
     assert (v["outcome"], v["base_value"], v["baseline_reused"]) == ("not_improved", 0.5, False)
+
+
+def test_a_base_blob_rewritten_in_place_inside_a_pack_is_measured_true(env: Env) -> None:
+    v = env.wake("packed")["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"]) == ("not_improved", 0.5, 0.4)
+    assert not v["baseline_reused"]
 
 
 def test_a_base_that_cannot_be_taken_intact_refuses_the_submit_at_no_cost(env: Env) -> None:
