@@ -59,6 +59,8 @@ class WorkspaceStatus(msgspec.Struct, frozen=True):
     sleep: SleepStatus | None
     # "none" (no eval contract), "trusted" or "self-reported" (kernel.core.evaluate.is_trusted)
     submit: str = "none"
+    # When the operator paused it (`syscall-kernel pause`), else None.
+    paused_at: str | None = None
 
 
 class KernelStatus(msgspec.Struct, frozen=True):
@@ -104,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--launches", type=int, metavar="N", help="launches left in the budget")
     e.add_argument("--sleeps", type=int, metavar="N", help="sleeps left in the budget")
     e.add_argument("--gpu-hours", type=float, metavar="X", help="GPU-hours left in the budget")
+    pol = e.add_argument_group(
+        "policy (this workspace's own, kept from then on; default: the config's [defaults])"
+    )
+    pol.add_argument("--max-minutes", type=int, metavar="M", help="walltime ceiling per launch")
+    pol.add_argument("--max-gpus", type=int, metavar="G", help="GPUs per task")
+    pol.add_argument("--max-concurrent-gpus", type=int, metavar="G", help="GPUs across running tasks")
+    pol.add_argument("--network", action=argparse.BooleanOptionalAction, help="jobs get the network (or not)")
     e.add_argument(
         "--take-over",
         action="store_true",
@@ -165,6 +174,35 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="workspaces, budgets, sleeps and jobs in flight (read from the store)")
     st.add_argument("--json", action="store_true", help="print one JSON object")
     config_opt(st)
+    ck = sub.add_parser(
+        "check", help="check the config, directories, lock, globs, jail and Slurm names; change nothing"
+    )
+    ck.add_argument("--json", action="store_true", help="one JSON object per finding")
+    config_opt(ck)
+    u = sub.add_parser("unenroll", help="stop serving a workspace and remove its channel (records are kept)")
+    u.add_argument("workspace", help="an enrolled workspace directory (or its key)")
+    u.add_argument(
+        "--force", action="store_true", help="even with a sleep in flight (its wake is never written)"
+    )
+    config_opt(u)
+    for verb, what in (
+        ("pause", "stop answering a workspace (requests wait; jobs in flight go on)"),
+        ("resume", "answer a paused workspace again"),
+    ):
+        pr = sub.add_parser(verb, help=what)
+        pr.add_argument("workspace", help="an enrolled workspace directory (or its key)")
+        config_opt(pr)
+    bu = sub.add_parser("budget", help="add to or set a workspace's budget (recorded: history --budget)")
+    bu.add_argument("workspace", help="an enrolled workspace directory (or its key)")
+    for kind, typ in (("launches", int), ("sleeps", int), ("gpu-hours", float)):
+        bu.add_argument(f"--add-{kind}", type=typ, metavar="N", help=f"add N {kind} (negative: take away)")
+        bu.add_argument(f"--set-{kind}", type=typ, metavar="N", help=f"set the {kind} left to N")
+    config_opt(bu)
+    hi = sub.add_parser("history", help="what the operator changed: budget changes with who and when")
+    hi.add_argument("workspace", nargs="?", help="only this workspace")
+    hi.add_argument("--budget", action="store_true", required=True, help="budget changes")
+    hi.add_argument("--json", action="store_true", help="one JSON object per line")
+    config_opt(hi)
     d = sub.add_parser("demo", help="run the kernel's main job on the embedded local backend")
     d.add_argument("--keep", action="store_true", help="keep the demo's temporary directory")
     return p
@@ -248,6 +286,11 @@ def cmd_enroll(args: argparse.Namespace) -> int:
             Grant(args.launches, args.sleeps, args.gpu_hours),
             contract=contract,
             take_over=args.take_over,
+            overrides={
+                k: v
+                for k in ("max_minutes", "max_gpus", "max_concurrent_gpus", "network")
+                if (v := getattr(args, k)) is not None
+            },
         )
     except EnrollError as exc:
         print(f"syscall-kernel enroll: refused: {exc}", file=sys.stderr)
@@ -378,8 +421,11 @@ def _status(cfg: Config) -> KernelStatus:
                 sleep = SleepStatus(s.id, s.seq, s.state, s.created_at, tasks)
             c = ws.policy.submit
             trust = "none" if c is None else "trusted" if is_trusted(c, cfg.jail) else "self-reported"
+            paused = store.admin(ws.key).paused_at
             out.append(
-                WorkspaceStatus(ws.key, ws.path, ws.watch, ws.problem, _budget(ws.balance), sleep, trust)
+                WorkspaceStatus(
+                    ws.key, ws.path, ws.watch, ws.problem, _budget(ws.balance), sleep, trust, paused
+                )
             )
         counts = store.counts()
         return KernelStatus(
@@ -431,6 +477,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"    budget: {b['launches']} launches, {b['sleeps']} sleeps, {b['gpu_hours']:g} GPU-hours "
             f"({b['reserved_gpu_hours']:g} reserved)"
         )
+        if w.paused_at:
+            print(f"    PAUSED since {w.paused_at} (`syscall-kernel resume` serves it again)")
         if w.problem:
             print(f"    problem: {w.problem}")
         if w.submit == "self-reported":
@@ -441,6 +489,135 @@ def cmd_status(args: argparse.Namespace) -> int:
                 states[t.state] = states.get(t.state, 0) + 1
             summary = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "no tasks"
             print(f"    sleep {w.sleep.id} (seq {w.sleep.seq}): {w.sleep.state}; {summary}")
+            jobs = sorted({t.job_id for t in w.sleep.tasks if t.job_id})
+            if jobs:
+                print(f"    jobs: {' '.join(jobs)}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from kernel.service.check import run_checks
+
+    try:
+        cfg = _config(args.config)
+    except ConfigError as exc:
+        print(f"error   config: {exc}")
+        return 1
+    findings = run_checks(cfg)
+    for f in findings:
+        if args.json:
+            sys.stdout.write(
+                msgspec.json.encode({"level": f.level, "what": f.what, "detail": f.detail}).decode() + "\n"
+            )
+        else:
+            print(f"{f.level:<7} {f.what}: {f.detail}")
+    errors = sum(f.level == "error" for f in findings)
+    warnings = sum(f.level == "warn" for f in findings)
+    if not args.json:
+        print(f"{errors} error(s), {warnings} warning(s)")
+    return 1 if errors else 0
+
+
+def _admin_store(cfg: Config, verb: str) -> Store | None:
+    try:
+        statedir.prepare(cfg.state_dir, create=False)
+        return Store.open(cfg.db_path)
+    except (StoreError, OSError, statedir.StateDirError) as exc:
+        print(f"syscall-kernel {verb}: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_unenroll(args: argparse.Namespace) -> int:
+    from kernel.io import admin
+
+    store = _admin_store(_config(args.config), "unenroll")
+    if store is None:
+        return 1
+    try:
+        row = admin.unenroll(store, args.workspace, force=args.force)
+    except admin.AdminError as exc:
+        print(f"syscall-kernel unenroll: refused: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    print(f"unenrolled {row.path} ({row.key}): its channel is removed; its records stay in the store")
+    print(f"  `syscall-kernel enroll {row.path}` enrolls it again (with the budget it had)")
+    return 0
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    from kernel.io import admin
+
+    store = _admin_store(_config(args.config), args.command)
+    if store is None:
+        return 1
+    try:
+        row, changed = admin.set_paused(store, args.workspace, args.command == "pause")
+    except admin.AdminError as exc:
+        print(f"syscall-kernel {args.command}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    state = "paused: requests wait unanswered" if args.command == "pause" else "served again"
+    print(f"{row.path} ({row.key}) is {state}{'' if changed else ' (it already was)'}")
+    return 0
+
+
+def cmd_budget(args: argparse.Namespace) -> int:
+    from kernel.io import admin
+
+    edit = admin.BudgetEdit(
+        add={k: v for k in admin.BUDGET_KINDS if (v := getattr(args, f"add_{k}")) is not None},
+        set={k: v for k in admin.BUDGET_KINDS if (v := getattr(args, f"set_{k}")) is not None},
+    )
+    store = _admin_store(_config(args.config), "budget")
+    if store is None:
+        return 1
+    try:
+        row, before, after = admin.change_budget(store, args.workspace, edit, admin.who())
+    except admin.AdminError as exc:
+        print(f"syscall-kernel budget: refused: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    b, a = before.to_message(), after.to_message()
+    print(f"budget of {row.path} ({row.key}): {edit.describe()}")
+    print(f"  was: {b.launches} launches, {b.sleeps} sleeps, {b.gpu_hours:g} GPU-hours")
+    print(f"  now: {a.launches} launches, {a.sleeps} sleeps, {a.gpu_hours:g} GPU-hours")
+    return 0
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    cfg = _config(args.config)
+    try:
+        store = Store.open(cfg.db_path, readonly=True)
+    except StoreError as exc:
+        print(f"syscall-kernel history: {exc}", file=sys.stderr)
+        return 1
+    try:
+        key = None
+        if args.workspace is not None:
+            row = store.workspace_by_path(os.path.realpath(args.workspace)) or store.workspace(args.workspace)
+            if row is None:
+                print(f"syscall-kernel history: {args.workspace} was never enrolled", file=sys.stderr)
+                return 1
+            key = row.key
+        changes = store.budget_changes(key)
+    finally:
+        store.close()
+    for c in changes:
+        if args.json:
+            out: dict[str, object] = {"workspace": c.workspace, "at": c.at, "who": c.who, "change": c.change}
+            out |= {"before": _budget(c.before), "after": _budget(c.after)}
+            sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+        else:
+            a = c.after.to_message()
+            print(
+                f"{c.at}  {c.workspace}  by {c.who}: {c.change} -> {a.launches} launches, {a.sleeps} sleeps, "
+                f"{a.gpu_hours:g} GPU-hours"
+            )
+    if not changes and not args.json:
+        print("no budget changes recorded")
     return 0
 
 
@@ -457,6 +634,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "enroll": cmd_enroll,
         "rebase": cmd_rebase,
         "status": cmd_status,
+        "check": cmd_check,
+        "unenroll": cmd_unenroll,
+        "pause": cmd_pause,
+        "resume": cmd_pause,
+        "budget": cmd_budget,
+        "history": cmd_history,
         "demo": cmd_demo,
     }
     try:

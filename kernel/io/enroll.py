@@ -20,6 +20,7 @@ import functools
 import glob
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
@@ -28,7 +29,7 @@ import msgspec
 
 from channel import limits as L
 from channel import safefs
-from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Limits, StoreRef, encode
+from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Limits, Policy, StoreRef, encode
 from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
 from kernel.core import budget
 from kernel.core.budget import Balance
@@ -269,6 +270,7 @@ def enroll(
     mounts: list[tuple[str, str]] | None = None,
     contract: EvalContract | None = None,
     take_over: bool = False,
+    overrides: Mapping[str, int | bool] | None = None,
 ) -> Enrolled:
     """Enroll (or refresh) one workspace. EnrollError when it is refused.
 
@@ -279,6 +281,8 @@ def enroll(
     written into the agent's `.git`).
 
     A channel whose kernel.json names another store as its owner is refused (OwnedElsewhere) unless `take_over`.
+    `overrides` (policy fields: max_minutes, max_gpus, max_concurrent_gpus, network) are kept for this workspace
+    on top of the config's defaults, from then on; an unenrolled workspace is enrolled again.
     """
     for name, v in (("launches", grant.launches), ("sleeps", grant.sleeps), ("gpu-hours", grant.gpu_hours)):
         if v is not None and v < 0:
@@ -288,6 +292,11 @@ def enroll(
     existing = store.workspace(key)
     S.ensure_schema(store)
     chosen = contract or S.contract_of(store, key) or cfg.defaults.submit
+    admin = store.admin(key)
+    own = {**admin.overrides, **(overrides or {})}
+    wrong = overrides_problem(cfg.defaults.policy(), own)
+    if wrong is not None:
+        raise EnrollError(f"{path}: {wrong}")
     if chosen is not None:
         problem = contract_problem(chosen) or score_data_problem(chosen, resolved)
         if problem is not None:
@@ -330,7 +339,7 @@ def enroll(
             path=resolved,
             identity=ch.identity,
             balance=_balance_for(cfg, existing, grant),
-            policy=msgspec.structs.replace(cfg.defaults.policy(), submit=chosen),
+            policy=msgspec.structs.replace(with_overrides(cfg.defaults.policy(), own), submit=chosen),
             tool_sha256=tool.sha256,
             watch=watch.choose_mode(cfg.watch, fstype),
             enrolled_at=existing.enrolled_at if existing is not None else now,
@@ -338,6 +347,8 @@ def enroll(
         )
         with store.transaction():
             store.put_workspace(row)
+            if own != admin.overrides or admin.unenrolled_at is not None:
+                store.set_admin(key, replace(admin, unenrolled_at=None, overrides=own))
             if contract is not None:
                 S.set_contract(store, key, contract)
         # The submit base: HEAD the first time, taken through the verified path into the kernel's repository (an
@@ -379,6 +390,45 @@ def hold_recorded_base(store: Store, cfg: Config, key: str, path: str) -> str | 
         with store.transaction():
             S.record_held(store, key, base, got)
     return None
+
+
+# The policy fields an operator may set per workspace, with their bounds (as the config's `[defaults]`).
+OVERRIDABLE: Final = {
+    "max_minutes": (L.MINUTES_MIN, L.MINUTES_CEILING),
+    "max_gpus": (0, L.GPUS_CEILING),
+    "max_concurrent_gpus": (0, L.GPUS_CEILING * L.ARRAY_MAX),
+}
+
+
+def overrides_problem(defaults: Policy, own: Mapping[str, int | bool]) -> str | None:
+    """What is wrong with a workspace's policy overrides (the flag named), or None."""
+    for name, v in own.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "network":
+            if not isinstance(v, bool):
+                return f"{flag} is true or false"
+            continue
+        if name not in OVERRIDABLE:
+            return f"{name} cannot be set per workspace"
+        lo, hi = OVERRIDABLE[name]
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            return f"{flag} must be an integer from {lo} to {hi}, got {v}"
+    policy = with_overrides(defaults, own)
+    if policy.max_gpus > policy.max_concurrent_gpus:
+        return (
+            f"--max-gpus {policy.max_gpus} is above the workspace's max_concurrent_gpus "
+            f"({policy.max_concurrent_gpus}); no launch could ever run (give --max-concurrent-gpus too)"
+        )
+    return None
+
+
+def with_overrides(defaults: Policy, own: Mapping[str, int | bool]) -> Policy:
+    return msgspec.structs.replace(defaults, **own) if own else defaults
+
+
+def policy_for(store: Store, key: str, cfg: Config) -> Policy:
+    """A workspace's policy now: the config's defaults, its own overrides, its own eval contract."""
+    return S.effective_policy(store, key, with_overrides(cfg.defaults.policy(), store.admin(key).overrides))
 
 
 def expand_globs(patterns: tuple[str, ...]) -> list[str]:

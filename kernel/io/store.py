@@ -19,6 +19,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -114,6 +115,22 @@ CREATE TABLE IF NOT EXISTS store_meta (
     name            TEXT PRIMARY KEY,
     value           TEXT NOT NULL
 ) STRICT;
+
+CREATE TABLE IF NOT EXISTS workspace_admin (
+    workspace       TEXT PRIMARY KEY REFERENCES workspaces(key),
+    paused_at       TEXT,
+    unenrolled_at   TEXT,
+    overrides       BLOB
+) STRICT;
+
+CREATE TABLE IF NOT EXISTS budget_changes (
+    workspace       TEXT NOT NULL REFERENCES workspaces(key),
+    at              TEXT NOT NULL,
+    who             TEXT NOT NULL,
+    change          TEXT NOT NULL,
+    before          BLOB NOT NULL,
+    after           BLOB NOT NULL
+) STRICT;
 """
 
 T = TypeVar("T")
@@ -128,6 +145,30 @@ def timestamp(at: float | None = None) -> str:
 
 _policy_decoder: Final = msgspec.json.Decoder(Policy)
 _artifacts_decoder: Final = msgspec.json.Decoder(tuple[str, ...])
+
+
+@dataclass(frozen=True, slots=True)
+class AdminRow:
+    """The operator's controls of one workspace: paused, unenrolled (records kept), policy overrides."""
+
+    paused_at: str | None = None
+    unenrolled_at: str | None = None
+    # Policy fields set for this workspace at enrollment (`--max-minutes`, `--max-gpus`, `--network`).
+    overrides: dict[str, int | bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetChange:
+    workspace: str
+    at: str
+    who: str
+    change: str
+    before: Balance
+    after: Balance
+
+
+_overrides_decoder: Final = msgspec.json.Decoder(dict[str, int | bool])
+_balance_decoder: Final = msgspec.json.Decoder(Balance)
 
 
 class StoreError(Exception):
@@ -259,7 +300,67 @@ class Store:
         return None if row is None else self._ws(row)
 
     def workspaces(self) -> list[WorkspaceRow]:
-        return [self._ws(r) for r in self._all(f"SELECT {self._WS_COLS} FROM workspaces ORDER BY key")]
+        """The enrolled workspaces (not those unenrolled: their records stay, their channels are gone)."""
+        try:
+            rows = self._all(
+                f"SELECT {self._WS_COLS} FROM workspaces WHERE key NOT IN "
+                "(SELECT workspace FROM workspace_admin WHERE unenrolled_at IS NOT NULL) ORDER BY key"
+            )
+        except sqlite3.OperationalError:  # a read-only store no kernel of this version has opened yet
+            rows = self._all(f"SELECT {self._WS_COLS} FROM workspaces ORDER BY key")
+        return [self._ws(r) for r in rows]
+
+    # --- operator's controls (workspace_admin, budget_changes) ---------------------------------------------
+
+    def admin(self, key: str) -> AdminRow:
+        try:
+            row = self._one(
+                "SELECT paused_at, unenrolled_at, overrides FROM workspace_admin WHERE workspace=?", (key,)
+            )
+        except sqlite3.OperationalError:
+            row = None
+        if row is None:
+            return AdminRow()
+        overrides = _overrides_decoder.decode(row[2]) if row[2] else {}
+        return AdminRow(paused_at=row[0], unenrolled_at=row[1], overrides=overrides)
+
+    def set_admin(self, key: str, a: AdminRow) -> None:
+        self._conn.execute(
+            "INSERT INTO workspace_admin (workspace, paused_at, unenrolled_at, overrides) VALUES (?,?,?,?) "
+            "ON CONFLICT(workspace) DO UPDATE SET paused_at=excluded.paused_at, "
+            "unenrolled_at=excluded.unenrolled_at, overrides=excluded.overrides",
+            (key, a.paused_at, a.unenrolled_at, msgspec.json.encode(a.overrides) if a.overrides else None),
+        )
+
+    def paused(self) -> set[str]:
+        try:
+            return {
+                r[0] for r in self._all("SELECT workspace FROM workspace_admin WHERE paused_at IS NOT NULL")
+            }
+        except sqlite3.OperationalError:
+            return set()
+
+    def add_budget_change(
+        self, key: str, at: str, who: str, change: str, before: Balance, after: Balance
+    ) -> None:
+        self._conn.execute(
+            "INSERT INTO budget_changes (workspace, at, who, change, before, after) VALUES (?,?,?,?,?,?)",
+            (key, at, who, change, msgspec.json.encode(before), msgspec.json.encode(after)),
+        )
+
+    def budget_changes(self, key: str | None = None) -> list[BudgetChange]:
+        where, args = ("WHERE workspace=?", (key,)) if key is not None else ("", ())
+        try:
+            rows = self._all(
+                f"SELECT workspace, at, who, change, before, after FROM budget_changes {where} ORDER BY rowid",
+                args,
+            )
+        except sqlite3.OperationalError:
+            return []
+        return [
+            BudgetChange(r[0], r[1], r[2], r[3], _balance_decoder.decode(r[4]), _balance_decoder.decode(r[5]))
+            for r in rows
+        ]
 
     def put_workspace(self, ws: WorkspaceRow) -> None:
         self._conn.execute(

@@ -80,6 +80,7 @@ class Service:
         # Channels whose kernel.json names another kernel's store, and glob matches refused (with why).
         self._foreign: set[str] = set()
         self._reload_wanted = False
+        self._paused: set[str] = set()
         self._refused: dict[str, str] = {}
 
     # --- health -------------------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ class Service:
             # The watch mode follows the filesystem and the policy follows the config, at every start (but an
             # eval contract given at enrollment stays the workspace's own).
             mode = choose_mode(self.cfg.watch, fs_type_of(row.path, mounts))
-            policy = submit.effective_policy(self.store, row.key, self.cfg.defaults.policy())
+            policy = enrollment.policy_for(self.store, row.key, self.cfg)
             if mode != row.watch or policy != row.policy:
                 with self.store.transaction():
                     self.store.set_watch(row.key, mode)
@@ -157,6 +158,7 @@ class Service:
             rows.append(row)
             self._refresh(row)
         self._data_version = self._read_data_version()
+        self._paused = self.store.paused()
         return rows
 
     def _refresh(self, row: WorkspaceRow) -> None:
@@ -225,8 +227,9 @@ class Service:
         return None
 
     def served(self, rows: list[WorkspaceRow]) -> list[WorkspaceRow]:
-        """The rows this kernel answers: not those another store owns."""
-        return [r for r in rows if r.key not in self._foreign]
+        """The rows this kernel answers: not those another store owns, nor those the operator paused (their
+        requests wait in their channels; their jobs in flight go on and their wakes are written)."""
+        return [r for r in rows if r.key not in self._foreign and r.key not in self._paused]
 
     def _read_data_version(self) -> int:
         # Changes when another process (an `enroll`) commits to the store.
@@ -237,6 +240,7 @@ class Service:
         if version == self._data_version:
             return None
         self._data_version = version
+        self._paused = self.store.paused()
         rows = self.store.workspaces()
         known = self.pipeline.workspaces
         for row in rows:
@@ -479,7 +483,7 @@ class Service:
         """After a reload: enroll new glob matches, give every workspace the policy of the new defaults."""
         self._enroll_globs()
         for row in self.store.workspaces():
-            policy = submit.effective_policy(self.store, row.key, self.cfg.defaults.policy())
+            policy = enrollment.policy_for(self.store, row.key, self.cfg)
             if policy != row.policy:
                 with self.store.transaction():
                     self.store.set_policy(row.key, policy)

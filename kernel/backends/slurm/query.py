@@ -322,3 +322,17 @@ def read_sacct(returncode: int, stdout: str, stderr: str) -> SacctResult:
 
 def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+# --- `syscall-kernel check`: does Slurm know the configured names? ---------------------------------------------
+
+
+def partition_argv(partition: str, scontrol: str = "scontrol") -> list[str]:
+    """`scontrol show partition NAME` (exit 0 and one record when the partition exists)."""
+    return [scontrol, "show", "--oneliner", "partition", partition]
+
+
+def sacctmgr_argv(kind: Literal["account", "qos"], name: str, sacctmgr: str = "sacctmgr") -> list[str]:
+    """`sacctmgr show account|qos NAME`, one parsable line per match (none: Slurm does not know it)."""
+    field = "account" if kind == "account" else "name"
+    return [sacctmgr, "--noheader", "--parsable2", "show", kind, name, f"format={field}"]

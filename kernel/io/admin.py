@@ -1,0 +1,140 @@
+"""The operator's controls of enrolled workspaces: unenroll, pause and resume, budget changes.
+
+Each is one store transaction (the running kernel notices the store changed within `poll_seconds` and follows:
+an unenrolled or paused workspace is no longer served) followed by its side effect on the channel: an unenrolled
+workspace's channel is removed (its records stay in the store); a budget change rewrites `budget.json`. Every
+budget change is recorded with who made it and when (`history --budget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Final
+
+from channel import safefs
+from channel.paths import CHANNEL_DIR
+from kernel.core.budget import Balance, gpu_seconds
+from kernel.core.records import WorkspaceRow
+from kernel.io.enroll import write_budget
+from kernel.io.store import Store, timestamp
+
+BUDGET_KINDS: Final = ("launches", "sleeps", "gpu_hours")
+
+
+class AdminError(Exception):
+    """The operation is refused; the message says why and what to do."""
+
+
+def who() -> str:
+    """The operator making a change: the login behind sudo when there is one, else this process's user."""
+    user = os.environ.get("SUDO_USER")
+    try:
+        me = getpass.getuser()
+    except (KeyError, OSError):
+        me = f"uid {os.geteuid()}"
+    return f"{user} (via sudo as {me})" if user else me
+
+
+def find(store: Store, path: str) -> WorkspaceRow:
+    """The enrolled workspace at `path` (or with that key)."""
+    row = store.workspace_by_path(os.path.realpath(path)) or store.workspace(path)
+    if row is None or store.admin(row.key).unenrolled_at is not None:
+        raise AdminError(f"{path} is not an enrolled workspace (`syscall-kernel status` lists them)")
+    return row
+
+
+def unenroll(store: Store, path: str, *, force: bool = False) -> WorkspaceRow:
+    """Stop serving the workspace and remove its channel; its records stay. Refused while a sleep is in flight
+    unless `force` (its jobs then run on unwatched, and no wake is written)."""
+    row = find(store, path)
+    live = store.current_sleep(row.key)
+    if live is not None and not force:
+        raise AdminError(
+            f"{row.path} has sleep {live.id} (seq {live.seq}) in flight ({live.state}); wait for its wake or cancel "
+            "it, or pass --force"
+        )
+    with store.transaction():
+        store.set_admin(row.key, dataclasses.replace(store.admin(row.key), unenrolled_at=timestamp()))
+    # After the commit: the kernel no longer serves it, so nothing writes into the channel while it goes.
+    try:
+        with safefs.open_channel(row.path, row.identity):
+            pass
+    except safefs.ChannelMoved:
+        # Not the directory enrolled: not ours to remove.
+        return row
+    except (safefs.Refused, OSError):
+        return row
+    # shutil.rmtree works through directory fds and never follows a link the agent planted inside.
+    shutil.rmtree(os.path.join(row.path, CHANNEL_DIR), ignore_errors=True)
+    return row
+
+
+def set_paused(store: Store, path: str, paused: bool) -> tuple[WorkspaceRow, bool]:
+    """Pause or resume; returns the row and whether anything changed."""
+    row = find(store, path)
+    admin = store.admin(row.key)
+    if (admin.paused_at is not None) == paused:
+        return row, False
+    with store.transaction():
+        store.set_admin(row.key, dataclasses.replace(admin, paused_at=timestamp() if paused else None))
+    return row, True
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetEdit:
+    """`--add-*` (a signed change) and `--set-*` (a new value) per kind; None leaves a kind alone."""
+
+    add: dict[str, float]
+    set: dict[str, float]
+
+    def describe(self) -> str:
+        parts = [f"{k} {'+' if v >= 0 else ''}{v:g}" for k, v in self.add.items()]
+        parts += [f"{k} = {v:g}" for k, v in self.set.items()]
+        return ", ".join(parts)
+
+
+def edited(b: Balance, edit: BudgetEdit) -> Balance:
+    """The balance after the edit; AdminError when a value would go below zero (or what is reserved)."""
+    values = {"launches": b.launches, "sleeps": b.sleeps, "gpu_s": b.gpu_s}
+    for kind, v in edit.set.items():
+        if v < 0:
+            raise AdminError(f"--set-{kind.replace('_', '-')} must be >= 0, got {v:g}")
+        values[_column(kind)] = gpu_seconds(v) if kind == "gpu_hours" else int(v)
+    for kind, v in edit.add.items():
+        delta = (round(v * 3600) if kind == "gpu_hours" else int(v)) if v == v else 0
+        values[_column(kind)] += delta
+    for col, v in values.items():
+        if v < 0:
+            raise AdminError(f"the change would leave {col.replace('_s', '-hours')} below zero")
+    return Balance(values["launches"], values["sleeps"], values["gpu_s"], b.reserved_gpu_s)
+
+
+def _column(kind: str) -> str:
+    return "gpu_s" if kind == "gpu_hours" else kind
+
+
+def change_budget(
+    store: Store, path: str, edit: BudgetEdit, by: str
+) -> tuple[WorkspaceRow, Balance, Balance]:
+    """Apply and record the edit in one transaction (read and written together: a charge by the running kernel
+    cannot slip in between), then rewrite budget.json."""
+    if not edit.add and not edit.set:
+        raise AdminError("nothing to change: give --add-launches/--add-sleeps/--add-gpu-hours or --set-...")
+    row = find(store, path)
+    now = timestamp()
+    with store.transaction():
+        current = store.workspace(row.key)
+        assert current is not None
+        after = edited(current.balance, edit)
+        store.set_balance(row.key, after)
+        store.add_budget_change(row.key, now, by, edit.describe(), current.balance, after)
+    try:
+        with safefs.open_channel(row.path, row.identity) as ch:
+            write_budget(ch, after, now)
+    except (safefs.ChannelMoved, safefs.Refused, OSError):
+        pass  # the store is the truth; the kernel rewrites budget.json at its next charge or start
+    return row, current.balance, after

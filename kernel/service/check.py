@@ -1,0 +1,182 @@
+"""`syscall-kernel check`: what would go wrong with this config, found before the first sleep does.
+
+Each finding is `ok`, `warn` (works, but probably not as meant) or `error` (the kernel would refuse to start, or
+a sleep would fail). Nothing is created or changed: the state and run dirs are examined, not made; the lock is
+read, not taken; Slurm is asked only read-only questions (`scontrol show partition`, `sacctmgr show`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from kernel.backends.slurm.query import partition_argv, sacctmgr_argv
+from kernel.core.config import Config
+from kernel.io import statedir
+from kernel.io.enroll import expand_globs
+from kernel.io.store import Store, StoreError
+
+Level = Literal["ok", "warn", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    level: Level
+    what: str
+    detail: str
+
+
+def run_checks(cfg: Config, env: dict[str, str] | None = None) -> list[Finding]:
+    env = dict(os.environ) if env is None else env
+    out = [Finding("ok", "config", f"{cfg.source} loads (backend {cfg.backend}, jail {cfg.jail})")]
+    if os.geteuid() == 0 and not cfg.allow_root:
+        out.append(Finding("error", "user", "running as root: `serve` refuses unless allow_root = true"))
+    out += _dir("state_dir", Path(cfg.state_dir))
+    out += _dir("run_dir", Path(cfg.run_dir), parents=True)
+    out += _lock(cfg)
+    out += _globs(cfg)
+    out += _workspaces(cfg)
+    out += _jail(cfg)
+    if cfg.backend == "slurm":
+        out += _slurm(cfg, env)
+    return out
+
+
+def _dir(key: str, p: Path, *, parents: bool = False) -> list[Finding]:
+    """A directory the kernel writes: there and writable, or makeable (the state dir only in an existing
+    parent; the run dir, made with its parents, in the nearest existing ancestor)."""
+    if p.is_dir():
+        if os.access(p, os.W_OK | os.X_OK):
+            return [Finding("ok", key, f"{p} is a writable directory")]
+        return [Finding("error", key, f"{p} is not writable by uid {os.geteuid()}")]
+    if p.exists() or p.is_symlink():
+        return [Finding("error", key, f"{p} is not a directory")]
+    base = p.parent
+    while parents and not base.exists() and base != base.parent:
+        base = base.parent
+    if base.is_dir() and os.access(base, os.W_OK | os.X_OK):
+        return [Finding("ok", key, f"{p} does not exist yet; it will be created (in {base})")]
+    return [
+        Finding("error", key, f"{p} does not exist, and {base} is not a writable directory to make it in")
+    ]
+
+
+def _lock(cfg: Config) -> list[Finding]:
+    try:
+        pid = statedir.holder(cfg.state_dir)
+    except statedir.StateDirError as exc:
+        return [Finding("error", "lock", str(exc))]
+    if pid is None:
+        return [Finding("ok", "lock", "no kernel holds the state dir (a `serve` may start)")]
+    return [
+        Finding(
+            "ok", "lock", f"held by the running kernel, pid {pid or 'unknown'}; a second serve would exit 2"
+        )
+    ]
+
+
+def _globs(cfg: Config) -> list[Finding]:
+    if not cfg.workspaces:
+        return [Finding("ok", "workspaces", "no globs: workspaces are enrolled with `syscall-kernel enroll`")]
+    out = []
+    for pattern in cfg.workspaces:
+        n = len(expand_globs((pattern,)))
+        if n:
+            out.append(
+                Finding("ok", "workspaces", f"{pattern!r} matches {n} director{'y' if n == 1 else 'ies'}")
+            )
+        else:
+            out.append(
+                Finding("warn", "workspaces", f"{pattern!r} matches nothing (a typo, or not created yet?)")
+            )
+    return out
+
+
+def _workspaces(cfg: Config) -> list[Finding]:
+    if not cfg.db_path.exists():
+        return []
+    try:
+        store = Store.open(cfg.db_path, readonly=True)
+    except StoreError as exc:
+        return [Finding("error", "store", str(exc))]
+    try:
+        rows = store.workspaces()
+        paused = store.paused()
+    finally:
+        store.close()
+    out = [Finding("ok", "store", f"{len(rows)} workspaces enrolled ({len(paused)} paused)")]
+    out += [Finding("warn", f"workspace {r.key}", f"{r.path}: {r.problem}") for r in rows if r.problem]
+    return out
+
+
+def _jail(cfg: Config) -> list[Finding]:
+    if cfg.jail == "none":
+        return [Finding("warn", "jail", "jail = 'none': jobs run unconfined (a single-user laptop only)")]
+    if cfg.jail == "apptainer":
+        found = shutil.which("apptainer")
+        ok = found is not None and Path(cfg.apptainer_image).exists()
+        why = "apptainer and the image are there" if ok else "apptainer or apptainer_image is missing"
+        return [Finding("ok" if ok else "error", "jail", why)]
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return [Finding("error", "jail", "bwrap is not installed (apt-get install bubblewrap)")]
+    probe = _run([exe, "--unshare-all", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "true"])
+    if probe is None or probe.returncode != 0:
+        detail = "did not answer" if probe is None else (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return [
+            Finding(
+                "error",
+                "jail",
+                f"bwrap cannot make its namespaces here: {detail} (sysctl kernel.unprivileged_userns_clone=1, or "
+                "kernel.apparmor_restrict_unprivileged_userns=0)",
+            )
+        ]
+    return [Finding("ok", "jail", f"bwrap works ({exe})")]
+
+
+def _slurm(cfg: Config, env: dict[str, str]) -> list[Finding]:
+    s = cfg.slurm
+    out: list[Finding] = []
+    if shutil.which("sbatch", path=env.get("PATH")) is None:
+        return [Finding("error", "slurm", "sbatch is not on PATH: the Slurm clients are not installed here")]
+    for partition in (s.partition or "").split(",") if s.partition else []:
+        done = _run(partition_argv(partition), env)
+        if done is None:
+            out.append(Finding("error", "slurm.partition", "scontrol did not answer: is slurmctld up?"))
+        elif done.returncode == 0 and f"PartitionName={partition} " in done.stdout + " ":
+            out.append(Finding("ok", "slurm.partition", f"{partition!r} exists"))
+        else:
+            why = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}").splitlines()[0]
+            out.append(Finding("error", "slurm.partition", f"{partition!r} is not known to Slurm: {why}"))
+    for kind, name in (("account", s.account), ("qos", s.qos)):
+        if name is None:
+            continue
+        done = _run(sacctmgr_argv(kind, name), env)  # type: ignore[arg-type]
+        key = f"slurm.{kind}"
+        if done is None or done.returncode != 0:
+            why = (
+                "did not answer"
+                if done is None
+                else (" ".join(done.stderr.split()) or f"exit {done.returncode}")
+            )
+            out.append(Finding("warn", key, f"cannot ask sacctmgr about {name!r} ({why}); not checked"))
+        elif name.lower() in {line.strip().lower() for line in done.stdout.splitlines()}:
+            out.append(Finding("ok", key, f"{name!r} exists"))
+        else:
+            out.append(
+                Finding("error", key, f"{name!r} is not known to Slurm's accounting (sacctmgr show {kind})")
+            )
+    return out
+
+
+def _run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str] | None:
+    try:
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=30, check=False, env=env, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None

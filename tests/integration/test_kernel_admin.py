@@ -1,0 +1,84 @@
+"""The operator's verbs against a running kernel (issue 12, defect 10): per-workspace policy at enrollment,
+budget changes recorded with who and when, pause/resume, unenroll (records kept)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from kernelproc import Kernel, git_workspace, put_request, read_answer, status, wait_answer
+
+from channel.paths import workspace_key
+
+
+def kernel_json(ws: Path) -> dict[str, object]:
+    return json.loads((ws / ".syscall" / "kernel.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_policy_budget_pause_and_unenroll(tmp_path: Path) -> None:
+    k = Kernel(
+        tmp_path, 'backend = "none"\npoll_seconds = 0.1\nrescan_seconds = 0.5\n[defaults]\nlaunches = 10\n'
+    )
+    ws = git_workspace(tmp_path / "ws")
+    key = workspace_key(str(ws.resolve()))
+
+    # Per-workspace policy at enrollment, checked, published, and kept by later enrollments.
+    bad = k.cli("enroll", str(ws), "--max-gpus", "99", check=False)
+    assert bad.returncode == 1
+    assert "--max-gpus must be an integer from 0 to 64, got 99" in bad.stderr
+    k.enroll(ws, "--max-minutes", "20", "--max-gpus", "2", "--network")
+    k.enroll(ws)
+    policy = kernel_json(ws)["policy"]
+    assert (policy["max_minutes"], policy["max_gpus"], policy["network"]) == (20, 2, True)  # type: ignore[index]
+    k.start()
+    try:
+        assert kernel_json(ws)["policy"]["max_minutes"] == 20  # type: ignore[index]
+
+        # Budget changes, recorded with who and when.
+        out = k.cli(
+            "budget", str(ws), "--add-launches", "5", "--set-sleeps", "3", "--add-gpu-hours", "1.5"
+        ).stdout
+        assert "now: 15 launches, 3 sleeps" in out
+        refused = k.cli("budget", str(ws), "--add-launches", "-1000", check=False)
+        assert refused.returncode == 1
+        assert "below zero" in refused.stderr
+        budget = json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]
+        assert (budget["launches"], budget["sleeps"]) == (15, 3)
+        [change] = [json.loads(line) for line in k.cli("history", "--budget", "--json").stdout.splitlines()]
+        assert change["workspace"] == key
+        assert change["change"] == "launches +5, gpu_hours +1.5, sleeps = 3"
+        assert change["who"]
+        assert change["before"]["launches"] == 10
+        assert change["after"]["launches"] == 15
+        assert "by " in k.cli("history", "--budget", str(ws)).stdout
+        # The running kernel answers with the new budget.
+        put_request(ws, "s0", status("s0"))
+        assert wait_answer(ws, "s0")["budget"]["launches"] == 15
+
+        # Pause: requests wait; status says so; resume answers them.
+        assert "is paused" in k.cli("pause", str(ws)).stdout
+        time.sleep(0.5)  # the kernel notices the store changed within poll_seconds (0.1 s)
+        put_request(ws, "s1", status("s1"))
+        time.sleep(1.5)  # a negative needs a bound: three rescans
+        assert read_answer(ws, "s1") is None
+        assert "PAUSED since" in k.cli("status").stdout
+        assert json.loads(k.cli("status", "--json").stdout)["workspaces"][0]["paused_at"]
+        k.cli("resume", str(ws))
+        wait_answer(ws, "s1")
+
+        # Unenroll: the channel goes, the records stay, the kernel stops serving it (and stays up).
+        out = k.cli("unenroll", str(ws)).stdout
+        assert "unenrolled" in out
+        assert not (ws / ".syscall").exists()
+        assert json.loads(k.cli("status", "--json").stdout)["workspaces"] == []
+        assert "not an enrolled workspace" in k.cli("pause", str(ws), check=False).stderr
+        # Enrolled again: the same budget and history.
+        k.enroll(ws)
+        put_request(ws, "s2", status("s2"))
+        assert wait_answer(ws, "s2")["budget"]["launches"] == 15
+        assert k.proc is not None
+        assert k.proc.poll() is None
+        assert k.stop() == 0
+    finally:
+        k.ensure_stopped()
