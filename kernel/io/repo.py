@@ -554,17 +554,40 @@ def read_head(git_fd: int, where: str) -> str | None:
     return None
 
 
-def legacy_refs(git_fd: int) -> list[str]:
-    """Refs an older kernel left under `refs/syscall/` (names only: nothing is followed or read through a link)."""
-    found = []
+def legacy_refs(git_fd: int, limit: int = 100) -> list[str]:
+    """Refs an older kernel left under `refs/syscall/` (at most `limit` names; loose ones listed through
+    directory fds and packed ones from `packed-refs`: nothing is followed, read through a link or changed)."""
+    found: list[str] = []
+
+    def walk(dfd: int, prefix: str) -> None:
+        for name in sorted(os.listdir(dfd)):
+            if len(found) >= limit:
+                return
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                found.append(f"{prefix}{name} (a symlink, not followed)")
+            elif stat.S_ISDIR(st.st_mode):
+                sub = os.open(name, _O_DIR, dir_fd=dfd)
+                try:
+                    walk(sub, f"{prefix}{name}/")
+                finally:
+                    os.close(sub)
+            else:
+                found.append(f"{prefix}{name}")
+
     with contextlib.suppress(UntrustedGit, OSError):
         rfd = _subdir(git_fd, "refs", ".git")
         if rfd is not None:
             try:
                 st = os.stat("syscall", dir_fd=rfd, follow_symlinks=False)
-                found.append(
-                    "refs/syscall" + (" (a symlink, not followed)" if stat.S_ISLNK(st.st_mode) else "/*")
-                )
+                if stat.S_ISLNK(st.st_mode):
+                    found.append("refs/syscall (a symlink, not followed)")
+                elif stat.S_ISDIR(st.st_mode):
+                    sfd = os.open("syscall", _O_DIR, dir_fd=rfd)
+                    try:
+                        walk(sfd, "refs/syscall/")
+                    finally:
+                        os.close(sfd)
             finally:
                 os.close(rfd)
     with contextlib.suppress(UntrustedGit, OSError):
@@ -574,7 +597,7 @@ def legacy_refs(git_fd: int) -> list[str]:
             for line in packed.splitlines()
             if (ref := line.partition(b" ")[2].strip()).startswith(b"refs/syscall/")
         ]
-    return found
+    return found[:limit]
 
 
 # --- importing a base through the verified path ---------------------------------------------------------------

@@ -349,3 +349,48 @@ def test_an_object_replaced_between_sleep_and_job_start_changes_nothing(
         assert kernel.stop() == 0
     finally:
         kernel.ensure_stopped()
+
+
+def test_an_older_kernels_refs_are_reported_once_and_its_bases_re_imported_through_the_verified_path(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    """The state an older kernel left: bases recorded in the store but held only under `refs/syscall/` of the
+    agents' repositories (no kernel repository yet). One workspace's base object was since rewritten in place."""
+    kernel = Kernel(tmp_path, "[local]\nseconds_per_minute = 1.0\n")
+    good, bad = make_ws(tmp_path, "good"), make_ws(tmp_path, "bad")
+    for ws in (good, bad):
+        kernel.enroll(ws, *CONTRACT)
+        key = workspace_key(ws.resolve())
+        shutil.rmtree(kernel.state / "runs" / "repos" / f"{key}.git")
+        git(ws, "update-ref", f"refs/syscall/{key}/base", "HEAD")
+        git(ws, "update-ref", f"refs/syscall/{key}/3", "HEAD")
+    forge_loose(bad, "result.txt", FORGED)
+    before = {ws.name: fingerprint(ws / ".git") for ws in (good, bad)}
+    try:
+        kernel.start()
+        log = kernel.log_text()
+        assert log.count("event=legacy_refs_ignored") == 2, log
+        assert f"refs/syscall/{workspace_key(good.resolve())}/3" in log
+        assert log.count("event=submit_base_held") == 1
+        assert "event=submit_base_unheld" in log
+        assert "does not hash to its id" in log
+        assert kernel.stop() == 0
+        kernel.start()  # said once: not again at the next start
+        assert kernel.log_text().count("event=legacy_refs_ignored") == 2
+        e = Env(tmp_path, kernel, {"good": good, "bad": bad})
+        for ws in (good, bad):
+            (ws / "result.txt").write_text(WORSE)
+        e.sleeps["good"] = e.submit("good")
+        v = e.wake("good")["verdict"]
+        assert (v["outcome"], v["base_value"]) == ("not_improved", 0.5)
+        report = tmp_path / "r.md"
+        report.write_text("r\n")
+        e.tool("bad", "submit", "--report", str(report))
+        refused = e.tool("bad", "sleep", ok=False)
+        assert refused.returncode == 3
+        assert "snapshot.failed" in refused.stdout + refused.stderr
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+    # The old refs are left as they were: never followed, never deleted.
+    assert {ws.name: fingerprint(ws / ".git") for ws in (good, bad)} == before
