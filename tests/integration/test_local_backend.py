@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,6 +206,37 @@ def test_empty_command_and_failed_materialisation_have_their_own_codes(world: Wo
     )
     assert "[syscall-wrapper]" in text(broken, "stderr")
     assert list(world.scratch.iterdir()) == []
+
+
+def test_a_blob_replaced_in_the_kernels_repository_fails_materialisation(world: World) -> None:
+    """Defence in depth: the wrapper re-hashes every blob it writes (the kernel's repository is the kernel's,
+    but what runs must be exactly the recorded tree)."""
+    repo = world.run_dir / "repos" / "ws-test.git"
+    plain = {**PLAIN_GIT, "GIT_DIR": str(repo)}
+    # Every object loose (fast-import leaves small imports loose already), so one can be rewritten in place.
+    for pack in sorted((repo / "objects" / "pack").glob("pack-*.pack")):
+        moved = world.root / pack.name
+        pack.rename(moved)
+        pack.with_suffix(".idx").unlink()
+        subprocess.run(["git", "unpack-objects", "-q"], stdin=moved.open("rb"), env=plain, check=True)
+    listing = subprocess.run(
+        ["git", "ls-tree", world.snap.tree, "train.py"], env=plain, check=True, capture_output=True, text=True
+    ).stdout
+    oid = listing.split()[2]
+    loose = repo / "objects" / oid[:2] / oid[2:]
+    loose.chmod(0o644)
+    forged = b"print('forged')\n"
+    loose.write_bytes(zlib.compress(b"blob %d\0" % len(forged) + forged))
+    spec = world.spec("tampered", "cat train.py")
+
+    async def go(b: L.LocalBackend) -> None:
+        await b.submit(spec)
+        await exits(b, 1)
+
+    with_backend(go)
+    assert (result(spec).code, result(spec).kind) == (jobscript.EXIT_MATERIALISE_FAILED, "materialise_failed")
+    assert "does not hash to its id" in text(spec, "stderr")
+    assert text(spec, "stdout") == ""
 
 
 def test_walltime_kills_and_records_timeout(world: World) -> None:
