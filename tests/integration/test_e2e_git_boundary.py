@@ -394,3 +394,25 @@ def test_an_older_kernels_refs_are_reported_once_and_its_bases_re_imported_throu
         kernel.ensure_stopped()
     # The old refs are left as they were: never followed, never deleted.
     assert {ws.name: fingerprint(ws / ".git") for ws in (good, bad)} == before
+
+
+def test_with_share_baselines_a_twin_reuses_the_measurement(tmp_path: Path, bwrap_available: None) -> None:
+    """The operator's opt-in, `[defaults.submit] share_baselines = true` (off by default: see the twin above)."""
+    kernel = Kernel(
+        tmp_path, "[defaults.submit]\nshare_baselines = true\n[local]\nseconds_per_minute = 1.0\n"
+    )
+    one, two = make_ws(tmp_path, "one", "same"), make_ws(tmp_path, "two", "same")
+    for ws in (one, two):
+        kernel.enroll(ws, "--sleeps", "10", "--gpu-hours", "4", *CONTRACT)
+        (ws / "result.txt").write_text(WORSE)
+    try:
+        kernel.start()
+        e = Env(tmp_path, kernel, {"one": one, "two": two})
+        e.sleeps["one"] = e.submit("one")
+        assert e.wake("one")["verdict"]["baseline_reused"] is False
+        e.sleeps["two"] = e.submit("two")
+        v = e.wake("two")["verdict"]
+        assert (v["outcome"], v["base_value"], v["baseline_reused"]) == ("not_improved", 0.5, True)
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
