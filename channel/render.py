@@ -107,7 +107,8 @@ def render_verdict(v: Verdict) -> str:
     else:
         out.append(
             "Self-reported: the metric was printed by code the candidate controls (the contract has no `score` "
-            "command and does not protect every file its eval runs); it is the candidate's own claim."
+            "command and does not protect every file its eval runs, or jobs run without a jail); it is the "
+            "candidate's own claim."
         )
     better = "higher" if v.direction == "higher" else "lower"
     out.append(f"Metric `{v.metric}` ({better} is better).")

@@ -34,14 +34,21 @@ from channel.messages import (
     SleepView,
     StatusAnswer,
     TaskView,
-    Verdict,
 )
 from kernel.core import budget
 from kernel.core.budget import Balance
 from kernel.core.evaluate import charge_eval, check_eval_names, eval_jobs
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 
-_verdict_decoder: Final = msgspec.json.Decoder(Verdict)
+
+class _StoredOutcome(msgspec.Struct):
+    """Only the outcome of a stored verdict (other members ignored: a verdict stored by an older kernel, with
+    its since-removed `seed`, still shows in history)."""
+
+    outcome: str
+
+
+_verdict_decoder: Final = msgspec.json.Decoder(_StoredOutcome)
 
 
 def parse_time(stamp: str) -> float:

@@ -352,7 +352,20 @@ def verdicts(
     if where:
         sql += " WHERE " + " AND ".join(where)
     rows = store._all(sql + " ORDER BY created_at", args)
-    return [StoredVerdict(r[0], r[1], r[2], _verdict_decoder.decode(r[3]), r[4], r[5]) for r in rows]
+    return [StoredVerdict(r[0], r[1], r[2], stored_verdict(r[3]), r[4], r[5]) for r in rows]
+
+
+def stored_verdict(blob: bytes) -> Verdict:
+    """A recorded verdict; one recorded by a kernel before seeds became private carries the seed, which is
+    dropped here (it must not reach the hook's payload as a field the protocol no longer has)."""
+    try:
+        return _verdict_decoder.decode(blob)
+    except msgspec.ValidationError:
+        raw = msgspec.json.decode(blob)
+        if not isinstance(raw, dict) or "seed" not in raw:
+            raise
+        raw.pop("seed")
+        return msgspec.convert(raw, Verdict)
 
 
 def set_hook_status(store: Store, workspace: str, seq: int, status: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from channel.messages import EvalContract
@@ -145,3 +146,24 @@ def test_the_score_jail_has_no_network_a_read_only_tree_and_its_cwd_in_the_score
     assert "/s/tree:/s/tree:ro" in filled
     assert "/s/scorer:/s/scorer:ro" in filled
     assert filled[filled.index("--network") + 1] == "none"
+
+
+OLD_VERDICT = (
+    b'{"outcome":"improved","metric":"score","direction":"higher","base_value":0.5,"candidate_value":0.9,'
+    b'"delta":0.4,"seed":211611861,"baseline_reused":false,"base_commit":"b","candidate_commit":"c"}'
+)
+
+
+def test_a_verdict_stored_by_an_older_kernel_with_its_seed_still_reads_without_it() -> None:
+    from kernel.core.records import SleepRow
+    from kernel.core.rules import history_answer
+    from kernel.io.submit import stored_verdict
+
+    v = stored_verdict(OLD_VERDICT)
+    assert (v.outcome, v.candidate_value, v.trusted) == ("improved", 0.9, False)
+    assert b"211611861" not in msgspec.json.encode(v)
+    row = SleepRow("w", 1, "s1", "woken", "", b"{}", "2026-11-30T12:00:00.000Z", None, OLD_VERDICT)
+    entry = history_answer("h1", [(row, [])]).sleeps[0]
+    assert entry.verdict == "improved"
+    with pytest.raises(msgspec.ValidationError):
+        stored_verdict(OLD_VERDICT.replace(b'"seed":211611861', b'"surprise":1'))
