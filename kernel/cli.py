@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--config",
             metavar="FILE",
-            help="TOML config (default: $SYSCALL_KERNEL_CONFIG, /etc/syscall-kernel/config.toml)",
+            help="TOML config (default: $SYSCALL_KERNEL_CONFIG, /etc/syscall-kernel/<user>.toml, /etc/syscall-kernel/config.toml)",
         )
 
     s = sub.add_parser("serve", help="run the kernel (as a systemd Type=notify service or in a terminal)")

@@ -129,8 +129,8 @@ class LocalBackend:
         python: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`base_env` is what job wrappers may inherit from (only PATH and the GPU list are taken from it);
-        `seconds_per_minute` shortens walltimes for tests and the demo."""
+        """`base_env` is what job wrappers may inherit from (only PATH, TMPDIR and the GPU list are taken from
+        it); `seconds_per_minute` shortens walltimes for tests and the demo."""
         self.max_parallel = max_parallel or os.cpu_count() or 1
         self.seconds_per_minute = seconds_per_minute
         self.python = python or sys.executable
@@ -196,7 +196,10 @@ class LocalBackend:
         _write(pid_path, msgspec.json.encode(PidRecord(pid=None)))
         job_sh = spec.paths.launch_dir / jobscript.NAMES.JOB_SCRIPT
         out = os.fspath(tdir / jobscript.NAMES.SCHEDULER_OUT)
-        env = jobscript.wrapper_env(self._base_env, task=task, tmpdir=spec.scratch)
+        # Jobs' scratch is the kernel's TMPDIR (the unit points it outside PrivateTmp=, which systemd empties when
+        # the kernel stops while jobs go on running), unless the launch names its own.
+        scratch = spec.scratch or self._base_env.get("TMPDIR") or None
+        env = jobscript.wrapper_env(self._base_env, task=task, tmpdir=scratch)
         # The kernel's own interpreter runs the (stdlib-only) wrapper: no PATH lookup, no shim, no site import.
         try:
             pid = os.posix_spawn(

@@ -9,6 +9,7 @@ the CLI alike.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import tomllib
 from pathlib import Path
@@ -22,7 +23,7 @@ from channel.messages import VERBS, EvalContract, Policy, Verb
 from kernel.core.evaluate import contract_problem
 
 ENV_CONFIG: Final = "SYSCALL_KERNEL_CONFIG"
-DEFAULT_CONFIG_PATHS: Final = (Path("/etc/syscall-kernel/config.toml"),)
+CONFIG_DIR: Final = Path("/etc/syscall-kernel")
 
 WatchMode = Literal["auto", "inotify", "poll"]
 
@@ -279,9 +280,29 @@ def _resolve(cfg: Config, source: str, env: dict[str, str]) -> Config:
     return msgspec.structs.replace(cfg, state_dir=state, run_dir=run, workspaces=globs, source=source)
 
 
-def load(path: str | os.PathLike[str] | None = None, *, env: dict[str, str] | None = None) -> Config:
-    """Load the config from `path`, else `$SYSCALL_KERNEL_CONFIG`, else /etc/syscall-kernel/config.toml if it
-    exists, else the built-in defaults."""
+def default_config_paths(user: str | None, config_dir: Path = CONFIG_DIR) -> tuple[Path, ...]:
+    """Where a config is looked for without `--config`: the user's own (`<user>.toml`, the file the unit
+    syscall-kernel@<user>.service passes, so the CLI run by hand as that user uses the service's store), then
+    the site-wide `config.toml`."""
+    own = (config_dir / f"{user}.toml",) if user and "/" not in user and not user.startswith(".") else ()
+    return (*own, config_dir / "config.toml")
+
+
+def _user_name() -> str | None:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (containers)
+        return None
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    config_dir: Path = CONFIG_DIR,
+) -> Config:
+    """Load the config from `path`, else `$SYSCALL_KERNEL_CONFIG`, else /etc/syscall-kernel/<user>.toml, else
+    /etc/syscall-kernel/config.toml (the first that exists), else the built-in defaults."""
     env = dict(os.environ) if env is None else env
     chosen: Path | None = None
     if path is not None:
@@ -289,7 +310,7 @@ def load(path: str | os.PathLike[str] | None = None, *, env: dict[str, str] | No
     elif env.get(ENV_CONFIG):
         chosen = Path(env[ENV_CONFIG])
     else:
-        chosen = next((p for p in DEFAULT_CONFIG_PATHS if p.is_file()), None)
+        chosen = next((p for p in default_config_paths(_user_name(), config_dir) if p.is_file()), None)
     if chosen is None:
         return parse("", "<defaults>", env=env)
     try:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import pwd
 from pathlib import Path
 
 import pytest
 
 from channel.messages import VERBS
-from kernel.core.config import ConfigError, load, parse
+from kernel.core.config import ConfigError, default_config_paths, load, parse
 
 
 def test_defaults_without_a_file_use_the_users_state_dir_for_cli_and_service_alike() -> None:
@@ -106,3 +108,27 @@ def test_share_baselines_is_the_kernels_setting_in_the_submit_table() -> None:
     assert parse("repo_gc_hours = 1.5\n").repo_gc_hours == 1.5
     with pytest.raises(ConfigError, match="repo_gc_hours"):
         parse("repo_gc_hours = 0\n")
+
+
+def test_without_a_flag_the_users_own_config_comes_first(tmp_path: Path) -> None:
+    # The unit syscall-kernel@<user> passes /etc/syscall-kernel/<user>.toml; the CLI run by hand as that user
+    # finds the same file, so `enroll` writes the store the service serves.
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    (tmp_path / "config.toml").write_text('watch = "poll"\n')
+    assert load(None, env={}, config_dir=tmp_path).watch == "poll"
+    (tmp_path / f"{user}.toml").write_text('watch = "inotify"\n')
+    cfg = load(None, env={}, config_dir=tmp_path)
+    assert (cfg.watch, cfg.source) == ("inotify", str(tmp_path / f"{user}.toml"))
+    # $SYSCALL_KERNEL_CONFIG still wins
+    (tmp_path / "other.toml").write_text('watch = "auto"\n')
+    assert (
+        load(None, env={"SYSCALL_KERNEL_CONFIG": str(tmp_path / "other.toml")}, config_dir=tmp_path).watch
+        == "auto"
+    )
+
+
+def test_a_user_name_never_leaves_the_config_dir() -> None:
+    d = Path("/etc/syscall-kernel")
+    assert default_config_paths("alice", d) == (d / "alice.toml", d / "config.toml")
+    for odd in ("../x", ".hidden", "", None):
+        assert default_config_paths(odd, d) == (d / "config.toml",)
