@@ -350,3 +350,38 @@ def test_the_operator_is_warned_of_a_self_reported_contract(env: Env) -> None:
     again = env.kernel.cli("enroll", str(env.spaces["neither-rewrite"])).stdout
     assert "warning: the eval contract lets the candidate print its own metric" in again
     assert "print its own metric" not in env.kernel.cli("enroll", str(env.spaces["jail-check"])).stdout
+
+
+@pytest.mark.slurm
+def test_the_score_stage_and_repeats_on_slurm(
+    tmp_path: Path, slurm_conf: Path, bwrap_available: None
+) -> None:
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "labels.txt").write_text(LABELS)
+    (private / "score.py").write_text(SCORE_PY)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    (ws / "model.py").write_text(MODEL.format(n=5))
+    (ws / "predict.py").write_text(PREDICT_PY)
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", "base")
+    kernel = Kernel(tmp_path, 'backend = "slurm"\njail = "bwrap"\n[slurm]\npoll_seconds = 1.0\n')
+    kernel.enroll(ws, *score_flags(private), "--repeats", "3")
+    e = Env(tmp_path, kernel, {"ws": ws})
+    try:
+        kernel.start(env={"SLURM_CONF": str(slurm_conf)})
+        (ws / "model.py").write_text(ATEXIT_MODEL)
+        report = tmp_path / "r.md"
+        report.write_text("atexit on slurm\n")
+        e.tool("ws", "submit", "--report", str(report))
+        e.sleeps["ws"] = json.loads(e.tool("ws", "sleep", "--json"))["id"]
+        wake = e.wake("ws")
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+    v = wake["verdict"]
+    assert (v["outcome"], v["trusted"], v["repeats"]) == ("not_improved", True, 3)
+    assert [(p["base"], p["candidate"]) for p in v["pairs"]] == [(0.5, 0.2)] * 3
+    assert all(t["job_id"] for t in wake["tasks"])
