@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -44,6 +45,7 @@ from kernel.io.repo import (
 __all__ = ["DEFAULT_MAX_FILE_BYTES", "DEFAULT_MAX_TOTAL_BYTES", "is_channel_path", "valid_repo_path"]
 
 MAX_INDEX_BYTES: Final = 512 * 1024 * 1024
+SHARED_INDEX: Final = re.compile(r"sharedindex\.[0-9a-f]{40}(?:[0-9a-f]{24})?")
 
 
 class SnapshotError(Exception):
@@ -178,6 +180,12 @@ def _scratch_git_dir(git_fd: int, where: str, dst: Path) -> None:
     index = R.read_file_at(git_fd, "index", where, MAX_INDEX_BYTES)
     if index is not None:
         (dst / "index").write_bytes(index)
+        # A split index (core.splitIndex) keeps most entries in `sharedindex.<id>` beside it.
+        for name in os.listdir(git_fd):
+            if SHARED_INDEX.fullmatch(name):
+                shared = R.read_file_at(git_fd, name, where, MAX_INDEX_BYTES)
+                if shared is not None:
+                    (dst / name).write_bytes(shared)
     exclude = R.read_file_at(git_fd, "info/exclude", where, 16 * 1024 * 1024)
     if exclude is not None:
         (dst / "info" / "exclude").write_bytes(exclude)
@@ -192,8 +200,8 @@ def list_workspace(ws: str, git_fd: int, tmp: Path) -> tuple[list[_Entry], list[
     out = R.run_git(env, ws, "ls-files", "-z", "-s", "--cached", "--full-name")
     if out.returncode != 0:
         raise SnapshotError(
-            f"{where}/index cannot be read: {R.first_line(out)} (a split or sparse index? run "
-            "`git update-index --no-split-index` or `git sparse-checkout disable`)"
+            f"{where}/index cannot be read: {R.first_line(out)} (a sparse index? run "
+            "`git sparse-checkout disable`)"
         )
     tracked = parse_ls_files_stage(out.stdout)
     out = R.run_git(env, ws, "ls-files", "-z", "--others", "--exclude-standard", "--full-name")

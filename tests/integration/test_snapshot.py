@@ -362,3 +362,13 @@ def test_a_linked_index_is_refused_with_its_path(tmp_path: Path) -> None:
     (ws / ".git" / "index").symlink_to(tmp_path / "index")
     with pytest.raises(S.SnapshotError, match=r"\.git/index is a symlink"):
         snap(ws, tmp_path)
+
+
+def test_a_split_index_is_read_from_its_copy(tmp_path: Path) -> None:
+    ws = make_repo(tmp_path, {"a.txt": "a\n", ".gitignore": "*.log\n", "kept.log": "x\n"})
+    git(ws, "add", "-f", "kept.log")
+    git(ws, "update-index", "--split-index")
+    git(ws, "commit", "-qm", "split")
+    assert list((ws / ".git").glob("sharedindex.*"))
+    s = snap(ws, tmp_path)
+    assert set(tree_of(tmp_path, s.ref)) == {"a.txt", ".gitignore", "kept.log"}  # the ignored file is tracked
