@@ -81,6 +81,10 @@ CODES: Final[dict[str, Code]] = {
     "cancel.no_sleep": Code("6", "there is no sleep in progress to cancel"),
     "cancel.unknown_launch": Code("6", "a name to cancel is not a launch of the current sleep"),
     "snapshot.failed": Code("6", "the workspace could not be snapshotted (its git repository is unusable)"),
+    "environment.failed": Code(
+        "6",
+        "the workspace's uv.lock could not be turned into an environment (uv's message says why); nothing ran",
+    ),
     "backend.refused": Code(
         "6", "the scheduler refused the job for good (e.g. an invalid partition or GPU request); nothing ran"
     ),

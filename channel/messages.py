@@ -445,6 +445,77 @@ class BudgetFile(_Strict, frozen=True):
     updated_at: Timestamp
 
 
+# The variables every task of a launch gets (`syscall env` lists them; the job wrapper sets them).
+JOB_VARIABLES: Final[tuple[tuple[str, str], ...]] = (
+    ("SWEEP_INDEX", "the task's index in its launch's array: 0..array-1 (0 for a single task)"),
+    ("SLURM_ARRAY_TASK_ID", "the same index, under Slurm's name"),
+    ("SYSCALL_TASK", "the same index again"),
+    ("SYSCALL_LAUNCH", "the launch's name"),
+    ("SYSCALL_SLEEP", "the sleep's id (as in the wake)"),
+    ("SYSCALL_SNAPSHOT", "the snapshot commit the job's tree was written from"),
+    ("EVAL_SEED", "submit evaluation runs only: the seed both runs of the pair share"),
+    ("CUDA_VISIBLE_DEVICES", "tasks with GPUs only: the GPUs the scheduler gave the task"),
+)
+
+
+class Package(_Strict, frozen=True):
+    name: str
+    version: str
+
+
+class LockedEnvironment(_Strict, frozen=True):
+    """The environment built from the workspace's uv.lock at its latest sleep that had one."""
+
+    lock_sha256: str
+    python_version: str
+    packages: tuple[Package, ...]
+    built_at: Timestamp
+
+
+class JobVariable(_Strict, frozen=True):
+    name: str
+    meaning: str
+
+
+class JobLimits(_Strict, frozen=True):
+    """Per task; None = no limit of that kind. `enforced_by` says what enforces them on this kernel."""
+
+    mem_mb: int | None = None
+    max_procs: int | None = None
+    tmp_mb: int | None = None
+    enforced_by: Literal["cgroup", "rlimit", "scheduler", "none"] = "none"
+
+
+class SnapshotRules(_Strict, frozen=True):
+    """What a job's tree holds: the workspace's files at `sleep` time."""
+
+    tracked: bool = True
+    untracked: bool = True  # untracked files that no ignore rule matches
+    ignored: bool = False
+    git_dir: bool = False  # `.git` is never in the tree
+    channel: bool = False  # `.syscall/` is never in the tree
+    max_file_bytes: int = 0
+    max_total_bytes: int = 0
+
+
+class JobEnvFile(_Strict, frozen=True):
+    """`jobenv.json`: what a job of this workspace sees (written by the kernel; `syscall env` shows it)."""
+
+    protocol: int
+    backend: str
+    jail: str
+    network: bool
+    environment: Literal["uv", "none"]  # how a snapshot with a uv.lock is run
+    python: str  # the interpreter environments are built on (the jail's python3 without one)
+    locked: LockedEnvironment | None
+    max_gpus_per_task: int
+    limits: JobLimits
+    path_dirs: tuple[str, ...]
+    variables: tuple[JobVariable, ...]
+    snapshot: SnapshotRules
+    updated_at: Timestamp
+
+
 _encoder: Final = msgspec.json.Encoder()
 
 

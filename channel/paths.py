@@ -25,6 +25,7 @@ class ChannelPaths:
     TOOL: Final = "syscall"
     KERNEL_JSON: Final = "kernel.json"
     BUDGET_JSON: Final = "budget.json"
+    JOBENV_JSON: Final = "jobenv.json"
     STAGED: Final = "staged.json"
     REQUESTS: Final = "requests"
     ANSWERS: Final = "answers"

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from channel import limits as L  # noqa: E402
 from channel.errors import CODES  # noqa: E402
 from channel.lifecycle import render_tables  # noqa: E402
-from channel.messages import Answer, BudgetFile, KernelInfo, Request, Wake  # noqa: E402
+from channel.messages import Answer, BudgetFile, JobEnvFile, KernelInfo, Request, Wake  # noqa: E402
 
 SPEC = ROOT / "spec" / "PROTOCOL.md"
 SCHEMA_DIR = ROOT / "spec" / "schema" / "v1"
@@ -38,6 +38,10 @@ SCHEMAS: dict[str, tuple[Any, str]] = {
     "wake.json": (Wake, "A wake, `wakes/<sleep-id>.json` (kernel -> agent)."),
     "kernel.json": (KernelInfo, "`kernel.json`: the kernel, its limits and the workspace's policy."),
     "budget.json": (BudgetFile, "`budget.json`: the workspace's remaining budget."),
+    "jobenv.json": (
+        JobEnvFile,
+        "`jobenv.json`: what a job of the workspace sees (interpreter, GPUs, limits...).",
+    ),
 }
 
 # What each protocol limit bounds. Every public name in channel.limits must appear here (the sync test checks).

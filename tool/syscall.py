@@ -1870,6 +1870,182 @@ def cmd_budget(ch: Channel, args: argparse.Namespace) -> int:
 
 
 # ==========================================================================================================
+# env: what a job sees
+# ==========================================================================================================
+
+# The job variables, for a kernel that predates jobenv.json (the kernel's list, messages.JOB_VARIABLES,
+# is what jobenv.json carries).
+JOB_VARIABLES = (
+    ("SWEEP_INDEX", "the task's index in its launch's array: 0..array-1 (0 for a single task)"),
+    ("SYSCALL_LAUNCH", "the launch's name"),
+    ("SYSCALL_SLEEP", "the sleep's id (as in the wake)"),
+    ("SYSCALL_SNAPSHOT", "the snapshot commit the job's tree was written from"),
+)
+ENV_PACKAGES_SHOWN = 25
+
+
+def lock_packages(text: str) -> list[tuple[str, str]]:
+    """(name, version) of every [[package]] in a uv.lock (a line reader: tomllib is Python 3.11+)."""
+    out: list[tuple[str, str]] = []
+    cur: dict[str, str] | None = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            if cur is not None and "name" in cur:
+                out.append((cur["name"], cur.get("version", "")))
+            cur = {} if line == "[[package]]" else None
+            continue
+        if cur is None:
+            continue
+        m = re.match(r"^(name|version|source)\s*=\s*(.*)$", line)
+        if m and m.group(1) not in cur:
+            cur[m.group(1)] = m.group(2).strip().strip('"')
+            if m.group(1) == "source" and "virtual" in m.group(2):
+                cur["virtual"] = "1"
+    if cur is not None and "name" in cur:
+        out.append((cur["name"], cur.get("version", "")))
+    return sorted(set(out))
+
+
+def workspace_lock(ch: Channel) -> dict[str, Any]:
+    """What the workspace's own uv.lock says (what the NEXT sleep will build)."""
+    import hashlib
+
+    ws = os.path.dirname(os.path.abspath(ch.root))
+    out: dict[str, Any] = {"uv_lock": False, "pyproject": os.path.isfile(os.path.join(ws, "pyproject.toml"))}
+    try:
+        with open(os.path.join(ws, "uv.lock"), "rb") as f:
+            raw = f.read(16 << 20)
+    except OSError:
+        return out
+    out["uv_lock"] = True
+    out["sha256"] = hashlib.sha256(raw).hexdigest()
+    out["packages"] = [list(p) for p in lock_packages(raw.decode("utf-8", "replace"))]
+    return out
+
+
+def _env_lines(doc: dict[str, Any], local: dict[str, Any], show: Callable[[str], str]) -> list[str]:
+    lines: list[str] = []
+    add = lines.append
+    locked = doc.get("locked") if isinstance(doc.get("locked"), dict) else None
+    mode = doc.get("environment", "none")
+    built = locked is not None and local.get("sha256") == locked.get("lock_sha256")
+    add(f"backend:      {doc.get('backend')}, jail {doc.get('jail')}")
+    if mode == "uv" and local.get("uv_lock") and local.get("pyproject"):
+        if built:
+            assert locked is not None
+            add(
+                "interpreter:  python (Python {}) of a private venv built from your uv.lock".format(
+                    locked.get("python_version") or "?"
+                )
+            )
+            pkgs = ["{} {}".format(p.get("name"), p.get("version")) for p in locked.get("packages", [])]
+            add(
+                "environment:  locked from uv.lock (sha256 {}), {}:".format(
+                    str(locked.get("lock_sha256"))[:16], _n(len(pkgs), "package", "packages")
+                )
+            )
+        else:
+            add(
+                "interpreter:  python of a private venv that the next sleep builds from uv.lock on "
+                f"{doc.get('python')}"
+            )
+            pkgs = [f"{n} {v}" for n, v in local.get("packages", [])]
+            add(
+                "environment:  locked from uv.lock (sha256 {}), not built yet: the next sleep installs it "
+                "before any job starts (a lock that does not install rejects the sleep, refunded); "
+                "per the lock "
+                "({}):".format(str(local.get("sha256"))[:16], _n(len(pkgs), "package", "packages"))
+            )
+        for i in range(0, min(len(pkgs), ENV_PACKAGES_SHOWN), 5):
+            add("                " + ", ".join(pkgs[i : i + 5]))
+        if len(pkgs) > ENV_PACKAGES_SHOWN:
+            add(f"                ... and {len(pkgs) - ENV_PACKAGES_SHOWN} more")
+        add(
+            "              jobs have no network to install more: add packages with `uv add`, "
+            "commit uv.lock, sleep"
+        )
+    else:
+        add(
+            f"interpreter:  {doc.get('python')} (the system's python3 in the jail, "
+            "with only its own packages)"
+        )
+        if mode == "uv":
+            why = "no uv.lock" if not local.get("uv_lock") else "uv.lock but no pyproject.toml"
+            add(
+                f"environment:  the system's ({why} in this workspace); for your own packages, commit a "
+                "pyproject.toml and uv.lock (`uv lock`): each job then gets that locked environment"
+            )
+        else:
+            add("environment:  the system's (this kernel does not build environments from uv.lock)")
+    gpus = doc.get("max_gpus_per_task", 0)
+    add(
+        f"GPUs:         up to {gpus} per task (launch --gpus N); a task sees only the GPUs it was given "
+        "(CUDA_VISIBLE_DEVICES), a task with --gpus 0 sees none"
+    )
+    add("network:      {}".format("on" if doc.get("network") else "off: jobs cannot reach the network"))
+    lim = doc.get("limits") if isinstance(doc.get("limits"), dict) else {}
+    parts = []
+    if lim.get("mem_mb"):
+        parts.append("memory {} MB".format(lim["mem_mb"]))
+    if lim.get("max_procs"):
+        parts.append("{} processes".format(lim["max_procs"]))
+    if lim.get("tmp_mb"):
+        parts.append("/tmp {} MB".format(lim["tmp_mb"]))
+    by = lim.get("enforced_by", "none")
+    if by == "scheduler":
+        add("limits:       the scheduler's (Slurm){}".format(": " + ", ".join(parts) if parts else ""))
+    elif parts:
+        add(
+            "limits:       per task: {} (enforced by {}); a task over its memory ends OUT_OF_MEMORY".format(
+                ", ".join(parts), by
+            )
+        )
+    else:
+        add("limits:       none per task besides the walltime")
+    for d in doc.get("path_dirs") or []:
+        add(f"on PATH:      {d} (read-only)")
+    add("variables:    every task gets:")
+    for v in doc.get("variables") or [{"name": n, "meaning": m} for n, m in JOB_VARIABLES]:
+        add("  {:<22}{}".format(v.get("name"), v.get("meaning")))
+    snap = doc.get("snapshot") if isinstance(doc.get("snapshot"), dict) else {}
+    add(
+        "snapshot:     each sleep runs your jobs on a snapshot of this workspace taken at `sleep`: tracked "
+        "files and untracked files that no .gitignore rule matches; NOT ignored files, .git or {}".format(
+            show("")
+        )
+    )
+    if snap.get("max_file_bytes"):
+        add("              (a file above {} MiB fails the sleep)".format(int(snap["max_file_bytes"]) >> 20))
+    return lines
+
+
+def cmd_env(ch: Channel, args: argparse.Namespace) -> int:
+    ch.info()
+    doc = ch.read_json("jobenv.json")
+    local = workspace_lock(ch)
+    if _result({"jobenv": doc if isinstance(doc, dict) else None, "workspace": local}, args.json):
+        return EXIT_OK
+    if not isinstance(doc, dict):
+        _out(
+            f"{ch.show('jobenv.json')} is missing: this kernel does not describe its jobs. "
+            "What every job gets:"
+        )
+        for name, meaning in JOB_VARIABLES:
+            _out(f"  {name:<22}{meaning}")
+        return EXIT_OK
+    _out(
+        "What a job of this workspace sees (from {}, {}):".format(
+            ch.show("jobenv.json"), doc.get("updated_at")
+        )
+    )
+    _out()
+    for line in _env_lines(doc, local, ch.show):
+        _out(line)
+    return EXIT_OK
+
+
+# ==========================================================================================================
 # MCP server: `syscall mcp` speaks the Model Context Protocol over stdio (JSON-RPC 2.0, one message a line).
 # Every tool is a verb above, run by the verb's own code: the same validation, channel, wording and refusals.
 # Nothing here knows a protocol rule; it maps tool arguments onto the verbs and their output onto results.
@@ -1960,6 +2136,11 @@ def _run_status(ch: Channel, a: dict[str, Any]) -> int:
 def _run_budget(ch: Channel, a: dict[str, Any]) -> int:
     _only(a, ())
     return cmd_budget(ch, _ns())
+
+
+def _run_env(ch: Channel, a: dict[str, Any]) -> int:
+    _only(a, ())
+    return cmd_env(ch, _ns())
 
 
 def _run_launch(ch: Channel, a: dict[str, Any]) -> int:
@@ -2200,6 +2381,20 @@ MCP_TOOLS = [
         "work has reserved. Free. Returns one line of text and the budget JSON. Example: budget {{}}",
         _run_budget,
         {"type": "object", "properties": {"budget": {"type": "object"}}, "required": ["budget"]},
+    ),
+    McpTool(
+        "env",
+        "What a job sees",
+        "Show what a job of this workspace sees: the interpreter and packages (a private environment built "
+        "from your committed uv.lock, or the system's python3), GPUs per task, network, per-task limits, the "
+        "variables every task gets ($SWEEP_INDEX is the array index) and what the snapshot includes. Free "
+        "(reads kernel-written files, asks the kernel nothing). Example: env {{}}",
+        _run_env,
+        {
+            "type": "object",
+            "properties": {"jobenv": {"type": ["object", "null"]}, "workspace": {"type": "object"}},
+            "required": ["jobenv", "workspace"],
+        },
     ),
     McpTool(
         "launch",
@@ -2773,7 +2968,11 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "    --artifact out/curve.json --why 'does a lower lr help' -- python train.py --lr 3e-4",
         "The command after `--` runs with `sh -c` in a snapshot of your workspace. Several words\n"
         "are quoted so the shell sees exactly them; ONE quoted argument is used as a shell line,\n"
-        "e.g. -- 'make && ./run'.",
+        "e.g. -- 'make && ./run'.\n\n"
+        "Each task of an --array N launch gets its index 0..N-1 in $SWEEP_INDEX (also for a single\n"
+        f"task: 0), and $SYSCALL_LAUNCH, $SYSCALL_SLEEP, $SYSCALL_SNAPSHOT. `{PROG} env` shows what a\n"
+        "job sees: the interpreter and packages (from your uv.lock, if you commit one), GPUs,\n"
+        "network, limits and every variable.",
     )
     p.add_argument(
         "--name", required=True, help="unique name in this sleep: lowercase letters, digits, '-' (<= 32)"
@@ -2886,6 +3085,17 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=_positive_seconds, help="seconds to wait for the answer (default 60)")
     p.set_defaults(func=cmd_history)
+
+    p = _sub(
+        subs,
+        common,
+        "env",
+        "Show what a job sees: interpreter, packages, GPUs, network, limits, variables, snapshot rules.",
+        "{p} env\n{p} env --json",
+        "Reads .syscall/jobenv.json (written by the kernel) and your workspace's uv.lock; asks the\n"
+        'kernel nothing. With --json: {"jobenv": <jobenv.json>, "workspace": <your uv.lock>}.',
+    )
+    p.set_defaults(func=cmd_env)
 
     p = _sub(subs, common, "budget", "Show what this workspace may still spend.", "{p} budget")
     p.add_argument("--timeout", type=_positive_seconds, help="seconds to wait for the answer (default 60)")

@@ -19,7 +19,7 @@ from msgspec import Meta
 from channel import limits as L
 from channel.paths import RunPaths
 from kernel.backends.slurm.submit import job_name as scheduler_job_name
-from kernel.node.jail import JailPolicy
+from kernel.node.jail import JailPolicy, JobEnvironment
 
 DEFAULT_ARTIFACT_MAX_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_ARTIFACT_TOTAL_MAX_BYTES: Final = 256 * 1024 * 1024
@@ -74,6 +74,11 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     artifact_total_max_bytes: int = DEFAULT_ARTIFACT_TOTAL_MAX_BYTES
     output_max_bytes: int = DEFAULT_OUTPUT_MAX_BYTES  # per stream (stdout, stderr) of each task
     kill_grace_s: float = 5.0
+    environment: JobEnvironment | None = None  # the locked environment each task builds (kernel.io.envcache)
+    # The scheduler confines devices by cgroup (Slurm's ConstrainDevices): bind every GPU node present.
+    gpus_constrained: bool = False
+    path_dirs: tuple[str, ...] = ()  # put on the job's PATH before the system's (environment.extra_dirs)
+    sleep_id: str = ""  # SYSCALL_SLEEP in the job's environment
 
     @property
     def paths(self) -> RunPaths:

@@ -69,11 +69,19 @@ class ArtifactRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def wrapper_config(spec: JobSpec) -> dict[str, object]:
     """The configuration `job.sh` embeds (pure)."""
     paths = spec.paths
-    env = J.jail_env(home=J.HOME_TOKEN)
+    env = J.jail_env(
+        home=J.HOME_TOKEN,
+        venv=J.VENV_TOKEN if spec.environment is not None else None,
+        path_dirs=spec.path_dirs,
+    )
+    env |= job_variables(spec)
     # The run directory and the live workspace are never bound; should an operator place them below a bound
     # system directory, they are masked as well.
     hide = tuple(dict.fromkeys((*spec.jail.hide, spec.run_dir, spec.workspace_path)))
-    jail = msgspec.structs.replace(spec.jail, hide=hide)
+    ro_dirs = spec.jail.ro_dirs
+    if spec.environment is not None and spec.environment.python_install_dir:
+        ro_dirs = (*ro_dirs, spec.environment.python_install_dir)
+    jail = msgspec.structs.replace(spec.jail, hide=hide, venv=spec.environment is not None, ro_dirs=ro_dirs)
     return {
         "version": 1,
         "key": spec.key,
@@ -97,8 +105,12 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         "score": None if spec.score is None else _score_config(spec, jail),
         "jail": {"kind": spec.jail.kind, "argv": J.template_argv(jail, gpus=spec.gpus)},
         "env": env,
-        "index_vars": list(J.INDEX_VARS),
-        "forward_vars": list(J.FORWARD_VARS),
+        "index_vars": [*J.INDEX_VARS, J.TASK_VAR],
+        # A task without GPUs gets neither device nodes nor the node's GPU list.
+        "forward_vars": list(J.FORWARD_VARS) if spec.gpus > 0 else [],
+        "gpu": {"count": spec.gpus, "constrained": spec.gpus_constrained},
+        "limits": {"mem_mb": spec.jail.mem_mb, "max_procs": spec.jail.max_procs},
+        "environment": msgspec.to_builtins(spec.environment) if spec.environment is not None else None,
         "artifacts": list(spec.artifacts),
         "artifact_max_bytes": spec.artifact_max_bytes,
         "artifact_total_max_bytes": spec.artifact_total_max_bytes,
@@ -121,6 +133,15 @@ def _score_config(spec: JobSpec, jail: J.JailPolicy) -> dict[str, object]:
         "argv": J.score_template_argv(jail, data=score.data),
         "env": env,
         "scorer": scorer,
+    }
+
+
+def job_variables(spec: JobSpec) -> dict[str, str]:
+    """The variables naming the job, the same in every task (the index variables are set per task)."""
+    return {
+        J.LAUNCH_VAR: spec.launch,
+        J.SLEEP_VAR: spec.sleep_id or str(spec.seq),
+        J.SNAPSHOT_VAR: spec.commit,
     }
 
 

@@ -125,6 +125,31 @@ class LocalConfig(_Strict, frozen=True, kw_only=True):
     max_parallel: Annotated[int, Meta(ge=0, le=4096)] = 0
     # TEST AND DEMO ONLY: how long a declared minute of walltime lasts on this backend.
     seconds_per_minute: Annotated[float, Meta(gt=0, le=60)] = 60.0
+    # Per task (kernel.limits): memory (MB), processes, and the size of the jail's /tmp and /dev/shm (MB).
+    # 0 = no limit. Slurm jobs keep Slurm's limits.
+    mem_mb: Annotated[int, Meta(ge=0, le=2**31)] = 0
+    max_procs: Annotated[int, Meta(ge=0, le=2**22)] = 0
+    tmp_mb: Annotated[int, Meta(ge=0, le=2**31)] = 0
+
+
+EnvironmentMode = Literal["uv", "none"]
+
+
+class EnvironmentConfig(_Strict, frozen=True, kw_only=True):
+    """How a job's Python environment is built (kernel.io.envcache): from the snapshot's uv.lock, or the system's."""
+
+    mode: EnvironmentMode = "uv"
+    # The interpreter uv builds environments on: an absolute path visible inside the jail (the default is the
+    # system's), or a version ("3.12") uv downloads once into the run directory.
+    python: Annotated[str, Meta(min_length=1, max_length=4096)] = "/usr/bin/python3"
+    # The package index uv downloads from when warming the cache ("" = uv's default, PyPI).
+    index_url: Annotated[str, Meta(max_length=4096, pattern=r"^(|https?://\S+)$")] = ""
+    # Read-only directories bound into the jail and put on PATH in this order (a site's conda or modules).
+    extra_dirs: tuple[Annotated[str, Meta(min_length=1, max_length=4096)], ...] = ()
+    # A warm cache unused for this many days is removed.
+    keep_days: Annotated[float, Meta(gt=0, le=3650)] = 14.0
+    # The longest a cache warm-up may take before the sleep is refused (environment.failed).
+    warm_timeout_seconds: Annotated[float, Meta(gt=0, le=24 * 3600)] = 1800.0
 
 
 class Config(_Strict, frozen=True, kw_only=True):
@@ -163,6 +188,7 @@ class Config(_Strict, frozen=True, kw_only=True):
     defaults: Defaults = Defaults()
     slurm: SlurmConfig = SlurmConfig()
     local: LocalConfig = LocalConfig()
+    environment: EnvironmentConfig = EnvironmentConfig()
     # Where this config came from (not a TOML key: filled in by `load`).
     source: str = ""
 
@@ -275,6 +301,17 @@ def _resolve(cfg: Config, source: str, env: dict[str, str]) -> Config:
         problem = contract_problem(cfg.defaults.submit) or score_data_problem(cfg.defaults.submit)
         if problem is not None:
             raise ConfigError(f"{source}: key 'defaults.submit.{problem[0]}': {problem[1]}")
+    envcfg = cfg.environment
+    for i, d in enumerate(envcfg.extra_dirs):
+        if not d.startswith("/") or ":" in d:
+            raise ConfigError(
+                f"{source}: key 'environment.extra_dirs.{i}' must be an absolute path without ':', got {d!r}"
+            )
+    if envcfg.python.startswith(".") or ("/" in envcfg.python and not envcfg.python.startswith("/")):
+        raise ConfigError(
+            f"{source}: key 'environment.python' must be an absolute path or a version such as '3.12', "
+            f"got {envcfg.python!r}"
+        )
     if cfg.batch_per_workspace > cfg.batch_per_pass:
         raise ConfigError(f"{source}: key 'batch_per_workspace' is above 'batch_per_pass'")
     return msgspec.structs.replace(cfg, state_dir=state, run_dir=run, workspaces=globs, source=source)

@@ -1,7 +1,8 @@
 """Exit kind -> task state: the one table that says what a task's `exit-code` record means (pure).
 
 Every finished task has exactly one exit record (`kernel.backends.jobscript.ExitRecord`), written by the wrapper
-(`exited`, `signaled`, `timeout`, `terminated`, `empty_command`, `materialise_failed`, `wrapper_error`) or, for
+(`exited`, `signaled`, `timeout`, `terminated`, `empty_command`, `materialise_failed`, `wrapper_error`,
+`environment_failed`, `out_of_memory`) or, for
 a task whose wrapper left none, by its backend (`lost`, `cancelled`; Slurm: `out_of_memory`, `failed`,
 `node_fail`, `preempted`, `vanished`, `stuck`, `submit_failed`). `KINDS` maps each kind to the lifecycle event
 the executor applies, the TaskState the wake shows, which of the record's exit code and signal are kept, and the
@@ -29,6 +30,14 @@ HINT_MATERIALISE: Final = (
 )
 HINT_WRAPPER: Final = (
     "the job wrapper failed around your command (the jail could not start?); see the stderr tail"
+)
+HINT_ENVIRONMENT: Final = (
+    "the locked environment (uv.lock) could not be installed on the node before the command started; the "
+    "stderr tail has uv's message; your command did not run"
+)
+HINT_OOM: Final = (
+    "the task went over its memory limit and was killed (`syscall env` shows the limit); use less memory, "
+    "smaller batches or fewer workers"
 )
 HINT_LOST: Final = "the job ended without leaving a result (its wrapper was killed); relaunch it"
 HINT_CANCELLED_EARLY: Final = "cancelled before it started"
@@ -68,11 +77,14 @@ KINDS: Final[Mapping[str, End]] = {
     "empty_command": End(_F, "FAILED", True, False, HINT_EMPTY),
     "materialise_failed": End(_F, "FAILED", True, False, HINT_MATERIALISE),
     "wrapper_error": End(_F, "FAILED", True, True, HINT_WRAPPER),
+    "environment_failed": End(_F, "FAILED", True, False, HINT_ENVIRONMENT),
+    # written by the wrapper when its task's memory cgroup saw an OOM kill (the local backend's limits), and by
+    # the Slurm backend from Slurm's own account (whose hint in slurm-state.json comes first)
+    "out_of_memory": End(_F, "OUT_OF_MEMORY", True, True, HINT_OOM),
     # written by a backend for a task whose wrapper left no record
     "lost": End(_L, "VANISHED", False, True, HINT_LOST),
     "cancelled": End(_C, "CANCELLED", False, False, HINT_CANCELLED_EARLY),
     # written by the Slurm backend from Slurm's own account (its hint is in slurm-state.json)
-    "out_of_memory": End(_F, "OUT_OF_MEMORY", True, True, None),
     "failed": End(_F, "FAILED", True, True, None),
     "node_fail": End(_L, "NODE_FAIL", False, True, None),
     "preempted": End(_L, "PREEMPTED", False, True, None),

@@ -36,9 +36,9 @@ from kernel.core.budget import Balance
 from kernel.core.config import Config, score_data_problem
 from kernel.core.evaluate import EVAL_FLAGS, contract_problem, is_trusted
 from kernel.core.records import WorkspaceRow
+from kernel.io import jobenv, watch
 from kernel.io import repo as R
 from kernel.io import submit as S
-from kernel.io import watch
 from kernel.io.install import ToolSource, install
 from kernel.io.repo import KernelRepo
 from kernel.io.snapshot import SnapshotError, tracked_under
@@ -357,6 +357,7 @@ def enroll(
         # Side effects after the commit: the channel's kernel-written files.
         ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool, owner, jail=cfg.jail))
         ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
+        jobenv.write(ch, jobenv.for_workspace(cfg, key, row.policy, now))
     return Enrolled(
         row=row,
         created=existing is None,
@@ -458,11 +459,18 @@ def write_budget(ch: safefs.Channel, balance: Balance, now: str, *, only_if_chan
 
 
 def refresh(
-    store: Store, ch: safefs.Channel, row: WorkspaceRow, tool: ToolSource, *, jail: str
+    store: Store,
+    ch: safefs.Channel,
+    row: WorkspaceRow,
+    tool: ToolSource,
+    *,
+    jail: str,
+    cfg: Config | None = None,
 ) -> str | None:
-    """At start, for an enrolled workspace: reinstall the tool if it changed, and rewrite `kernel.json` and
-    `budget.json` where they differ from the store (a crash may have left them stale). Returns the tool note.
-    OwnedElsewhere, with nothing written, when the channel was taken over by another kernel's store."""
+    """At start, for an enrolled workspace: reinstall the tool if it changed, and rewrite `kernel.json`,
+    `budget.json` (and with `cfg`, `jobenv.json`) where they differ from the store (a crash may have left them
+    stale). Returns the tool note. OwnedElsewhere, with nothing written, when the channel was taken over by
+    another kernel's store."""
     owner = check_owner(store, ch, row.path)
     if row.tool_sha256 != tool.sha256:
         with store.transaction():
@@ -476,4 +484,6 @@ def refresh(
     if current != wanted:
         ch.write_file(None, ChannelPaths.KERNEL_JSON, wanted)
     write_budget(ch, row.balance, timestamp(), only_if_changed=True)
+    if cfg is not None:
+        jobenv.write(ch, jobenv.for_workspace(cfg, row.key, row.policy, timestamp()))
     return note

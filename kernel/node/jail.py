@@ -15,6 +15,7 @@ wrapper through the tokens below.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -31,6 +32,10 @@ ENV_TOKEN: Final = "@@SYSCALL_ENV@@"
 COMMAND_TOKEN: Final = "@@SYSCALL_COMMAND@@"
 SCORER_TOKEN: Final = "@@SYSCALL_SCORER@@"
 SCORE_DATA_TOKEN: Final = "@@SYSCALL_SCORE_DATA@@"
+# The job's private venv (kernel.io.envcache): a whole argument, or the start of an env value (`<venv>/bin:...`).
+VENV_TOKEN: Final = "@@SYSCALL_VENV@@"
+# Expands to the bind arguments of the GPU device nodes the node gave the task (kernel.node.wrapper.gpu_binds).
+GPU_TOKEN: Final = "@@SYSCALL_GPUS@@"
 
 JAIL_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_LANG: Final = "C.UTF-8"
@@ -40,6 +45,15 @@ TREE_VAR: Final = "EVAL_TREE"
 SCORER_VAR: Final = "SCORER"
 SCORE_DATA_VAR: Final = "SCORE_DATA"
 INDEX_VARS: Final = ("SWEEP_INDEX", "SLURM_ARRAY_TASK_ID")
+# Set by the wrapper for every task (`syscall env` lists them with INDEX_VARS).
+LAUNCH_VAR: Final = "SYSCALL_LAUNCH"
+TASK_VAR: Final = "SYSCALL_TASK"
+SLEEP_VAR: Final = "SYSCALL_SLEEP"
+SNAPSHOT_VAR: Final = "SYSCALL_SNAPSHOT"
+# What CUDA reads outside /dev when a task has GPUs (read-only; each bound only where it exists).
+GPU_PROC: Final = "/proc/driver/nvidia"
+GPU_CONTROL: Final = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+GPU_SYS: Final = ("/sys/bus/pci", "/sys/devices", "/sys/dev", "/sys/module", "/sys/class/drm")
 # Forwarded from the node's environment when set there (the scheduler assigns GPUs).
 FORWARD_VARS: Final = ("CUDA_VISIBLE_DEVICES",)
 
@@ -82,6 +96,24 @@ class JailPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     system_dirs: tuple[str, ...] = DEFAULT_SYSTEM_DIRS
     etc: tuple[str, ...] = DEFAULT_ETC
     hide: tuple[str, ...] = ()  # kernel directories to mask if they lie below a bound directory
+    venv: bool = False  # the task's private venv (VENV_TOKEN) is bound read-only and put first on PATH
+    ro_dirs: tuple[str, ...] = ()  # more read-only directories (environment.extra_dirs, uv-managed Pythons)
+    tmp_mb: int = 0  # the size of the jail's /tmp (0: the tmpfs default, half the RAM)
+    shm_mb: int = 0  # the size of the jail's /dev/shm (0: the tmpfs default)
+    # Per task, enforced by the wrapper (kernel.node.wrapper.Limiter), 0 = none: memory (MB) and processes.
+    mem_mb: int = 0
+    max_procs: int = 0
+
+
+class JobEnvironment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a job needs to build its private venv from a warm cache (part of the JobSpec and job.sh)."""
+
+    uv: str  # the uv binary, on a path the node sees
+    cache: str  # <entry>/uv
+    project: str  # <entry>/project
+    python: str
+    python_install_dir: str | None = None  # set when the interpreter is uv-managed (bound read-only)
+    lock_sha256: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +135,15 @@ def jail_env(
     eval_seed: str | None = None,
     forwarded: Mapping[str, str] | None = None,
     lang: str = DEFAULT_LANG,
+    venv: str | None = None,
+    path_dirs: Sequence[str] = (),
 ) -> dict[str, str]:
-    """The whole environment of the jailed command: an allowlist, nothing inherited."""
-    env = {"PATH": JAIL_PATH, "LANG": lang, "HOME": home, "TMPDIR": "/tmp"}
+    """The whole environment of the jailed command: an allowlist, nothing inherited. `venv` (the private
+    environment) and `path_dirs` (the site's extra directories) come before the system's PATH."""
+    path = ":".join([*([f"{venv}/bin"] if venv else []), *path_dirs, JAIL_PATH])
+    env = {"PATH": path, "LANG": lang, "HOME": home, "TMPDIR": "/tmp"}
+    if venv:
+        env["VIRTUAL_ENV"] = venv
     if task_index is not None:
         for name in INDEX_VARS:
             env[name] = str(task_index)
@@ -151,13 +189,34 @@ def _under(path: str, parent: str) -> bool:
 
 
 def _abs(path: str, what: str) -> str:
-    if not path.startswith("/") and path not in (TREE_TOKEN, HOME_TOKEN, WORK_TOKEN, SCORER_TOKEN):
+    if not path.startswith("/") and path not in (
+        TREE_TOKEN,
+        HOME_TOKEN,
+        WORK_TOKEN,
+        SCORER_TOKEN,
+        VENV_TOKEN,
+    ):
         raise ValueError(f"jail {what} must be an absolute path, got {path!r}")
     return path
 
 
-def bwrap_argv(policy: JailPolicy, paths: JailPaths, env: Sequence[str], command: str) -> list[str]:
-    """bwrap argv per slurm.md; `env` is the output of `env_args` (or `[ENV_TOKEN]` in a template)."""
+def _tmpfs(size_mb: int, where: str) -> list[str]:
+    return [*(["--size", str(size_mb * 1024 * 1024)] if size_mb > 0 else []), "--tmpfs", where]
+
+
+def bwrap_argv(
+    policy: JailPolicy,
+    paths: JailPaths,
+    env: Sequence[str],
+    command: str,
+    *,
+    venv: str | None = None,
+    gpus: int = 0,
+    gpu_args: Sequence[str] = (),
+) -> list[str]:
+    """bwrap argv per slurm.md; `env` is the output of `env_args` (or `[ENV_TOKEN]` in a template); `venv` the
+    private environment's path when `policy.venv`; for a task with `gpus`, `gpu_args` binds its device nodes
+    (`gpu_bind_args` on the node, `[GPU_TOKEN]` in a template). A task without GPUs gets no GPU device."""
     tree, home = _abs(paths.tree, "tree"), _abs(paths.home, "home")
     argv = [
         policy.bwrap,
@@ -179,7 +238,26 @@ def bwrap_argv(policy: JailPolicy, paths: JailPaths, env: Sequence[str], command
         _abs(h, "hidden path")
         if any(_under(h, d) for d in bound):
             argv += ["--tmpfs", h]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    if gpus > 0:
+        # Device nodes first, then what CUDA reads from /proc and /sys; /dev then becomes read-only (its tmpfs
+        # would otherwise be RAM any job could fill), except /dev/shm which gets its own, sized tmpfs.
+        argv += list(gpu_args)
+        argv += ["--ro-bind-try", GPU_PROC, GPU_PROC]
+        for d in GPU_SYS:
+            argv += ["--ro-bind-try", d, d]
+    argv += _tmpfs(policy.shm_mb, "/dev/shm")
+    argv += ["--remount-ro", "/dev"]
+    argv += _tmpfs(policy.tmp_mb, "/tmp")
+    # After the fresh /tmp, which would otherwise hide a directory below it.
+    for d in policy.ro_dirs:
+        _abs(d, "read-only directory")
+        argv += ["--ro-bind-try", d, d]
+    if policy.venv:
+        if venv is None:
+            raise ValueError("the jail binds a private environment but no venv path was given")
+        v = _abs(venv, "venv")
+        argv += ["--ro-bind", v, v]
     argv += ["--bind", home, home, "--bind", tree, tree, "--chdir", tree]
     argv += list(env)
     argv += ["--", "sh", "-c", command]
@@ -187,7 +265,13 @@ def bwrap_argv(policy: JailPolicy, paths: JailPaths, env: Sequence[str], command
 
 
 def apptainer_argv(
-    policy: JailPolicy, paths: JailPaths, env: Sequence[str], command: str, *, gpus: int
+    policy: JailPolicy,
+    paths: JailPaths,
+    env: Sequence[str],
+    command: str,
+    *,
+    gpus: int,
+    venv: str | None = None,
 ) -> list[str]:
     """apptainer argv per slurm.md (`--containall` does not isolate the network, so `--net --network none`)."""
     if not policy.image:
@@ -199,6 +283,12 @@ def apptainer_argv(
     if gpus > 0:
         argv.append("--nv")
     argv += ["--bind", tree, "--pwd", tree, "--home", home, "--workdir", work]
+    for d in policy.ro_dirs:
+        argv += ["--bind", f"{_abs(d, 'read-only directory')}:{d}:ro"]
+    if policy.venv:
+        if venv is None:
+            raise ValueError("the jail binds a private environment but no venv path was given")
+        argv += ["--bind", f"{_abs(venv, 'venv')}:{venv}:ro"]
     argv += list(env)
     argv += [policy.image, "sh", "-c", command]
     return argv
@@ -281,17 +371,55 @@ def score_template_argv(policy: JailPolicy, *, data: str | None) -> list[str]:
 
 
 def build_argv(
-    policy: JailPolicy, paths: JailPaths, env: Sequence[str], command: str, *, gpus: int = 0
+    policy: JailPolicy,
+    paths: JailPaths,
+    env: Sequence[str],
+    command: str,
+    *,
+    gpus: int = 0,
+    venv: str | None = None,
+    gpu_args: Sequence[str] = (),
 ) -> list[str]:
     match policy.kind:
         case "bwrap":
-            return bwrap_argv(policy, paths, env, command)
+            return bwrap_argv(policy, paths, env, command, venv=venv, gpus=gpus, gpu_args=gpu_args)
         case "apptainer":
-            return apptainer_argv(policy, paths, env, command, gpus=gpus)
+            return apptainer_argv(policy, paths, env, command, gpus=gpus, venv=venv)
         case "none":
             return none_argv(command)
 
 
 def template_argv(policy: JailPolicy, *, gpus: int = 0) -> list[str]:
     """The argv with node-side tokens, for the job wrapper to fill in."""
-    return build_argv(policy, TEMPLATE_PATHS, [ENV_TOKEN], COMMAND_TOKEN, gpus=gpus)
+    return build_argv(
+        policy,
+        TEMPLATE_PATHS,
+        [ENV_TOKEN],
+        COMMAND_TOKEN,
+        gpus=gpus,
+        venv=VENV_TOKEN if policy.venv else None,
+        gpu_args=[GPU_TOKEN],
+    )
+
+
+def gpu_bind_args(visible: str | None, present: Sequence[str], *, constrained: bool) -> list[str]:
+    """bwrap arguments binding the GPU device nodes of a task (pure; kernel.node.wrapper keeps a stdlib copy that a
+    unit test holds equal to this one).
+
+    `present` lists the names under /dev (e.g. `nvidia0`, `nvidiactl`, `dri/renderD128`). The task gets the
+    `/dev/nvidia<N>` named by `visible` (CUDA_VISIBLE_DEVICES: indices), or every one present when the scheduler
+    confines devices by cgroup (`constrained`: Slurm's ConstrainDevices makes the others unopenable and renumbers
+    CUDA_VISIBLE_DEVICES) or when `visible` is unset or names GPUs by UUID; plus the control nodes and render
+    nodes that exist. A task with no GPU gets none of this (the caller does not call it)."""
+    cards = sorted((n for n in present if re.fullmatch(r"nvidia[0-9]+", n)), key=lambda n: int(n[6:]))
+    wanted = cards
+    if not constrained and visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if all(v.isdigit() for v in ids):
+            wanted = [n for n in cards if n[6:] in {str(int(v)) for v in ids}]
+    out: list[str] = []
+    names = [*wanted, *(n for n in GPU_CONTROL if n in present)]
+    names += sorted(n for n in present if re.fullmatch(r"dri/renderD[0-9]+", n))
+    for n in names:
+        out += ["--dev-bind-try", f"/dev/{n}", f"/dev/{n}"]
+    return out

@@ -42,6 +42,7 @@ EXIT_MATERIALISE_FAILED = 121
 EXIT_TERMINATED = 122
 EXIT_TIMEOUT = 123
 EXIT_WRAPPER_ERROR = 124
+EXIT_ENVIRONMENT_FAILED = 126
 
 KIND_EXITED = "exited"
 KIND_SIGNALED = "signaled"
@@ -50,6 +51,8 @@ KIND_MATERIALISE = "materialise_failed"
 KIND_TERMINATED = "terminated"
 KIND_TIMEOUT = "timeout"
 KIND_WRAPPER = "wrapper_error"
+KIND_ENVIRONMENT = "environment_failed"
+KIND_OOM = "out_of_memory"
 
 TREE_TOKEN = "@@SYSCALL_TREE@@"
 HOME_TOKEN = "@@SYSCALL_HOME@@"
@@ -57,6 +60,9 @@ WORK_TOKEN = "@@SYSCALL_WORK@@"
 ENV_TOKEN = "@@SYSCALL_ENV@@"
 COMMAND_TOKEN = "@@SYSCALL_COMMAND@@"
 SCORER_TOKEN = "@@SYSCALL_SCORER@@"
+VENV_TOKEN = "@@SYSCALL_VENV@@"
+GPU_TOKEN = "@@SYSCALL_GPUS@@"
+GPU_CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 
 # Replaced by kernel.backends.jobscript with the JSON text of this task's configuration.
 CONFIG_JSON: str | None = None  # @@SYSCALL_CONFIG@@
@@ -134,16 +140,20 @@ def render_argv(
     env: dict[str, str],
     command: str,
     scorer: str = "",
+    venv: str = "",
+    gpus: list[str] | None = None,
 ) -> list[str]:
-    """Fill the jail template's tokens with node-side values: the env and the command replace whole arguments;
-    a path token may also sit inside one (apptainer's `SRC:DST:ro`)."""
-    values = {TREE_TOKEN: tree, HOME_TOKEN: home, WORK_TOKEN: work, SCORER_TOKEN: scorer}
+    """Fill the jail template's tokens with node-side values: the env, the command and the GPU binds replace
+    whole arguments; a path token may also sit inside one (apptainer's `SRC:DST:ro`)."""
+    values = {TREE_TOKEN: tree, HOME_TOKEN: home, WORK_TOKEN: work, SCORER_TOKEN: scorer, VENV_TOKEN: venv}
     out: list[str] = []
     for arg in template:
         if arg == ENV_TOKEN:
             out += env_args(kind, env)
         elif arg == COMMAND_TOKEN:
             out.append(command)
+        elif arg == GPU_TOKEN:
+            out += gpus or []
         else:
             for token, value in values.items():
                 arg = arg.replace(token, value)
@@ -157,8 +167,38 @@ def fill_env(env: dict[str, str], **paths: str) -> dict[str, str]:
     return {k: (tokens.get(v) or v) for k, v in env.items()}
 
 
-def job_env(config: dict[str, Any], index: int, home: str, environ: dict[str, str]) -> dict[str, str]:
-    env = {k: (home if v == HOME_TOKEN else v) for k, v in config["env"].items()}
+def gpu_bind_args(visible: str | None, present: list[str], constrained: bool) -> list[str]:
+    """Mirror of kernel.node.jail.gpu_bind_args (a unit test keeps the two equal)."""
+    import re
+
+    cards = sorted((n for n in present if re.match(r"^nvidia[0-9]+$", n)), key=lambda n: int(n[6:]))
+    wanted = cards
+    if not constrained and visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if all(v.isdigit() for v in ids):
+            wanted = [n for n in cards if n[6:] in {str(int(v)) for v in ids}]
+    out: list[str] = []
+    names = wanted + [n for n in GPU_CONTROL if n in present]
+    names += sorted(n for n in present if re.match(r"^dri/renderD[0-9]+$", n))
+    for n in names:
+        out += ["--dev-bind-try", "/dev/" + n, "/dev/" + n]
+    return out
+
+
+def dev_listing(dev: str = "/dev") -> list[str]:
+    """The names under /dev that GPU binding looks at (`nvidia*` and `dri/*`)."""
+    names: list[str] = []
+    with contextlib.suppress(OSError):
+        names += [n for n in os.listdir(dev) if n.startswith("nvidia")]
+    with contextlib.suppress(OSError):
+        names += ["dri/" + n for n in os.listdir(os.path.join(dev, "dri"))]
+    return names
+
+
+def job_env(
+    config: dict[str, Any], index: int, home: str, environ: dict[str, str], venv: str = ""
+) -> dict[str, str]:
+    env = {k: (home if v == HOME_TOKEN else v.replace(VENV_TOKEN, venv)) for k, v in config["env"].items()}
     for name in config["index_vars"]:
         env[name] = str(index)
     seeds = config.get("seeds") or []
@@ -374,6 +414,259 @@ def is_protected(patterns: list[str], path: str) -> bool:
     return any(protected_match(p, path) for p in patterns)
 
 
+# --- the locked environment --------------------------------------------------------------------------------
+
+
+def link_tree(src: str, dest: str) -> int:
+    """Recreate `src` (kernel-owned: the warm uv cache) at `dest` with hard links, copying where linking fails
+    (another filesystem); returns the number of files."""
+    import shutil
+
+    count = 0
+    for root, dirs, files in os.walk(src):
+        rel = os.path.relpath(root, src)
+        target = dest if rel == "." else os.path.join(dest, rel)
+        os.makedirs(target, exist_ok=True)
+        for name in files:
+            s, d = os.path.join(root, name), os.path.join(target, name)
+            if os.path.islink(s):
+                os.symlink(os.readlink(s), d)
+            else:
+                try:
+                    os.link(s, d)
+                except OSError:
+                    shutil.copy2(s, d)
+            count += 1
+        for name in dirs:
+            s = os.path.join(root, name)
+            if os.path.islink(s):
+                os.symlink(os.readlink(s), os.path.join(target, name))
+    return count
+
+
+def prepare_environment(env: dict[str, Any], scratch: str, stderr_fd: int) -> str:
+    """Build the task's private venv from the kernel's warm cache, offline, outside the jail; returns its path.
+
+    The cache is linked into node scratch, then `uv sync --frozen --offline` (the flags of kernel.io.envcache's
+    sync_argv) installs by hard link into `<scratch>/env`; the jail binds that venv read-only, so a job cannot
+    change files it shares (by link) with the cache other jobs use."""
+    import subprocess
+
+    cache, venv, home = (os.path.join(scratch, n) for n in ("uv-cache", "env", "uv-home"))
+    try:
+        link_tree(env["cache"], cache)
+        os.mkdir(home, 0o700)
+    except OSError as e:
+        raise WrapperError(
+            KIND_ENVIRONMENT, EXIT_ENVIRONMENT_FAILED, f"copying the environment cache to scratch failed: {e}"
+        ) from None
+    uv_env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "LANG": "C.UTF-8",
+        "NO_COLOR": "1",
+        "UV_NO_CONFIG": "1",
+        "UV_NO_PROGRESS": "1",
+        "UV_CACHE_DIR": cache,
+        "UV_PROJECT_ENVIRONMENT": venv,
+        "UV_LINK_MODE": "hardlink",
+        "UV_OFFLINE": "1",
+    }
+    if env.get("python_install_dir"):
+        uv_env["UV_PYTHON_INSTALL_DIR"] = env["python_install_dir"]
+    else:
+        uv_env["UV_PYTHON_DOWNLOADS"] = "never"
+    argv = [env["uv"], "sync", "--frozen", "--no-build", "--no-install-project", "--no-config"]
+    argv += ["--project", env["project"], "--python", env["python"], "--offline"]
+    try:
+        got = subprocess.run(argv, env=uv_env, cwd=scratch, stdin=subprocess.DEVNULL, capture_output=True)
+    except OSError as e:
+        raise WrapperError(
+            KIND_ENVIRONMENT, EXIT_ENVIRONMENT_FAILED, f"uv could not be started: {e}"
+        ) from None
+    if got.returncode != 0:
+        text = (got.stdout + got.stderr).decode("utf-8", "replace").strip()
+        raise WrapperError(
+            KIND_ENVIRONMENT,
+            EXIT_ENVIRONMENT_FAILED,
+            "uv sync --offline failed on the node:\n" + text[-4000:],
+        )
+    return venv
+
+
+# --- per-task limits (the local backend) --------------------------------------------------------------------
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_GROUP = "syscall-jobs"
+
+
+def own_cgroups(text: str) -> dict[str, str]:
+    """Parse /proc/self/cgroup: controller (or "" for the v2 hierarchy) -> path."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for c in parts[1].split(",") if parts[1] else [""]:
+                out[c] = parts[2]
+    return out
+
+
+class Limiter:
+    """Memory, process and OOM accounting for one task: a cgroup where this process can create one (v2: a
+    `syscall-jobs/<task>` group with memory.max, memory.swap.max and pids.max; v1: one group per controller
+    below our own), else rlimits (RLIMIT_AS, RLIMIT_NPROC: weaker, see docs/operator.md). The jail is moved
+    into the group before it execs, so everything it forks is counted and, at the end, killed."""
+
+    def __init__(self, limits: dict[str, Any], name: str, root: str = CGROUP_ROOT) -> None:
+        self.mem_mb = int(limits.get("mem_mb") or 0)
+        self.max_procs = int(limits.get("max_procs") or 0)
+        self.gpus = int(limits.get("gpus") or 0)
+        self.name = name
+        self.root = root
+        self.mechanism = "none"
+        self.groups: list[str] = []  # every cgroup directory the jail joins
+        self.memory_group: str | None = None
+        self.v2 = False
+
+    @property
+    def wanted(self) -> bool:
+        return bool(self.mem_mb or self.max_procs)
+
+    def setup(self) -> str:
+        if not self.wanted:
+            return "none"
+        for attempt in (self._v2, self._v1):
+            try:
+                if attempt():
+                    self.mechanism = "cgroup"
+                    return self.mechanism
+            except OSError:
+                self._remove()
+        self.mechanism = "rlimit"
+        return self.mechanism
+
+    def _write(self, path: str, value: str) -> None:
+        with open(path, "w") as f:
+            f.write(value)
+
+    def _v2(self) -> bool:
+        if not os.path.exists(os.path.join(self.root, "cgroup.controllers")):
+            return False
+        with open(os.path.join(self.root, "cgroup.controllers")) as f:
+            have = f.read().split()
+        if "memory" not in have or "pids" not in have:
+            return False
+        parent = os.path.join(self.root, CGROUP_GROUP)
+        os.makedirs(parent, exist_ok=True)
+        for d in (self.root, parent):
+            with open(os.path.join(d, "cgroup.subtree_control")) as f:
+                enabled = f.read().split()
+            if "memory" not in enabled or "pids" not in enabled:
+                self._write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids")
+        group = os.path.join(parent, self.name)
+        os.mkdir(group)
+        self.groups, self.memory_group, self.v2 = [group], group, True
+        if self.mem_mb:
+            self._write(os.path.join(group, "memory.max"), str(self.mem_mb << 20))
+            with contextlib.suppress(OSError):
+                self._write(os.path.join(group, "memory.swap.max"), "0")
+        if self.max_procs:
+            self._write(os.path.join(group, "pids.max"), str(self.max_procs))
+        return True
+
+    def _v1(self) -> bool:
+        with open("/proc/self/cgroup") as f:
+            own = own_cgroups(f.read())
+        wanted = [c for c, on in (("memory", self.mem_mb), ("pids", self.max_procs)) if on]
+        for c in wanted:
+            if c not in own or not os.path.exists(os.path.join(self.root, c, "cgroup.procs")):
+                return False
+        for c in wanted:
+            group = os.path.join(self.root, c, own[c].lstrip("/"), CGROUP_GROUP + "-" + self.name)
+            os.mkdir(group)
+            self.groups.append(group)
+            if c == "memory":
+                self.memory_group = group
+                limit = str(self.mem_mb << 20)
+                self._write(os.path.join(group, "memory.limit_in_bytes"), limit)
+                with contextlib.suppress(OSError):  # no swap accounting: swap stays possible
+                    self._write(os.path.join(group, "memory.memsw.limit_in_bytes"), limit)
+            else:
+                self._write(os.path.join(group, "pids.max"), str(self.max_procs))
+        return True
+
+    def enter(self) -> None:
+        """In the jail's process, before exec (so everything it starts is inside)."""
+        import resource
+
+        if self.mechanism == "cgroup":
+            for group in self.groups:
+                self._write(os.path.join(group, "cgroup.procs"), str(os.getpid()))
+        elif self.mechanism == "rlimit":
+            # RLIMIT_AS counts address space, not memory: a GPU runtime reserves far more than it uses, so a
+            # task with GPUs gets no memory rlimit. RLIMIT_NPROC counts all of the user's processes, and root
+            # ignores it (docs/operator.md says so).
+            if self.mem_mb and not self.gpus:
+                resource.setrlimit(resource.RLIMIT_AS, (self.mem_mb << 20, self.mem_mb << 20))
+            if self.max_procs:
+                resource.setrlimit(resource.RLIMIT_NPROC, (self.max_procs, self.max_procs))
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer killed something in the task's memory group."""
+        if self.memory_group is None:
+            return False
+        name = "memory.events" if self.v2 else "memory.oom_control"
+        try:
+            with open(os.path.join(self.memory_group, name)) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
+                        return True
+        except OSError:
+            pass
+        return False
+
+    def finish(self) -> None:
+        """Kill whatever is left in the task's groups (a process that left the jail's session) and remove them."""
+        import time
+
+        for _ in range(50):
+            alive = False
+            for group in self.groups:
+                if self.v2 and os.path.exists(os.path.join(group, "cgroup.kill")):
+                    with contextlib.suppress(OSError):
+                        self._write(os.path.join(group, "cgroup.kill"), "1")
+                try:
+                    with open(os.path.join(group, "cgroup.procs")) as f:
+                        pids = [int(x) for x in f.read().split()]
+                except OSError:
+                    pids = []
+                for pid in pids:
+                    alive = True
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            if not alive:
+                break
+            time.sleep(0.05)
+        self._remove()
+
+    def _remove(self) -> None:
+        for group in self.groups:
+            with contextlib.suppress(OSError):
+                os.rmdir(group)
+        self.groups = []
+
+
+def limits_mechanism(root: str = CGROUP_ROOT) -> str:
+    """What would enforce a memory and process limit for a task started now ("cgroup" or "rlimit"): a trial
+    group is created and removed."""
+    probe = Limiter({"mem_mb": 64, "max_procs": 64}, f"probe-{os.getpid()}", root)
+    try:
+        return probe.setup()
+    finally:
+        probe.finish()
+
+
 # --- artifacts ---------------------------------------------------------------------------------------------
 
 
@@ -533,8 +826,18 @@ class Runner:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
 
-    def run(self, argv: list[str], cwd: str, env: dict[str, str], stdout: int, stderr: int, cap: int) -> int:
-        """Run the jail with its output copied into `stdout`/`stderr`, each capped at `cap` bytes."""
+    def run(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: dict[str, str],
+        stdout: int,
+        stderr: int,
+        cap: int,
+        preexec: Any = None,
+    ) -> int:
+        """Run the jail with its output copied into `stdout`/`stderr`, each capped at `cap` bytes; `preexec`
+        runs in the child before the exec (Limiter.enter)."""
         import subprocess
         import threading
 
@@ -549,6 +852,7 @@ class Runner:
                 stdout=pipes[0][1],
                 stderr=pipes[1][1],
                 start_new_session=True,
+                preexec_fn=preexec,
             )
         except BaseException:
             for r, w in pipes:
@@ -701,20 +1005,50 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
             note(f"stopped by {runner.signal_name} before the command started")
             code = EXIT_TIMEOUT if runner.reason == KIND_TIMEOUT else EXIT_TERMINATED
             return tdir, exit_record(runner.reason, code, signal=runner.signal_name)
-        env = job_env(config, index, home, environ)
+        venv = ""
+        if config.get("environment"):
+            try:
+                venv = prepare_environment(config["environment"], scratch, err_fd)
+            except WrapperError as e:
+                note(str(e))
+                return tdir, exit_record(e.kind, e.code)
+        env = job_env(config, index, home, environ, venv)
         kind = config["jail"]["kind"]
-        argv = render_argv(config["jail"]["argv"], kind, tree, home, work, env, command)
-        try:
-            status = runner.run(
-                argv, tree, env, out_fd, err_fd, int(config.get("output_max_bytes", 64 << 20))
+        gpu = config.get("gpu") or {}
+        gpus = None
+        if int(gpu.get("count", 0)) > 0:
+            gpus = gpu_bind_args(
+                environ.get("CUDA_VISIBLE_DEVICES"), dev_listing(), bool(gpu.get("constrained"))
             )
-        except OSError as e:
+        argv = render_argv(config["jail"]["argv"], kind, tree, home, work, env, command, venv=venv, gpus=gpus)
+        import subprocess
+
+        limits = dict(config.get("limits") or {}, gpus=gpu.get("count", 0))
+        limiter = Limiter(limits, "{}-{}-{}".format(str(config["key"]).replace("/", "-"), index, os.getpid()))
+        try:
+            limiter.setup()
+            status = runner.run(
+                argv,
+                tree,
+                env,
+                out_fd,
+                err_fd,
+                int(config.get("output_max_bytes", 64 << 20)),
+                limiter.enter if limiter.wanted else None,
+            )
+        except (OSError, subprocess.SubprocessError) as e:
             note(f"the jail could not be started: {e}")
+            limiter.finish()
             return tdir, exit_record(KIND_WRAPPER, EXIT_WRAPPER_ERROR)
+        oom = limiter.oom_killed()
+        limiter.finish()
         write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
         cmd_code = status if status >= 0 else 128 - status
         reason = runner.stopped_for()  # a signal handler may have set it while the jail ran
-        if reason is not None:
+        if oom and reason is None:
+            note(f"the task went over its memory limit of {limiter.mem_mb} MB and was killed")
+            rec = exit_record(KIND_OOM, cmd_code, command_code=cmd_code)
+        elif reason is not None:
             code = EXIT_TIMEOUT if reason == KIND_TIMEOUT else EXIT_TERMINATED
             rec = exit_record(reason, code, signal=runner.signal_name, command_code=cmd_code)
         elif status < 0:

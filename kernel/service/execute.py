@@ -50,6 +50,7 @@ from channel.messages import (
     TERMINAL_TASK_STATES,
     Artifact,
     JobRef,
+    LockedEnvironment,
     SkippedArtifact,
     TaskResult,
     Verdict,
@@ -63,6 +64,7 @@ from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, JobSpec, RunnableBa
 from kernel.core.budget import release
 from kernel.core.config import Config
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
+from kernel.io import envcache, jobenv
 from kernel.io import log as klog
 from kernel.io.crash import crash_point
 from kernel.io.enroll import write_budget
@@ -70,7 +72,7 @@ from kernel.io.repo import KernelRepo, RepoError, snapshot_ref
 from kernel.io.snapshot import Snapshot, SnapshotError, snapshot_sync
 from kernel.io.snapshot import release as release_snapshot
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
-from kernel.node.jail import JailPolicy
+from kernel.node.jail import JailPolicy, JobEnvironment
 from kernel.service import gather
 from kernel.service.executor import (
     DispatchRefused,
@@ -144,6 +146,7 @@ class RealExecutor:
         self._problems: dict[tuple[str, int], str] = {}
         # Snapshots, artifact copies and wake writes: never on the store worker (see kernel.service.heavy).
         self.heavy = HeavyPool()
+        self.envs = envcache.EnvCache(cfg.environment, cfg.run_dir) if cfg.environment.mode == "uv" else None
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.worker.call(fn, *args)
@@ -213,11 +216,17 @@ class RealExecutor:
     ) -> dict[str, JobSpec]:
         """One JobSpec per launch among the sleep's job rows (extra rows, e.g. evaluation runs, included)."""
         ws = order.workspace
+        local = self.cfg.local if self.cfg.backend == "local" else None
         jail = JailPolicy(
             kind=self.cfg.jail,
             network=ws.policy.network,
             image=self.cfg.apptainer_image or None,
             hide=(self.cfg.state_dir,),
+            ro_dirs=self.cfg.environment.extra_dirs,
+            tmp_mb=local.tmp_mb if local is not None else 0,
+            shm_mb=local.mem_mb // 2 if local is not None else 0,
+            mem_mb=local.mem_mb if local is not None else 0,
+            max_procs=local.max_procs if local is not None else 0,
         )
         specs: dict[str, JobSpec] = {}
         for j in jobs:
@@ -241,8 +250,111 @@ class RealExecutor:
                 gpus=j.gpus,
                 artifacts=j.artifacts,
                 jail=jail,
+                path_dirs=self.cfg.environment.extra_dirs,
+                sleep_id=order.sleep.id,
+                gpus_constrained=self.cfg.backend == "slurm",
             )
         return specs
+
+    # --- locked environments ----------------------------------------------------------------------------
+
+    async def _with_environments(
+        self, order: SleepOrder, tree: str, specs: dict[str, JobSpec]
+    ) -> dict[str, JobSpec]:
+        """Give each launch the locked environment of the tree it runs (the sleep's snapshot `tree`, or a
+        submit's base), built now if its cache is cold; raise DispatchRefused(environment.failed) when a
+        lockfile cannot be installed: before anything is submitted."""
+        ws = order.workspace
+        by_tree: dict[str, tuple[envcache.EnvReady, JobEnvironment] | None] = {}
+        for each in dict.fromkeys(spec.tree for spec in specs.values()):
+            by_tree[each] = await self._environment(order, each)
+        own = by_tree.get(tree)
+        locked = None if own is None else jobenv.locked_of(own[0], timestamp())
+        if self.envs is not None and specs:  # a checkpoint (no launch) says nothing about the environment
+            await anyio.to_thread.run_sync(self._publish_jobenv, ws, locked)
+        out = {}
+        for name, spec in specs.items():
+            found = by_tree[spec.tree]
+            out[name] = msgspec.structs.replace(spec, environment=None if found is None else found[1])
+        return out
+
+    def _project_files(self, key: str, tree: str) -> dict[str, bytes]:
+        """pyproject.toml and uv.lock at the root of a snapshot tree in the kernel's repository (those present)."""
+        repo = self.repo_of(key)
+        out = {}
+        for name in (envcache.PROJECT_FILE, envcache.LOCK_FILE):
+            data = repo.read_blob(tree, name)
+            if data is not None:
+                if len(data) > envcache.MAX_FILE_BYTES:
+                    raise RepoError(
+                        f"{name} is {len(data)} bytes, above the limit of {envcache.MAX_FILE_BYTES}"
+                    )
+                out[name] = data
+        return out
+
+    async def _environment(
+        self, order: SleepOrder, tree: str
+    ) -> tuple[envcache.EnvReady, JobEnvironment] | None:
+        if self.envs is None:
+            return None
+        ws = order.workspace
+        try:
+            files = await anyio.to_thread.run_sync(self._project_files, ws.key, tree)
+        except RepoError as e:
+            raise DispatchRefused(
+                RequestError("environment.failed", f"the locked environment: {e}", None)
+            ) from None
+        if envcache.LOCK_FILE not in files:
+            return None
+        if envcache.PROJECT_FILE not in files:
+            raise DispatchRefused(
+                RequestError(
+                    "environment.failed",
+                    "the snapshot has uv.lock but no pyproject.toml at its root; uv needs both (add pyproject.toml, "
+                    "or remove uv.lock to run on the system's Python)",
+                    None,
+                )
+            )
+        project = envcache.LockedProject(
+            pyproject=files[envcache.PROJECT_FILE], lock=files[envcache.LOCK_FILE]
+        )
+        try:
+            ready, env, built = await self.envs.ensure(project)
+        except envcache.EnvironmentFailed as e:
+            klog.event(
+                "environment_failed", logging.WARNING, ws=ws.key, seq=order.sleep.seq, error=str(e)[:500]
+            )
+            raise DispatchRefused(
+                RequestError(
+                    "environment.failed",
+                    f"the workspace's uv.lock could not be installed, so nothing was submitted: {e}",
+                    None,
+                )
+            ) from None
+        klog.event(
+            "environment_ready",
+            ws=ws.key,
+            seq=order.sleep.seq,
+            key=env.cache.rsplit("/", 2)[-2],
+            built=built,
+            packages=len(ready.packages),
+            warm_s=ready.warm_seconds if built else 0.0,
+        )
+        if built:
+            removed = await anyio.to_thread.run_sync(self.envs.prune)
+            if removed:
+                klog.event("environment_pruned", caches=len(removed))
+        return ready, env
+
+    def _publish_jobenv(self, ws: WorkspaceRow, locked: LockedEnvironment | None) -> None:
+        """Record the workspace's latest locked environment and rewrite its `jobenv.json` (a channel the agent
+        broke only loses the file, never the sleep)."""
+        jobenv.remember(self.cfg.run_dir, ws.key, locked)
+        try:
+            with safefs.open_channel(ws.path, ws.identity) as ch:
+                jobenv.write(ch, jobenv.document(self.cfg, ws.policy, locked, timestamp()))
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
+            klog.event("jobenv_unwritten", logging.WARNING, ws=ws.key, problem=f"{type(e).__name__}: {e}")
 
     async def dispatch(self, order: SleepOrder) -> tuple[JobRef, ...]:
         key, seq = order.workspace.key, order.sleep.seq
@@ -276,6 +388,7 @@ class RealExecutor:
             await self._call(self.prepare, order, row[1], row[2])
             jobs = await self._call(self.store.jobs_of, key, seq)
             specs = self.specs_of(order, row[1], row[2], [j for j in jobs if j.state == "PENDING"])
+            specs = await self._with_environments(order, row[2], specs)
             ids: dict[tuple[str, int], str] = {}
             try:
                 # Every run directory first, then every submit back to back: the launches start together.

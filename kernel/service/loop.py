@@ -165,7 +165,9 @@ class Service:
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 try:
-                    note = enrollment.refresh(self.store, ch, row, self.tool, jail=self.cfg.jail)
+                    note = enrollment.refresh(
+                        self.store, ch, row, self.tool, jail=self.cfg.jail, cfg=self.cfg
+                    )
                 except enrollment.OwnedElsewhere as exc:
                     self._owned_elsewhere(row, exc)
                     return

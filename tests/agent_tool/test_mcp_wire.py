@@ -26,7 +26,19 @@ from tool_fake_kernel import FakeKernel
 from channel.messages import ErrorInfo
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "mcp_transcript.jsonl"
-VERBS = ["status", "budget", "launch", "submit", "unstage", "sleep", "wait", "cancel", "queue", "history"]
+VERBS = [
+    "status",
+    "budget",
+    "env",
+    "launch",
+    "submit",
+    "unstage",
+    "sleep",
+    "wait",
+    "cancel",
+    "queue",
+    "history",
+]
 
 
 @pytest.fixture

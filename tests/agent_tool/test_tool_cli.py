@@ -97,7 +97,19 @@ def wait_for(condition: Any, what: str, timeout: float = 30) -> None:
 
 # --- help ------------------------------------------------------------------------------------------------
 
-VERBS = ["launch", "submit", "status", "unstage", "sleep", "wait", "cancel", "queue", "history", "budget"]
+VERBS = [
+    "launch",
+    "submit",
+    "status",
+    "unstage",
+    "sleep",
+    "wait",
+    "cancel",
+    "queue",
+    "history",
+    "budget",
+    "env",
+]
 
 
 def test_every_verb_has_help_with_an_example(python: str, kernel: FakeKernel, elsewhere: Path) -> None:
@@ -764,3 +776,23 @@ def test_installed_tool_is_executable(kernel: FakeKernel, elsewhere: Path) -> No
     )
     assert r.returncode == 0
     assert "usage: python3 .syscall/syscall" in r.stdout
+
+
+def test_launch_help_names_the_index_variable_and_points_to_env(
+    python: str, kernel: FakeKernel, elsewhere: Path
+) -> None:
+    r = run(python, kernel, "launch", "--help", cwd=elsewhere)
+    assert "$SWEEP_INDEX" in r.stdout
+    assert f"{PROG} env" in r.stdout
+
+
+def test_env_without_jobenv_json_lists_the_job_variables(
+    python: str, kernel: FakeKernel, elsewhere: Path
+) -> None:
+    r = run(python, kernel, "env", cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert "jobenv.json is missing" in r.stdout
+    assert "SWEEP_INDEX" in r.stdout
+    data = json.loads(run(python, kernel, "env", "--json", cwd=elsewhere).stdout)
+    assert data["jobenv"] is None
+    assert data["workspace"]["uv_lock"] is False

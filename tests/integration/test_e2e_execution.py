@@ -183,7 +183,9 @@ def test_the_walltime_kills_a_job_that_runs_too_long(env: Env) -> None:
     t = only_task(env.sleep_wait("walltime"))
     assert t["state"] == "TIMEOUT"
     assert t["stdout_tail"] == "start\n"
-    assert 0.9 <= t["elapsed_s"] < 15
+    # elapsed is `started` -> `ended`: the wrapper's own start-up (compiling job.sh, ~0.05 s idle, several
+    # times that on a loaded machine) comes out of the 1 s walltime, which the backend counts from the spawn.
+    assert 0.5 <= t["elapsed_s"] < 15
 
 
 def test_an_array_with_concurrency_one_runs_its_tasks_one_at_a_time(env: Env) -> None:

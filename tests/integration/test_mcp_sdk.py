@@ -25,7 +25,19 @@ from testenv import IN_CI, python38
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
 
-TOOLS = ["status", "budget", "launch", "submit", "unstage", "sleep", "wait", "cancel", "queue", "history"]
+TOOLS = [
+    "status",
+    "budget",
+    "env",
+    "launch",
+    "submit",
+    "unstage",
+    "sleep",
+    "wait",
+    "cancel",
+    "queue",
+    "history",
+]
 
 
 def git(ws: Path, *args: str) -> None:

@@ -47,11 +47,14 @@ def test_bwrap_binds_only_the_tree_and_home_writable_and_chdirs_into_the_tree() 
     assert "/etc" not in ro, "the whole /etc (shadow, ssh keys, kernel config) must not be bound"
     assert "/etc/resolv.conf" not in ro, "no network, no resolver"
     assert all(src == dst for src, dst in _pairs(argv, "--ro-bind-try"))
-    assert _pairs(argv, "--tmpfs", 1) == [("/tmp",)]
+    assert _pairs(argv, "--tmpfs", 1) == [("/dev/shm",), ("/tmp",)]
+    assert _pairs(argv, "--remount-ro", 1) == [("/dev",)]
+    assert "--size" not in argv, "no size given: the tmpfs default"
     assert _pairs(argv, "--proc", 1) == [("/proc",)]
     assert _pairs(argv, "--dev", 1) == [("/dev",)]
     # The tree is bound after the fresh /tmp, or the tmpfs would hide a tree that lives under /tmp.
     assert argv.index("--tmpfs") < argv.index("--bind")
+    assert not [a for a in argv if "nvidia" in a or a.startswith("/sys")], "no GPU without gpus"
 
 
 def test_bwrap_network_policy_keeps_the_net_namespace_shared_and_binds_the_resolver() -> None:
@@ -155,24 +158,167 @@ def test_wrapper_env_args_mirror_the_kernels(kind: J.JailKind) -> None:
         J.JailPolicy(network=True, hide=("/opt/k",)),
         J.JailPolicy(kind="apptainer", image="/i.sif"),
         J.JailPolicy(kind="none"),
+        J.JailPolicy(venv=True, ro_dirs=("/opt/site",), tmp_mb=64, shm_mb=32),
+        J.JailPolicy(kind="apptainer", image="/i.sif", venv=True, ro_dirs=("/opt/site",)),
     ],
-    ids=["bwrap", "bwrap-net", "apptainer", "none"],
+    ids=["bwrap", "bwrap-net", "apptainer", "none", "bwrap-venv-limits", "apptainer-venv"],
 )
-def test_the_wrappers_rendering_of_the_template_equals_the_direct_build(policy: J.JailPolicy) -> None:
-    env = J.jail_env(home=PATHS.home, task_index=1)
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_the_wrappers_rendering_of_the_template_equals_the_direct_build(
+    policy: J.JailPolicy, gpus: int
+) -> None:
+    venv = "/scratch/j1/env"
+    env = J.jail_env(home=PATHS.home, task_index=1, venv=venv if policy.venv else None)
     command = "echo '@@SYSCALL_TREE@@' $HOME"  # a token inside the command is data, not a placeholder
-    direct = J.build_argv(policy, PATHS, J.env_args(policy.kind, env), command, gpus=1)
+    devices = J.gpu_bind_args(None, ["nvidia0", "nvidia1", "nvidiactl"], constrained=False)
+    direct = J.build_argv(
+        policy, PATHS, J.env_args(policy.kind, env), command, gpus=gpus, venv=venv, gpu_args=devices
+    )
     rendered = W.render_argv(
-        J.template_argv(policy, gpus=1), policy.kind, PATHS.tree, PATHS.home, PATHS.work, env, command
+        J.template_argv(policy, gpus=gpus),
+        policy.kind,
+        PATHS.tree,
+        PATHS.home,
+        PATHS.work,
+        env,
+        command,
+        venv=venv,
+        gpus=devices,
     )
     assert rendered == direct
 
 
+# --- GPUs: fake device lists ---------------------------------------------------------------------------------
+
+NODE_DEV = ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
+NODE_DEV += ["nvidia-modeset", "nvidia-caps", "dri/renderD128", "dri/renderD129", "dri/card0"]
+
+
+def _devices(argv: list[str]) -> list[str]:
+    return [src for src, dst in _pairs(argv, "--dev-bind-try") if src == dst]
+
+
+def _gpu_argv(gpus: int, visible: str | None, present: list[str], constrained: bool = False) -> list[str]:
+    args = J.gpu_bind_args(visible, present, constrained=constrained)
+    return J.bwrap_argv(J.JailPolicy(), PATHS, [], "nvidia-smi -L", gpus=gpus, gpu_args=args)
+
+
+def test_a_task_without_gpus_sees_no_gpu_device_nor_the_drivers_proc_and_sys() -> None:
+    argv = _gpu_argv(0, "0,1", NODE_DEV)
+    assert _devices(argv) == []
+    assert J.GPU_PROC not in argv
+    assert not [a for a in argv if a.startswith("/sys")]
+
+
+def test_one_gpu_binds_its_card_the_control_nodes_and_render_nodes_read_only_proc_and_sys() -> None:
+    argv = _gpu_argv(1, "2", NODE_DEV)
+    assert _devices(argv) == [
+        "/dev/nvidia2",
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/nvidia-uvm-tools",
+        "/dev/nvidia-modeset",
+        "/dev/dri/renderD128",
+        "/dev/dri/renderD129",
+    ]
+    ro = [src for src, _ in _pairs(argv, "--ro-bind-try")]
+    assert J.GPU_PROC in ro
+    assert "/sys/bus/pci" in ro
+    assert "/sys/devices" in ro
+    assert ("/sys", "/sys") not in _pairs(argv, "--ro-bind-try"), "only what CUDA reads from /sys"
+    # The devices come after the fresh /dev and before it is made read-only; /dev/shm stays writable.
+    assert argv.index("--dev") < argv.index("--dev-bind-try") < argv.index("--remount-ro")
+    assert argv.index("--remount-ro") > len(argv) - argv[::-1].index("/dev/shm") - 1
+
+
+def test_two_gpus_bind_exactly_the_two_visible_cards() -> None:
+    argv = _gpu_argv(2, "1,3", NODE_DEV)
+    cards = [d for d in _devices(argv) if d[len("/dev/nvidia") :].isdigit()]
+    assert cards == ["/dev/nvidia1", "/dev/nvidia3"]
+
+
+def test_constrained_devices_or_uuids_bind_every_card_present() -> None:
+    # Slurm's ConstrainDevices renumbers CUDA_VISIBLE_DEVICES from 0 and its cgroup denies the other cards.
+    for visible, constrained in (("0,1", True), ("GPU-3f2a,GPU-77b1", False), (None, False)):
+        argv = _gpu_argv(2, visible, NODE_DEV, constrained)
+        cards = [d for d in _devices(argv) if d[len("/dev/nvidia") :].isdigit()]
+        assert cards == ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidia3"]
+
+
+def test_only_nodes_that_exist_are_bound() -> None:
+    argv = _gpu_argv(1, "0", ["nvidia0", "nvidiactl"])
+    assert _devices(argv) == ["/dev/nvidia0", "/dev/nvidiactl"]
+
+
+@pytest.mark.parametrize("visible", [None, "0", "1,3", "GPU-x", "", " 2 , 0"])
+@pytest.mark.parametrize("constrained", [False, True])
+def test_the_wrappers_gpu_binds_mirror_the_kernels(visible: str | None, constrained: bool) -> None:
+    assert W.gpu_bind_args(visible, NODE_DEV, constrained) == J.gpu_bind_args(
+        visible, NODE_DEV, constrained=constrained
+    )
+
+
+def test_the_wrapper_lists_nvidia_and_dri_nodes(tmp_path: pytest.TempPathFactory) -> None:
+    import pathlib
+
+    dev = pathlib.Path(str(tmp_path))
+    for name in ("nvidia0", "nvidiactl", "null", "dri/renderD128"):
+        (dev / name).parent.mkdir(exist_ok=True)
+        (dev / name).touch()
+    assert sorted(W.dev_listing(str(dev))) == ["dri/renderD128", "nvidia0", "nvidiactl"]
+
+
+def test_apptainer_keeps_nv_for_gpu_tasks_only() -> None:
+    pol = J.JailPolicy(kind="apptainer", image="/i.sif")
+    assert "--nv" in J.build_argv(pol, PATHS, [], "true", gpus=1)
+    assert "--nv" not in J.build_argv(pol, PATHS, [], "true", gpus=0)
+
+
+# --- the private environment, extra directories, sizes -------------------------------------------------------
+
+
+def test_the_venv_is_bound_read_only_and_first_on_path() -> None:
+    venv = "/scratch/j1/env"
+    argv = J.bwrap_argv(J.JailPolicy(venv=True), PATHS, [], "python -V", venv=venv)
+    assert (venv, venv) in _pairs(argv, "--ro-bind")
+    assert (venv, venv) not in _pairs(argv, "--bind")
+    env = J.jail_env(home="/h", venv=venv, path_dirs=("/opt/site/bin",))
+    assert env["PATH"].split(":")[:2] == [f"{venv}/bin", "/opt/site/bin"]
+    assert env["PATH"].endswith(J.JAIL_PATH)
+    assert env["VIRTUAL_ENV"] == venv
+    with pytest.raises(ValueError, match="venv"):
+        J.bwrap_argv(J.JailPolicy(venv=True), PATHS, [], "true")
+
+
+def test_extra_dirs_are_bound_read_only() -> None:
+    argv = J.bwrap_argv(J.JailPolicy(ro_dirs=("/opt/site",)), PATHS, [], "true")
+    assert ("/opt/site", "/opt/site") in _pairs(argv, "--ro-bind-try")
+    with pytest.raises(ValueError, match="absolute"):
+        J.bwrap_argv(J.JailPolicy(ro_dirs=("site",)), PATHS, [], "true")
+
+
+def test_tmp_and_shm_sizes() -> None:
+    argv = J.bwrap_argv(J.JailPolicy(tmp_mb=64, shm_mb=32), PATHS, [], "true")
+    sized = [(argv[i + 1], argv[i + 3]) for i, a in enumerate(argv) if a == "--size"]
+    assert sized == [(str(32 << 20), "/dev/shm"), (str(64 << 20), "/tmp")]
+
+
 def test_wrapper_tokens_match_the_kernels() -> None:
-    assert (W.TREE_TOKEN, W.HOME_TOKEN, W.WORK_TOKEN, W.ENV_TOKEN, W.COMMAND_TOKEN) == (
+    assert (
+        W.TREE_TOKEN,
+        W.HOME_TOKEN,
+        W.WORK_TOKEN,
+        W.ENV_TOKEN,
+        W.COMMAND_TOKEN,
+        W.VENV_TOKEN,
+        W.GPU_TOKEN,
+    ) == (
         J.TREE_TOKEN,
         J.HOME_TOKEN,
         J.WORK_TOKEN,
         J.ENV_TOKEN,
         J.COMMAND_TOKEN,
+        J.VENV_TOKEN,
+        J.GPU_TOKEN,
     )
+    assert W.GPU_CONTROL == J.GPU_CONTROL

@@ -1,0 +1,173 @@
+"""Locked environments: what a uv.lock costs a sleep, cold cache vs warm cache vs no environment.
+
+A real `syscall-kernel serve` (local backend, bwrap, `[local] max_parallel = 4`) serves two workspaces: one with
+`pyproject.toml` + `uv.lock` of ~10 packages (requests, jinja2, click, attrs, packaging, six and their
+dependencies; locked here with uv against PyPI), one without. Each sample stages LAUNCHES launches of
+`python -c "import ..."` (the env workspace) or `python3 -c pass` (the plain one), runs `sleep` through the
+installed tool and measures
+
+- sleep -> accepted: the tool's `sleep` (cold: includes the kernel's warm-up, i.e. uv downloading every wheel);
+- per job: the task's elapsed time in the wake (`started` -> `ended` by the wrapper: materialising the tree,
+  building the private venv from the cache for the env workspace, the jail, the command);
+- sleep -> wake: the whole `sleep` + `wait`.
+
+Cold samples change the project's version in pyproject.toml and re-lock, so each is a new cache key (a full
+download). Prints one JSON object per scenario. Usage:
+    .venv/bin/python bench/env_warm.py [--samples 10] [--cold 3] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kernel.io.envcache import uv_binary  # noqa: E402
+
+LAUNCHES = 4
+PYTHON = "/usr/bin/python3"
+DEPS = ["requests", "jinja2", "click", "attrs", "packaging", "six"]
+IMPORTS = "import requests, jinja2, click, attrs, packaging, six"
+
+
+def pyproject(version: int) -> str:
+    deps = ", ".join(f'"{d}"' for d in DEPS)
+    return f'[project]\nname = "bench"\nversion = "0.{version}.0"\nrequires-python = ">=3.8"\ndependencies = [{deps}]\n'
+
+
+def git(ws: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.name=b", "-c", "user.email=b@example.invalid", *args],
+        cwd=ws,
+        check=True,
+        capture_output=True,
+    )
+
+
+def lock(ws: Path, version: int) -> None:
+    (ws / "pyproject.toml").write_text(pyproject(version))
+    subprocess.run(
+        [uv_binary(), "lock", "--no-config", "--python", PYTHON, "--quiet"],
+        cwd=ws,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(ws.parent), "UV_CACHE_DIR": str(ws.parent / "lock-cache")},
+    )
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", f"lock {version}")
+
+
+def tool(ws: Path, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(ws / ".syscall" / "syscall"), *args],
+        cwd=ws,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{args}: {done.stdout}{done.stderr}")
+    return done.stdout
+
+
+def one_sleep(ws: Path, command: str) -> tuple[float, list[float], float]:
+    for i in range(LAUNCHES):
+        tool(ws, "launch", "--name", f"j{i}", "--minutes", "5", "--", command)
+    t0 = time.monotonic()
+    tool(ws, "sleep")
+    accepted = time.monotonic() - t0
+    wake = json.loads(tool(ws, "wait", "--json", "--timeout", "600"))
+    total = time.monotonic() - t0
+    tasks = wake["tasks"]
+    bad = [t for t in tasks if t["state"] != "COMPLETED"]
+    if bad:
+        raise SystemExit(f"a task did not complete: {bad[0]}")
+    return accepted, [float(t["elapsed_s"]) for t in tasks], total
+
+
+def summary(name: str, rows: list[tuple[float, list[float], float]]) -> dict[str, object]:
+    acc = [r[0] * 1000 for r in rows]
+    per_job = [e for r in rows for e in r[1]]
+    tot = [r[2] for r in rows]
+    return {
+        "scenario": name,
+        "samples": len(rows),
+        "launches": LAUNCHES,
+        "sleep_to_accepted_p50_ms": round(statistics.median(acc), 1),
+        "sleep_to_accepted_max_ms": round(max(acc), 1),
+        "job_elapsed_p50_s": round(statistics.median(per_job), 3),
+        "job_elapsed_max_s": round(max(per_job), 3),
+        "sleep_to_wake_p50_s": round(statistics.median(tot), 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--cold", type=int, default=3)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="syscall-bench-env-"))
+    state = tmp / "state"
+    config = tmp / "config.toml"
+    config.write_text(f'state_dir = "{state}"\njail = "bwrap"\n[local]\nmax_parallel = {LAUNCHES}\n')
+    env_ws, plain_ws = tmp / "env", tmp / "plain"
+    for ws in (env_ws, plain_ws):
+        ws.mkdir()
+        git(ws, "init", "-q")
+        (ws / "README").write_text("bench\n")
+        git(ws, "add", "-A")
+        git(ws, "commit", "-q", "-m", "init")
+    lock(env_ws, 0)
+    kernel = [str(ROOT / ".venv" / "bin" / "syscall-kernel"), "--config", str(config)]
+    total = args.samples * 2 + args.cold + 2
+    for ws in (env_ws, plain_ws):
+        subprocess.run(
+            [*kernel, "enroll", str(ws), "--sleeps", str(total), "--launches", str(total * LAUNCHES)],
+            check=True,
+            capture_output=True,
+        )
+    log = open(tmp / "kernel.log", "wb")  # noqa: SIM115 (open for the kernel's lifetime)
+    proc = subprocess.Popen([*kernel, "serve"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(2)
+        cold = []
+        for i in range(args.cold):
+            if i:
+                lock(env_ws, i)
+            cold.append(one_sleep(env_ws, f'python -c "{IMPORTS}"'))
+        one_sleep(plain_ws, "python3 -c pass")  # warm the page cache for the plain runs too
+        warm = [one_sleep(env_ws, f'python -c "{IMPORTS}"') for _ in range(args.samples)]
+        plain = [one_sleep(plain_ws, "python3 -c pass") for _ in range(args.samples)]
+        packages = len(json.loads((env_ws / ".syscall" / "jobenv.json").read_text())["locked"]["packages"])
+        for name, rows in (("cold cache", cold), ("warm cache", warm), ("no environment", plain)):
+            out = summary(name, rows)
+            out["packages"] = packages if name != "no environment" else 0
+            print(json.dumps(out))
+        added = statistics.median([e for r in warm for e in r[1]]) - statistics.median(
+            [e for r in plain for e in r[1]]
+        )
+        print(json.dumps({"warm_adds_per_job_s": round(added, 3), "target_s": 1.0}))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        log.close()
+        if args.keep:
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
