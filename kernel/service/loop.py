@@ -111,6 +111,10 @@ class Service:
     def is_stopping(self) -> bool:
         return self.stopping
 
+    def halted(self) -> bool:
+        """Whether SIGTERM/SIGINT (or `stop`) has asked the service to stop; set from the loop, read anywhere."""
+        return self.stopping
+
     def stop(self, why: str) -> None:
         if self.stopping:
             return
@@ -127,6 +131,8 @@ class Service:
         refusal is logged once per path and reason. Returns how many were enrolled."""
         enrolled = 0
         for path in enrollment.expand_globs(self.cfg.workspaces):
+            if self.stopping:  # SIGTERM during a long enrollment: the rest waits for the next start
+                break
             if self.store.workspace_by_path(path) is not None:
                 continue
             try:
@@ -146,6 +152,8 @@ class Service:
         mounts = read_mounts()
         rows = []
         for row in self.store.workspaces():
+            if self.stopping:  # SIGTERM during start-up: `run` stops before serving
+                break
             # The watch mode follows the filesystem and the policy follows the config, at every start (but an
             # eval contract given at enrollment stays the workspace's own).
             mode = choose_mode(self.cfg.watch, fs_type_of(row.path, mounts))
@@ -256,6 +264,8 @@ class Service:
 
     def _watch_all(self, rows: list[WorkspaceRow], only: set[str] | None = None) -> None:
         for row in rows:
+            if self.stopping:
+                return
             if only is not None and row.key not in only:
                 continue
             if row.watch == "poll" or self.watcher is None:
@@ -302,8 +312,11 @@ class Service:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._signals)
             try:
+                # Start-up steps run on the worker thread while this loop still receives signals: each step
+                # stops early once `stopping` is set, and nothing after it runs, so SIGTERM is honoured at
+                # any point of start-up within one step (one enrollment, one channel refresh).
                 started = await self._retrying(lambda: self.worker.call(self._startup))
-                if started is None:
+                if started is None or self.stopping:
                     return
                 rows = started
                 if self.cfg.watch != "poll" or any(r.watch != "poll" for r in rows):
@@ -312,8 +325,14 @@ class Service:
                 rows = self.served(rows)
                 self.pipeline.set_workspaces(rows)
                 await self.worker.call(self._watch_all, rows)
+                if self.halted():
+                    return
                 await self._retrying(self.executor.recover)
+                if self.halted():
+                    return
                 resumed = await self._retrying(self.pipeline.recover) or 0
+                if self.halted():
+                    return
                 self.pipeline.sweep()
                 log.event("ready", workspaces=len(rows), polled=len(self.polled), resumed=resumed)
                 self.notifier.ready(self.status_line())
