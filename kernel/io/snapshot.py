@@ -24,6 +24,7 @@ import os
 import re
 import stat
 import tempfile
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,20 +63,41 @@ class Snapshot:
     bytes: int
 
 
-class _TreeReader:
-    """Reads workspace entries relative to a root directory fd, never following a symlink on the way."""
+# Directory fds the walk keeps open at most (the root aside). Files come in sorted path order, so a small cache
+# of the most recently used directories serves nearly every lookup; a tree of 20,000 directories no longer holds
+# 20,000 fds (other workspaces' channels then failed with EMFILE).
+MAX_DIR_FDS: Final = 64
+# An entry that is not (or no longer) a directory we may enter: nothing below it is part of the workspace.
+_GONE_ERRNOS: Final = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES})
 
-    def __init__(self, root: Path) -> None:
+
+class _TreeReader:
+    """Reads workspace entries relative to a root directory fd, never following a symlink on the way.
+
+    Invariant: at most MAX_DIR_FDS directory fds are open besides the root (least recently used closed first);
+    every directory is opened from its parent's fd with O_NOFOLLOW, so reopening an evicted one never leaves the
+    tree. An error other than "not there / not a directory" (EMFILE, EIO) fails the snapshot instead of silently
+    leaving the directory's files out."""
+
+    def __init__(self, root: Path, max_fds: int = MAX_DIR_FDS) -> None:
         self._root = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        self._dirs: dict[bytes, int | None] = {b"": self._root}
+        self._dirs: OrderedDict[bytes, int | None] = OrderedDict()
+        self._max = max(2, max_fds)
+        self._open = 0
 
     def close(self) -> None:
-        for fd in {fd for fd in self._dirs.values() if fd is not None}:
-            os.close(fd)
+        for fd in self._dirs.values():
+            if fd is not None:
+                os.close(fd)
         self._dirs.clear()
+        self._open = 0
+        os.close(self._root)
 
     def _dir(self, rel: bytes) -> int | None:
+        if not rel:
+            return self._root
         if rel in self._dirs:
+            self._dirs.move_to_end(rel)
             return self._dirs[rel]
         parent, _, name = rel.rpartition(b"/")
         pfd = self._dir(parent)
@@ -83,9 +105,19 @@ class _TreeReader:
         if pfd is not None:
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-            except OSError:
+            except OSError as e:
+                if e.errno not in _GONE_ERRNOS:
+                    raise
                 fd = None  # gone, or a symlink/file now: nothing below it is part of the workspace
         self._dirs[rel] = fd
+        if fd is not None:
+            self._open += 1
+            while self._open > self._max:
+                old_rel, old_fd = next(iter(self._dirs.items()))
+                del self._dirs[old_rel]
+                if old_fd is not None:
+                    os.close(old_fd)
+                    self._open -= 1
         return fd
 
     def read(self, rel: bytes, max_bytes: int) -> tuple[str, bytes] | None:

@@ -372,3 +372,23 @@ def test_a_split_index_is_read_from_its_copy(tmp_path: Path) -> None:
     assert list((ws / ".git").glob("sharedindex.*"))
     s = snap(ws, tmp_path)
     assert set(tree_of(tmp_path, s.ref)) == {"a.txt", ".gitignore", "kept.log"}  # the ignored file is tracked
+
+
+def test_the_walk_holds_a_bounded_number_of_fds(tmp_path: Path) -> None:
+    """A tree of many directories is read with at most MAX_DIR_FDS directory fds open: under a file limit far
+    below its directory count, every file is still in the snapshot (the walk used to hold one fd per
+    directory until the import ended, and EMFILE made directories count as gone)."""
+    import resource
+
+    dirs = 600
+    ws = make_repo(tmp_path, {f"d{i:03d}/x/f.txt": f"{i}\n" for i in range(dirs)}, commit=False)
+    open_now = len(os.listdir("/proc/self/fd"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + S.MAX_DIR_FDS + 100, hard))
+    try:
+        s = snap(ws, tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert s.files == dirs
+    tree = tree_of(tmp_path, s.commit)
+    assert len([p for p in tree if p.endswith("/f.txt")]) == dirs
