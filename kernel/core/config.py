@@ -182,6 +182,8 @@ class Config(_Strict, frozen=True, kw_only=True):
     allow_root: bool = False
     # "text": `event=<name> key=value ...` lines; "json": one JSON object per line (docs/operator.md, Logs).
     log_format: Literal["text", "json"] = "text"
+    # The Prometheus endpoint, e.g. "127.0.0.1:9469" ("[::1]:9469"); empty: none (the default).
+    metrics_listen: Annotated[str, Meta(pattern=r"^$|^(\[[0-9A-Fa-f:]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")] = ""
     # Each workspace's kernel repository (`<run_dir>/repos/<key>.git`) is packed and pruned this often; released
     # snapshots go then, held bases never.
     repo_gc_hours: Annotated[float, Meta(gt=0, le=24 * 365)] = 24.0

@@ -574,6 +574,12 @@ class Store:
             ),
         )
 
+    def state_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(sleeps by state, tasks by state) for the metrics."""
+        sleeps = {r[0]: int(r[1]) for r in self._all("SELECT state, count(*) FROM sleeps GROUP BY state")}
+        tasks = {r[0]: int(r[1]) for r in self._all("SELECT state, count(*) FROM jobs GROUP BY state")}
+        return sleeps, tasks
+
     def counts(self) -> dict[str, int]:
         """Figures for STATUS= lines and `syscall-kernel status`."""
         return {

@@ -31,7 +31,7 @@ from kernel.core.config import Config, ConfigError
 from kernel.core.config import load as load_config
 from kernel.core.records import WorkspaceRow
 from kernel.io import enroll as enrollment
-from kernel.io import log, submit
+from kernel.io import log, metrics, submit
 from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreUnavailable, StoreWorker, disk_failure
 from kernel.io.watch import Watcher, choose_mode, fs_type_of, read_mounts
@@ -336,6 +336,8 @@ class Service:
                 self.pipeline.sweep()
                 log.event("ready", workspaces=len(rows), polled=len(self.polled), resumed=resumed)
                 self.notifier.ready(self.status_line())
+                if self.cfg.metrics_listen:
+                    await self.worker.call(metrics.refresh, self.store, False)
                 tg.start_soon(self._pinger)
                 tg.start_soon(self.executor.run)
                 self._send = send
@@ -449,6 +451,8 @@ class Service:
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
                 self._publish_status()
+                if self.cfg.metrics_listen:
+                    await self.worker.call(metrics.refresh, self.store, self.degraded() is not None)
             if self.is_stopping():
                 break
             await self.pipeline.run_pass(spawn)
@@ -543,6 +547,13 @@ async def serve(
     notifier = Notifier.from_env()
     store = await _open_store(cfg, notifier)
     try:
+        if cfg.metrics_listen:
+            try:
+                metrics.serve_http(cfg.metrics_listen)
+                log.event("metrics_listening", listen=cfg.metrics_listen)
+            except OSError as exc:
+                # Metrics are optional: the kernel serves without them rather than not at all.
+                log.event("metrics_failed", logging.ERROR, listen=cfg.metrics_listen, error=str(exc))
         svc = Service(cfg, store, notifier, ToolSource.bundled(), executor_factory)
         if publish is not None:
             svc.publish = publish

@@ -54,6 +54,7 @@ from kernel.core import rules
 from kernel.core.budget import Balance, refund_sleep
 from kernel.core.config import Config
 from kernel.core.records import RequestRow, SleepRow, WorkspaceRow
+from kernel.io import metrics
 from kernel.io.enroll import kernel_ref, write_budget
 from kernel.io.log import event
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
@@ -201,6 +202,7 @@ class Pipeline:
         finally:
             self.pass_started = None
             self.last_pass_ms = (self.clock() - started) * 1000
+            metrics.PASS_SECONDS.observe(self.last_pass_ms / 1000)
         for c in conts:
             await self._start(c, spawn)
         return handled
@@ -324,6 +326,7 @@ class Pipeline:
             event("request_not_removed", logging.WARNING, ws=ws.key, id=rid, error=exc.strerror)
         self.answered += 1
         ms = (self.clock() - received) * 1000
+        metrics.answered(outcome, ms / 1000)
         event("answered", ws=ws.key, id=rid, outcome=outcome, ms=f"{ms:.2f}")
 
     def _one(self, ws: WorkspaceRow, ch: safefs.Channel, rid: str) -> Continuation | None:

@@ -72,6 +72,7 @@ from kernel.backends.slurm import (
 from kernel.backends.slurm.classify import RUNNING_STATES
 from kernel.backends.slurm.query import parse_squeue
 from kernel.io import log as klog
+from kernel.io import metrics
 from kernel.io.crash import crash_point
 
 if TYPE_CHECKING:
@@ -392,6 +393,7 @@ class SlurmBackend:
         calls start failing for the world's reasons (timeouts, an unreachable or busy controller), one
         `slurm_outage_ended` with its length when a call succeeds again."""
         tool = os.path.basename(argv[0])
+        metrics.SCHEDULER_CALLS.labels(call=tool, outcome="ok" if out.returncode == 0 else "failed").inc()
         if out.returncode == 0:
             if self._outage_since is not None:
                 klog.event(

@@ -1,0 +1,87 @@
+"""The Prometheus endpoint (issue 12): scraped over HTTP, its numbers checked against what the test did."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from kernelproc import Kernel, git_workspace, put_request, status, wait_answer, wait_for
+
+from channel.paths import workspace_key
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()  # type: ignore[no-any-return]
+
+
+def value(text: str, name: str, **labels: str) -> float | None:
+    """The sample `name{labels}` (labels in any order) of a scrape, or None."""
+    for m in re.finditer(r"^(\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if m.group(1) == name and got == labels:
+            return float(m.group(3))
+    return None
+
+
+def test_metrics_count_requests_latency_sleeps_tasks_and_budgets(tmp_path: Path) -> None:
+    port = free_port()
+    k = Kernel(tmp_path, f'backend = "none"\nmetrics_listen = "127.0.0.1:{port}"\n[defaults]\nlaunches = 9\n')
+    ws = git_workspace(tmp_path / "ws")
+    k.enroll(ws)
+    key = workspace_key(str(ws.resolve()))
+    k.start()
+    try:
+        k.wait_log("event=metrics_listening", 10)
+        for i in range(3):
+            put_request(ws, f"s{i}", status(f"s{i}"))
+            wait_answer(ws, f"s{i}")
+        put_request(ws, "bad", b'{"protocol": 1, "id": "bad", "type": "status", "extra": 1}')
+        wait_answer(ws, "bad")
+        tool = [sys.executable, str(ws / ".syscall" / "syscall")]
+        subprocess.run(
+            [*tool, "launch", "--name", "a", "--", "true"], cwd=ws, check=True, capture_output=True
+        )
+        subprocess.run([*tool, "sleep", "--json"], cwd=ws, check=True, capture_output=True, timeout=60)
+
+        def settled() -> str | None:
+            text = scrape(port)
+            return text if value(text, "syscall_kernel_tasks", state="PENDING") == 1 else None
+
+        # The state gauges are set from the store every 5 s.
+        text = wait_for(settled, 20, "the task gauge", step=0.5)
+        assert value(text, "syscall_kernel_requests_total", verb="status", outcome="answered") == 3
+        assert value(text, "syscall_kernel_requests_total", verb="request", outcome="rejected") == 1
+        assert value(text, "syscall_kernel_requests_total", verb="sleep", outcome="accepted") == 1
+        assert value(text, "syscall_kernel_answer_seconds_count") == 5
+        assert (value(text, "syscall_kernel_pass_seconds_count") or 0) >= 5
+        sleeps = re.findall(r'^syscall_kernel_sleeps\{state="(\w+)"\} (\S+)$', text, re.M)
+        assert [(state, float(n)) for state, n in sleeps if float(n)] == [("validated", 1.0)], sleeps
+        assert value(text, "syscall_kernel_budget_left", workspace=key, kind="launches") == 8
+        assert value(text, "syscall_kernel_budget_left", workspace=key, kind="sleeps") is not None
+        assert value(text, "syscall_kernel_workspaces") == 1
+        assert value(text, "syscall_kernel_channels_with_problems") == 0
+        assert value(text, "syscall_kernel_degraded") == 0
+        assert k.stop() == 0
+    finally:
+        k.ensure_stopped()
+
+
+def test_metrics_are_off_by_default(tmp_path: Path) -> None:
+    k = Kernel(tmp_path, 'backend = "none"\n')
+    k.start()
+    try:
+        assert "metrics_listening" not in k.log_text()
+        assert k.stop() == 0
+    finally:
+        k.ensure_stopped()
