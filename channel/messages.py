@@ -453,7 +453,10 @@ JOB_VARIABLES: Final[tuple[tuple[str, str], ...]] = (
     ("SYSCALL_LAUNCH", "the launch's name"),
     ("SYSCALL_SLEEP", "the sleep's id (as in the wake)"),
     ("SYSCALL_SNAPSHOT", "the snapshot commit the job's tree was written from"),
-    ("EVAL_SEED", "submit evaluation runs only: the seed both runs of the pair share"),
+    (
+        "EVAL_SEED",
+        "submit evaluation runs only, when the contract gives the command its seed: the run's seed",
+    ),
     ("CUDA_VISIBLE_DEVICES", "tasks with GPUs only: the GPUs the scheduler gave the task"),
 )
 
