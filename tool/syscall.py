@@ -1671,17 +1671,16 @@ def contract_lines(info: dict[str, Any]) -> list[str]:
         judged = "; the mean difference must clear the floors (too few pairs for a test)"
     else:
         judged = ""
-    lines.append(
-        "  repeats: {} pair{} (base and candidate run {} time{}, each pair with its own private "
-        "seed{}){}.".format(
-            n,
-            "" if n == 1 else "s",
-            n,
-            "" if n == 1 else "s",
-            ", given to the scorer only" if c.get("score") else " as EVAL_SEED",
-            judged,
+    seed_to = ", given to the scorer only" if c.get("score") else " as EVAL_SEED"
+    if n == 1:
+        lines.append(
+            "  repeats: 1 pair (base and candidate run once, with a private seed{}).".format(seed_to)
         )
-    )
+    else:
+        lines.append(
+            "  repeats: {} pairs (base and candidate run {} times, each pair with its own private "
+            "seed{}){}.".format(n, n, seed_to, judged)
+        )
     protected = c.get("protected") or []
     if protected:
         lines.append(
