@@ -47,6 +47,7 @@ LOCK_FILE: Final = "uv.lock"
 PROJECT_FILE: Final = "pyproject.toml"
 ENVS_DIR: Final = "envs"
 PYTHON_DIR: Final = "python"  # uv-managed interpreters (environment.python = "3.12")
+WORKSPACES_DIR: Final = "workspaces"  # each workspace's latest locked environment (kernel.io.jobenv)
 READY: Final = "ready.json"
 USED: Final = "used"
 WARM_LOG: Final = "warm.log"
@@ -373,7 +374,7 @@ class EnvCache:
         except FileNotFoundError:
             return []
         for child in children:
-            if child.name == PYTHON_DIR:
+            if child.name in (PYTHON_DIR, WORKSPACES_DIR):
                 continue
             mark = child / USED if (child / USED).exists() else child
             try:

@@ -30,10 +30,9 @@ from channel.messages import (
 )
 from channel.paths import ChannelPaths
 from kernel.core.config import Config
-from kernel.io.envcache import ENVS_DIR, EnvReady
+from kernel.io.envcache import ENVS_DIR, WORKSPACES_DIR, EnvReady
 from kernel.io.snapshot import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TOTAL_BYTES
 
-WORKSPACES_DIR: Final = "workspaces"
 SYSTEM_PYTHON: Final = "/usr/bin/python3"
 
 _locked_decoder: Final = msgspec.json.Decoder(LockedEnvironment)

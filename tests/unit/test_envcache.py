@@ -236,3 +236,23 @@ def test_without_limits_nothing_is_set_up(tmp_path: Path) -> None:
     lim = W.Limiter({}, "t", str(tmp_path))
     assert lim.setup() == "none"
     assert lim.groups == []
+
+
+def test_prune_removes_caches_unused_for_keep_days(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from kernel.core.config import EnvironmentConfig
+
+    cache = E.EnvCache(EnvironmentConfig(keep_days=2), tmp_path, uv="/bin/true")
+    root = tmp_path / E.ENVS_DIR
+    now = time.time()
+    for name, age_days in (("old", 3), ("fresh", 1), (E.PYTHON_DIR, 30), ("workspaces", 30)):
+        entry = root / name
+        entry.mkdir(parents=True)
+        (entry / E.USED).touch()
+        os.utime(entry / E.USED, (now - age_days * 86400, now - age_days * 86400))
+        os.utime(entry, (now - age_days * 86400, now - age_days * 86400))
+    removed = cache.prune(now)
+    assert removed == ["old"]
+    assert sorted(p.name for p in root.iterdir()) == ["fresh", E.PYTHON_DIR, "workspaces"]
