@@ -56,6 +56,9 @@ NETWORK_FS: Final = frozenset(
     }
 )
 
+# Names remembered per channel between two passes; past it, the channel is listed in full.
+NAMES_PER_KEY: Final = 1024
+
 MASK: Final = ic.Mask(
     ic.InotifyConstants.IN_MOVED_TO
     | ic.InotifyConstants.IN_CLOSE_WRITE
@@ -136,6 +139,9 @@ class Watcher:
         self._wd_of_key: dict[str, int] = {}
         self._q = _Queue(queued=set(), overflow=threading.Event())
         self._lost: set[str] = set()
+        # Per key, the request names events announced since the loop last took the key; None: too many (or a
+        # lost watch), list the whole directory.
+        self._names: dict[str, set[str] | None] = {}
         self._stopping = False
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -189,6 +195,12 @@ class Watcher:
         with self._lock:
             self._q.queued.discard(key)
 
+    def take_names(self, key: str) -> set[str] | None:
+        """The names events announced for `key` since the last call: the pipeline reads just those; None
+        means list the whole `requests/` (more than NAMES_PER_KEY names, a lost watch, or none recorded)."""
+        with self._lock:
+            return self._names.pop(key, None)
+
     def take_overflow(self) -> bool:
         if self._q.overflow.is_set():
             self._q.overflow.clear()
@@ -219,8 +231,20 @@ class Watcher:
         if event.is_delete_self or event.is_move_self:
             with self._lock:
                 self._lost.add(key)
+                self._names[key] = None
         elif event.name.startswith(b"."):
             return  # an in-flight temp file; its rename raises the event that matters
+        else:
+            name = os.fsdecode(event.name)
+            with self._lock:
+                if key not in self._names:
+                    self._names[key] = {name}
+                else:
+                    names = self._names[key]
+                    if names is not None:
+                        names.add(name)
+                        if len(names) > NAMES_PER_KEY:
+                            self._names[key] = None
         self._hand_over(key)
 
     def on_watch_deleted(self, wd: ic.WatchDescriptor) -> None:

@@ -356,10 +356,12 @@ class Service:
         log.event("stopped", answered=self.pipeline.answered)
 
     def _take(self, key: str) -> None:
+        names = None
         if self.watcher is not None:
             self.watcher.consumed(key)
+            names = self.watcher.take_names(key)
         if key:
-            self.pipeline.mark(key)
+            self.pipeline.mark(key, names)
 
     def _wake(self, key: str) -> None:
         """A workspace's continuation finished: wake the loop so its waiting requests are served now."""

@@ -113,6 +113,7 @@ class Pipeline:
         self.workspaces: dict[str, WorkspaceRow] = {}
         self.backlog: dict[str, deque[str]] = {}
         self.dirty: set[str] = set()
+        self.named: dict[str, set[str]] = {}  # request file names events announced (see `mark`)
         self._sweep: deque[str] = deque()
         # Workspaces with a continuation at the executor; `on_idle(key)` is called when it is done.
         self.busy: set[str] = set()
@@ -146,11 +147,20 @@ class Pipeline:
                 if key not in self.workspaces:
                     del per_ws[key]
         self.dirty &= set(self.workspaces)
+        for key in list(self.named):
+            if key not in self.workspaces:
+                del self.named[key]
 
-    def mark(self, key: str) -> None:
-        """A watcher event: the channel has news; list it in the next pass."""
-        if key in self.workspaces:
+    def mark(self, key: str, names: Iterable[str] | None = None) -> None:
+        """A watcher event: the channel has news. With the `names` the events carried, only those are read in the
+        next pass (a channel holding 100,000 temp names is not listed for one request); without, the whole
+        `requests/` is listed. The rescan and the poll list in full, as ground truth."""
+        if key not in self.workspaces:
+            return
+        if names is None:
             self.dirty.add(key)
+        else:
+            self.named.setdefault(key, set()).update(names)
 
     def sweep(self, keys: Iterable[str] | None = None) -> None:
         """Rescan (all keys) or poll tick: list these channels, a few per pass, behind the channels with news,
@@ -167,7 +177,7 @@ class Pipeline:
         # A workspace with a sleep or cancel at the executor waits (its next request may depend on it); the
         # others go on.
         pending = {k: len(q) for k, q in self.backlog.items() if q and k not in self.busy}
-        for k in self.dirty:
+        for k in (*self.dirty, *self.named):
             if k not in self.busy:
                 pending.setdefault(k, self.cfg.batch_per_workspace)
         return pending
@@ -229,7 +239,10 @@ class Pipeline:
                 with safefs.open_channel(ws.path, ws.identity) as ch:
                     if not queue and key in self.dirty:
                         self.dirty.discard(key)
+                        self.named.pop(key, None)  # the full listing sees them too
                         self._list(ws, ch, queue)
+                    elif not queue and key in self.named:
+                        self._take_named(ws, queue)
                     self._clear_problem(ws)
                     for _ in range(n):
                         if not queue:
@@ -243,8 +256,24 @@ class Pipeline:
             except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
                 queue.clear()
                 self.dirty.discard(key)
+                self.named.pop(key, None)
                 self._set_problem(ws, f"{type(exc).__name__}: {exc}")
         return handled, conts
+
+    def _take_named(self, ws: WorkspaceRow, queue: deque[str]) -> None:
+        """Queue the committed requests events named (in name order, as a listing would); a junk name (not
+        `<id>.json`) asks for a full listing, which removes it."""
+        names = self.named.pop(ws.key, set())
+        stuck = self._stuck.get(ws.key, set())
+        ids = []
+        for name in sorted(names):
+            rid = ChannelPaths.committed_request_id(name)
+            if rid is None:
+                if not ChannelPaths.is_temp(name):
+                    self.dirty.add(ws.key)
+            elif rid not in stuck:
+                ids.append(rid)
+        queue.extend(ids)
 
     def _list(self, ws: WorkspaceRow, ch: safefs.Channel, queue: deque[str]) -> None:
         listing = ch.scan_requests()

@@ -82,3 +82,49 @@ def test_a_blocked_answer_keeps_its_request_and_is_delivered_once_unblocked(
     answer = json.loads((answers / "s1.json").read_text())
     assert (answer["id"], answer["type"]) == ("s1", "status")
     assert pipeline.answered == 1
+
+
+def test_an_event_that_names_its_request_reads_only_that_request(
+    tmp_path: Path, cfg: Config, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A channel full of temp names is not listed for every request: the event's name is enough; a name that
+    is not a request, or no name, lists in full (and the rescan always does)."""
+    from channel import safefs
+
+    ws = tmp_path / "ws"
+    subprocess.run(["git", "init", "-q", str(ws)], check=True)
+    row = enroll(store, cfg, str(ws), TOOL).row
+    ch = ws / ".syscall"
+    for i in range(2000):
+        (ch / "requests" / f".t{i:05d}.tmp").write_bytes(b"{")
+    listings = 0
+    real = safefs.Channel.scan_requests
+
+    def counting(self: safefs.Channel) -> safefs.RequestListing:
+        nonlocal listings
+        listings += 1
+        return real(self)
+
+    monkeypatch.setattr(safefs.Channel, "scan_requests", counting)
+    worker = StoreWorker(store)
+    pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
+    pipeline.set_workspaces([row])
+    for i in range(5):
+        put(ch, f"r{i}")
+        pipeline.mark(row.key, [f"r{i}.json"])
+        anyio.run(pipeline.run_pass)
+        assert (ch / "answers" / f"r{i}.json").exists()
+    assert listings == 0
+
+    (ch / "requests" / "junk").write_bytes(b"")
+    pipeline.mark(row.key, ["junk"])
+    anyio.run(pipeline.run_pass)
+    anyio.run(pipeline.run_pass)
+    assert listings == 1
+    assert not (ch / "requests" / "junk").exists()
+
+    put(ch, "r9")
+    pipeline.mark(row.key)  # no names (the rescan, a lost watch): listed in full
+    anyio.run(pipeline.run_pass)
+    assert listings == 2
+    assert (ch / "answers" / "r9.json").exists()
