@@ -113,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     pol.add_argument("--max-gpus", type=int, metavar="G", help="GPUs per task")
     pol.add_argument("--max-concurrent-gpus", type=int, metavar="G", help="GPUs across running tasks")
     pol.add_argument("--network", action=argparse.BooleanOptionalAction, help="jobs get the network (or not)")
+    pol.add_argument(
+        "--account",
+        metavar="NAME",
+        help="Slurm account of this workspace's jobs instead of the config's [slurm] account ('' drops it)",
+    )
     e.add_argument(
         "--take-over",
         action="store_true",
@@ -291,6 +296,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
                 for k in ("max_minutes", "max_gpus", "max_concurrent_gpus", "network")
                 if (v := getattr(args, k)) is not None
             },
+            slurm_account=args.account,
         )
     except EnrollError as exc:
         print(f"syscall-kernel enroll: refused: {exc}", file=sys.stderr)
@@ -310,6 +316,9 @@ def cmd_enroll(args: argparse.Namespace) -> int:
             f"  taken over from store {done.taken_from.store} (state_dir {done.taken_from.state_dir}); the kernel "
             "there stops answering it at its next rescan"
         )
+    if done.slurm_account is not None or cfg.slurm.account is not None:
+        own = "its own" if done.slurm_account is not None else "the config's [slurm] account"
+        print(f"  slurm account: {done.slurm_account or cfg.slurm.account} ({own})")
     if done.adopted_new_channel:
         print("  note: the channel had been replaced since the last enrollment; the new one is now recorded")
     if done.tool_note is not None:

@@ -78,7 +78,10 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The scheduler confines devices by cgroup (Slurm's ConstrainDevices): bind every GPU node present.
     gpus_constrained: bool = False
     path_dirs: tuple[str, ...] = ()  # put on the job's PATH before the system's (environment.extra_dirs)
-    sleep_id: str = ""  # SYSCALL_SLEEP in the job's environment
+    sleep_id: str = ""  # SYSCALL_SLEEP in the job's environment; the Slurm backend's `--comment` too
+    # The workspace's own Slurm account (`enroll --account`; None: the site's `[slurm] account`); the other
+    # backends ignore it.
+    account: str | None = None
 
     @property
     def paths(self) -> RunPaths:

@@ -70,6 +70,12 @@ class Defaults(_Strict, frozen=True, kw_only=True):
 # Names Slurm accepts for a partition (comma-separated alternatives), account, QOS or GPU type.
 _SLURM_WORD: Final = r"^[A-Za-z0-9_.+-]+(?:,[A-Za-z0-9_.+-]+)*$"
 SlurmWord = Annotated[str, Meta(pattern=_SLURM_WORD)]
+_SLURM_ACCOUNT: Final = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
+
+
+def slurm_account_ok(name: str) -> bool:
+    """A single Slurm account name (a workspace's own, `enroll --account`): no alternatives, no spaces."""
+    return _SLURM_ACCOUNT.match(name) is not None
 
 
 class SlurmConfig(_Strict, frozen=True, kw_only=True):
@@ -103,6 +109,8 @@ class SlurmConfig(_Strict, frozen=True, kw_only=True):
     file_poll_seconds: Annotated[float, Meta(gt=0, le=600)] = 1.0
     # The site requeues preempted jobs: PREEMPTED is then a wait, not an end.
     requeues: bool = False
+    # `--wckey` of every job (Slurm's workload characterization key), e.g. for reports by project.
+    wckey: SlurmWord | None = None
 
     def __post_init__(self) -> None:
         # Raised as msgspec.ValidationError, so `parse` names the `slurm` table.

@@ -33,7 +33,7 @@ from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Li
 from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
 from kernel.core import budget
 from kernel.core.budget import Balance
-from kernel.core.config import Config, score_data_problem
+from kernel.core.config import Config, score_data_problem, slurm_account_ok
 from kernel.core.evaluate import EVAL_FLAGS, contract_problem, is_trusted
 from kernel.core.records import WorkspaceRow
 from kernel.io import jobenv, watch
@@ -99,6 +99,8 @@ class Enrolled:
     base_problem: str | None = None
     # The store the channel was taken from (`enroll --take-over`).
     taken_from: StoreRef | None = None
+    # The workspace's own Slurm account (None: the config's `[slurm] account`).
+    slurm_account: str | None = None
 
 
 def tracked_channel_files(workspace: str) -> list[str]:
@@ -271,6 +273,7 @@ def enroll(
     contract: EvalContract | None = None,
     take_over: bool = False,
     overrides: Mapping[str, int | bool] | None = None,
+    slurm_account: str | None = None,
 ) -> Enrolled:
     """Enroll (or refresh) one workspace. EnrollError when it is refused.
 
@@ -283,6 +286,8 @@ def enroll(
     A channel whose kernel.json names another store as its owner is refused (OwnedElsewhere) unless `take_over`.
     `overrides` (policy fields: max_minutes, max_gpus, max_concurrent_gpus, network) are kept for this workspace
     on top of the config's defaults, from then on; an unenrolled workspace is enrolled again.
+    `slurm_account` (`--account`) is the workspace's own Slurm account from then on ("" drops it: the config's
+    `[slurm] account` again); None keeps what it had.
     """
     for name, v in (("launches", grant.launches), ("sleeps", grant.sleeps), ("gpu-hours", grant.gpu_hours)):
         if v is not None and v < 0:
@@ -297,6 +302,11 @@ def enroll(
     wrong = overrides_problem(cfg.defaults.policy(), own)
     if wrong is not None:
         raise EnrollError(f"{path}: {wrong}")
+    if slurm_account and not slurm_account_ok(slurm_account):
+        raise EnrollError(
+            f"{path}: --account {slurm_account!r} is not a Slurm account name (letters, digits and _ . + -, "
+            "at most 64 characters)"
+        )
     if chosen is not None:
         problem = contract_problem(chosen) or score_data_problem(chosen, resolved)
         if problem is not None:
@@ -351,6 +361,8 @@ def enroll(
                 store.set_admin(key, replace(admin, unenrolled_at=None, overrides=own))
             if contract is not None:
                 S.set_contract(store, key, contract)
+            if slurm_account is not None:
+                store.set_slurm_account(key, slurm_account or None)
         # The submit base: HEAD the first time, taken through the verified path into the kernel's repository (an
         # older kernel's base, recorded but held only in the agent's repository, is re-imported by its id).
         base_problem = hold_recorded_base(store, cfg, key, resolved)
@@ -366,6 +378,7 @@ def enroll(
         excluded=added,
         base_problem=base_problem,
         taken_from=taken_from,
+        slurm_account=store.slurm_account(key),
     )
 
 

@@ -123,6 +123,11 @@ CREATE TABLE IF NOT EXISTS workspace_admin (
     overrides       BLOB
 ) STRICT;
 
+CREATE TABLE IF NOT EXISTS workspace_slurm (
+    workspace       TEXT PRIMARY KEY REFERENCES workspaces(key),
+    account         TEXT NOT NULL
+) STRICT;
+
 CREATE TABLE IF NOT EXISTS budget_changes (
     workspace       TEXT NOT NULL REFERENCES workspaces(key),
     at              TEXT NOT NULL,
@@ -339,6 +344,24 @@ class Store:
             }
         except sqlite3.OperationalError:
             return set()
+
+    def slurm_account(self, key: str) -> str | None:
+        """The workspace's own Slurm account (`enroll --account`), or None (the config's `[slurm] account`)."""
+        try:
+            row = self._one("SELECT account FROM workspace_slurm WHERE workspace=?", (key,))
+        except sqlite3.OperationalError:  # a read-only store no kernel of this version has opened yet
+            return None
+        return None if row is None else str(row[0])
+
+    def set_slurm_account(self, key: str, account: str | None) -> None:
+        if account is None:
+            self._conn.execute("DELETE FROM workspace_slurm WHERE workspace=?", (key,))
+        else:
+            self._conn.execute(
+                "INSERT INTO workspace_slurm (workspace, account) VALUES (?,?) "
+                "ON CONFLICT(workspace) DO UPDATE SET account=excluded.account",
+                (key, account),
+            )
 
     def add_budget_change(
         self, key: str, at: str, who: str, change: str, before: Balance, after: Balance

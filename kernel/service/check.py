@@ -152,11 +152,15 @@ def _slurm(cfg: Config, env: dict[str, str]) -> list[Finding]:
         else:
             why = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}").splitlines()[0]
             out.append(Finding("error", "slurm.partition", f"{partition!r} is not known to Slurm: {why}"))
-    for kind, name in (("account", s.account), ("qos", s.qos)):
+    names: list[tuple[str, str | None, str]] = [
+        ("account", s.account, "slurm.account"),
+        ("qos", s.qos, "slurm.qos"),
+    ]
+    names += [("account", a, f"workspace {ws} account") for ws, a in sorted(_workspace_accounts(cfg).items())]
+    for kind, name, key in names:
         if name is None:
             continue
         done = _run(sacctmgr_argv(kind, name), env)  # type: ignore[arg-type]
-        key = f"slurm.{kind}"
         if done is None or done.returncode != 0:
             why = (
                 "did not answer"
@@ -171,6 +175,20 @@ def _slurm(cfg: Config, env: dict[str, str]) -> list[Finding]:
                 Finding("error", key, f"{name!r} is not known to Slurm's accounting (sacctmgr show {kind})")
             )
     return out
+
+
+def _workspace_accounts(cfg: Config) -> dict[str, str]:
+    """The enrolled workspaces' own Slurm accounts (`enroll --account`)."""
+    if not cfg.db_path.exists():
+        return {}
+    try:
+        store = Store.open(cfg.db_path, readonly=True)
+    except StoreError:
+        return {}  # reported by _workspaces
+    try:
+        return {ws.key: a for ws in store.workspaces() if (a := store.slurm_account(ws.key)) is not None}
+    finally:
+        store.close()
 
 
 def _run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str] | None:

@@ -389,6 +389,9 @@ class RealExecutor:
             jobs = await self._call(self.store.jobs_of, key, seq)
             specs = self.specs_of(order, row[1], row[2], [j for j in jobs if j.state == "PENDING"])
             specs = await self._with_environments(order, row[2], specs)
+            account = await self._call(self.store.slurm_account, key)
+            if account is not None:
+                specs = {n: msgspec.structs.replace(s, account=account) for n, s in specs.items()}
             ids: dict[tuple[str, int], str] = {}
             try:
                 # Every run directory first, then every submit back to back: the launches start together.

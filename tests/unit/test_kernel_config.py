@@ -132,3 +132,14 @@ def test_a_user_name_never_leaves_the_config_dir() -> None:
     assert default_config_paths("alice", d) == (d / "alice.toml", d / "config.toml")
     for odd in ("../x", ".hidden", "", None):
         assert default_config_paths(odd, d) == (d / "config.toml",)
+
+
+def test_the_slurm_wckey_reaches_the_sbatch_policy() -> None:
+    from kernel.backends.slurm.backend import policy_from_config
+
+    cfg = parse('[slurm]\nwckey = "agents"\naccount = "site"\n')
+    policy = policy_from_config(cfg.slurm)
+    assert (policy.wckey, policy.account) == ("agents", "site")
+    assert policy_from_config(parse("").slurm).wckey is None
+    with pytest.raises(ConfigError, match=r"'slurm\.wckey'"):
+        parse('[slurm]\nwckey = "a b"\n')

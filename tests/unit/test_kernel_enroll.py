@@ -170,3 +170,18 @@ def test_exclude_written_through_dir_fds_never_follows_a_symlink(
     with pytest.raises(EnrollError, match="exclude is a symlink"):
         enroll(store, cfg, str(ws), TOOL)
     assert victim.read_text() == "precious\n"
+
+
+def test_a_workspace_account_is_kept_until_changed_and_a_bad_one_is_refused(
+    tmp_path: Path, cfg: Config, store: Store
+) -> None:
+    ws = git_repo(tmp_path / "ws")
+    done = enroll(store, cfg, str(ws), TOOL, slurm_account="proj-1")
+    key = done.row.key
+    assert (done.slurm_account, store.slurm_account(key)) == ("proj-1", "proj-1")
+    assert enroll(store, cfg, str(ws), TOOL).slurm_account == "proj-1"  # a plain re-enroll keeps it
+    with pytest.raises(EnrollError, match=r"--account 'a b' is not a Slurm account name"):
+        enroll(store, cfg, str(ws), TOOL, slurm_account="a b")
+    assert store.slurm_account(key) == "proj-1"  # a refused enroll changes nothing
+    assert enroll(store, cfg, str(ws), TOOL, slurm_account="").slurm_account is None  # '' drops it
+    assert store.slurm_account(key) is None

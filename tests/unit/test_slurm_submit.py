@@ -12,6 +12,7 @@ from kernel.backends.slurm import (
     SbatchPolicy,
     SlurmOutputError,
     Submitted,
+    job_comment,
     job_name,
     parse_job_name,
     parse_sbatch_output,
@@ -43,6 +44,7 @@ def test_single_job_argv_in_full() -> None:
         "sbatch",
         "--parsable",
         f"--job-name=sk-{WS}-7-train",
+        f"--comment=syscall-kernel ws={WS} seq=7 launch=train",
         f"--chdir={sleep}/train",
         f"--output={sleep}/train/scheduler.out",
         f"--error={sleep}/train/scheduler.out",
@@ -263,3 +265,35 @@ def test_sbatch_failure_tells_refusals_from_transient_failures(
     rc: int | None, stderr: str, kind: str
 ) -> None:
     assert sbatch_failure(rc, stderr) == kind
+
+
+def test_the_comment_carries_the_workspace_and_the_sleep() -> None:
+    flags = _flags(render_sbatch_argv(_job(sleep_id="s-42"), SbatchPolicy(), _paths()))
+    assert flags["--comment"] == f"syscall-kernel ws={WS} sleep=s-42 seq=7 launch=train"
+    assert job_comment(WS, 7, "train", "s-42") == flags["--comment"]
+
+
+def test_the_workspace_account_beats_the_sites_and_the_wckey_is_the_sites() -> None:
+    site = SbatchPolicy(account="site", wckey="agents")
+    flags = _flags(render_sbatch_argv(_job(), site, _paths()))
+    assert (flags["--account"], flags["--wckey"]) == ("site", "agents")
+    flags = _flags(render_sbatch_argv(_job(account="proj-1"), site, _paths()))
+    assert (flags["--account"], flags["--wckey"]) == ("proj-1", "agents")
+    flags = _flags(render_sbatch_argv(_job(account="proj-1"), SbatchPolicy(), _paths()))
+    assert flags["--account"] == "proj-1"
+    assert "--wckey" not in flags
+
+
+@pytest.mark.parametrize(
+    ("job", "policy", "message"),
+    [
+        (_job(sleep_id="S 1;x"), SbatchPolicy(), "sleep id"),
+        (_job(sleep_id=""), SbatchPolicy(), "sleep id"),
+        (_job(account="a b"), SbatchPolicy(), "workspace account"),
+        (_job(account="a\nb"), SbatchPolicy(), "workspace account"),
+        (_job(), SbatchPolicy(wckey="w k"), "wckey"),
+    ],
+)
+def test_bad_attribution_is_refused(job: SbatchJob, policy: SbatchPolicy, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        render_sbatch_argv(job, policy, _paths())

@@ -163,6 +163,7 @@ def policy_from_config(cfg: SlurmConfig, **overrides: object) -> SbatchPolicy:
         "setup_slack_minutes": cfg.setup_slack_minutes,
         "warn_seconds": cfg.warn_seconds,
         "extra_args": tuple(cfg.extra_args),
+        "wckey": cfg.wckey,
     }
     fields.update(overrides)
     return msgspec.convert(fields, SbatchPolicy)
@@ -454,6 +455,8 @@ class SlurmBackend:
             gpus=spec.gpus,
             array=spec.array,
             concurrency=spec.concurrency,
+            sleep_id=spec.sleep_id or None,
+            account=spec.account,
         )
         argv = render_sbatch_argv(job, self.policy, spec.paths)
         problems: list[str] = []

@@ -32,6 +32,8 @@ _SLURM_WORD_RE: Final = re.compile(r"^[A-Za-z0-9_.+-]+(?:,[A-Za-z0-9_.+-]+)*$")
 # Node features: names joined by Slurm's constraint operators.
 _CONSTRAINT_RE: Final = re.compile(r"^[A-Za-z0-9_.:+\-&|,*\[\]()!]+$")
 _DIGITS_RE: Final = re.compile(r"^\d+$")
+_SLEEP_ID_RE: Final = re.compile(L.ID_PATTERN)
+COMMENT_PREFIX: Final = "syscall-kernel"
 
 
 class SbatchPolicy(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -55,6 +57,8 @@ class SbatchPolicy(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     warn_seconds: Annotated[int, Meta(ge=1, le=65535)] = 120
     # Operator-supplied flags appended before the script (e.g. `--reservation=x`); never agent-controlled.
     extra_args: tuple[str, ...] = ()
+    # `--wckey` of every job (the site's workload characterization key), when set.
+    wckey: str | None = None
 
 
 class SbatchJob(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -68,6 +72,10 @@ class SbatchJob(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     array: Annotated[int, Meta(ge=1)] = 1
     # 0 = the whole array at once.
     concurrency: Annotated[int, Meta(ge=0)] = 0
+    # The sleep's request id (in `--comment`; None for jobs made outside a sleep, e.g. tests).
+    sleep_id: str | None = None
+    # The workspace's own Slurm account (`enroll --account`), else the policy's (the config's `[slurm] account`).
+    account: str | None = None
 
 
 # sbatch failures worth another try: the controller is slow, busy or briefly unreachable, or a submit limit that
@@ -109,6 +117,20 @@ def job_name(workspace: str, seq: int, launch: str) -> str:
     if not _LAUNCH_RE.match(launch):
         raise ValueError(f"launch name {launch!r} does not match {L.NAME_PATTERN}")
     return f"{JOB_NAME_PREFIX}-{workspace}-{seq}-{launch}"
+
+
+def job_comment(workspace: str, seq: int, launch: str, sleep_id: str | None) -> str:
+    """`--comment` of a launch's job: who it is for, in words `squeue -o %k` shows (docs/slurm.md), e.g.
+    `syscall-kernel ws=run-17-0a1b2c3d4e sleep=s-42 seq=7 launch=train`. Every part is a checked key, id or
+    name (no spaces, quotes or separators), so the comment reads back unambiguously."""
+    job_name(workspace, seq, launch)  # the same checks
+    parts = [COMMENT_PREFIX, f"ws={workspace}"]
+    if sleep_id is not None:
+        if not _SLEEP_ID_RE.match(sleep_id):
+            raise ValueError(f"sleep id {sleep_id!r} does not match {L.ID_PATTERN}")
+        parts.append(f"sleep={sleep_id}")
+    parts += [f"seq={seq}", f"launch={launch}"]
+    return " ".join(parts)
 
 
 def parse_job_name(name: str) -> tuple[str, int, str] | None:
@@ -156,10 +178,12 @@ def render_sbatch_argv(
             f"run paths ({paths.workspace}, {paths.seq}, {paths.launch}) do not belong to job "
             f"({job.workspace}, {job.seq}, {job.launch})"
         )
-    for field in ("partition", "account", "qos", "gpu_type"):
+    for field in ("partition", "account", "qos", "gpu_type", "wckey"):
         _check_word(field, getattr(policy, field))
+    _check_word("workspace account", job.account)
     _check_word("constraint", policy.constraint, _CONSTRAINT_RE)
     name = job_name(job.workspace, job.seq, job.launch)
+    comment = job_comment(job.workspace, job.seq, job.launch, job.sleep_id)
     launch_dir = str(paths.launch_dir)
     script = str(paths.launch_dir / paths.JOB_SCRIPT)
     if job.array == 1:
@@ -175,6 +199,7 @@ def render_sbatch_argv(
         sbatch,
         "--parsable",
         f"--job-name={name}",
+        f"--comment={comment}",
         f"--chdir={launch_dir}",
         f"--output={output}",
         f"--error={output}",
@@ -195,9 +220,10 @@ def render_sbatch_argv(
             argv.append(f"--gpus-per-task={kind}{job.gpus}")
     for flag, value in (
         ("partition", policy.partition),
-        ("account", policy.account),
+        ("account", job.account or policy.account),
         ("qos", policy.qos),
         ("constraint", policy.constraint),
+        ("wckey", policy.wckey),
     ):
         if value is not None:
             argv.append(f"--{flag}={value}")
