@@ -75,9 +75,10 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         path_dirs=spec.path_dirs,
     )
     env |= job_variables(spec)
-    # The run directory and the live workspace are never bound; should an operator place them below a bound
-    # system directory, they are masked as well.
-    hide = tuple(dict.fromkeys((*spec.jail.hide, spec.run_dir, spec.workspace_path)))
+    # The run directory, the live workspace and a submit's private score data are never bound (the data only in
+    # the score stage's own jail); should an operator place them below a bound system directory, they are masked.
+    private = (spec.score.data,) if spec.score is not None and spec.score.data is not None else ()
+    hide = tuple(dict.fromkeys((*spec.jail.hide, spec.run_dir, spec.workspace_path, *private)))
     ro_dirs = spec.jail.ro_dirs
     if spec.environment is not None and spec.environment.python_install_dir:
         ro_dirs = (*ro_dirs, spec.environment.python_install_dir)

@@ -250,9 +250,7 @@ def bwrap_argv(
     argv += ["--remount-ro", "/dev"]
     argv += _tmpfs(policy.tmp_mb, "/tmp")
     # After the fresh /tmp, which would otherwise hide a directory below it.
-    for d in policy.ro_dirs:
-        _abs(d, "read-only directory")
-        argv += ["--ro-bind-try", d, d]
+    argv += _ro_dir_args(policy)
     if policy.venv:
         if venv is None:
             raise ValueError("the jail binds a private environment but no venv path was given")
@@ -299,6 +297,19 @@ def none_argv(command: str) -> list[str]:
     return ["sh", "-c", command]
 
 
+def _ro_dir_args(policy: JailPolicy) -> list[str]:
+    """The extra read-only directories, then a tmpfs over each hidden path below one of them (a run directory,
+    a workspace or private score data that an operator placed inside an extra directory stays out of sight)."""
+    argv: list[str] = []
+    for d in policy.ro_dirs:
+        _abs(d, "read-only directory")
+        argv += ["--ro-bind-try", d, d]
+    for h in policy.hide:
+        if any(_under(h, d) for d in policy.ro_dirs):
+            argv += ["--tmpfs", _abs(h, "hidden path")]
+    return argv
+
+
 def score_bwrap_argv(
     policy: JailPolicy, paths: JailPaths, scorer: str, data: str | None, env: Sequence[str], command: str
 ) -> list[str]:
@@ -331,6 +342,7 @@ def score_bwrap_argv(
         if any(_under(h, d) for d in (*policy.system_dirs, *policy.etc)):
             argv += ["--tmpfs", h]
     argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    argv += _ro_dir_args(policy)
     argv += ["--bind", home, home, "--ro-bind", tree, tree, "--ro-bind", scorer, scorer]
     if data is not None:
         argv += ["--ro-bind", _abs(data, "score data"), data]
@@ -348,6 +360,8 @@ def score_apptainer_argv(
     tree, home, work = _abs(paths.tree, "tree"), _abs(paths.home, "home"), _abs(paths.work, "work")
     argv = [policy.apptainer, "exec", "--containall", "--cleanenv", "--net", "--network", "none"]
     argv += ["--bind", f"{tree}:{tree}:ro", "--bind", f"{_abs(scorer, 'scorer')}:{scorer}:ro"]
+    for d in policy.ro_dirs:
+        argv += ["--bind", f"{_abs(d, 'read-only directory')}:{d}:ro"]
     if data is not None:
         argv += ["--bind", f"{_abs(data, 'score data')}:{data}:ro"]
     argv += ["--pwd", scorer, "--home", home, "--workdir", work]

@@ -385,3 +385,51 @@ def test_the_score_stage_and_repeats_on_slurm(
     assert (v["outcome"], v["trusted"], v["repeats"]) == ("not_improved", True, 3)
     assert [(p["base"], p["candidate"]) for p in v["pairs"]] == [(0.5, 0.2)] * 3
     assert all(t["job_id"] for t in wake["tasks"])
+
+
+def test_private_data_inside_a_directory_the_jail_binds_stays_out_of_the_commands_sight(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    site = (
+        tmp_path / "site"
+    )  # an operator's extra read-only directory (a conda, modules), bound into every jail
+    private = site / "private"
+    private.mkdir(parents=True)
+    (private / "labels.txt").write_text(LABELS)
+    (private / "secret.txt").write_text(SECRET + "\n")
+    (private / "score.py").write_text(SCORE_PY)
+    (site / "visible.txt").write_text("the rest of the site is there\n")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    (ws / "model.py").write_text(MODEL.format(n=5))
+    (ws / "peek.py").write_text(PEEK_PY + f"print(open({str(site / 'visible.txt')!r}).read())\n")
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", "base")
+    kernel = Kernel(
+        tmp_path,
+        f'jail = "bwrap"\n[local]\nseconds_per_minute = 1.0\n[environment]\nextra_dirs = ["{site}"]\n',
+    )
+    flags = score_flags(private)
+    kernel.enroll(ws, flags[0], f"PEEK={private} python3 peek.py", *flags[2:])
+    e = Env(tmp_path, kernel, {"ws": ws})
+    try:
+        kernel.start()
+        (ws / "model.py").write_text(MODEL.format(n=6))
+        report = tmp_path / "r.md"
+        report.write_text("peek\n")
+        e.tool("ws", "submit", "--report", str(report))
+        e.sleeps["ws"] = json.loads(e.tool("ws", "sleep", "--json"))["id"]
+        wake = e.wake("ws")
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+    v = wake["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"], v["trusted"]) == ("improved", 0.5, 0.6, True)
+    out = next(t for t in wake["tasks"] if t["launch"] == "submit-candidate")["stdout_tail"]
+    assert "cannot read labels.txt" in out
+    assert "cannot read secret.txt" in out
+    assert (
+        "the rest of the site is there" in out
+    )  # the directory itself is bound; only the private data is masked
+    assert SECRET not in json.dumps(wake)

@@ -214,3 +214,21 @@ def test_the_run_dir_and_workspace_are_masked_when_below_a_bound_dir(tmp_path: P
     tmpfs = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]
     assert "/opt/syscall/runs" in tmpfs
     assert "/usr/local/agents/ws1" in tmpfs
+
+
+def test_private_score_data_below_a_bound_directory_is_masked_from_the_command_only(tmp_path: Path) -> None:
+    from kernel.backends.base import ScoreStage
+
+    policy = JailPolicy(ro_dirs=("/srv/env",))
+    for data in ("/opt/private/labels", "/srv/env/private"):
+        spec = _spec(tmp_path, jail=policy, score=ScoreStage(command="python3 s.py", data=data))
+        cfg = _embedded(jobscript.render_job_script(spec))
+        command = cfg["jail"]["argv"]  # type: ignore[index]
+        i = command.index(data)
+        assert command[i - 1] == "--tmpfs", command  # the command's jail mounts an empty tmpfs over it
+        assert data not in command[i + 1 :]
+        score = cfg["score"]["argv"]  # type: ignore[index]
+        masked = score.index(data)
+        assert score[masked - 1] == "--tmpfs"
+        bound = score.index(data, masked + 1)  # ...and the score's jail binds the data on top, read-only
+        assert score[bound - 1 : bound + 2] == ["--ro-bind", data, data]
