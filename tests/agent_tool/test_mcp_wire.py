@@ -65,6 +65,7 @@ def test_golden_transcript(kernel: FakeKernel, python: str) -> None:
         c.request("ping")
         c.request("tools/list")
         c.call("status", {})
+        c.call("env", {})
         c.call("launch", {"name": "train", "command": "python train.py --lr 3e-4", "gpus": 1, "why": "lr"})
         c.call("launch", {"name": "long", "command": "python train.py", "minutes": 999})
         c.call("unstage", {"names": ["nope"]})
@@ -91,7 +92,7 @@ def test_golden_transcript(kernel: FakeKernel, python: str) -> None:
         if m.get("id") in called and "result" in m and not m["result"]["isError"]:
             jsonschema.validate(m["result"]["structuredContent"], schemas[called[m["id"]]])
             checked += 1
-    assert checked == 7  # status, launch, sleep, wait, history, queue, budget
+    assert checked == 8  # status, env, launch, sleep, wait, history, queue, budget
     lines = [json.dumps({"send": m}, sort_keys=True) for m in c.sent]
     lines += [json.dumps({"recv": normalize(m)}, sort_keys=True) for m in c.received]
     text = "\n".join(lines) + "\n"

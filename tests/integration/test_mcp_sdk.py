@@ -142,6 +142,11 @@ async def session(ws: Path, py38: str, kernel: Kernel) -> list[str]:
         assert status.structured_content["answer"]["type"] == "status"
         assert "submit available" in status.content[0].text
 
+        env = await s.call("env", {})
+        assert not env.is_error, env.content[0].text
+        assert env.structured_content["jobenv"] is not None  # the kernel wrote .syscall/jobenv.json
+        assert "What a job of this workspace sees" in env.content[0].text
+
         refused = await s.call("launch", {"name": "Train", "command": "python train.py"})
         assert refused.is_error
         assert refused.structured_content["error"]["code"] == "launch.name.invalid"
