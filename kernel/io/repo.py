@@ -358,6 +358,10 @@ class KernelRepo:
             raise RepoError(f"{self.path}: the commit {commit} just imported has no tree")
         return commit, tree
 
+    def has_tree(self, tree: str) -> bool:
+        """Whether the repository holds the tree object `tree`."""
+        return (self.path / "HEAD").is_file() and self.rev(f"{tree}^{{tree}}") == tree
+
     def delete_ref(self, ref: str) -> None:
         out = self.git("update-ref", "--no-deref", "-d", ref)
         if out.returncode != 0 and self.rev(ref) is not None:

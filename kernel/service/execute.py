@@ -385,6 +385,17 @@ class RealExecutor:
         if sleep.state == "snapshotted":
             row = await self._call(self._exec_row, key, seq)
             assert row is not None, (key, seq)
+            if not await self.heavy.run(key, self.repo_of(key).has_tree, row[2]):
+                # Only an older kernel (snapshots in the agent's .git) stopped between snapshot and submit leaves
+                # this: its jobs could only read the workspace's repository, which this kernel never does.
+                raise DispatchRefused(
+                    RequestError(
+                        "snapshot.failed",
+                        f"the snapshot recorded for this sleep ({row[2][:12]}) is not in the kernel's repository "
+                        "(an older kernel kept it in the workspace's .git, which is no longer read); sleep again",
+                        None,
+                    )
+                )
             await self._call(self.prepare, order, row[1], row[2])
             jobs = await self._call(self.store.jobs_of, key, seq)
             specs = self.specs_of(order, row[1], row[2], [j for j in jobs if j.state == "PENDING"])

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, put_request, wait_for
+from kernelproc import Kernel, put_request, read_answer, wait_for
 
 from channel.paths import workspace_key
 
@@ -413,6 +413,46 @@ def test_with_share_baselines_a_twin_reuses_the_measurement(tmp_path: Path, bwra
         e.sleeps["two"] = e.submit("two")
         v = e.wake("two")["verdict"]
         assert (v["outcome"], v["base_value"], v["baseline_reused"]) == ("not_improved", 0.5, True)
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+
+
+def test_a_sleep_snapshotted_by_an_older_kernel_is_refused_at_no_cost(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    """Stopped between snapshot and submit, then upgraded: the snapshot is not in the kernel's repository (the
+    old kernel kept it in the agent's .git), so the sleep is refused and refunded rather than run from there."""
+    kernel = Kernel(tmp_path, "[local]\nseconds_per_minute = 1.0\n")
+    ws = make_ws(tmp_path, "upgraded")
+    kernel.enroll(ws, "--sleeps", "10", "--gpu-hours", "4")
+    (ws / "result.txt").write_text(
+        WORSE
+    )  # (a snapshot equal to the base would be in the kernel's repository)
+    budget = json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]
+    request = {
+        "protocol": 1,
+        "id": "u1",
+        "type": "sleep",
+        "launches": [{"name": "run", "command": "cat result.txt", "minutes": 1, "gpus": 1}],
+    }
+    try:
+        proc = kernel.start(env={"SYSCALL_KERNEL_CRASH_AT": "snapshot"})
+        put_request(ws, "u1", request)
+        assert proc.wait(60) == -9
+        kernel.kill()
+        shutil.rmtree(kernel.state / "runs" / "repos" / f"{workspace_key(ws.resolve())}.git")
+        kernel.start()
+        answer = wait_for(lambda: read_answer(ws, "u1"), 60, "the answer")
+        assert answer["type"] == "rejected", answer
+        assert answer["error"]["code"] == "snapshot.failed"
+        assert "older kernel" in answer["error"]["message"]
+        wait_for(
+            lambda: json.loads((ws / ".syscall" / "budget.json").read_text())["budget"] == budget,
+            30,
+            "the refund",
+        )
+        assert list((ws / ".syscall" / "wakes").glob("*.json")) == []
         assert kernel.stop() == 0
     finally:
         kernel.ensure_stopped()
