@@ -81,6 +81,11 @@ CODES: Final[dict[str, Code]] = {
     "cancel.no_sleep": Code("6", "there is no sleep in progress to cancel"),
     "cancel.unknown_launch": Code("6", "a name to cancel is not a launch of the current sleep"),
     "snapshot.failed": Code("6", "the workspace could not be snapshotted (its git repository is unusable)"),
+    "snapshot.too_large": Code(
+        "6",
+        "the workspace has more unignored files, bytes or directory depth than the kernel's snapshot limits; "
+        "nothing ran and nothing was charged",
+    ),
     "environment.failed": Code(
         "6",
         "the workspace's uv.lock could not be turned into an environment (uv's message says why); nothing ran",

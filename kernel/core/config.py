@@ -160,6 +160,15 @@ class EnvironmentConfig(_Strict, frozen=True, kw_only=True):
     warm_timeout_seconds: Annotated[float, Meta(gt=0, le=24 * 3600)] = 1800.0
 
 
+class SnapshotLimits(_Strict, frozen=True, kw_only=True):
+    """`[snapshot]`: a workspace past any of these is refused (`snapshot.too_large`, no charge) before a single
+    file is read: unignored files, their bytes in all, and directory depth (a path of N components is depth N)."""
+
+    max_files: Annotated[int, Meta(ge=1, le=100_000_000)] = 200_000
+    max_bytes: Annotated[int, Meta(ge=1)] = 2 * 1024 * 1024 * 1024
+    max_depth: Annotated[int, Meta(ge=1, le=4096)] = 64
+
+
 class Config(_Strict, frozen=True, kw_only=True):
     state_dir: str = ""
     run_dir: str = ""
@@ -196,6 +205,7 @@ class Config(_Strict, frozen=True, kw_only=True):
     # snapshots go then, held bases never.
     repo_gc_hours: Annotated[float, Meta(gt=0, le=24 * 365)] = 24.0
     defaults: Defaults = Defaults()
+    snapshot: SnapshotLimits = SnapshotLimits()
     slurm: SlurmConfig = SlurmConfig()
     local: LocalConfig = LocalConfig()
     environment: EnvironmentConfig = EnvironmentConfig()

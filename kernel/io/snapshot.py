@@ -53,6 +53,32 @@ class SnapshotError(Exception):
     """The workspace cannot be snapshotted; the message says what is wrong and where (the agent's to fix)."""
 
 
+class SnapshotTooLarge(SnapshotError):
+    """The workspace is past a snapshot limit (files, bytes, depth); the message names the limit and the fix."""
+
+
+DEFAULT_MAX_FILES: Final = 200_000
+DEFAULT_MAX_DEPTH: Final = 64
+_FIX: Final = (
+    "list generated data, checkpoints and environments in .gitignore (ignored files are never snapshotted)"
+)
+
+
+def check_limits(paths: list[bytes], max_files: int, max_depth: int) -> None:
+    """Raise SnapshotTooLarge when the chosen paths are more than `max_files`, or one is deeper than
+    `max_depth` components (pure; before any file is read)."""
+    if len(paths) > max_files:
+        raise SnapshotTooLarge(
+            f"the workspace has {len(paths)} unignored files, more than the snapshot limit of {max_files}; {_FIX}"
+        )
+    for p in paths:
+        if p.count(b"/") + 1 > max_depth:
+            raise SnapshotTooLarge(
+                f"{os.fsdecode(p)!r} is {p.count(b'/') + 1} directories deep, past the snapshot limit of "
+                f"{max_depth}; {_FIX}"
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     ref: str
@@ -194,9 +220,9 @@ def _files(
         mode, data = got
         total += len(data)
         if total > max_total_bytes:
-            raise SnapshotError(
-                f"the workspace holds more than the snapshot cap of {max_total_bytes} bytes of unignored files; "
-                "ignore large data in .gitignore"
+            raise SnapshotTooLarge(
+                f"the workspace holds more than the snapshot limit of {max_total_bytes} bytes of unignored "
+                f"files; {_FIX}"
             )
         counts[0] += 1
         counts[1] += len(data)
@@ -272,6 +298,8 @@ def snapshot_sync(
     tmp_dir: str | os.PathLike[str],
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+    max_files: int = DEFAULT_MAX_FILES,
+    max_depth: int = DEFAULT_MAX_DEPTH,
     message: str | None = None,
 ) -> Snapshot:
     """Commit the workspace's current content under `refs/snapshots/<seq>` of `repo` (overwriting that ref).
@@ -299,6 +327,7 @@ def snapshot_sync(
             for path in others:
                 entries.setdefault(path, _Entry(path))
             chosen = [entries[p] for p in sorted(entries) if valid_repo_path(p) and not is_channel_path(p)]
+            check_limits([e.path for e in chosen], max_files, max_depth)
             reader = _TreeReader(Path(ws))
             counts = [0, 0]
             try:
@@ -320,6 +349,8 @@ async def take_snapshot(
     tmp_dir: str | os.PathLike[str],
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+    max_files: int = DEFAULT_MAX_FILES,
+    max_depth: int = DEFAULT_MAX_DEPTH,
 ) -> Snapshot:
     """`snapshot_sync` in a worker thread."""
 
@@ -331,6 +362,8 @@ async def take_snapshot(
             tmp_dir=tmp_dir,
             max_file_bytes=max_file_bytes,
             max_total_bytes=max_total_bytes,
+            max_files=max_files,
+            max_depth=max_depth,
         )
 
     return await anyio.to_thread.run_sync(run)

@@ -69,7 +69,7 @@ from kernel.io import log as klog
 from kernel.io.crash import crash_point
 from kernel.io.enroll import write_budget
 from kernel.io.repo import KernelRepo, RepoError, snapshot_ref
-from kernel.io.snapshot import Snapshot, SnapshotError, snapshot_sync
+from kernel.io.snapshot import Snapshot, SnapshotError, SnapshotTooLarge, snapshot_sync
 from kernel.io.snapshot import release as release_snapshot
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.node.jail import JailPolicy, JobEnvironment
@@ -366,11 +366,19 @@ class RealExecutor:
                 await self.precheck(order)
                 snap = await self.heavy.run(
                     key,
-                    functools.partial(snapshot_sync, tmp_dir=self.tmp_dir),
+                    functools.partial(
+                        snapshot_sync,
+                        tmp_dir=self.tmp_dir,
+                        max_total_bytes=self.cfg.snapshot.max_bytes,
+                        max_files=self.cfg.snapshot.max_files,
+                        max_depth=self.cfg.snapshot.max_depth,
+                    ),
                     order.workspace.path,
                     self.repo_of(key),
                     seq,
                 )
+            except SnapshotTooLarge as e:
+                raise DispatchRefused(RequestError("snapshot.too_large", str(e), None)) from None
             except SnapshotError as e:
                 raise DispatchRefused(
                     RequestError("snapshot.failed", f"the workspace could not be snapshotted: {e}", None)

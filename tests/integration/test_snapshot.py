@@ -392,3 +392,22 @@ def test_the_walk_holds_a_bounded_number_of_fds(tmp_path: Path) -> None:
     assert s.files == dirs
     tree = tree_of(tmp_path, s.commit)
     assert len([p for p in tree if p.endswith("/f.txt")]) == dirs
+
+
+@pytest.mark.parametrize(
+    ("files", "limits", "needle"),
+    [
+        ({f"f{i}.txt": "x" for i in range(12)}, {"max_files": 10}, "12 unignored files"),
+        ({"a/b/c/d/e/f.txt": "x"}, {"max_depth": 5}, "6 directories deep"),
+        ({"big.bin": "x" * 5000}, {"max_total_bytes": 4096}, "4096 bytes"),
+    ],
+)
+def test_a_workspace_past_a_limit_is_too_large_and_nothing_is_imported(
+    tmp_path: Path, files: dict[str, str], limits: dict[str, int], needle: str
+) -> None:
+    ws = make_repo(tmp_path, files, commit=False)
+    with pytest.raises(S.SnapshotTooLarge, match=needle) as got:
+        snap(ws, tmp_path, **limits)
+    assert ".gitignore" in str(got.value)
+    (ws / ".gitignore").write_text("*\n")  # the fix the message names
+    snap(ws, tmp_path, **limits)
