@@ -198,3 +198,26 @@ def test_pure_helpers() -> None:
     assert R.snapshot_ref(3) == "refs/snapshots/3"
     with pytest.raises(ValueError, match="not a tree id"):
         R.base_ref("HEAD")
+
+
+def test_a_sha256_repository_is_verified_with_sha256(tmp_path: Path, repo: R.KernelRepo) -> None:
+    ws = tmp_path / "ws256"
+    ws.mkdir()
+    git(ws, "init", "-q", "--object-format=sha256")
+    (ws / "a.txt").write_text("a\n")
+    git(ws, "add", "-A")
+    git(ws, "commit", "-qm", "one")
+    base = take(repo, ws)
+    assert base is not None
+    assert len(base.commit) == 64
+    assert base.commit == git(ws, "rev-parse", "HEAD")
+    assert repo.read_blob(base.tree, "a.txt") == b"a\n"
+    (ws / "b.txt").write_text("b\n")
+    snap = S.snapshot_sync(ws, repo, 1, tmp_dir=tmp_path / "ktmp")
+    assert {e.path for e in repo.list_tree(snap.tree)} == {"a.txt", "b.txt"}
+    oid = git(ws, "rev-parse", "HEAD:a.txt")
+    loose = ws / ".git" / "objects" / oid[:2] / oid[2:]
+    loose.chmod(0o644)
+    loose.write_bytes(zlib.compress(b"blob 2\0z\n"))
+    with pytest.raises(R.ObjectMismatch, match="'a.txt'"):
+        take(repo, ws)
