@@ -219,5 +219,5 @@ def test_a_sha256_repository_is_verified_with_sha256(tmp_path: Path, repo: R.Ker
     loose = ws / ".git" / "objects" / oid[:2] / oid[2:]
     loose.chmod(0o644)
     loose.write_bytes(zlib.compress(b"blob 2\0z\n"))
-    with pytest.raises(R.ObjectMismatch, match="'a.txt'"):
+    with pytest.raises(R.ObjectMismatch, match=r"'a\.txt'"):
         take(repo, ws)
