@@ -124,7 +124,10 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
 def _score_config(spec: JobSpec, jail: J.JailPolicy) -> dict[str, object]:
     score = spec.score
     assert score is not None
-    env = J.score_env(home=J.HOME_TOKEN, tree=J.TREE_TOKEN, scorer=J.SCORER_TOKEN, data=score.data)
+    # In a real jail the data is mounted at a path the wrapper draws after `command` has exited (see run_score);
+    # without one the scorer reads it where it is.
+    data = None if score.data is None else score.data if jail.kind == "none" else J.SCORE_DATA_TOKEN
+    env = J.score_env(home=J.HOME_TOKEN, tree=J.TREE_TOKEN, scorer=J.SCORER_TOKEN, data=data)
     scorer = None
     if score.scorer_commit is not None:
         scorer = {"commit": score.scorer_commit, "tree": score.scorer_tree}

@@ -310,6 +310,12 @@ def contract_problem(c: EvalContract) -> tuple[str, str] | None:
         )
     if c.score_data is not None and os.path.normpath(c.score_data) == "/":
         return "score_data", "'/' cannot be the private score data directory"
+    if c.score is not None and c.score_data is not None and os.path.normpath(c.score_data) in c.score:
+        return "score", (
+            f"name the private data as $SCORE_DATA, not {c.score_data!r}: the score stage mounts it at a path drawn "
+            "for each run, so that no symlink the candidate leaves in its tree can point at it "
+            '(e.g. score = "python3 $SCORE_DATA/score.py")'
+        )
     return None
 
 

@@ -314,8 +314,10 @@ def score_bwrap_argv(
     policy: JailPolicy, paths: JailPaths, scorer: str, data: str | None, env: Sequence[str], command: str
 ) -> list[str]:
     """The score stage's bwrap: like a job's, but never with network, the side's tree read-only (it reads what
-    `command` wrote, it cannot change it), the scorer and the private data read-only, cwd in the scorer (so a
-    relative path or `sys.path[0]` never resolves into the candidate's tree), and a home of its own."""
+    `command` wrote, it cannot change it), the scorer read-only, the private data read-only at a path the wrapper
+    draws after `command` has exited (SCORE_DATA_TOKEN: no symlink the candidate planted can point at it), cwd
+    in the scorer (so a relative path or `sys.path[0]` never resolves into the candidate's tree), and a home of
+    its own."""
     tree, home, scorer = _abs(paths.tree, "tree"), _abs(paths.home, "home"), _abs(scorer, "scorer")
     argv = [
         policy.bwrap,
@@ -345,7 +347,7 @@ def score_bwrap_argv(
     argv += _ro_dir_args(policy)
     argv += ["--bind", home, home, "--ro-bind", tree, tree, "--ro-bind", scorer, scorer]
     if data is not None:
-        argv += ["--ro-bind", _abs(data, "score data"), data]
+        argv += ["--ro-bind", _abs(data, "score data"), SCORE_DATA_TOKEN]
     argv += ["--chdir", scorer]
     argv += list(env)
     argv += ["--", "sh", "-c", command]
@@ -363,7 +365,7 @@ def score_apptainer_argv(
     for d in policy.ro_dirs:
         argv += ["--bind", f"{_abs(d, 'read-only directory')}:{d}:ro"]
     if data is not None:
-        argv += ["--bind", f"{_abs(data, 'score data')}:{data}:ro"]
+        argv += ["--bind", f"{_abs(data, 'score data')}:{SCORE_DATA_TOKEN}:ro"]
     argv += ["--pwd", scorer, "--home", home, "--workdir", work]
     argv += list(env)
     argv += [policy.image, "sh", "-c", command]

@@ -60,6 +60,7 @@ WORK_TOKEN = "@@SYSCALL_WORK@@"
 ENV_TOKEN = "@@SYSCALL_ENV@@"
 COMMAND_TOKEN = "@@SYSCALL_COMMAND@@"
 SCORER_TOKEN = "@@SYSCALL_SCORER@@"
+SCORE_DATA_TOKEN = "@@SYSCALL_SCORE_DATA@@"
 VENV_TOKEN = "@@SYSCALL_VENV@@"
 GPU_TOKEN = "@@SYSCALL_GPUS@@"
 GPU_CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
@@ -142,10 +143,13 @@ def render_argv(
     scorer: str = "",
     venv: str = "",
     gpus: list[str] | None = None,
+    score_data: str = "",
 ) -> list[str]:
     """Fill the jail template's tokens with node-side values: the env, the command and the GPU binds replace
     whole arguments; a path token may also sit inside one (apptainer's `SRC:DST:ro`)."""
     values = {TREE_TOKEN: tree, HOME_TOKEN: home, WORK_TOKEN: work, SCORER_TOKEN: scorer, VENV_TOKEN: venv}
+    if score_data:
+        values[SCORE_DATA_TOKEN] = score_data
     out: list[str] = []
     for arg in template:
         if arg == ENV_TOKEN:
@@ -162,8 +166,13 @@ def render_argv(
 
 
 def fill_env(env: dict[str, str], **paths: str) -> dict[str, str]:
-    """Env values that are path tokens, filled with the node's paths (`tree=`, `home=`, `scorer=`)."""
-    tokens = {TREE_TOKEN: paths.get("tree"), HOME_TOKEN: paths.get("home"), SCORER_TOKEN: paths.get("scorer")}
+    """Env values that are path tokens, filled with the node's paths (`tree=`, `home=`, `scorer=`, `data=`)."""
+    tokens = {
+        TREE_TOKEN: paths.get("tree"),
+        HOME_TOKEN: paths.get("home"),
+        SCORER_TOKEN: paths.get("scorer"),
+        SCORE_DATA_TOKEN: paths.get("data"),
+    }
     return {k: (tokens.get(v) or v) for k, v in env.items()}
 
 
@@ -919,13 +928,26 @@ def run_score(
         except WrapperError as e:
             note(f"the scorer (the base commit) could not be written: {e}")
             return None
-    env = fill_env(dict(score["env"]), tree=tree, home=home, scorer=scorer)
+    import secrets
+
+    # The private data is mounted at a path drawn now, after `command` has exited: a symlink the candidate left
+    # in its tree (to the data's real path, which kernel.json shows) dangles in the score's jail.
+    data_at = "/score-data-" + secrets.token_hex(16)
+    env = fill_env(dict(score["env"]), tree=tree, home=home, scorer=scorer, data=data_at)
     seeds = config.get("seeds") or []
     if seeds:
         env["EVAL_SEED"] = str(seeds[index % len(seeds)])
     kind = score["kind"]
     argv = render_argv(
-        score["argv"], kind, tree, home, os.path.join(scratch, "work"), env, score["command"], scorer
+        score["argv"],
+        kind,
+        tree,
+        home,
+        os.path.join(scratch, "work"),
+        env,
+        score["command"],
+        scorer,
+        score_data=data_at,
     )
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
     out_fd = os.open(os.path.join(tdir, "score-stdout"), flags, 0o644)

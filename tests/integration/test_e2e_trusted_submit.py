@@ -119,7 +119,7 @@ def score_flags(private: Path, scorer: str = "score.py") -> tuple[str, ...]:
         "--metric",
         "score",
         "--score-command",
-        f"python3 {private / scorer}",
+        f"python3 $SCORE_DATA/{scorer}",
         "--score-data",
         str(private),
     )
@@ -148,6 +148,14 @@ def cases(private: Path) -> dict[str, tuple[tuple[str, ...], dict[str, str]]]:
                 str(private),
             ),
             {**worse, "score_base.py": REWRITE},
+        ),
+        # predictions.txt is a symlink to the private labels (their path is public in kernel.json)
+        "score-symlink": (
+            score_flags(private),
+            {
+                **worse,
+                "predict.py": f"import os\nos.symlink({str(private / 'labels.txt')!r}, 'predictions.txt')\n",
+            },
         ),
         "protected-rewrite": ((*EVAL_FLAGS, "--protected", "eval.py"), {**worse, "eval.py": REWRITE}),
         "protected-atexit": ((*EVAL_FLAGS, "--protected", "eval.py"), {"model.py": ATEXIT_MODEL}),
@@ -243,13 +251,15 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
         kernel.ensure_stopped()
 
 
-@pytest.mark.parametrize("name", ["score-rewrite", "score-atexit", "score-base"])
+@pytest.mark.parametrize("name", ["score-rewrite", "score-atexit", "score-base", "score-symlink"])
 def test_with_a_score_stage_no_attack_makes_a_worse_candidate_improved(env: Env, name: str) -> None:
     v = env.wake(name)["verdict"]
+    # the symlinked predictions dangle in the scorer's jail: nothing right at all
+    worse = 0.0 if name == "score-symlink" else 0.2
     assert (v["outcome"], v["base_value"], v["candidate_value"], v["trusted"]) == (
         "not_improved",
         0.5,
-        0.2,
+        worse,
         True,
     ), v
     md = env.md(name)

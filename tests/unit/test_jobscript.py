@@ -231,4 +231,5 @@ def test_private_score_data_below_a_bound_directory_is_masked_from_the_command_o
         masked = score.index(data)
         assert score[masked - 1] == "--tmpfs"
         bound = score.index(data, masked + 1)  # ...and the score's jail binds the data on top, read-only
-        assert score[bound - 1 : bound + 2] == ["--ro-bind", data, data]
+        assert score[bound - 1 : bound + 2] == ["--ro-bind", data, "@@SYSCALL_SCORE_DATA@@"]
+        assert cfg["score"]["env"]["SCORE_DATA"] == "@@SYSCALL_SCORE_DATA@@"  # type: ignore[index]

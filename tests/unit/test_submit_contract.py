@@ -35,6 +35,10 @@ BASE = "[defaults.submit]\ncommand = 'python3 predict.py'\nmetric = 'acc'\n"
             "'/no/such/dir' is not an existing directory",
         ),
         ("score = ' '", "key 'defaults.submit.score': the score command is empty"),
+        (
+            "score = 'python3 /srv/p/s.py'\nscore_data = '/srv/p'",
+            "key 'defaults.submit.score': name the private",
+        ),
     ],
 )
 def test_a_bad_trusted_contract_is_refused_at_config_load_with_the_key_named(
@@ -53,7 +57,7 @@ def test_a_good_trusted_contract_loads(tmp_path: Path) -> None:
     f = tmp_path / "k.toml"
     f.write_text(
         BASE
-        + f"score = 'python3 {data}/score.py'\nscore_data = '{data}'\nprotected = ['eval.py', 'data/val/**']\n"
+        + f"score = 'python3 $SCORE_DATA/score.py'\nscore_data = '{data}'\nprotected = ['eval.py', 'data/val/**']\n"
         "repeats = 9\nconfidence = 0.9\ntest = 'bootstrap'\n"
     )
     c = load(f, env={}).defaults.submit
@@ -136,13 +140,17 @@ def test_the_score_jail_has_no_network_a_read_only_tree_and_its_cwd_in_the_score
     assert "--unshare-net" in filled  # even when the workspace's jobs may use the network
     assert "--ro-bind /s/tree /s/tree" in joined
     assert "--bind /s/tree" not in joined.replace("--ro-bind /s/tree", "")
-    assert "--ro-bind /srv/private /srv/private" in joined
+    assert f"--ro-bind /srv/private {J.SCORE_DATA_TOKEN}" in joined  # mounted where the wrapper draws
+    drawn = render_argv(argv, "bwrap", "/t", "/h", "/w", {}, "c", "/s", score_data="/score-data-ab12")
+    assert drawn[drawn.index("/srv/private") + 1] == "/score-data-ab12"
     assert "--ro-bind /s/scorer /s/scorer" in joined
     assert filled[filled.index("--chdir") + 1] == "/s/scorer"
     assert filled[-3:] == ["sh", "-c", "python3 x.py"]
     assert "--tmpfs /opt/state" in joined
     app = J.score_template_argv(J.JailPolicy(kind="apptainer", image="/i.sif"), data=None)
-    filled = render_argv(app, "apptainer", "/s/tree", "/s/home", "/s/work", {}, "c", "/s/scorer")
+    filled = render_argv(
+        app, "apptainer", "/s/tree", "/s/home", "/s/work", {}, "c", "/s/scorer", score_data="/d"
+    )
     assert "/s/tree:/s/tree:ro" in filled
     assert "/s/scorer:/s/scorer:ro" in filled
     assert filled[filled.index("--network") + 1] == "none"
