@@ -22,7 +22,7 @@ from channel.messages import EvalContract
 from kernel.core.budget import Balance
 from kernel.core.config import Config, ConfigError, load
 from kernel.core.evaluate import EVAL_FLAGS, SELF_REPORTED_WARNING, contract_problem, is_trusted
-from kernel.io import log, statedir
+from kernel.io import log, retention, statedir
 from kernel.io.repo import KernelRepo, RepoError, UntrustedGit, base_ref
 from kernel.io.store import Store, StoreError
 
@@ -61,6 +61,12 @@ class WorkspaceStatus(msgspec.Struct, frozen=True):
     submit: str = "none"
     # When the operator paused it (`syscall-kernel pause`), else None.
     paused_at: str | None = None
+    # Disk its evidence uses: bytes under its run directories and under its channel's results/ (retention
+    # prunes both); `disk_complete` false when a tree was too big to walk whole (then at least these).
+    run_bytes: int = 0
+    result_bytes: int = 0
+    disk_complete: bool = True
+    pruned_sleeps: int = 0
 
 
 class KernelStatus(msgspec.Struct, frozen=True):
@@ -431,9 +437,21 @@ def _status(cfg: Config) -> KernelStatus:
             c = ws.policy.submit
             trust = "none" if c is None else "trusted" if is_trusted(c, cfg.jail) else "self-reported"
             paused = store.admin(ws.key).paused_at
+            run_b, res_b, whole = retention.usage(cfg.run_dir, ws)
             out.append(
                 WorkspaceStatus(
-                    ws.key, ws.path, ws.watch, ws.problem, _budget(ws.balance), sleep, trust, paused
+                    ws.key,
+                    ws.path,
+                    ws.watch,
+                    ws.problem,
+                    _budget(ws.balance),
+                    sleep,
+                    trust,
+                    paused,
+                    run_b,
+                    res_b,
+                    whole,
+                    store.pruned_count(ws.key),
                 )
             )
         counts = store.counts()
@@ -486,6 +504,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"    budget: {b['launches']} launches, {b['sleeps']} sleeps, {b['gpu_hours']:g} GPU-hours "
             f"({b['reserved_gpu_hours']:g} reserved)"
         )
+        at_least = "" if w.disk_complete else "at least "
+        pruned = f"; {w.pruned_sleeps} older sleeps pruned" if w.pruned_sleeps else ""
+        print(
+            f"    disk: {at_least}{_size(w.run_bytes)} in run directories, {at_least}{_size(w.result_bytes)} "
+            f"in results/{pruned}"
+        )
         if w.paused_at:
             print(f"    PAUSED since {w.paused_at} (`syscall-kernel resume` serves it again)")
         if w.problem:
@@ -502,6 +526,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             if jobs:
                 print(f"    jobs: {' '.join(jobs)}")
     return 0
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    x, units = n / 1024, ["KiB", "MiB", "GiB"]
+    while x >= 1024 and len(units) > 1:
+        x, units = x / 1024, units[1:]
+    return f"{x:.1f} {units[0]}"
 
 
 def cmd_check(args: argparse.Namespace) -> int:

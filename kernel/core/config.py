@@ -204,6 +204,11 @@ class Config(_Strict, frozen=True, kw_only=True):
     # Each workspace's kernel repository (`<run_dir>/repos/<key>.git`) is packed and pruned this often; released
     # snapshots go then, held bases never.
     repo_gc_hours: Annotated[float, Meta(gt=0, le=24 * 365)] = 24.0
+    # Retention (kernel.core.retention): a workspace keeps the evidence (run directories, delivered results,
+    # request bodies) of its newest `retention_sleeps` woken sleeps and of every sleep woken within
+    # `retention_days`; older ones are pruned. 0 and 0 (the default): everything is kept.
+    retention_days: Annotated[float, Meta(ge=0, le=100 * 365)] = 0.0
+    retention_sleeps: Annotated[int, Meta(ge=0, le=10**9)] = 0
     defaults: Defaults = Defaults()
     snapshot: SnapshotLimits = SnapshotLimits()
     slurm: SlurmConfig = SlurmConfig()

@@ -128,6 +128,15 @@ CREATE TABLE IF NOT EXISTS workspace_slurm (
     account         TEXT NOT NULL
 ) STRICT;
 
+CREATE TABLE IF NOT EXISTS pruned_sleeps (
+    workspace       TEXT NOT NULL REFERENCES workspaces(key),
+    seq             INTEGER NOT NULL,
+    pruned_at       TEXT NOT NULL,
+    run_bytes       INTEGER NOT NULL,
+    result_bytes    INTEGER NOT NULL,
+    PRIMARY KEY (workspace, seq)
+) STRICT;
+
 CREATE TABLE IF NOT EXISTS budget_changes (
     workspace       TEXT NOT NULL REFERENCES workspaces(key),
     at              TEXT NOT NULL,
@@ -344,6 +353,50 @@ class Store:
             }
         except sqlite3.OperationalError:
             return set()
+
+    # --- retention (kernel.core.retention decides; the service removes the files) ---------------------------
+
+    # Requests whose rows may go after the retention time: answered read-only questions. A sleep's or cancel's
+    # row stays for good (its id may never be reused; a replay gets the same answer).
+    READ_ONLY_TYPES: Final = ("status", "queue", "history")
+
+    def sleep_ages(self, key: str) -> list[tuple[int, str, str, str | None]]:
+        """(seq, state, created_at, woken_at) of the workspace's sleeps not pruned yet."""
+        return [
+            (int(r[0]), str(r[1]), str(r[2]), r[3])
+            for r in self._all(
+                "SELECT seq, state, created_at, woken_at FROM sleeps WHERE workspace=? AND seq NOT IN "
+                "(SELECT seq FROM pruned_sleeps WHERE workspace=?) ORDER BY seq",
+                (key, key),
+            )
+        ]
+
+    def record_pruned(self, key: str, seq: int, at: str, run_bytes: int, result_bytes: int) -> None:
+        """The sleep's run directory and results are gone: record it, and drop the request's body (its id,
+        digest and answer stay, so a replay is still answered the same)."""
+        self._conn.execute(
+            "INSERT OR REPLACE INTO pruned_sleeps (workspace, seq, pruned_at, run_bytes, result_bytes) "
+            "VALUES (?,?,?,?,?)",
+            (key, seq, at, run_bytes, result_bytes),
+        )
+        self._conn.execute("UPDATE requests SET body=NULL WHERE workspace=? AND sleep_seq=?", (key, seq))
+
+    def prune_read_requests(self, key: str, answered_before: str) -> int:
+        """Forget answered read-only requests answered before `answered_before` (RFC 3339, as stored)."""
+        marks = ",".join("?" * len(self.READ_ONLY_TYPES))
+        cur = self._conn.execute(
+            f"DELETE FROM requests WHERE workspace=? AND type IN ({marks}) AND answer IS NOT NULL "
+            "AND answered_at < ?",
+            (key, *self.READ_ONLY_TYPES, answered_before),
+        )
+        return cur.rowcount
+
+    def pruned_count(self, key: str) -> int:
+        try:
+            row = self._one("SELECT count(*) FROM pruned_sleeps WHERE workspace=?", (key,))
+        except sqlite3.OperationalError:
+            return 0
+        return 0 if row is None else int(row[0])
 
     def slurm_account(self, key: str) -> str | None:
         """The workspace's own Slurm account (`enroll --account`), or None (the config's `[slurm] account`)."""

@@ -36,6 +36,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -61,11 +62,13 @@ from channel.paths import ChannelPaths
 from channel.render import render_wake
 from kernel.backends import jobscript
 from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, JobSpec, RunnableBackend, TaskExit
+from kernel.core import retention
 from kernel.core.budget import release
 from kernel.core.config import Config
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.io import envcache, jobenv
 from kernel.io import log as klog
+from kernel.io import retention as rfiles
 from kernel.io.crash import crash_point
 from kernel.io.enroll import write_budget
 from kernel.io.repo import KernelRepo, RepoError, snapshot_ref
@@ -84,6 +87,7 @@ from kernel.service.heavy import HeavyPool
 T = TypeVar("T")
 
 GC_LOOK_S: Final = 60.0  # how often the kernel looks for a repository due for gc
+RETENTION_LOOK_S: Final = 600.0  # how often retention looks for evidence to prune (and once at start)
 TICK_S: Final = 1.0
 _wake_decoder: Final = msgspec.json.Decoder(Wake)
 
@@ -820,6 +824,8 @@ class RealExecutor:
             await tg.start(self.backend.run)
             tg.start_soon(self._exit_loop)
             tg.start_soon(self._gc_loop)
+            if self.cfg.retention_days > 0 or self.cfg.retention_sleeps > 0:
+                tg.start_soon(self._retention_loop)
             while True:
                 await anyio.sleep(TICK_S)
                 # A store that cannot be written (logged by the worker) only delays the tick's work.
@@ -841,6 +847,57 @@ class RealExecutor:
                 except (RepoError, OSError) as e:
                     klog.event("repo_gc_failed", logging.WARNING, ws=ws.key, problem=str(e)[:300])
 
+    async def _retention_loop(self) -> None:
+        while True:
+            with contextlib.suppress(StoreUnavailable):
+                await self.prune_once()
+            await anyio.sleep(RETENTION_LOOK_S)
+
+    async def prune_once(self) -> int:
+        """Prune what retention lets go, workspace by workspace; the number of sleeps pruned. A sleep's files go
+        first (heavy pool), then its records say so: a kernel stopped between the two prunes it again, finding
+        less to remove."""
+        now = datetime.now(UTC)
+        pruned = 0
+        for ws in await self._call(self.store.workspaces):
+            ages = await self._call(self.store.sleep_ages, ws.key)
+            seqs = retention.to_prune(
+                [retention.SleepAge(seq, state, _when(woken or made)) for seq, state, made, woken in ages],
+                keep_sleeps=self.cfg.retention_sleeps,
+                keep_days=self.cfg.retention_days,
+                now=now,
+            )
+            for seq in seqs:
+                try:
+                    run_b = await self.heavy.run(ws.key, rfiles.remove_run_dir, self.cfg.run_dir, ws.key, seq)
+                    res_b = await self.heavy.run(ws.key, rfiles.remove_results, ws, seq)
+                except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
+                    klog.event("prune_failed", logging.WARNING, ws=ws.key, seq=seq, problem=str(e)[:300])
+                    break  # this workspace waits for the next look; the others go on
+                await self._call(self._record_pruned, ws.key, seq, run_b, res_b)
+                klog.event("pruned", ws=ws.key, seq=seq, run_bytes=run_b, result_bytes=res_b)
+                pruned += 1
+            if self.cfg.retention_days > 0:
+                cutoff = timestamp((now - timedelta(days=self.cfg.retention_days)).timestamp())
+                gone = await self._call(self._prune_requests, ws.key, cutoff)
+                if gone:
+                    klog.event("requests_pruned", ws=ws.key, count=gone)
+        return pruned
+
+    def _record_pruned(self, key: str, seq: int, run_bytes: int, result_bytes: int) -> None:
+        with self.store.transaction():
+            self.store.record_pruned(key, seq, timestamp(), run_bytes, result_bytes)
+            # The stored wake bytes served only to (re)write the wake; a woken sleep's are on disk.
+            self.store._one(
+                "UPDATE exec_sleeps SET wake_json=NULL, wake_md=NULL WHERE workspace=? AND seq=? AND EXISTS "
+                "(SELECT 1 FROM sleeps WHERE workspace=? AND seq=? AND state='woken')",
+                (key, seq, key, seq),
+            )
+
+    def _prune_requests(self, key: str, cutoff: str) -> int:
+        with self.store.transaction():
+            return self.store.prune_read_requests(key, cutoff)
+
     async def _exit_loop(self) -> None:
         while True:
             try:
@@ -854,6 +911,10 @@ class RealExecutor:
                 except StoreUnavailable:
                     # The end must be recorded before anything else happens to the task: try again.
                     await anyio.sleep(TICK_S)
+
+
+def _when(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 
 
 def _job_order(job_id: str) -> tuple[int, str]:
