@@ -9,6 +9,7 @@ in `<run_dir>/envs/workspaces/<key>.json`.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Final
@@ -41,10 +42,16 @@ _locked_decoder: Final = msgspec.json.Decoder(LockedEnvironment)
 def enforcement(cfg: Config) -> str:
     """What enforces the local backend's per-task limits on this machine (kernel.node.limits decides the same
     way on the node)."""
-    from kernel.node import wrapper
-
     if cfg.backend != "local" or not (cfg.local.mem_mb or cfg.local.max_procs):
         return "none"
+    return _mechanism()
+
+
+@functools.cache
+def _mechanism() -> str:
+    """Probed once per process (a trial cgroup is created and removed), not at every workspace's refresh."""
+    from kernel.node import wrapper
+
     return wrapper.limits_mechanism()
 
 
