@@ -36,6 +36,7 @@ CASES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
     "improve": (("--eval-gpus", "1"), BASE, {"result.txt": '{"score": 0.9}\n'}),
     "worse": ((), BASE, {"result.txt": '{"score": 0.4}\n'}),
     "unchanged": (("--eval-gpus", "1"), BASE, {}),
+    "unchanged-launch": (("--eval-gpus", "1"), BASE, {}),
     "crash": ((), BASE, {"eval.sh": "echo boom >&2\nexit 3\n"}),
     "nan": ((), BASE, {"result.txt": '{"score": NaN}\n'}),
     "trailing": ((), BASE, {"result.txt": '{"score": 0.8}\n{"epoch": 3}\n{"loss": 1.25, "note": "x"}\n'}),
@@ -158,7 +159,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
         for name in STARTED_BY_FIXTURE:
             for rel, text in CASES[name][2].items():
                 (spaces[name] / rel).write_text(text)
-            if name == "worse":  # a launch staged with the submit runs alongside the evaluation
+            if name in ("worse", "unchanged-launch"):  # a launch staged with the submit runs alongside
                 e.tool(name, "launch", "--name", "train", "--", "sh", "-c", "echo trained")
             report = "please fail-the-hook" if name == "hookfail" else f"# {name}\nwhat I changed and why\n"
             e.sleeps[name] = e.start_submit(name, report)
@@ -252,6 +253,21 @@ def test_an_unchanged_tree_runs_and_charges_nothing_not_even_the_sleep(env: Env)
     assert (wake["budget"]["gpu_hours"], wake["budget"]["reserved_gpu_hours"]) == (4.0, 0.0)
     assert wake["budget"]["sleeps"] == 10  # the sleep that carried only the submit was refunded too
     assert "nothing was run or charged, the sleep included" in env.md("unchanged", wake["id"])
+
+
+def test_an_unchanged_tree_with_a_launch_charges_the_sleep_and_the_launch_only(env: Env) -> None:
+    wake = env.wake("unchanged-launch")
+    assert wake["verdict"]["outcome"] == "unchanged"
+    assert sorted((t["launch"], t["state"]) for t in wake["tasks"]) == [
+        ("submit-base", "SKIPPED"),
+        ("submit-candidate", "SKIPPED"),
+        ("train", "COMPLETED"),
+    ]
+    assert (wake["budget"]["sleeps"], wake["budget"]["launches"]) == (9, 99)
+    assert wake["budget"]["gpu_hours"] == 4.0
+    md = env.md("unchanged-launch", wake["id"])
+    assert "the evaluation was not run; the sleep's own launches ran and were charged as usual" in md
+    assert "nothing was run or charged" not in md
 
 
 def test_a_candidate_whose_eval_crashes_fails_on_the_candidate_side(env: Env) -> None:
