@@ -24,6 +24,7 @@ import msgspec
 from channel import limits as L
 from channel.errors import CODES
 from channel.messages import (
+    VERBS,
     CancelRequest,
     ErrorInfo,
     Launch,
@@ -31,6 +32,7 @@ from channel.messages import (
     Rejected,
     Request,
     SleepRequest,
+    TailRequest,
 )
 
 ECHO_MAX_CHARS: Final = 64
@@ -416,6 +418,8 @@ def _check_trailing_newlines(req: Request) -> None:
         for i, name in enumerate(req.launches):
             if name.endswith("\n"):
                 raise _constraint_error("cancel", f"$.launches[{i}]", f"matching regex '{L.NAME_PATTERN}'")
+    elif isinstance(req, TailRequest) and req.launch.endswith("\n"):
+        raise _constraint_error("tail", "$.launch", f"matching regex '{L.NAME_PATTERN}'")
 
 
 # --- rules a schema cannot say ---------------------------------------------------------------------------
@@ -462,6 +466,12 @@ def _check_launch(launch: Launch, at: str) -> None:
         raise RequestError("launch.why.multiline", f"{at}.why must be one line of text", f"{at}.why")
 
 
+# Glob characters: the kernel copies exactly the named file, so a pattern would silently deliver nothing.
+_GLOB_RE: Final = re.compile(r"[*?\[]")
+# Names the kernel itself delivers next to a task's artifacts (its full stdout and stderr).
+RESERVED_ARTIFACTS: Final = ("stdout", "stderr")
+
+
 def artifact_path_problem(path: str) -> str | None:
     """Why `path` is not an acceptable artifact path, or None. Shared with the kernel's copy-out."""
     if path.startswith("/"):
@@ -477,10 +487,28 @@ def artifact_path_problem(path: str) -> str | None:
         return "must not contain empty parts ('//' or a trailing '/')"
     if "." in parts or ".." in parts:
         return "must not contain '.' or '..' parts"
+    if _GLOB_RE.search(path):
+        return (
+            "contains a glob character (*, ? or [); artifacts are single files, not patterns: "
+            "name each file, or archive them in your command and name the archive"
+        )
+    if path in RESERVED_ARTIFACTS:
+        return (
+            f"is {path!r}, where the kernel delivers the job's own {path}; copy the file under another name"
+        )
     return None
 
 
 # --- policy ----------------------------------------------------------------------------------------------
+
+
+def at_a_time(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int) -> int:
+    """How many tasks of an array run at once: `concurrency` (0 = all), lowered so that the tasks running
+    together hold at most the workspace's `max_concurrent_gpus` (but never below one task)."""
+    width = concurrency or array
+    if gpus > 0:
+        width = min(width, max(1, max_concurrent_gpus // gpus))
+    return min(width, array)
 
 
 def check_policy(req: Request, policy: Policy) -> None:
@@ -550,4 +578,4 @@ def _article(t: str) -> str:
 
 
 def _type_help(prefix: str) -> str:
-    return f"{prefix}; use one of: sleep, cancel, status, queue, history"
+    return f"{prefix}; use one of: {', '.join(VERBS)}"

@@ -66,6 +66,9 @@ CODES: Final[dict[str, Code]] = {
     "cancel.launches.too_many": Code("4.6", "more names than a cancel may carry"),
     "cancel.name.invalid": Code("4.6", "a name to cancel does not match the name pattern"),
     "history.limit.out_of_range": Code("4.6", "history limit outside 1..history limit"),
+    "tail.launch.invalid": Code("4.6", "the launch to tail does not match the name pattern"),
+    "tail.task.out_of_range": Code("4.6", "the task to tail is outside 0..array maximum - 1"),
+    "tail.lines.out_of_range": Code("4.6", "lines to tail outside 1..tail lines maximum"),
     # 5 policy (the workspace's ceilings, published in kernel.json)
     "policy.minutes": Code("5", "minutes above the workspace's maximum"),
     "policy.gpus": Code("5", "gpus above the workspace's maximum"),
@@ -80,6 +83,8 @@ CODES: Final[dict[str, Code]] = {
     "budget.gpu_hours": Code("6", "not enough GPU-hours left for what the launches reserve"),
     "cancel.no_sleep": Code("6", "there is no sleep in progress to cancel"),
     "cancel.unknown_launch": Code("6", "a name to cancel is not a launch of the current sleep"),
+    "tail.no_sleep": Code("6", "the workspace has no sleep whose task could be tailed"),
+    "tail.unknown_task": Code("6", "the launch or task to tail is not one of the sleep's"),
     "snapshot.failed": Code("6", "the workspace could not be snapshotted (its git repository is unusable)"),
     "snapshot.too_large": Code(
         "6",

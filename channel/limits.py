@@ -38,8 +38,15 @@ PROTECTED_MAX: Final = 64  # protected path patterns
 PROTECTED_MAX_CHARS: Final = 256
 PATH_MAX_CHARS: Final = 4096
 
-# Kernel-written sizes.
-TAIL_MAX_CHARS: Final = 8000
+# Kernel-written sizes. A tail is whole lines (the last line alone is cut if it is longer than the byte cap).
+TAIL_MAX_BYTES: Final = 4000
+TAIL_MAX_LINES: Final = 40
+RESULT_MAX_CHARS: Final = 2000
+LOG_MAX_BYTES: Final = 16 * 1024 * 1024
+# `tail` (a running task's output so far): lines asked for by default and at most, and the answer's byte cap.
+TAIL_VERB_DEFAULT_LINES: Final = 20
+TAIL_VERB_MAX_LINES: Final = 200
+TAIL_VERB_MAX_BYTES: Final = 16000
 
 # Policy defaults (operator-configurable per workspace, never above the ceilings above).
 POLICY_MAX_MINUTES: Final = 240

@@ -123,10 +123,19 @@ class HistoryRequest(_Request, tag="history", frozen=True):
     limit: Annotated[int, Meta(ge=1, le=L.HISTORY_MAX)] = L.HISTORY_DEFAULT
 
 
-Request = SleepRequest | CancelRequest | StatusRequest | QueueRequest | HistoryRequest
-REQUEST_TYPES: Final = (SleepRequest, CancelRequest, StatusRequest, QueueRequest, HistoryRequest)
-Verb = Literal["sleep", "cancel", "status", "queue", "history"]
-VERBS: Final[tuple[Verb, ...]] = ("sleep", "cancel", "status", "queue", "history")
+class TailRequest(_Request, tag="tail", frozen=True):
+    """The last lines of one task's stdout (or stderr) so far, from the current sleep (else the last one)."""
+
+    launch: LaunchName
+    task: Annotated[int, Meta(ge=0, le=L.ARRAY_MAX - 1)] = 0
+    lines: Annotated[int, Meta(ge=1, le=L.TAIL_VERB_MAX_LINES)] = L.TAIL_VERB_DEFAULT_LINES
+    stderr: bool = False
+
+
+Request = SleepRequest | CancelRequest | StatusRequest | QueueRequest | HistoryRequest | TailRequest
+REQUEST_TYPES: Final = (SleepRequest, CancelRequest, StatusRequest, QueueRequest, HistoryRequest, TailRequest)
+Verb = Literal["sleep", "cancel", "status", "queue", "history", "tail"]
+VERBS: Final[tuple[Verb, ...]] = ("sleep", "cancel", "status", "queue", "history", "tail")
 
 # --- shared pieces of answers ----------------------------------------------------------------------------
 
@@ -168,6 +177,7 @@ class SleepView(_Strict, frozen=True):
     created_at: Timestamp
     note: str = ""
     tasks: tuple[TaskView, ...] = ()
+    woken_at: Timestamp | None = None
 
 
 class KernelRef(_Strict, frozen=True):
@@ -203,6 +213,9 @@ class HistoryEntry(_Strict, frozen=True):
     note: str = ""
     launches: tuple[HistoryLaunch, ...] = ()
     verdict: str | None = None
+    snapshot: str | None = None
+    base_value: float | None = None
+    candidate_value: float | None = None
 
 
 # --- answers ---------------------------------------------------------------------------------------------
@@ -247,8 +260,23 @@ class Cancelled(_Answer, tag="cancelled", frozen=True):
     budget: Budget
 
 
-Answer = Accepted | Rejected | StatusAnswer | QueueAnswer | HistoryAnswer | Cancelled
-ANSWER_TYPES: Final = (Accepted, Rejected, StatusAnswer, QueueAnswer, HistoryAnswer, Cancelled)
+class TailAnswer(_Answer, tag="tail", frozen=True):
+    """A task's output so far: its last whole lines (at most the lines asked and `TAIL_VERB_MAX_BYTES`)."""
+
+    sleep: str
+    launch: str
+    task: int
+    state: TaskState
+    stream: Literal["stdout", "stderr"]
+    text: str
+    lines: int
+    size: int
+    cut: bool
+    job_id: str | None = None
+
+
+Answer = Accepted | Rejected | StatusAnswer | QueueAnswer | HistoryAnswer | Cancelled | TailAnswer
+ANSWER_TYPES: Final = (Accepted, Rejected, StatusAnswer, QueueAnswer, HistoryAnswer, Cancelled, TailAnswer)
 
 # --- the wake --------------------------------------------------------------------------------------------
 
@@ -267,6 +295,20 @@ class SkippedArtifact(_Strict, frozen=True):
     reason: str
 
 
+class LogFile(_Strict, frozen=True):
+    """A task's stdout or stderr as a whole: how much the job wrote, how much of it the tail shows, and where the
+    full log was delivered (the last `log_max_bytes` of it, from `delivered_from`, when it is longer)."""
+
+    size: int
+    lines: int
+    tail_bytes: int
+    tail_lines: int
+    delivered: str | None = None
+    delivered_from: int = 0
+    sha256: str | None = None
+    reason: str | None = None
+
+
 class TaskResult(_Strict, frozen=True):
     launch: str
     task: int
@@ -281,6 +323,23 @@ class TaskResult(_Strict, frozen=True):
     skipped: tuple[SkippedArtifact, ...] = ()
     why: str = ""
     hint: str | None = None
+    stdout_log: LogFile | None = None
+    stderr_log: LogFile | None = None
+    # The last line of stdout that is a JSON object (a job's result, by convention), as the job printed it.
+    result: str | None = None
+
+
+class LaunchSummary(_Strict, frozen=True):
+    """A launch of the sleep as it ran: its command and how many of its tasks ran at once (and why fewer)."""
+
+    name: str
+    command: str
+    array: int = 1
+    at_a_time: int = 1
+    gpus: int = 0
+    minutes: int = L.MINUTES_DEFAULT
+    clamp: str | None = None
+    why: str = ""
 
 
 Outcome = Literal["improved", "not_improved", "failed", "unchanged"]
@@ -339,6 +398,9 @@ class Wake(_Strict, frozen=True):
     tasks: tuple[TaskResult, ...] = ()
     verdict: Verdict | None = None
     refunded_gpu_hours: float = 0.0
+    # The commit the kernel snapshotted and every job of the sleep ran on.
+    snapshot: str | None = None
+    launches: tuple[LaunchSummary, ...] = ()
 
 
 # --- kernel-written channel files ------------------------------------------------------------------------
@@ -412,6 +474,8 @@ class Limits(_Strict, frozen=True):
     why_max_chars: int = L.WHY_MAX_CHARS
     note_max_chars: int = L.NOTE_MAX_CHARS
     report_max_chars: int = L.REPORT_MAX_CHARS
+    # Kernel-written: the most of each stdout/stderr delivered into results/ (the operator's `log_max_bytes`).
+    log_max_bytes: int = L.LOG_MAX_BYTES
 
 
 class StoreRef(_Strict, frozen=True):

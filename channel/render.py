@@ -10,9 +10,29 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from channel.messages import NOT_RUN_TASK_STATES, Budget, TaskResult, Verdict, Wake
+from channel.messages import NOT_RUN_TASK_STATES, Budget, LogFile, TaskResult, Verdict, Wake
+from channel.paths import CHANNEL_DIR, ChannelPaths
 
 _RUN_RE: Final = re.compile(r"`+|~+")
+# What a terminal or a renderer may act on instead of showing: C0 controls but tab and newline (ESC starts every
+# escape sequence, CR returns to the line start, BEL ends OSC strings), DEL, C1 (U+0080-U+009F: CSI, OSC, NEL as
+# single code points), the Unicode line and paragraph separators, and the bidirectional overrides that reorder
+# what is shown. Escaping every one of them leaves each escape sequence as inert, visible text.
+CONTROL_RE: Final = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def visible(text: str) -> str:
+    """`text` with every control character and escape sequence shown as a backslash escape (tab and newline kept).
+
+    Applied to all job- and agent-written text the kernel renders, so nothing a job prints can move the cursor,
+    erase a line, set the clipboard or reorder text on the terminal or page of whoever reads the wake."""
+    return CONTROL_RE.sub(_escape, text)
+
 
 HINTS: Final[dict[str, str]] = {
     "TIMEOUT": "hit the walltime you declared (`minutes`); ask for more minutes or make the job faster",
@@ -27,7 +47,8 @@ HINTS: Final[dict[str, str]] = {
 
 
 def fence(text: str, info: str = "text") -> str:
-    """`text` inside a backtick fence that no run of backticks or tildes inside it can close."""
+    """`text` (escaped by `visible`) inside a backtick fence that no run of backticks or tildes in it can close."""
+    text = visible(text)
     longest = max((len(m.group()) for m in _RUN_RE.finditer(text)), default=0)
     bar = "`" * max(3, longest + 1)
     body = text if text.endswith("\n") or not text else text + "\n"
@@ -44,9 +65,13 @@ def render_budget(budget: Budget) -> str:
         f", {budget.reserved_gpu_hours:.2f} reserved by running work" if budget.reserved_gpu_hours else ""
     )
     return (
-        f"Budget left: {budget.launches} launches, {budget.sleeps} sleeps, "
-        f"{budget.gpu_hours:.2f} GPU-hours{reserved}."
+        f"Budget left: {plural(budget.launches, 'launch', 'launches')}, "
+        f"{plural(budget.sleeps, 'sleep', 'sleeps')}, {budget.gpu_hours:.2f} GPU-hours{reserved}."
     )
+
+
+def plural(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
 
 
 def _task_title(t: TaskResult) -> str:
@@ -64,31 +89,104 @@ def _exit(t: TaskResult) -> str:
     return ", ".join(parts)
 
 
-def render_task(t: TaskResult) -> str:
-    head = f"### {_task_title(t)}: {t.state}"
+def size_text(n: int) -> str:
+    """A byte count for a reader: 512 bytes, 38 KB, 2.5 MB."""
+    if n < 1000:
+        return plural(n, "byte", "bytes")
+    for unit, scale in (("KB", 1e3), ("MB", 1e6), ("GB", 1e9)):
+        if n < scale * 1000 or unit == "GB":
+            value = n / scale
+            return f"{value:.0f} {unit}" if value >= 10 else f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def shown_path(delivered: str) -> str:
+    """A path under the channel as the agent reaches it from the workspace root."""
+    return f"{CHANNEL_DIR}/{delivered}"
+
+
+def last_lines(text: str, n: int) -> str:
+    """The last `n` lines of `text` (a last line without a newline counts)."""
+    parts = text.split("\n")  # LF only, as the kernel counts lines
+    lines = [x + "\n" for x in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+    return "".join(lines[-n:])
+
+
+def cut_marker(stream: str, log: LogFile | None, shown: str) -> str | None:
+    """The kernel's line above a tail: how much of the log the `shown` tail leaves out and where the full log
+    is (the marker counts what this markdown shows, which may be fewer lines than the JSON wake's tail)."""
+    if log is None:
+        return None
+    shown_lines = shown.count("\n") + (1 if shown and not shown.endswith("\n") else 0)
+    cut_lines = log.lines - shown_lines
+    cut_bytes = log.size - len(shown.encode("utf-8", "surrogatepass"))
+    where = _log_where(log)
+    if cut_lines <= 0 and cut_bytes <= 0:
+        return f"{stream}: all {plural(log.lines, 'line', 'lines')}; {where}" if log.delivered else None
+    what = plural(cut_lines, "line", "lines") if cut_lines > 0 else "part of the last line"
+    return f"{stream}: ... {what} ({size_text(cut_bytes)}) cut above this tail; {where}"
+
+
+def _log_where(log: LogFile) -> str:
+    if log.delivered is None:
+        return f"the full log was not delivered ({log.reason or 'unknown reason'})"
+    if log.delivered_from:
+        return (
+            f"its last {size_text(log.size - log.delivered_from)} (over log_max_bytes): "
+            f"{shown_path(log.delivered)}"
+        )
+    return f"full log: {shown_path(log.delivered)}"
+
+
+def code_span(text: str, max_chars: int = 160) -> str:
+    """Job- or agent-written text shown inline (a command, a result line): escaped, one line, cut at
+    `max_chars`, in a code span no backtick inside can close, with `|` escaped so it stays in its table cell."""
+    one = visible(text).replace("\n", "\\n").replace("\t", "\\t")
+    if len(one) > max_chars:
+        one = one[: max_chars - 3] + "..."
+    one = one.replace("|", "\\|")
+    longest = max((len(m.group()) for m in re.finditer("`+", one)), default=0)
+    bar = "`" * (longest + 1)
+    pad = " " if one.startswith("`") or one.endswith("`") or not one.strip() else ""
+    return f"{bar}{pad}{one}{pad}{bar}"
+
+
+# Lines of a notable task's stdout the markdown shows when its stderr has something to say too.
+STDOUT_LINES_BESIDE_STDERR: Final = 10
+
+
+def routine(t: TaskResult) -> bool:
+    """A task the summary table says all about: it completed, nothing was skipped, nothing to explain."""
+    return t.state == "COMPLETED" and not t.skipped and not t.hint
+
+
+def render_task(t: TaskResult, tails: bool = True) -> str:
+    """What is not routine about one task: its state and hint, skipped artifacts, and (`tails`) its output."""
     details = _exit(t)
-    out = [head + (f" ({details})" if details else ""), ""]
-    if t.job_id:
-        out.append(f"Job id: {t.job_id}")
+    out = [f"### {_task_title(t)}: {t.state}" + (f" ({details})" if details else ""), ""]
     hint = t.hint or HINTS.get(t.state)
     if hint:
         out.append(f"Hint: {hint}.")
-    if out[-1] != "":
-        out.append("")
-    if t.why:
-        out.append(data_block("Why (as staged)", t.why))
-    if t.artifacts:
-        out.append("Artifacts delivered:")
-        out += [f"- {_inline(a.delivered)} ({a.size} bytes, sha256 {a.sha256})" for a in t.artifacts]
-        out.append("")
+    if t.job_id:
+        out.append(f"Job id: {t.job_id}")
     if t.skipped:
         out.append("Artifacts skipped:")
         out += [f"- {_inline(s.path)}: {s.reason}" for s in t.skipped]
+    if out[-1] != "":
         out.append("")
-    if t.stdout_tail:
-        out.append(data_block("stdout (tail)", t.stdout_tail))
-    if t.stderr_tail:
-        out.append(data_block("stderr (tail)", t.stderr_tail))
+    for stream, text, log in (
+        ("stdout", t.stdout_tail, t.stdout_log),
+        ("stderr", t.stderr_tail, t.stderr_log),
+    ):
+        if stream == "stdout" and t.stderr_tail:  # stderr usually says why: stdout's last lines suffice
+            text = last_lines(text, STDOUT_LINES_BESIDE_STDERR)
+        marker = cut_marker(stream, log, text)
+        if text and tails:
+            if marker:
+                out.append(marker)
+            out.append(data_block(f"{stream} (tail)", text))
+        elif log is not None and log.delivered and log.size:
+            out += [f"{stream}: {size_text(log.size)}; {_log_where(log)}", ""]
     return "\n".join(out)
 
 
@@ -174,38 +272,100 @@ def render_verdict(v: Verdict) -> str:
     return "\n".join(out) + "\n"
 
 
+# Failed (or otherwise notable) tasks whose tails the markdown shows; later ones get their header, hint and log
+# paths only (every tail stays in the JSON wake and every full log in results/).
+TAILS_SHOWN: Final = 3
+
+
+def render_header(w: Wake) -> str:
+    counts: dict[str, int] = {}
+    for t in w.tasks:
+        counts[t.state] = counts.get(t.state, 0) + 1
+    ok = counts.pop("COMPLETED", 0)
+    unrun = sum(counts.pop(state, 0) for state in sorted(NOT_RUN_TASK_STATES))
+    ran = len(w.tasks) - unrun
+    tally = f"{ok} of {plural(ran, 'task', 'tasks')} completed" + "".join(
+        f", {n} {state}" for state, n in sorted(counts.items())
+    )
+    if unrun:
+        tally += f"; {unrun} not run (REUSED or SKIPPED)"
+    head = [f"# Wake: sleep {w.id} (#{w.seq}): {tally if w.tasks else 'a checkpoint (no launches)'}", ""]
+    on = f" on snapshot {w.snapshot}" if w.snapshot else ""
+    head.append(f"Slept {w.created_at} to {w.woken_at}{on}.")
+    return "\n".join(head) + "\n"
+
+
+def render_launches(w: Wake) -> str:
+    """Each launch's command as staged (one data block for all of them) and the kernel's clamps, if any."""
+    if not w.launches:
+        return ""
+    lines = []
+    for x in w.launches:
+        shape = f" (x{x.array}, {x.at_a_time} at a time)" if x.array > 1 else ""
+        lines.append(f"{x.name}{shape}: {x.command}")
+        if x.why:
+            lines.append(f"  why: {x.why}")
+    out = [data_block("Launches as staged", "\n".join(lines))]
+    clamps = [f"{x.name} ran {x.clamp}." for x in w.launches if x.clamp]
+    if clamps:
+        out.append("\n".join(clamps) + "\n")
+    return "\n".join(out)
+
+
+def render_table(tasks: tuple[TaskResult, ...]) -> str:
+    """One row per task: state, exit, elapsed and the last JSON-object line of its stdout (job-written data)."""
+    rows = ["| task | state | exit | elapsed | last JSON line of stdout (data) |", "|---|---|---|---|---|"]
+    for t in tasks:
+        code = "" if t.exit_code is None else str(t.exit_code)
+        el = "" if t.elapsed_s is None else f"{t.elapsed_s:.1f} s"
+        result = code_span(t.result) if t.result else ""
+        rows.append(f"| {_task_title(t)} | {t.state} | {code} | {el} | {result} |")
+    return "\n".join(rows) + "\n"
+
+
+def render_files(w: Wake) -> str:
+    """Where each launch's delivered files are, in one line per launch (names, not one line per file)."""
+    lines = []
+    for name in dict.fromkeys(t.launch for t in w.tasks):
+        tasks = [t for t in w.tasks if t.launch == name]
+        files: dict[str, None] = {}
+        for t in tasks:
+            if t.stdout_log is not None and t.stdout_log.delivered:
+                files.setdefault("stdout")
+            if t.stderr_log is not None and t.stderr_log.delivered:
+                files.setdefault("stderr")
+            for a in t.artifacts:
+                files.setdefault(a.path)
+        if not files:
+            continue
+        where = ChannelPaths.result_dir(w.seq, name, 0 if len(tasks) > 1 else None)
+        base = "/".join((CHANNEL_DIR, ChannelPaths.RESULTS, *where[:2])) + (
+            "/<task>/" if len(tasks) > 1 else "/"
+        )
+        names = ", ".join(_inline(f) for f in files)
+        lines.append(f"- {base}: {names}")
+    if not lines:
+        return ""
+    return "Delivered (sizes and sha256 in the JSON wake):\n" + "\n".join(lines) + "\n"
+
+
 def render_wake(w: Wake) -> str:
-    ok = sum(1 for t in w.tasks if t.state == "COMPLETED")
-    unrun = sum(1 for t in w.tasks if t.state in NOT_RUN_TASK_STATES)
-    out = [
-        f"# Wake: sleep {w.id} (#{w.seq})",
-        "",
-        f"Slept from {w.created_at} to {w.woken_at}. {ok} of {len(w.tasks) - unrun} tasks completed"
-        + (f"; {unrun} not run (REUSED or SKIPPED)." if unrun else "."),
-    ]
-    if not w.tasks:
-        out.append("This sleep was a checkpoint: it had no launches.")
-    out.append("")
+    """The wake for a reader deciding what to do next: header, note, verdict, launches, the task table, what
+    is not routine about each task, where the files are, and the budget last."""
+    out = [render_header(w)]
     if w.note:
         out.append(data_block("Your note", w.note))
     if w.verdict is not None:
         out.append(render_verdict(w.verdict))
     if w.tasks:
-        out.append("## Tasks")
-        out.append("")
-        out.append("| task | state | exit | elapsed |")
-        out.append("|---|---|---|---|")
-        for t in w.tasks:
-            code = "" if t.exit_code is None else str(t.exit_code)
-            el = "" if t.elapsed_s is None else f"{t.elapsed_s:.1f} s"
-            out.append(f"| {_task_title(t)} | {t.state} | {code} | {el} |")
-        out.append("")
-        out += [render_task(t) for t in w.tasks]
-    out.append("## Budget")
-    out.append("")
+        out.append(render_launches(w))
+        out.append(render_table(w.tasks))
+        notable = [t for t in w.tasks if not routine(t)]
+        out += [render_task(t, tails=i < TAILS_SHOWN) for i, t in enumerate(notable)]
+        out.append(render_files(w))
     refund = f" Refunded {w.refunded_gpu_hours:.2f} GPU-hours not used." if w.refunded_gpu_hours else ""
     out.append(render_budget(w.budget) + refund)
-    return "\n".join(out).rstrip("\n") + "\n"
+    return "\n".join(x.rstrip("\n") + "\n" for x in out if x).rstrip("\n") + "\n"
 
 
 def _inline(text: str) -> str:

@@ -510,19 +510,21 @@ def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> N
         raise
 
 
-def copy_atomic_at(dir_fd: int, name: str, src_fd: int, limit: int, mode: int = 0o644) -> tuple[int, str]:
-    """Stream the regular file `src_fd` (from offset 0) into `dir_fd/name` atomically; return (size, sha256 hex).
+def copy_atomic_at(
+    dir_fd: int, name: str, src_fd: int, limit: int, mode: int = 0o644, *, offset: int = 0
+) -> tuple[int, str]:
+    """Stream the regular file `src_fd` (from `offset`) into `dir_fd/name` atomically; return (size, sha256 hex).
 
-    Refused if the source is not a regular file or holds more than `limit` bytes (checked while streaming, not
-    from `st_size`, since the source may still be growing); nothing is left behind then.
+    Refused if the source is not a regular file or holds more than `limit` bytes after `offset` (checked while
+    streaming, not from `st_size`, since the source may still be growing); nothing is left behind then.
     """
     check_name(name)
-    if limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+    if limit < 0 or offset < 0:
+        raise ValueError(f"limit and offset must be >= 0, got {limit} and {offset}")
     st = os.fstat(src_fd)
     if not stat.S_ISREG(st.st_mode):
         raise Refused("source is not a regular file", name)
-    if st.st_size > limit:
+    if st.st_size - offset > limit:
         raise Refused(f"larger than {limit} bytes", name)
     digest = hashlib.sha256()
     size = 0
@@ -531,7 +533,7 @@ def copy_atomic_at(dir_fd: int, name: str, src_fd: int, limit: int, mode: int = 
         try:
             os.fchmod(fd, mode)
             while True:
-                chunk = os.pread(src_fd, min(_CHUNK, limit + 1 - size), size)
+                chunk = os.pread(src_fd, min(_CHUNK, limit + 1 - size), offset + size)
                 if not chunk:
                     break
                 size += len(chunk)

@@ -33,6 +33,7 @@ from channel.messages import (
     SleepRequest,
     SleepView,
     StatusAnswer,
+    TailRequest,
     TaskView,
 )
 from kernel.core import budget
@@ -42,10 +43,12 @@ from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 
 
 class _StoredOutcome(msgspec.Struct):
-    """Only the outcome of a stored verdict (other members ignored: a verdict stored by an older kernel, with
-    its since-removed `seed`, still shows in history)."""
+    """The outcome and the two values of a stored verdict (other members ignored: a verdict stored by an older
+    kernel, with its since-removed `seed`, still shows in history)."""
 
     outcome: str
+    base_value: float | None = None
+    candidate_value: float | None = None
 
 
 _verdict_decoder: Final = msgspec.json.Decoder(_StoredOutcome)
@@ -153,6 +156,46 @@ def plan_cancel(
     return CancelPlan(sleep=current, targets=targets, now_cancelled=tuple(cancelled), balance=balance)
 
 
+def cancelled_by(jobs: Sequence[JobRow], names: Sequence[str], received_at: str) -> list[JobRow]:
+    """The tasks a cancel received at `received_at` stopped, for its answer: those of the named launches (all
+    without names) still live when the executor was called, and those it cancelled itself in its own
+    transaction (ended at its own timestamp, or later as the scheduler stopped them). A task that had ended
+    or had been cancelled by an earlier cancel is not listed, so a second cancel answers with nothing."""
+    wanted = set(names) or {j.launch for j in jobs}
+    return [
+        j
+        for j in jobs
+        if j.launch in wanted
+        and (
+            j.state in ("PENDING", "RUNNING")
+            or (j.state == "CANCELLED" and j.ended_at is not None and j.ended_at >= received_at)
+        )
+    ]
+
+
+def tail_target(sleep: SleepRow | None, jobs: Sequence[JobRow], req: TailRequest) -> JobRow:
+    """The task a `tail` names in `sleep` (the current sleep, else the last one), or RequestError saying why
+    there is none."""
+    if sleep is None:
+        raise RequestError("tail.no_sleep", "this workspace has no sleep yet; nothing has run to tail", None)
+    tasks = [j for j in jobs if j.launch == req.launch]
+    if not tasks:
+        known = ", ".join(sorted({j.launch for j in jobs})) or "none"
+        raise RequestError(
+            "tail.unknown_task",
+            f"{req.launch!r} is not a launch of sleep {sleep.id!r} (its launches: {known})",
+            "$.launch",
+        )
+    for j in tasks:
+        if j.task == req.task:
+            return j
+    raise RequestError(
+        "tail.unknown_task",
+        f"launch {req.launch!r} of sleep {sleep.id!r} has tasks 0..{len(tasks) - 1}, not {req.task}",
+        "$.task",
+    )
+
+
 def job_refs(jobs: Sequence[JobRow]) -> tuple[JobRef, ...]:
     return tuple(JobRef(launch=j.launch, task=j.task, job_id=j.job_id) for j in jobs)
 
@@ -166,6 +209,7 @@ def sleep_view(s: SleepRow, jobs: Sequence[JobRow], now: float) -> SleepView:
         seq=s.seq,
         state=s.state,  # type: ignore[arg-type]  # the store only holds lifecycle states
         created_at=s.created_at,
+        woken_at=s.woken_at,
         note=s.note,
         tasks=tuple(
             TaskView(
@@ -219,13 +263,17 @@ def queue_answer(request_id: str, ws_key: str, live: Sequence[JobRow], now: floa
     )
 
 
-def history_answer(request_id: str, sleeps: Sequence[tuple[SleepRow, Sequence[JobRow]]]) -> HistoryAnswer:
+def history_answer(
+    request_id: str,
+    sleeps: Sequence[tuple[SleepRow, Sequence[JobRow]]],
+    snapshots: Mapping[int, str] | None = None,
+) -> HistoryAnswer:
     entries = []
     for s, jobs in sleeps:
         launches: dict[str, list[JobRow]] = {}
         for j in jobs:
             launches.setdefault(j.launch, []).append(j)
-        verdict = _verdict_decoder.decode(s.verdict).outcome if s.verdict else None
+        verdict = _verdict_decoder.decode(s.verdict) if s.verdict else None
         entries.append(
             HistoryEntry(
                 id=s.id,
@@ -243,7 +291,10 @@ def history_answer(request_id: str, sleeps: Sequence[tuple[SleepRow, Sequence[Jo
                     )
                     for name, tasks in launches.items()
                 ),
-                verdict=verdict,
+                verdict=verdict.outcome if verdict else None,
+                snapshot=(snapshots or {}).get(s.seq),
+                base_value=verdict.base_value if verdict else None,
+                candidate_value=verdict.candidate_value if verdict else None,
             )
         )
     return HistoryAnswer(protocol=L.PROTOCOL_VERSION, id=request_id, sleeps=tuple(entries))

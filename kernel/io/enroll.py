@@ -238,7 +238,14 @@ def check_owner(store: Store, ch: safefs.Channel, path: str) -> StoreRef:
     return StoreRef(store=mine, state_dir=str(store.path.parent))
 
 
-def kernel_json(row: WorkspaceRow, tool: ToolSource, owner: StoreRef | None = None, *, jail: str) -> bytes:
+def kernel_json(
+    row: WorkspaceRow,
+    tool: ToolSource,
+    owner: StoreRef | None = None,
+    *,
+    jail: str,
+    log_max_bytes: int = L.LOG_MAX_BYTES,
+) -> bytes:
     """`kernel.json`; `jail` (the config's) decides, with the contract, whether its verdicts are trusted."""
     from channel.messages import VERBS
 
@@ -247,7 +254,7 @@ def kernel_json(row: WorkspaceRow, tool: ToolSource, owner: StoreRef | None = No
             protocol=L.PROTOCOL_VERSION,
             kernel=kernel_ref(),
             workspace=row.path,
-            limits=Limits(),
+            limits=Limits(log_max_bytes=log_max_bytes),
             policy=row.policy,
             verbs=VERBS,
             tool_sha256=tool.sha256,
@@ -367,7 +374,11 @@ def enroll(
         # older kernel's base, recorded but held only in the agent's repository, is re-imported by its id).
         base_problem = hold_recorded_base(store, cfg, key, resolved)
         # Side effects after the commit: the channel's kernel-written files.
-        ch.write_file(None, ChannelPaths.KERNEL_JSON, kernel_json(row, tool, owner, jail=cfg.jail))
+        ch.write_file(
+            None,
+            ChannelPaths.KERNEL_JSON,
+            kernel_json(row, tool, owner, jail=cfg.jail, log_max_bytes=cfg.log_max_bytes),
+        )
         ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
         jobenv.write(ch, jobenv.for_workspace(cfg, key, row.policy, now))
     return Enrolled(
@@ -489,7 +500,9 @@ def refresh(
         with store.transaction():
             store.put_workspace(replace(row, tool_sha256=tool.sha256))
     note = install(ch, tool)
-    wanted = kernel_json(row, tool, owner, jail=jail)
+    wanted = kernel_json(
+        row, tool, owner, jail=jail, log_max_bytes=cfg.log_max_bytes if cfg is not None else L.LOG_MAX_BYTES
+    )
     try:
         current: bytes | None = safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024)
     except safefs.Refused:

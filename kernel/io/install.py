@@ -16,6 +16,7 @@ from typing import Final
 
 from channel import safefs
 from channel.paths import ChannelPaths
+from channel.render import data_block
 
 TOOL_NEWS: Final = "tool-news.md"
 TOOL_MODE: Final = 0o755
@@ -70,27 +71,27 @@ def summarize(src: bytes) -> ToolSummary:
 
 
 def news(old: bytes | None, new: bytes) -> str:
-    """A short markdown note on what `new` changes relative to `old` (None: no previous copy was readable)."""
+    """A short markdown note on what `new` changes relative to `old` (None: no previous copy was readable).
+
+    `new` is the kernel's own tool; `old` is whatever was in the channel, which the agent may have edited, so
+    everything read from it (its version string, the verbs and options only it has) is shown inside a fence
+    labelled as data, never as the kernel's words."""
     n = summarize(new)
     new_sha = hashlib.sha256(new).hexdigest()
-    lines = ["# The syscall tool was updated", ""]
-    if old is None:
-        lines.append(f"Installed version {n.version or '(unversioned)'} (sha256 {new_sha[:16]}).")
-    else:
+    version = f"version {n.version}" if n.version else "a copy that declares no version"
+    lines = ["# The syscall tool was updated", "", f"Installed {version} (sha256 {new_sha[:16]})."]
+    if old is not None:
         o = summarize(old)
         old_sha = hashlib.sha256(old).hexdigest()
-        lines.append(
-            f"From version {o.version or '(unversioned)'} (sha256 {old_sha[:16]}) "
-            f"to {n.version or '(unversioned)'} (sha256 {new_sha[:16]})."
-        )
-        for label, items in (
-            ("New verbs", n.verbs - o.verbs),
-            ("Removed verbs", o.verbs - n.verbs),
-            ("New options", n.flags - o.flags),
-            ("Removed options", o.flags - n.flags),
-        ):
+        lines.append(f"It replaced the copy with sha256 {old_sha[:16]}.")
+        for label, items in (("New verbs", n.verbs - o.verbs), ("New options", n.flags - o.flags)):
             if items:
                 lines.append(f"- {label}: {', '.join(f'`{x}`' for x in sorted(items))}")
+        data = [f"version: {o.version if o.version is not None else '(none declared)'}"]
+        for label, items in (("removed verbs", o.verbs - n.verbs), ("removed options", o.flags - n.flags)):
+            if items:
+                data.append(f"{label}: {', '.join(sorted(items))}")
+        lines += ["", data_block("What the replaced copy declared", "\n".join(data)).rstrip("\n")]
     lines += ["", "Run `python3 .syscall/syscall --help` (and `<verb> --help`) for details.", ""]
     return "\n".join(lines)
 

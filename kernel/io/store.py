@@ -557,6 +557,20 @@ class Store:
         )
         return [SleepRow(*r) for r in rows]
 
+    def snapshot_commits(self, workspace: str, seqs: Sequence[int]) -> dict[int, str]:
+        """The commit each of these sleeps was snapshotted at, where one was taken (the executor records it in
+        its `exec_sleeps` table, absent with `backend = "none"`)."""
+        if not seqs:
+            return {}
+        try:
+            rows = self._all(
+                f"SELECT seq, commit_id FROM exec_sleeps WHERE workspace=? AND seq IN ({','.join('?' * len(seqs))})",
+                (workspace, *seqs),
+            )
+        except sqlite3.OperationalError:  # no executor table: nothing was ever snapshotted
+            return {}
+        return {int(seq): str(commit) for seq, commit in rows if commit}
+
     def live_sleeps(self) -> list[SleepRow]:
         rows = self._all(
             f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE state NOT IN ('woken', 'rejected') "

@@ -728,7 +728,12 @@ def copy_artifacts(
         if reason is None:
             try:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
+                if stat.S_ISDIR(st.st_mode):
+                    reason = (
+                        "is a directory; artifacts are single files: name each file, or archive the "
+                        "directory in your command (tar czf out.tgz DIR) and name the archive"
+                    )
+                elif not stat.S_ISREG(st.st_mode):
                     reason = "not a regular file"
                 else:
                     limit = min(max_bytes, max_total - total)

@@ -45,11 +45,10 @@ import anyio.to_thread
 import msgspec
 
 from channel import safefs
-from channel.decode import RequestError
+from channel.decode import RequestError, at_a_time
 from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
 from channel.messages import (
     TERMINAL_TASK_STATES,
-    Artifact,
     JobRef,
     LockedEnvironment,
     SkippedArtifact,
@@ -132,7 +131,7 @@ def _split_key(key: str) -> tuple[str, int, str] | None:
 # the wake shows and the submit's verdict. The extension point for evaluation runs, which are extra job rows of
 # the sleep (dispatched and tracked like any launch; `specs_of` may be overridden to give them an eval seed).
 # What `_collect` found for one task: (job, task dir, elapsed seconds, artifacts delivered, artifacts skipped).
-Collected = tuple[JobRow, Path | None, float | None, tuple[Artifact, ...], tuple[SkippedArtifact, ...]]
+Collected = tuple[JobRow, Path | None, float | None, gather.TaskFiles]
 Judge = Callable[[SleepRow, tuple[TaskResult, ...]], tuple[tuple[TaskResult, ...], Verdict | None]]
 
 
@@ -236,9 +235,7 @@ class RealExecutor:
         for j in jobs:
             if j.launch in specs:
                 continue
-            width = j.concurrency or j.array_size
-            if j.gpus > 0:  # the workspace's GPU ceiling bounds how many tasks run at once
-                width = min(width, max(1, ws.policy.max_concurrent_gpus // j.gpus))
+            width = at_a_time(j.array_size, j.concurrency, j.gpus, ws.policy.max_concurrent_gpus)
             specs[j.launch] = JobSpec(
                 workspace=ws.key,
                 workspace_path=ws.path,
@@ -632,15 +629,16 @@ class RealExecutor:
                         started, ended = gather.task_times(tdir)
                         if started is not None and ended is not None:
                             elapsed = round(max(0.0, ended - started), 3)
-                        arts, skipped = gather.deliver_artifacts(ch, j, tdir, DEFAULT_ARTIFACT_MAX_BYTES)
-                    else:
-                        arts, skipped = (
-                            (),
-                            tuple(
-                                SkippedArtifact(a, "not collected: the task never ran") for a in j.artifacts
-                            ),
+                        files = gather.deliver_task(
+                            ch, j, tdir, DEFAULT_ARTIFACT_MAX_BYTES, self.cfg.log_max_bytes
                         )
-                    results.append((j, tdir, elapsed, arts, skipped))
+                    else:
+                        files = gather.TaskFiles(
+                            skipped=tuple(
+                                SkippedArtifact(a, "not collected: the task never ran") for a in j.artifacts
+                            )
+                        )
+                    results.append((j, tdir, elapsed, files))
         except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
             # Retried at every tick until the channel is usable again; logged once per problem.
             self._problem("gather_deferred", key, seq, f"{type(e).__name__}: {e}")
@@ -661,7 +659,7 @@ class RealExecutor:
             refunded = 0
             tasks = []
             fresh = {(j.launch, j.task): j for j in self.store.jobs_of(key, seq)}
-            for j, tdir, elapsed, arts, skipped in results:
+            for j, tdir, elapsed, files in results:
                 cur = fresh[(j.launch, j.task)]
                 cost = cur.gpus * cur.minutes * 60
                 used = min(gather.gpu_seconds_used(cur.gpus, elapsed), cost)
@@ -669,8 +667,9 @@ class RealExecutor:
                     balance = release(balance, cur.reserved_gpu_s, used)
                     self.store.update_job(replace(cur, reserved_gpu_s=0, updated_at=woken_at))
                 refunded += cost - used
-                tasks.append(gather.task_result(cur, tdir, elapsed, arts, skipped, self.backend.hint_of))
+                tasks.append(gather.task_result(cur, tdir, elapsed, files, self.backend.hint_of))
             shown, verdict = (tuple(tasks), None) if self.judge is None else self.judge(sleep, tuple(tasks))
+            exec_row = self._exec_row(key, seq)
             wake = gather.build_wake(
                 sleep_id=sleep.id,
                 seq=seq,
@@ -681,6 +680,8 @@ class RealExecutor:
                 tasks=shown,
                 refunded_gpu_s=refunded,
                 verdict=verdict,
+                snapshot=exec_row[1] if exec_row is not None else None,
+                launches=gather.launch_summaries(list(fresh.values()), shown, ws.policy.max_concurrent_gpus),
             )
             if verdict is not None:
                 self.store._one(

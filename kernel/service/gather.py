@@ -1,7 +1,9 @@
 """What a finished task left in its run directory, turned into the wake's evidence.
 
 - `outcome`: an `exit-code` record -> the task's lifecycle event, final state, exit code, signal and hint.
-- `tail`: the last `TAIL_MAX_CHARS` characters of a (possibly huge, possibly binary) output file.
+- `scan_log`, `tail`: a log's size and line count, its last whole lines (`TAIL_MAX_LINES`, `TAIL_MAX_BYTES`), and the
+  last line of stdout that is a JSON object; `deliver_log` copies the log (its end, over `log_max_bytes`) into
+  `results/` through `safefs`.
 - `deliver_artifacts`: copy the artifacts the wrapper copied out of the job's tree into the channel's
   `results/<seq>/<launch>[/<task>]/`, through `safefs` only (a level swapped for a symlink by the agent is
   refused, never followed), each listed with the size and sha256 of the bytes actually delivered; every artifact
@@ -14,17 +16,30 @@ Everything here runs on the store worker thread (plain blocking I/O on kernel-ow
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Final
 
 import msgspec
 
 from channel import limits as L
 from channel import safefs
-from channel.messages import Artifact, SkippedArtifact, TaskResult, Verdict, Wake
+from channel.decode import at_a_time
+from channel.messages import (
+    Artifact,
+    LaunchSummary,
+    LogFile,
+    SkippedArtifact,
+    TaskResult,
+    Verdict,
+    Wake,
+)
 from channel.paths import ChannelPaths, RunPaths
 from kernel.backends import jobscript
 from kernel.core import exits
@@ -60,22 +75,187 @@ def gpu_seconds_used(gpus: int, elapsed_s: float | None) -> int:
     return 0 if elapsed_s is None or gpus == 0 else math.ceil(gpus * max(0.0, elapsed_s))
 
 
-def tail(path: Path, max_chars: int = L.TAIL_MAX_CHARS) -> str:
-    """The last `max_chars` characters of `path` ("" when absent), decoded with errors="replace"."""
+def cut_tail(body: bytes, max_lines: int) -> bytes:
+    """The last `max_lines` lines of `body` (a last line without a newline counts as a line)."""
+    pos = len(body) - 1 if body.endswith(b"\n") else len(body)
+    for _ in range(max_lines):
+        pos = body.rfind(b"\n", 0, pos)
+        if pos < 0:
+            return body
+    return body[pos + 1 :]
+
+
+def count_lines(data: bytes) -> int:
+    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+
+
+def tail_of_fd(
+    fd: int, size: int, max_lines: int = L.TAIL_MAX_LINES, max_bytes: int = L.TAIL_MAX_BYTES
+) -> bytes:
+    """The last whole lines of the first `size` bytes of `fd`: at most `max_lines` lines and `max_bytes` bytes.
+
+    The tail starts at a line boundary, except when the last line alone is longer than `max_bytes`: then it is
+    that line's last `max_bytes` bytes (the marker in the wake says how much was cut either way)."""
+    start = max(0, size - max_bytes - 1)
+    window = os.pread(fd, size - start, start)
+    body = window
+    if start > 0:
+        before, body = window[:1], window[1:]
+        if before != b"\n":
+            cut = body.find(b"\n")
+            if 0 <= cut < len(body) - 1:
+                body = body[cut + 1 :]
+    return cut_tail(body, max_lines)
+
+
+def last_json_object(data: bytes) -> str | None:
+    """The last line of `data` that is a JSON object (how a job reports its result), as printed, or None."""
+    for raw in reversed(data.split(b"\n")):
+        line = raw.strip()
+        if not (line.startswith(b"{") and line.endswith(b"}")):
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            text = line.decode("utf-8", errors="replace")
+            return text if len(text) <= L.RESULT_MAX_CHARS else None
+    return None
+
+
+# How far back from the end of stdout a job's result line is looked for.
+RESULT_WINDOW: Final = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class LogScan:
+    """A finished task's stdout or stderr, read once: size, line count, its tail and (stdout) its result line."""
+
+    size: int
+    lines: int
+    tail: str
+    tail_bytes: int
+    tail_lines: int
+    result: str | None
+
+
+def scan_log(path: Path) -> LogScan | None:
+    """Read a kernel-owned log (never through a symlink); None when absent or not a regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (FileNotFoundError, OSError):
-        return ""
+    except OSError:
+        return None
     try:
-        size = os.fstat(fd).st_size
-        # 4 bytes per character at most in UTF-8; replacement characters stand for single bytes.
-        want = max_chars * 4
-        start = max(0, size - want)
-        data = os.pread(fd, want, start)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        size = st.st_size
+        lines, offset = 0, 0
+        last = b""
+        while offset < size:
+            chunk = os.pread(fd, min(1 << 20, size - offset), offset)
+            if not chunk:
+                break
+            lines += chunk.count(b"\n")
+            offset += len(chunk)
+            last = chunk[-1:]
+        size = offset  # what was there to read
+        if size and last != b"\n":
+            lines += 1
+        tail = tail_of_fd(fd, size)
+        result = last_json_object(os.pread(fd, min(size, RESULT_WINDOW), size - min(size, RESULT_WINDOW)))
     finally:
         os.close(fd)
-    text = data.decode("utf-8", errors="replace")
-    return text[-max_chars:]
+    return LogScan(
+        size=size,
+        lines=lines,
+        tail=tail.decode("utf-8", errors="replace"),
+        tail_bytes=len(tail),
+        tail_lines=count_lines(tail),
+        result=result,
+    )
+
+
+def tail(path: Path, max_lines: int = L.TAIL_MAX_LINES, max_bytes: int = L.TAIL_MAX_BYTES) -> str:
+    """The last whole lines of `path` ("" when absent), decoded with errors="replace"."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        return tail_of_fd(fd, st.st_size, max_lines, max_bytes).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveTail:
+    """A (possibly running) task's output so far, as `tail` answers it."""
+
+    text: str
+    lines: int
+    size: int
+    cut: bool
+
+
+def read_tail(task_file: Path | None, lines: int, max_bytes: int = L.TAIL_VERB_MAX_BYTES) -> LiveTail:
+    """The last `lines` whole lines of a task's log so far (at most `max_bytes`), never through a symlink; an
+    absent log (the task has not started) is empty. Reads at most `max_bytes + 1` bytes whatever the log's size,
+    so answering it stays cheap on the request path."""
+    if task_file is None:
+        return LiveTail("", 0, 0, False)
+    try:
+        fd = os.open(task_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return LiveTail("", 0, 0, False)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return LiveTail("", 0, 0, False)
+        data = tail_of_fd(fd, st.st_size, lines, max_bytes)
+    finally:
+        os.close(fd)
+    return LiveTail(
+        data.decode("utf-8", errors="replace"), count_lines(data), st.st_size, len(data) < st.st_size
+    )
+
+
+def deliver_log(
+    ch: safefs.Channel, job: JobRow, task_dir: Path, name: str, scan: LogScan | None, max_bytes: int
+) -> LogFile | None:
+    """Copy a task's `stdout` or `stderr` into `results/<seq>/<launch>[/<task>]/<name>` (its last `max_bytes`,
+    from a line boundary, when it is longer), through safefs; the LogFile says what was delivered or why not."""
+    if scan is None:
+        return None
+    base = ChannelPaths.result_dir(job.seq, job.launch, job.task if job.array_size > 1 else None)
+    log = LogFile(size=scan.size, lines=scan.lines, tail_bytes=scan.tail_bytes, tail_lines=scan.tail_lines)
+    try:
+        src = os.open(task_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return msgspec.structs.replace(log, reason=f"the log is gone from the run directory: {e.strerror}")
+    try:
+        start = 0
+        if scan.size > max_bytes:
+            start = scan.size - max_bytes
+            head = os.pread(src, min(RESULT_WINDOW, max_bytes), start)
+            cut = head.find(b"\n")
+            if 0 <= cut < len(head) - 1:
+                start += cut + 1
+        dest = ch.delivery_dir(base)
+        try:
+            _size, digest = safefs.copy_atomic_at(dest, name, src, scan.size - start, offset=start)
+        finally:
+            os.close(dest)
+    except (safefs.Refused, ValueError, OSError) as e:
+        return msgspec.structs.replace(log, reason=f"could not be delivered into results/: {e}")
+    finally:
+        os.close(src)
+    where = "/".join((ChannelPaths.RESULTS, *base, name))
+    return msgspec.structs.replace(log, delivered=where, delivered_from=start, sha256=digest)
 
 
 def deliver_artifacts(
@@ -132,13 +312,36 @@ def backend_hint(task_dir: Path, hint_of: HintOf) -> str | None:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class TaskFiles:
+    """What was delivered of one task: its artifacts (and those skipped) and its two logs."""
+
+    artifacts: tuple[Artifact, ...] = ()
+    skipped: tuple[SkippedArtifact, ...] = ()
+    stdout: LogScan | None = None
+    stderr: LogScan | None = None
+    stdout_log: LogFile | None = None
+    stderr_log: LogFile | None = None
+
+
+def deliver_task(
+    ch: safefs.Channel, job: JobRow, task_dir: Path, artifact_max_bytes: int, log_max_bytes: int
+) -> TaskFiles:
+    """Deliver a finished task's artifacts and logs into the channel (idempotent)."""
+    arts, skipped = deliver_artifacts(ch, job, task_dir, artifact_max_bytes)
+    out, err = scan_log(task_dir / RunPaths.STDOUT), scan_log(task_dir / RunPaths.STDERR)
+    return TaskFiles(
+        artifacts=arts,
+        skipped=skipped,
+        stdout=out,
+        stderr=err,
+        stdout_log=deliver_log(ch, job, task_dir, RunPaths.STDOUT, out, log_max_bytes),
+        stderr_log=deliver_log(ch, job, task_dir, RunPaths.STDERR, err, log_max_bytes),
+    )
+
+
 def task_result(
-    job: JobRow,
-    task_dir: Path | None,
-    elapsed_s: float | None,
-    artifacts: tuple[Artifact, ...],
-    skipped: tuple[SkippedArtifact, ...],
-    hint_of: HintOf,
+    job: JobRow, task_dir: Path | None, elapsed_s: float | None, files: TaskFiles, hint_of: HintOf
 ) -> TaskResult:
     hint: str | None = None
     if task_dir is not None:
@@ -155,13 +358,52 @@ def task_result(
         exit_code=job.exit_code,
         signal=job.signal,
         elapsed_s=elapsed_s,
-        stdout_tail=tail(task_dir / RunPaths.STDOUT) if task_dir is not None else "",
-        stderr_tail=tail(task_dir / RunPaths.STDERR) if task_dir is not None else "",
-        artifacts=artifacts,
-        skipped=skipped,
+        stdout_tail=files.stdout.tail if files.stdout else "",
+        stderr_tail=files.stderr.tail if files.stderr else "",
+        artifacts=files.artifacts,
+        skipped=files.skipped,
         why=job.why,
         hint=hint,
+        stdout_log=files.stdout_log,
+        stderr_log=files.stderr_log,
+        result=files.stdout.result if files.stdout else None,
     )
+
+
+def launch_summaries(
+    jobs: list[JobRow], shown: tuple[TaskResult, ...], max_concurrent_gpus: int
+) -> tuple[LaunchSummary, ...]:
+    """One summary per launch the wake shows, in order: its command and how many tasks ran at once (and why
+    fewer than it asked, when the workspace's GPU ceiling lowered it)."""
+    first: dict[str, JobRow] = {}
+    for j in jobs:
+        first.setdefault(j.launch, j)
+    out = []
+    for name in dict.fromkeys(t.launch for t in shown):
+        if name not in first:
+            continue
+        j = first[name]
+        asked = j.concurrency or j.array_size
+        width = at_a_time(j.array_size, j.concurrency, j.gpus, max_concurrent_gpus)
+        clamp = None
+        if width < asked:
+            clamp = (
+                f"{width} at a time, not {asked}: this workspace runs at most {max_concurrent_gpus} GPUs at once "
+                f"(max_concurrent_gpus) and each task takes {j.gpus}"
+            )
+        out.append(
+            LaunchSummary(
+                name=name,
+                command=j.command,
+                array=j.array_size,
+                at_a_time=width,
+                gpus=j.gpus,
+                minutes=j.minutes,
+                clamp=clamp,
+                why=j.why,
+            )
+        )
+    return tuple(out)
 
 
 def build_wake(
@@ -175,6 +417,8 @@ def build_wake(
     tasks: tuple[TaskResult, ...],
     refunded_gpu_s: int,
     verdict: Verdict | None = None,
+    snapshot: str | None = None,
+    launches: tuple[LaunchSummary, ...] = (),
 ) -> Wake:
     return Wake(
         protocol=L.PROTOCOL_VERSION,
@@ -187,4 +431,6 @@ def build_wake(
         tasks=tasks,
         verdict=verdict,
         refunded_gpu_hours=gpu_hours(refunded_gpu_s),
+        snapshot=snapshot or None,
+        launches=launches,
     )

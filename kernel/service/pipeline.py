@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Final
 
 from channel import limits as L
@@ -47,9 +48,11 @@ from channel.messages import (
     SleepRequest,
     StatusAnswer,
     StatusRequest,
+    TailAnswer,
+    TailRequest,
     encode,
 )
-from channel.paths import ChannelPaths
+from channel.paths import ChannelPaths, RunPaths
 from kernel.core import rules
 from kernel.core.budget import Balance, refund_sleep
 from kernel.core.config import Config
@@ -58,6 +61,7 @@ from kernel.io import metrics
 from kernel.io.enroll import kernel_ref, write_budget
 from kernel.io.log import event
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
+from kernel.service import gather
 from kernel.service.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
 
 # Channels listed per pass by a rescan or poll tick (on top of the channels with news).
@@ -401,7 +405,7 @@ class Pipeline:
                 self._record(ws.key, rid, digest, "invalid", now, answer)
                 self._deliver(ch, ws, rid, answer, f"rejected:{decoded.error.code}", received)
                 return None
-            case StatusRequest() | QueueRequest() | HistoryRequest():
+            case StatusRequest() | QueueRequest() | HistoryRequest() | TailRequest():
                 try:
                     # read-only verbs obey the policy's `verbs` too (an operator may withhold `queue`)
                     check_policy(decoded, ws.policy)
@@ -410,12 +414,16 @@ class Pipeline:
                     self._record(ws.key, rid, digest, _verb(decoded), now, answer)
                     self._deliver(ch, ws, rid, answer, f"rejected:{err.code}", received)
                     return None
+                outcome = _verb(decoded)
                 with self.store.transaction():
-                    answer = encode(self._read_only(ws.key, decoded, received))
+                    try:
+                        answer = encode(self._read_only(ws.key, decoded, received))
+                    except RequestError as err:  # a tail of a task the sleep does not have
+                        answer, outcome = encode(rejected(rid, err)), f"rejected:{err.code}"
                     self.store.insert_request(
                         RequestRow(ws.key, rid, digest, _verb(decoded), now, None, None, answer, now)
                     )
-                self._deliver(ch, ws, rid, answer, _verb(decoded), received)
+                self._deliver(ch, ws, rid, answer, outcome, received)
                 return None
             case SleepRequest():
                 return self._sleep(ws, ch, rid, digest, data, decoded, now, received)
@@ -428,8 +436,8 @@ class Pipeline:
             self.store.insert_request(RequestRow(key, rid, digest, kind, now, None, None, answer, now))
 
     def _read_only(
-        self, key: str, req: StatusRequest | QueueRequest | HistoryRequest, now: float
-    ) -> StatusAnswer | QueueAnswer | HistoryAnswer:
+        self, key: str, req: StatusRequest | QueueRequest | HistoryRequest | TailRequest, now: float
+    ) -> StatusAnswer | QueueAnswer | HistoryAnswer | TailAnswer:
         ws = self.store.workspace(key)
         assert ws is not None
         match req:
@@ -441,7 +449,38 @@ class Pipeline:
                 return rules.queue_answer(req.id, key, self.store.live_jobs(), now)
             case HistoryRequest():
                 sleeps = self.store.sleeps(key, req.limit)
-                return rules.history_answer(req.id, [(s, self.store.jobs_of(key, s.seq)) for s in sleeps])
+                commits = self.store.snapshot_commits(key, [s.seq for s in sleeps])
+                return rules.history_answer(
+                    req.id, [(s, self.store.jobs_of(key, s.seq)) for s in sleeps], commits
+                )
+            case TailRequest():
+                return self._tail(key, req)
+
+    def _tail(self, key: str, req: TailRequest) -> TailAnswer:
+        """A task's output so far, read from its run directory (kernel-owned; the log itself never through a
+        symlink) with a bounded read, so a tail of a 2-hour job costs what a status does."""
+        sleep = self.store.current_sleep(key) or next(iter(self.store.sleeps(key, 1)), None)
+        job = rules.tail_target(sleep, self.store.jobs_of(key, sleep.seq) if sleep else [], req)
+        assert sleep is not None
+        stream = RunPaths.STDERR if req.stderr else RunPaths.STDOUT
+        live = gather.read_tail(Path(job.run_dir) / stream if job.run_dir else None, req.lines)
+        state = job.state
+        if state == "PENDING" and job.run_dir and (Path(job.run_dir) / RunPaths.STARTED).exists():
+            state = "RUNNING"  # started on its node; the executor's next sweep records it
+        return TailAnswer(
+            protocol=L.PROTOCOL_VERSION,
+            id=req.id,
+            sleep=sleep.id,
+            launch=job.launch,
+            task=job.task,
+            state=state,  # type: ignore[arg-type]  # the store holds lifecycle states only
+            stream="stderr" if req.stderr else "stdout",
+            text=live.text,
+            lines=live.lines,
+            size=live.size,
+            cut=live.cut,
+            job_id=job.job_id,
+        )
 
     def _sleep(
         self,
@@ -682,10 +721,9 @@ class Pipeline:
         self._answer_and_deliver(c, lambda ws: encode(rejected(c.request_id, err)), f"rejected:{err.code}")
 
     def _finish_cancel(self, c: Continuation, order: SleepOrder) -> None:
-        wanted = set(c.names) or {j.launch for j in order.jobs}
-        targets = [
-            j for j in order.jobs if j.launch in wanted and j.state in ("PENDING", "RUNNING", "CANCELLED")
-        ]
+        row = self.store.request(c.key, c.request_id)
+        assert row is not None
+        targets = rules.cancelled_by(order.jobs, c.names, row.received_at)
 
         def make(ws: WorkspaceRow) -> bytes:
             return encode(
@@ -714,5 +752,5 @@ class Pipeline:
         return resumed
 
 
-def _verb(req: StatusRequest | QueueRequest | HistoryRequest) -> str:
+def _verb(req: StatusRequest | QueueRequest | HistoryRequest | TailRequest) -> str:
     return str(req.__struct_config__.tag)

@@ -38,6 +38,7 @@ VERBS = [
     "cancel",
     "queue",
     "history",
+    "tail",
 ]
 
 

@@ -255,6 +255,10 @@ def test_limits_and_defaults_match_the_protocol_core() -> None:
         L.HISTORY_MAX,
         L.HISTORY_DEFAULT,
     )
+    assert (tool.TAIL_DEFAULT_LINES, tool.TAIL_MAX_LINES) == (
+        L.TAIL_VERB_DEFAULT_LINES,
+        L.TAIL_VERB_MAX_LINES,
+    )
     assert tool.PROTOCOL == L.PROTOCOL_VERSION
     assert tuple(tool.REQUEST_TYPES) == VERBS
     assert tool.TERMINAL_STATES == TERMINAL_TASK_STATES

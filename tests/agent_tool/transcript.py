@@ -48,12 +48,15 @@ def session(python: str) -> None:
             deadline = time.monotonic() + 60
             while fk.current() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(1.0)
+            fk.sleeps[-1].tasks[
+                1
+            ].printing = "epoch 1 val_acc 0.81\nepoch 2 val_acc 0.83\nepoch 3 val_acc 0.84\n"
+            time.sleep(1.5)
             fk.finish(
                 "sweep",
                 0,
                 elapsed_s=61.8,
-                stdout="epoch 1 val_acc 0.84\nepoch 2 val_acc 0.88\n",
+                stdout='epoch 1 val_acc 0.84\nepoch 2 val_acc 0.88\n{"lr": 3e-4, "val_acc": 0.88}\n',
                 files={"out/curve.json": b'{"val_acc": [0.84, 0.88]}\n'},
             )
             time.sleep(1.0)
@@ -66,7 +69,7 @@ def session(python: str) -> None:
                 stdout="epoch 1\n",
             )
             time.sleep(1.0)
-            fk.finish("baseline", 0, elapsed_s=58.0, stdout="val_acc 0.86\n")
+            fk.finish("baseline", 0, elapsed_s=58.0, stdout='epoch 1\n{"val_acc": 0.86}\n')
 
         with fk.running():
             driver = threading.Thread(target=cluster, daemon=True)
@@ -85,12 +88,15 @@ def session(python: str) -> None:
             sh(f"{tool} status")
             driver.start()
             sh(f"{tool} sleep --note 'lr sweep vs baseline'")
+            sh(f"{tool} tail sweep/1 --lines 2")
             sh(f"{tool} wait --every 0.5")
             sh("cat .syscall/results/1/sweep/0/out/curve.json")
             sh(f"{tool} history")
             sh(f"{tool} queue")
             sh(f"{tool} budget")
             sh(f"{tool} cancel")
+            sh(f"{tool} launch --nmae eval -- python eval.py")
+            sh(f"{tool} launch --name eval --artifact 'out/*.json' -- python eval.py")
             driver.join(timeout=30)
 
 

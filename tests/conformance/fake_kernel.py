@@ -48,6 +48,7 @@ from channel.messages import (  # noqa: E402
     Rejected,
     SleepRequest,
     StatusAnswer,
+    TailRequest,
     Wake,
     encode,
 )
@@ -207,6 +208,8 @@ class FakeKernel:
             return encode(QueueAnswer(protocol=1, id=rid, jobs=()))
         if isinstance(req, HistoryRequest):
             return encode(HistoryAnswer(protocol=1, id=rid, sleeps=()))
+        if isinstance(req, TailRequest):  # nothing ever runs here: no task to tail (a stage-6 refusal)
+            return self.refuse(rid, "tail.unknown_task", "this fake kernel runs nothing", "$.launch")
         return encode(StatusAnswer(protocol=1, id=rid, kernel=REF, budget=self.budget))
 
 

@@ -130,4 +130,4 @@ def test_every_decoder_code_has_a_vector() -> None:
 
 def test_vectors_cover_every_verb_valid_and_invalid() -> None:
     valid = {v["expect"]["type"] for v in all_vectors() if "type" in v["expect"]}
-    assert valid == {"sleep", "cancel", "status", "queue", "history"}
+    assert valid == {"sleep", "cancel", "status", "queue", "history", "tail"}

@@ -147,7 +147,7 @@ def test_a_successful_launch_delivers_its_artifact_with_evidence(env: Env) -> No
     assert (art["size"], art["sha256"]) == (5, hashlib.sha256(b"made\n").hexdigest())
     assert t["elapsed_s"] is not None
     md = (env.spaces["artifact"] / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
-    assert "make[0]: COMPLETED" in md
+    assert "| make[0] | COMPLETED | 0 |" in md
 
     # The snapshot lives in the kernel's repository of the workspace (never the agent's .git) and its ref is
     # released once the sleep is woken (held bases, `refs/bases/...`, stay).

@@ -72,6 +72,9 @@ def test_every_verb_is_answered_from_the_store(kernel: Kernel, tmp_path: Path) -
     assert c["sleep"] == "z1"
     assert [(j["launch"], j["task"]) for j in c["cancelled"]] == [("train", 0), ("train", 1)]
     assert c["budget"] == {"launches": 3, "sleeps": 2, "gpu_hours": 2.0, "reserved_gpu_hours": 0.0}
+    # A second cancel of the same launch stops nothing and says so (it answered the same two jobs again).
+    put_request(ws, "c1b", {"protocol": 1, "id": "c1b", "type": "cancel", "launches": ["train"]})
+    assert wait_answer(ws, "c1b")["cancelled"] == []
     put_request(ws, "c2", {"protocol": 1, "id": "c2", "type": "cancel", "launches": ["nope"]})
     assert wait_answer(ws, "c2")["error"] == {
         "code": "cancel.unknown_launch",

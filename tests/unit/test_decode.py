@@ -51,13 +51,15 @@ commands = st.text(command_chars, min_size=1, max_size=L.COMMAND_MAX_CHARS).filt
     lambda s: s.strip(" \t\n") != ""
 )
 line_chars = st.characters(exclude_categories=("Cs", "Cc"), exclude_characters="\u2028\u2029")
-path_parts = st.text(line_chars.filter(lambda c: c not in "/\\"), min_size=1, max_size=20).filter(
+path_parts = st.text(line_chars.filter(lambda c: c not in "/\\*?["), min_size=1, max_size=20).filter(
     lambda p: p not in (".", "..")
 )
 artifact_paths = (
     st.lists(path_parts, min_size=1, max_size=5)
     .map("/".join)
-    .filter(lambda p: not p.startswith("~") and len(p) <= L.ARTIFACT_MAX_CHARS)
+    .filter(
+        lambda p: not p.startswith("~") and len(p) <= L.ARTIFACT_MAX_CHARS and p not in ("stdout", "stderr")
+    )
 )
 any_text = st.text(st.characters(exclude_categories=("Cs",)))
 
@@ -317,6 +319,12 @@ def test_is_valid_id(stem: str, ok: bool) -> None:
         ("", "empty parts"),
         ("a/./b", "'.' or '..'"),
         ("..", "'.' or '..'"),
+        ("out/*.json", "glob"),
+        ("run?.log", "glob"),
+        ("run[0].log", "glob"),
+        ("stdout", "delivers the job's own stdout"),
+        ("stderr", "delivers the job's own stderr"),
+        ("logs/stdout", None),
     ],
 )
 def test_artifact_path_problem(path: str, problem: str | None) -> None:

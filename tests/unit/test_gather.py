@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
 from channel import limits as L
+from channel import safefs
 from channel.lifecycle import TaskEvent, next_task_state
 from kernel.backends.jobscript import ExitRecord
+from kernel.core.records import JobRow
 from kernel.service import gather
 
 
@@ -41,16 +44,74 @@ def test_every_exit_kind_maps_to_a_legal_final_state(
     assert out.event is expected
 
 
-def test_tail_keeps_the_last_characters_and_replaces_bad_bytes(tmp_path: Path) -> None:
+def test_tail_is_whole_lines_cut_by_lines_and_bytes(tmp_path: Path) -> None:
     f = tmp_path / "stdout"
-    f.write_bytes(b"x" * 100_000 + b"\xff\xfe" + "é".encode() * 10 + b"end\n")
+    f.write_bytes(b"".join(b"epoch %d loss 0.5\n" % i for i in range(1000)))
     got = gather.tail(f)
-    assert len(got) == L.TAIL_MAX_CHARS
-    assert got.endswith("\ufffd\ufffd" + "é" * 10 + "end\n")
+    assert got.splitlines() == [f"epoch {i} loss 0.5" for i in range(960, 1000)]  # 40 lines
+    wide = tmp_path / "wide"
+    wide.write_bytes(b"".join(b"%03d " % i + b"x" * 495 + b"\n" for i in range(100)))
+    got = gather.tail(wide)
+    assert len(got.encode()) <= L.TAIL_MAX_BYTES
+    assert got.startswith("092 ")  # whole lines only: 8 lines of 500 bytes fit in 4000
+    assert got.count("\n") == 8
     assert gather.tail(tmp_path / "missing") == ""
     short = tmp_path / "short"
     short.write_bytes(b"hello\n")
     assert gather.tail(short) == "hello\n"
+
+
+def test_tail_of_one_huge_line_is_its_end_and_bad_bytes_are_replaced(tmp_path: Path) -> None:
+    f = tmp_path / "stdout"
+    f.write_bytes(b"x" * 100_000 + b"\xff\xfe" + "é".encode() * 10 + b"end")
+    got = gather.tail(f)
+    assert len(got.encode("utf-8", "surrogatepass")) <= L.TAIL_MAX_BYTES + 4
+    assert got.endswith("\ufffd\ufffd" + "é" * 10 + "end")
+
+
+def test_scan_counts_lines_and_finds_the_last_json_object_line(tmp_path: Path) -> None:
+    f = tmp_path / "stdout"
+    f.write_bytes(
+        b"".join(b"step %d\n" % i for i in range(500))
+        + b'{"lr": 0.001, "val_loss": 0.31}\n'
+        + b"[1, 2]\n{not json}\n  \n"
+    )
+    scan = gather.scan_log(f)
+    assert scan is not None
+    assert (scan.size, scan.lines) == (f.stat().st_size, 504)
+    assert scan.result == '{"lr": 0.001, "val_loss": 0.31}'
+    assert scan.tail_lines == 40
+    assert scan.tail_bytes == len(scan.tail.encode())
+    no_newline = tmp_path / "nn"
+    no_newline.write_bytes(b"a\nb")
+    nn = gather.scan_log(no_newline)
+    assert nn is not None
+    assert (nn.lines, nn.tail_lines, nn.result) == (2, 2, None)
+    (tmp_path / "link").symlink_to(f)
+    assert gather.scan_log(tmp_path / "link") is None
+    assert gather.scan_log(tmp_path / "missing") is None
+
+
+def test_deliver_log_copies_the_whole_log_or_its_end_from_a_line_start(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    task_dir = tmp_path / "run"
+    task_dir.mkdir()
+    data = b"".join(b"line %04d\n" % i for i in range(1000))  # 10 bytes a line
+    (task_dir / "stdout").write_bytes(data)
+    job = JobRow("w-1", 3, "sweep", 1, 4, 0, "x", 10, 0, (), "", 0, "COMPLETED")
+    with safefs.open_channel(ws, create=True) as ch:
+        scan = gather.scan_log(task_dir / "stdout")
+        whole = gather.deliver_log(ch, job, task_dir, "stdout", scan, 1 << 20)
+        assert whole is not None
+        assert whole.delivered == "results/3/sweep/1/stdout"
+        assert whole.sha256 == hashlib.sha256(data).hexdigest()
+        assert (ws / ".syscall/results/3/sweep/1/stdout").read_bytes() == data
+        end = gather.deliver_log(ch, job, task_dir, "stdout", scan, 95)
+        assert end is not None
+        assert end.delivered_from == len(data) - 90  # 95 bytes back is mid-line: from the next line start
+        assert (ws / ".syscall/results/3/sweep/1/stdout").read_bytes() == data[-90:]
+        assert end.sha256 == hashlib.sha256(data[-90:]).hexdigest()
 
 
 def test_gpu_seconds_used_rounds_up_and_ignores_cpu_jobs() -> None:

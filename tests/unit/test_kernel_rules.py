@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from channel.decode import RequestError
@@ -11,6 +13,7 @@ from kernel.core.budget import Balance
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.core.rules import (
     accept_sleep,
+    cancelled_by,
     history_answer,
     plan_cancel,
     plan_pass,
@@ -88,6 +91,26 @@ def test_cancel_refunds_unsubmitted_tasks_and_leaves_submitted_ones_to_the_execu
     assert plan.balance == Balance(5, 4, 1600, 1800)
     everything = plan_cancel(w, sleep_row(), jobs, CancelRequest(protocol=1, id="c"), NOW)
     assert len(everything.targets) == 3
+
+
+def test_a_cancel_answers_only_what_it_stopped() -> None:
+    earlier, mine, later = "2026-11-30T12:00:00.000Z", "2026-11-30T12:00:05.000Z", "2026-11-30T12:00:09.000Z"
+    jobs = [
+        replace(job("a", 0, "CANCELLED"), ended_at=earlier),  # an earlier cancel stopped it
+        replace(job("a", 1, "CANCELLED"), ended_at=mine),  # this cancel's own transaction stopped it
+        job("a", 2, "RUNNING", "42_2"),  # the scheduler is stopping it now
+        replace(job("a", 3, "CANCELLED", "42_3"), ended_at=later),  # stopped by this cancel, recorded since
+        replace(job("a", 4, "COMPLETED", "42_4"), ended_at=earlier),
+        job("b", 0, "RUNNING", "43"),
+    ]
+    assert [(j.launch, j.task) for j in cancelled_by(jobs, ("a",), mine)] == [("a", 1), ("a", 2), ("a", 3)]
+    assert [(j.launch, j.task) for j in cancelled_by(jobs, (), mine)] == [
+        ("a", 1),
+        ("a", 2),
+        ("a", 3),
+        ("b", 0),
+    ]
+    assert cancelled_by(jobs[:2] + jobs[4:5], ("a",), later) == []  # a second cancel: nothing left to stop
 
 
 def test_cancel_refusals() -> None:

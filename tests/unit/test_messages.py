@@ -67,6 +67,20 @@ ANSWERS: list[M.Answer] = [
         ),
     ),
     M.Cancelled(protocol=1, id="r1", sleep="s1", cancelled=(M.JobRef(launch="a", task=1),), budget=BUDGET),
+    M.TailAnswer(
+        protocol=1,
+        id="r1",
+        sleep="s1",
+        launch="train",
+        task=0,
+        state="RUNNING",
+        stream="stdout",
+        text="epoch 3\n",
+        lines=1,
+        size=24,
+        cut=True,
+        job_id="7",
+    ),
 ]
 
 
@@ -84,7 +98,7 @@ def test_request_tags_are_the_verbs() -> None:
 
 def test_answer_tags() -> None:
     tags = {t.__struct_config__.tag for t in M.ANSWER_TYPES}
-    assert tags == {"accepted", "rejected", "status", "queue", "history", "cancelled"}
+    assert tags == {"accepted", "rejected", "status", "queue", "history", "cancelled", "tail"}
     assert {type(a) for a in ANSWERS} == set(M.ANSWER_TYPES)
 
 

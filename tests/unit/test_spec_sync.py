@@ -76,4 +76,11 @@ def test_the_request_schema_carries_the_limits() -> None:
     assert launch["name"]["pattern"] == L.NAME_PATTERN
     assert launch["array"]["maximum"] == L.ARRAY_MAX
     assert schema["$defs"]["SleepRequest"]["properties"]["launches"]["maxItems"] == L.MAX_LAUNCHES
-    assert set(schema["discriminator"]["mapping"]) == {"sleep", "cancel", "status", "queue", "history"}
+    assert set(schema["discriminator"]["mapping"]) == {
+        "sleep",
+        "cancel",
+        "status",
+        "queue",
+        "history",
+        "tail",
+    }
