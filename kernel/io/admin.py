@@ -12,6 +12,7 @@ import dataclasses
 import getpass
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -68,8 +69,15 @@ def unenroll(store: Store, path: str, *, force: bool = False) -> WorkspaceRow:
         return row
     except (safefs.Refused, OSError):
         return row
+    # Moved aside first (atomic): a kernel that has not noticed yet finds no channel at the path, and a later
+    # `enroll` makes a fresh one even if a late write lands in the old one while it is being removed.
+    gone = os.path.join(row.path, f"{CHANNEL_DIR}.unenrolled-{os.getpid()}-{time.time_ns()}")
+    try:
+        os.rename(os.path.join(row.path, CHANNEL_DIR), gone)
+    except OSError:
+        return row
     # shutil.rmtree works through directory fds and never follows a link the agent planted inside.
-    shutil.rmtree(os.path.join(row.path, CHANNEL_DIR), ignore_errors=True)
+    shutil.rmtree(gone, ignore_errors=True)
     return row
 
 

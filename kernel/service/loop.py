@@ -250,7 +250,12 @@ class Service:
         if version == self._data_version:
             return None
         self._data_version = version
-        self._paused = self.store.paused()
+        paused = self.store.paused()
+        for key in sorted(paused - self._paused):
+            log.event("paused", ws=key)
+        for key in sorted(self._paused - paused):
+            log.event("resumed", ws=key)
+        self._paused = paused
         rows = self.store.workspaces()
         known = self.pipeline.workspaces
         for row in rows:

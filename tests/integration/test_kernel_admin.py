@@ -58,13 +58,14 @@ def test_policy_budget_pause_and_unenroll(tmp_path: Path) -> None:
 
         # Pause: requests wait; status says so; resume answers them.
         assert "is paused" in k.cli("pause", str(ws)).stdout
-        time.sleep(0.5)  # the kernel notices the store changed within poll_seconds (0.1 s)
+        k.wait_log(f"event=paused ws={key}", 10)
         put_request(ws, "s1", status("s1"))
         time.sleep(1.5)  # a negative needs a bound: three rescans
         assert read_answer(ws, "s1") is None
         assert "PAUSED since" in k.cli("status").stdout
         assert json.loads(k.cli("status", "--json").stdout)["workspaces"][0]["paused_at"]
         k.cli("resume", str(ws))
+        k.wait_log(f"event=resumed ws={key}", 10)
         wait_answer(ws, "s1")
 
         # Unenroll: the channel goes, the records stay, the kernel stops serving it (and stays up).
@@ -74,7 +75,8 @@ def test_policy_budget_pause_and_unenroll(tmp_path: Path) -> None:
         assert json.loads(k.cli("status", "--json").stdout)["workspaces"] == []
         assert "not an enrolled workspace" in k.cli("pause", str(ws), check=False).stderr
         # Enrolled again: the same budget and history.
-        k.enroll(ws)
+        again = k.cli("enroll", str(ws), check=False)
+        assert again.returncode == 0, again.stderr
         put_request(ws, "s2", status("s2"))
         assert wait_answer(ws, "s2")["budget"]["launches"] == 15
         assert k.proc is not None
