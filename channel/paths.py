@@ -27,6 +27,10 @@ class ChannelPaths:
     BUDGET_JSON: Final = "budget.json"
     JOBENV_JSON: Final = "jobenv.json"
     STAGED: Final = "staged.json"
+    # `*`: git ignores everything in the channel, this file included, so the agent's `git status` stays clean
+    # without the kernel writing into the agent's `.git` (snapshots leave the channel out by their own rule).
+    GITIGNORE: Final = ".gitignore"
+    GITIGNORE_BYTES: Final = b"# syscall-kernel's channel: never committed\n*\n"
     REQUESTS: Final = "requests"
     ANSWERS: Final = "answers"
     WAKES: Final = "wakes"

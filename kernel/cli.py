@@ -329,8 +329,6 @@ def cmd_enroll(args: argparse.Namespace) -> int:
         print("  note: the channel had been replaced since the last enrollment; the new one is now recorded")
     if done.tool_note is not None:
         print("  the tool was (re)installed; .syscall/tool-news.md says what is new")
-    if done.excluded:
-        print("  added /.syscall/ to .git/info/exclude")
     if done.base_problem is not None:
         print(f"  warning: {done.base_problem}; move the base with `syscall-kernel rebase`")
     c = row.policy.submit

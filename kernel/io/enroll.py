@@ -2,20 +2,18 @@
 
 `enroll` checks that the workspace is a directory this kernel may use (a real directory owned by us, a git
 repository whose `.git` is a real directory, not tracking `.syscall/`), creates the channel through `safefs`,
-installs the tool, adds `.syscall/` to `.git/info/exclude`, records the channel's (device, inode, owner) with its
+installs the tool and the channel's `.gitignore` (`*`, so the agent's `git status` never shows the channel), records the channel's (device, inode, owner) with its
 budget and policy, and then writes `kernel.json` and `budget.json`. Re-enrolling is idempotent: it refreshes the
 tool and the kernel-written files and keeps the budget unless new grants are given. An operator's explicit
 `enroll` adopts a channel that was replaced (and says so); automatic enrollment at start never does.
 
 Git never reads the agent's `.git` here: whether `.syscall/` is tracked is asked of a kernel-owned copy of the
 index (kernel.snapshot.tracked_under), and the submit base is taken through kernel.io.repo's verified import.
-The one write into `.git` is the `info/exclude` line, made once at enrollment by the operator's command through
-directory fds (never a path, never a link followed); the kernel's service never writes there.
+Nothing is ever written into `.git`: not by the service, not by this operator's command.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import glob
 import os
@@ -45,8 +43,6 @@ from kernel.io.snapshot import SnapshotError, tracked_under
 from kernel.io.store import Store, timestamp
 
 KERNEL_NAME: Final = "syscall-kernel"
-EXCLUDE_LINE: Final = f"/{CHANNEL_DIR}/"
-_EXCLUDE_CAP: Final = 1024 * 1024
 
 
 @functools.cache
@@ -94,7 +90,6 @@ class Enrolled:
     created: bool
     tool_note: str | None
     adopted_new_channel: bool
-    excluded: bool
     # Why the submit base could not be held under its kernel ref (None: held, or no base yet).
     base_problem: str | None = None
     # The store the channel was taken from (`enroll --take-over`).
@@ -151,49 +146,6 @@ def check_workspace(path: str) -> str:
             "and enroll again"
         )
     return resolved
-
-
-def ensure_excluded(workspace: str) -> bool:
-    """Add `/.syscall/` to `.git/info/exclude` (through dir fds: `.git` is the agent's). True if it was added."""
-    ws_fd = safefs.open_dir(workspace)
-    try:
-        try:
-            git_fd = os.open(
-                ".git", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ws_fd
-            )
-        except OSError as exc:
-            raise EnrollError(f"{workspace}/.git cannot be opened as a directory: {exc.strerror}") from None
-    finally:
-        os.close(ws_fd)
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir("info", 0o755, dir_fd=git_fd)
-        try:
-            info_fd = os.open(
-                "info", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=git_fd
-            )
-        except OSError as exc:
-            raise EnrollError(f"{workspace}/.git/info is not a directory: {exc.strerror}") from None
-    finally:
-        os.close(git_fd)
-    try:
-        try:
-            current = safefs.read_capped_at(info_fd, "exclude", _EXCLUDE_CAP)
-        except safefs.Refused as exc:
-            if exc.reason != "vanished":
-                raise EnrollError(
-                    f"{workspace}/.git/info/exclude: {exc.reason}; replace it with a plain file"
-                ) from None
-            current = b""
-        lines = {line.strip() for line in current.decode("utf-8", "replace").splitlines()}
-        if lines & {EXCLUDE_LINE, f"{CHANNEL_DIR}/", CHANNEL_DIR, f"/{CHANNEL_DIR}"}:
-            return False
-        sep = b"" if not current or current.endswith(b"\n") else b"\n"
-        added = f"# syscall-kernel's channel (never committed)\n{EXCLUDE_LINE}\n".encode()
-        safefs.write_atomic_at(info_fd, "exclude", current + sep + added)
-        return True
-    finally:
-        os.close(info_fd)
 
 
 def _balance_for(cfg: Config, existing: WorkspaceRow | None, grant: Grant) -> Balance:
@@ -348,7 +300,6 @@ def enroll(
             note = install(ch, tool)
         except safefs.Refused as exc:
             raise EnrollError(f"{path}: cannot install the tool: {exc}") from None
-        added = ensure_excluded(resolved)
         now = timestamp()
         fstype = watch.fs_type_of(resolved, watch.read_mounts() if mounts is None else mounts)
         row = WorkspaceRow(
@@ -386,7 +337,6 @@ def enroll(
         created=existing is None,
         tool_note=note,
         adopted_new_channel=adopted,
-        excluded=added,
         base_problem=base_problem,
         taken_from=taken_from,
         slurm_account=store.slurm_account(key),

@@ -105,7 +105,14 @@ def installed_copy(ch: safefs.Channel) -> bytes | None:
 
 
 def install(ch: safefs.Channel, tool: ToolSource) -> str | None:
-    """Make `.syscall/syscall` the kernel's copy. Returns the news note if it was (re)installed, else None."""
+    """Make `.syscall/syscall` the kernel's copy (and `.gitignore` the kernel's). Returns the news note if the tool
+    was (re)installed, else None."""
+    try:
+        ignore = safefs.read_capped_at(ch.fd, ChannelPaths.GITIGNORE, len(ChannelPaths.GITIGNORE_BYTES))
+    except safefs.Refused:
+        ignore = None
+    if ignore != ChannelPaths.GITIGNORE_BYTES:
+        ch.write_file(None, ChannelPaths.GITIGNORE, ChannelPaths.GITIGNORE_BYTES)
     current = installed_copy(ch)
     if current == tool.data:
         return None

@@ -11,12 +11,27 @@ import msgspec
 import pytest
 
 from channel.messages import BudgetFile, KernelInfo
+from channel.paths import ChannelPaths
 from kernel.core.config import Config, parse
 from kernel.io.enroll import EnrollError, Grant, enroll
 from kernel.io.install import ToolSource
 from kernel.io.store import Store
 
 TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
+
+
+def dot_git(ws: Path) -> dict[str, bytes]:
+    """Every entry of the workspace's `.git` with its bytes (links as their targets)."""
+    out: dict[str, bytes] = {}
+    for p in sorted((ws / ".git").rglob("*")):
+        rel = str(p.relative_to(ws))
+        if p.is_symlink():
+            out[rel] = b"-> " + os.readlink(p).encode()
+        elif p.is_file():
+            out[rel] = p.read_bytes()
+        else:
+            out[rel] = b"<dir>"
+    return out
 
 
 def git_repo(path: Path) -> Path:
@@ -39,6 +54,7 @@ def store(cfg: Config) -> Store:
 
 def test_enroll_creates_and_records_the_channel(tmp_path: Path, cfg: Config, store: Store) -> None:
     ws = git_repo(tmp_path / "ws")
+    before = dot_git(ws)
     done = enroll(store, cfg, str(ws), TOOL, Grant(gpu_hours=1.5))
     ch = ws / ".syscall"
     st = os.stat(ch)
@@ -48,6 +64,7 @@ def test_enroll_creates_and_records_the_channel(tmp_path: Path, cfg: Config, sto
         st.st_uid,
     )
     assert {p.name for p in ch.iterdir()} >= {
+        ".gitignore",
         "requests",
         "answers",
         "wakes",
@@ -64,7 +81,7 @@ def test_enroll_creates_and_records_the_channel(tmp_path: Path, cfg: Config, sto
     budget = msgspec.json.decode((ch / "budget.json").read_bytes(), type=BudgetFile).budget
     assert (budget.launches, budget.gpu_hours) == (7, 1.5)
     assert store.workspace(done.row.key).balance.gpu_s == 5400  # type: ignore[union-attr]
-    assert "/.syscall/" in (ws / ".git/info/exclude").read_text().splitlines()
+    assert dot_git(ws) == before  # enrollment writes nothing into the agent's .git (issue 10)
     status = subprocess.run(["git", "-C", str(ws), "status", "--porcelain"], capture_output=True, text=True)
     assert status.stdout == ""  # the channel is invisible to git
     assert "Installed version 9.9" in (ch / "tool-news.md").read_text()
@@ -76,6 +93,7 @@ def test_reenroll_is_idempotent_keeps_budget_and_repairs_the_tool(
     ws = git_repo(tmp_path / "ws")
     first = enroll(store, cfg, str(ws), TOOL, Grant(launches=3))
     (ws / ".syscall" / "syscall").write_bytes(b"tampered")
+    (ws / ".syscall" / ".gitignore").write_bytes(b"!*\n")
     newer = ToolSource(TOOL.data + b'sub.add_parser("budget")\np.add_argument("--wait")\n')
     again = enroll(store, cfg, str(ws), newer)
     assert not again.created
@@ -84,7 +102,7 @@ def test_reenroll_is_idempotent_keeps_budget_and_repairs_the_tool(
     news = (ws / ".syscall" / "tool-news.md").read_text()
     assert "New verbs: `budget`" in news
     assert "`--wait`" in news
-    assert (ws / ".git/info/exclude").read_text().count("/.syscall/") == 1
+    assert (ws / ".syscall" / ".gitignore").read_bytes() == ChannelPaths.GITIGNORE_BYTES
     assert enroll(store, cfg, str(ws), newer).tool_note is None
 
 
@@ -159,7 +177,7 @@ def test_refuses_what_it_may_not_use(tmp_path: Path, cfg: Config, store: Store, 
     assert not (tmp_path / "elsewhere" / "requests").exists()
 
 
-def test_exclude_written_through_dir_fds_never_follows_a_symlink(
+def test_links_planted_at_the_exclude_and_the_channel_gitignore_are_never_followed(
     tmp_path: Path, cfg: Config, store: Store
 ) -> None:
     ws = git_repo(tmp_path / "ws")
@@ -170,6 +188,17 @@ def test_exclude_written_through_dir_fds_never_follows_a_symlink(
     with pytest.raises(EnrollError, match="exclude is a symlink"):
         enroll(store, cfg, str(ws), TOOL)
     assert victim.read_text() == "precious\n"
+    (ws / ".git/info/exclude").unlink()
+    enroll(store, cfg, str(ws), TOOL)
+    ignore = ws / ".syscall" / ".gitignore"
+    ignore.unlink()
+    ignore.symlink_to(victim)
+    before = dot_git(ws)
+    enroll(store, cfg, str(ws), TOOL)
+    assert victim.read_text() == "precious\n"
+    assert not ignore.is_symlink()
+    assert ignore.read_bytes() == ChannelPaths.GITIGNORE_BYTES
+    assert dot_git(ws) == before
 
 
 def test_a_workspace_account_is_kept_until_changed_and_a_bad_one_is_refused(
