@@ -78,4 +78,6 @@ class JobRow:
     started_at: str | None = None
     ended_at: str | None = None
     run_dir: str | None = None
+    # When the kernel recorded this task's last change of state or placement, by its own clock (ended_at is the
+    # backend's); rules.cancelled_by compares it with a cancel's received_at.
     updated_at: str = ""

@@ -158,18 +158,20 @@ def plan_cancel(
 
 def cancelled_by(jobs: Sequence[JobRow], names: Sequence[str], received_at: str) -> list[JobRow]:
     """The tasks a cancel received at `received_at` stopped, for its answer: those of the named launches (all
-    without names) still live when the executor was called, and those it cancelled itself in its own
-    transaction (ended at its own timestamp, or later as the scheduler stopped them). A task that had ended
-    or had been cancelled by an earlier cancel is not listed, so a second cancel answers with nothing."""
+    without names) still live when the executor was called, and those whose move to CANCELLED the kernel
+    recorded at or after the cancel (in the cancel's own transaction, or later as the scheduler stopped them).
+    A task that had ended or had been cancelled by an earlier cancel is not listed, so a second cancel answers
+    with nothing.
+
+    Both sides are the kernel's own records: `received_at` and a job's `updated_at` (stamped by the kernel when
+    it records a state change; the wake's budget release leaves it alone), never the backend's `ended_at`, which
+    a Slurm node whose clock is behind the kernel's could put before the cancel."""
     wanted = set(names) or {j.launch for j in jobs}
     return [
         j
         for j in jobs
         if j.launch in wanted
-        and (
-            j.state in ("PENDING", "RUNNING")
-            or (j.state == "CANCELLED" and j.ended_at is not None and j.ended_at >= received_at)
-        )
+        and (j.state in ("PENDING", "RUNNING") or (j.state == "CANCELLED" and j.updated_at >= received_at))
     ]
 
 

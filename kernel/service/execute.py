@@ -665,7 +665,8 @@ class RealExecutor:
                 used = min(gather.gpu_seconds_used(cur.gpus, elapsed), cost)
                 if cur.reserved_gpu_s > 0:
                     balance = release(balance, cur.reserved_gpu_s, used)
-                    self.store.update_job(replace(cur, reserved_gpu_s=0, updated_at=woken_at))
+                    # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
+                    self.store.update_job(replace(cur, reserved_gpu_s=0))
                 refunded += cost - used
                 tasks.append(gather.task_result(cur, tdir, elapsed, files, self.backend.hint_of))
             shown, verdict = (tuple(tasks), None) if self.judge is None else self.judge(sleep, tuple(tasks))

@@ -93,14 +93,19 @@ def test_cancel_refunds_unsubmitted_tasks_and_leaves_submitted_ones_to_the_execu
     assert len(everything.targets) == 3
 
 
+def stopped(j: JobRow, recorded: str, ended: str | None = None) -> JobRow:
+    """`j` as the kernel records it CANCELLED at `recorded` (its clock); `ended`: the backend's end time."""
+    return replace(j, state="CANCELLED", updated_at=recorded, ended_at=ended or recorded)
+
+
 def test_a_cancel_answers_only_what_it_stopped() -> None:
     earlier, mine, later = "2026-11-30T12:00:00.000Z", "2026-11-30T12:00:05.000Z", "2026-11-30T12:00:09.000Z"
     jobs = [
-        replace(job("a", 0, "CANCELLED"), ended_at=earlier),  # an earlier cancel stopped it
-        replace(job("a", 1, "CANCELLED"), ended_at=mine),  # this cancel's own transaction stopped it
+        stopped(job("a", 0), earlier),  # an earlier cancel stopped it
+        stopped(job("a", 1), mine),  # this cancel's own transaction stopped it
         job("a", 2, "RUNNING", "42_2"),  # the scheduler is stopping it now
-        replace(job("a", 3, "CANCELLED", "42_3"), ended_at=later),  # stopped by this cancel, recorded since
-        replace(job("a", 4, "COMPLETED", "42_4"), ended_at=earlier),
+        stopped(job("a", 3, job_id="42_3"), later),  # stopped by this cancel, recorded since
+        replace(job("a", 4, "COMPLETED", "42_4"), ended_at=earlier, updated_at=earlier),
         job("b", 0, "RUNNING", "43"),
     ]
     assert [(j.launch, j.task) for j in cancelled_by(jobs, ("a",), mine)] == [("a", 1), ("a", 2), ("a", 3)]
@@ -111,6 +116,16 @@ def test_a_cancel_answers_only_what_it_stopped() -> None:
         ("b", 0),
     ]
     assert cancelled_by(jobs[:2] + jobs[4:5], ("a",), later) == []  # a second cancel: nothing left to stop
+
+
+def test_a_cancel_answer_does_not_trust_the_node_clock() -> None:
+    """A Slurm node whose clock is behind the kernel's reports an end before the cancel was received; the task
+    was still stopped by this cancel (the kernel recorded it after), so the answer lists it. A node clock ahead
+    does not make an earlier cancel's task this one's."""
+    earlier, mine, later = "2026-11-30T12:00:00.000Z", "2026-11-30T12:00:05.000Z", "2026-11-30T12:00:09.000Z"
+    behind = stopped(job("a", 0, job_id="42_0"), later, ended="2026-11-30T12:00:03.000Z")
+    ahead = stopped(job("a", 1, job_id="42_1"), earlier, ended="2026-11-30T12:00:07.000Z")
+    assert [(j.launch, j.task) for j in cancelled_by([behind, ahead], (), mine)] == [("a", 0)]
 
 
 def test_cancel_refusals() -> None:
