@@ -2056,8 +2056,7 @@ def cmd_tail(ch: Channel, args: argparse.Namespace) -> int:
 def show_tail(ch: Channel, args: argparse.Namespace, **fields: Any) -> int:
     """Ask the kernel for a task's last lines (`fields`: the tail request's members) and print them."""
     ans = _question(ch, args, "tail", **fields)
-    if args.json:
-        _json_out(ans)
+    if _result(ans, args.json):
         return EXIT_OK
     for line in tail_lines(ans):
         _out(line)

@@ -37,6 +37,7 @@ TOOLS = [
     "cancel",
     "queue",
     "history",
+    "tail",
 ]
 
 
@@ -186,7 +187,7 @@ async def session(ws: Path, py38: str, kernel: Kernel) -> list[str]:
         assert again.structured_content["id"] == answer["id"]
         assert "# Wake: sleep " + answer["id"] in again.content[0].text
 
-        await s.call("launch", {"name": "long", "command": "sleep 120", "minutes": 10})
+        await s.call("launch", {"name": "long", "command": "echo long-started; sleep 120", "minutes": 10})
         long_sleep = await s.call("sleep", {"note": "to be cancelled"})
         assert not long_sleep.is_error
         long_id = long_sleep.structured_content["answer"]["id"]
@@ -197,6 +198,10 @@ async def session(ws: Path, py38: str, kernel: Kernel) -> list[str]:
         still = await s.call("status", {})
         assert still.structured_content["answer"]["sleep"]["id"] == long_id
         assert [t["state"] for t in still.structured_content["answer"]["sleep"]["tasks"]] == ["RUNNING"]
+        tail = await s.call("tail", {"launch": "long"})
+        assert not tail.is_error, tail.content[0].text
+        assert tail.structured_content["type"] == "tail"
+        assert "long-started" in tail.content[0].text
         cancelled = await s.call("cancel", {"names": ["long"]})
         assert not cancelled.is_error
         assert cancelled.structured_content["type"] == "cancelled"
