@@ -511,6 +511,23 @@ def at_a_time(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int)
     return min(width, array)
 
 
+def clamp_note(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int) -> str | None:
+    """Why fewer tasks of a launch run at once than it asked for (`at_a_time` below `concurrency`, or below the
+    whole array when `concurrency` is 0), or None when nothing lowered it. The one wording of the wake and
+    `status` (tool/syscall.py's clamp_text says the same for staged launches; a test keeps them equal)."""
+    width = at_a_time(array, concurrency, gpus, max_concurrent_gpus)
+    if width >= (concurrency or array):
+        return None
+    return (
+        f"{width} at a time, not {concurrency or f'all {array}'}: this workspace runs at most "
+        f"{_count(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus) and each task takes {_count(gpus, 'GPU')}"
+    )
+
+
+def _count(n: int, unit: str) -> str:
+    return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
+
+
 def check_policy(req: Request, policy: Policy) -> None:
     """Raise `RequestError` if the request asks for more than the workspace's policy allows."""
     verb = req.__struct_config__.tag

@@ -170,6 +170,19 @@ class TaskView(_Strict, frozen=True):
     elapsed_s: float | None = None
 
 
+class LaunchSummary(_Strict, frozen=True):
+    """A launch of the sleep as it ran: its command and how many of its tasks ran at once (and why fewer)."""
+
+    name: str
+    command: str
+    array: int = 1
+    at_a_time: int = 1
+    gpus: int = 0
+    minutes: int = L.MINUTES_DEFAULT
+    clamp: str | None = None
+    why: str = ""
+
+
 class SleepView(_Strict, frozen=True):
     id: str
     seq: int
@@ -178,6 +191,8 @@ class SleepView(_Strict, frozen=True):
     note: str = ""
     tasks: tuple[TaskView, ...] = ()
     woken_at: Timestamp | None = None
+    # Each launch as it runs (or ran): how many of its tasks at once, and why fewer than asked (`clamp`).
+    launches: tuple[LaunchSummary, ...] = ()
 
 
 class KernelRef(_Strict, frozen=True):
@@ -327,19 +342,6 @@ class TaskResult(_Strict, frozen=True):
     stderr_log: LogFile | None = None
     # The last line of stdout that is a JSON object (a job's result, by convention), as the job printed it.
     result: str | None = None
-
-
-class LaunchSummary(_Strict, frozen=True):
-    """A launch of the sleep as it ran: its command and how many of its tasks ran at once (and why fewer)."""
-
-    name: str
-    command: str
-    array: int = 1
-    at_a_time: int = 1
-    gpus: int = 0
-    minutes: int = L.MINUTES_DEFAULT
-    clamp: str | None = None
-    why: str = ""
 
 
 Outcome = Literal["improved", "not_improved", "failed", "unchanged"]

@@ -1222,24 +1222,27 @@ def at_a_time(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int)
     return min(width, array)
 
 
+def clamp_text(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int) -> str:
+    """'' or why fewer tasks of a launch run at once than it asked for: channel.decode.clamp_note's wording,
+    which the kernel sends for a sleep's launches in `status` and the wake (a test keeps the two equal)."""
+    width = at_a_time(array, concurrency, gpus, max_concurrent_gpus)
+    if width >= (concurrency or array):
+        return ""
+    return "{} at a time, not {}: this workspace runs at most {} at once (max_concurrent_gpus) and {}".format(
+        width,
+        concurrency or "all {}".format(array),
+        _n(max_concurrent_gpus, "GPU", "GPUs"),
+        "each task takes " + _n(gpus, "GPU", "GPUs"),
+    )
+
+
 def clamp_note(x: Dict[str, Any], pol: Dict[str, Any]) -> str:
-    """'' or why fewer tasks of launch `x` run at once than it asked for."""
+    """'' or why fewer tasks of the staged launch `x` will run at once than it asked for (clamp_text)."""
     try:
         array, conc, gpus = int(x.get("array", 1)), int(x.get("concurrency") or 0), int(x.get("gpus") or 0)
-        width = at_a_time(array, conc, gpus, int(pol["max_concurrent_gpus"]))
+        return clamp_text(array, conc, gpus, int(pol["max_concurrent_gpus"]))
     except (TypeError, ValueError):  # a staging file edited by hand: no claim rather than a wrong one
         return ""
-    if width >= (conc or array):
-        return ""
-    return (
-        "{} at a time, not {}: this workspace runs at most {} at once (max_concurrent_gpus) "
-        "and each task takes {}"
-    ).format(
-        width,
-        "all {}".format(array) if not conc else conc,
-        _n(int(pol["max_concurrent_gpus"]), "GPU", "GPUs"),
-        _n(gpus, "GPU", "GPUs"),
-    )
 
 
 def _describe_launch(x: Any, pol: Dict[str, Any]) -> str:
@@ -1935,6 +1938,10 @@ def cmd_status(ch: Channel, args: argparse.Namespace) -> int:
         tasks = [t for t in sleep.get("tasks") or [] if isinstance(t, dict)]
         done = sum(1 for t in tasks if t.get("state") in TERMINAL_STATES)
         _out(sleep_line(sleep, done, len(tasks)))
+        verb = "ran" if sleep.get("state") == "woken" or done == len(tasks) else "runs"
+        for x in sleep.get("launches") or []:
+            if isinstance(x, dict) and x.get("clamp"):
+                _out("  {} {} {}.".format(x.get("name"), verb, x.get("clamp")))
         for t in tasks:
             _out(
                 "  {}[{}] {}  exit {}  {}  job {}".format(

@@ -19,7 +19,7 @@ from typing import Final
 import msgspec
 
 from channel import limits as L
-from channel.decode import RequestError, check_policy
+from channel.decode import RequestError, at_a_time, check_policy, clamp_note
 from channel.lifecycle import TaskEvent, next_task_state
 from channel.messages import (
     CancelRequest,
@@ -28,6 +28,7 @@ from channel.messages import (
     HistoryLaunch,
     JobRef,
     KernelRef,
+    LaunchSummary,
     QueueAnswer,
     QueueEntry,
     SleepRequest,
@@ -205,8 +206,30 @@ def job_refs(jobs: Sequence[JobRow]) -> tuple[JobRef, ...]:
 # --- read-only answers -----------------------------------------------------------------------------------
 
 
-def sleep_view(s: SleepRow, jobs: Sequence[JobRow], now: float) -> SleepView:
+def launch_summaries(jobs: Sequence[JobRow], max_concurrent_gpus: int) -> tuple[LaunchSummary, ...]:
+    """One summary per launch of `jobs`, in order: its command and how many of its tasks run at once (and why
+    fewer than it asked, when the workspace's GPU ceiling lowers it). The wake and `status` both show these."""
+    first: dict[str, JobRow] = {}
+    for j in jobs:
+        first.setdefault(j.launch, j)
+    return tuple(
+        LaunchSummary(
+            name=j.launch,
+            command=j.command,
+            array=j.array_size,
+            at_a_time=at_a_time(j.array_size, j.concurrency, j.gpus, max_concurrent_gpus),
+            gpus=j.gpus,
+            minutes=j.minutes,
+            clamp=clamp_note(j.array_size, j.concurrency, j.gpus, max_concurrent_gpus),
+            why=j.why,
+        )
+        for j in first.values()
+    )
+
+
+def sleep_view(s: SleepRow, jobs: Sequence[JobRow], now: float, max_concurrent_gpus: int) -> SleepView:
     return SleepView(
+        launches=launch_summaries(jobs, max_concurrent_gpus),
         id=s.id,
         seq=s.seq,
         state=s.state,  # type: ignore[arg-type]  # the store only holds lifecycle states
@@ -240,7 +263,7 @@ def status_answer(
         id=request_id,
         kernel=kernel,
         budget=ws.balance.to_message(),
-        sleep=None if latest is None else sleep_view(latest, jobs, now),
+        sleep=None if latest is None else sleep_view(latest, jobs, now, ws.policy.max_concurrent_gpus),
     )
 
 

@@ -30,7 +30,6 @@ import msgspec
 
 from channel import limits as L
 from channel import safefs
-from channel.decode import at_a_time
 from channel.messages import (
     Artifact,
     LaunchSummary,
@@ -42,7 +41,7 @@ from channel.messages import (
 )
 from channel.paths import ChannelPaths, RunPaths
 from kernel.backends import jobscript
-from kernel.core import exits
+from kernel.core import exits, rules
 from kernel.core.budget import Balance, gpu_hours
 from kernel.core.exits import HINT_CANCELLED_EARLY, Outcome
 from kernel.core.records import JobRow
@@ -373,37 +372,10 @@ def task_result(
 def launch_summaries(
     jobs: list[JobRow], shown: tuple[TaskResult, ...], max_concurrent_gpus: int
 ) -> tuple[LaunchSummary, ...]:
-    """One summary per launch the wake shows, in order: its command and how many tasks ran at once (and why
-    fewer than it asked, when the workspace's GPU ceiling lowered it)."""
-    first: dict[str, JobRow] = {}
-    for j in jobs:
-        first.setdefault(j.launch, j)
-    out = []
-    for name in dict.fromkeys(t.launch for t in shown):
-        if name not in first:
-            continue
-        j = first[name]
-        asked = j.concurrency or j.array_size
-        width = at_a_time(j.array_size, j.concurrency, j.gpus, max_concurrent_gpus)
-        clamp = None
-        if width < asked:
-            clamp = (
-                f"{width} at a time, not {asked}: this workspace runs at most {max_concurrent_gpus} GPUs at once "
-                f"(max_concurrent_gpus) and each task takes {j.gpus}"
-            )
-        out.append(
-            LaunchSummary(
-                name=name,
-                command=j.command,
-                array=j.array_size,
-                at_a_time=width,
-                gpus=j.gpus,
-                minutes=j.minutes,
-                clamp=clamp,
-                why=j.why,
-            )
-        )
-    return tuple(out)
+    """One summary per launch the wake shows, in the order shown (rules.launch_summaries: `status` says the
+    same)."""
+    by_name = {x.name: x for x in rules.launch_summaries(jobs, max_concurrent_gpus)}
+    return tuple(by_name[n] for n in dict.fromkeys(t.launch for t in shown) if n in by_name)
 
 
 def build_wake(

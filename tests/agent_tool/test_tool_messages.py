@@ -154,6 +154,43 @@ def test_at_a_time_agrees_with_the_kernel() -> None:
                     assert tool.at_a_time(array, conc, gpus, cap) == at_a_time(array, conc, gpus, cap)
 
 
+def test_clamp_text_agrees_with_the_kernel() -> None:
+    """Staged launches (the tool) and a sleep's launches (the kernel, in `status` and the wake) say one thing."""
+    from channel.decode import clamp_note
+
+    for array in range(1, 9):
+        for conc in range(array + 1):
+            for gpus in range(4):
+                for cap in range(1, 9):
+                    assert tool.clamp_text(array, conc, gpus, cap) == (
+                        clamp_note(array, conc, gpus, cap) or ""
+                    )
+
+
+def test_concurrency_clamp_shown_in_status_for_a_running_sleep(
+    python: str, tmp_path: Path, elsewhere: Path
+) -> None:
+    fk = FakeKernel(tmp_path / "ws", policy=Policy(max_concurrent_gpus=2))
+    with fk.running():
+        ok(run(python, fk, "launch", "--name", "s", "--gpus", "1", "--array", "3", "--", "t", cwd=elsewhere))
+        ok(run(python, fk, "launch", "--name", "free", "--array", "3", "--", "t", cwd=elsewhere))
+        ok(run(python, fk, "sleep", cwd=elsewhere))
+        s = ok(run(python, fk, "status", cwd=elsewhere))
+        assert "Staged for the next sleep" not in s.stdout
+        assert (
+            "  s runs 2 at a time, not all 3: this workspace runs at most 2 GPUs at once (max_concurrent_gpus) "
+            "and each task takes 1 GPU." in s.stdout
+        )
+        assert "free runs" not in s.stdout  # no clamp, no note
+        js = json.loads(ok(run(python, fk, "status", "--json", cwd=elsewhere)).stdout)
+        launches = {x["name"]: x for x in js["answer"]["sleep"]["launches"]}
+        assert (launches["s"]["at_a_time"], launches["free"]["at_a_time"], launches["free"]["clamp"]) == (
+            2,
+            3,
+            None,
+        )
+
+
 # --- 4. globs and directories are refused as artifacts at launch ----------------------------------------
 
 

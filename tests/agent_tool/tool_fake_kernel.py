@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from channel import limits as L
-from channel.decode import RequestError, at_a_time, check_policy, decode_request, rejected
+from channel.decode import RequestError, at_a_time, check_policy, clamp_note, decode_request, rejected
 from channel.messages import (
     VERBS,
     Accepted,
@@ -276,6 +276,7 @@ class FakeKernel:
                     array=x.array,
                     at_a_time=at_a_time(x.array, x.concurrency, x.gpus, self.policy.max_concurrent_gpus),
                     gpus=x.gpus,
+                    clamp=clamp_note(x.array, x.concurrency, x.gpus, self.policy.max_concurrent_gpus),
                     minutes=x.minutes,
                     why=x.why,
                 )
@@ -347,6 +348,7 @@ class FakeKernel:
             woken_at=s.woken_at,
             note=s.note,
             tasks=tasks,
+            launches=s.staged,
         )
 
     def _queue(self, stem: str) -> Answer:

@@ -196,3 +196,29 @@ def test_a_flood_never_delays_a_quiet_workspace_by_more_than_one_pass() -> None:
 
 def test_plan_pass_with_nothing_to_do() -> None:
     assert plan_pass({"a": 0}, "x", 1, 1) == ([], "x")
+
+
+def test_status_shows_each_launch_and_the_clamp_where_it_happens() -> None:
+    """`--gpus 1 --array 3` under `max_concurrent_gpus = 2`: status says 2 at a time and why, as the wake does."""
+    clamped = [replace(job("s", t, "RUNNING", f"7_{t}"), array_size=3) for t in range(3)]
+    free = [replace(job("f", t), array_size=3, gpus=0) for t in range(3)]
+    st = status_answer(
+        "q",
+        KernelRef(name="k", version="1"),
+        ws(policy=Policy(max_concurrent_gpus=2)),
+        sleep_row(state="running"),
+        clamped + free,
+        1796040010.0,
+    )
+    assert st.sleep is not None
+    got = [(x.name, x.array, x.at_a_time, x.clamp) for x in st.sleep.launches]
+    assert got == [
+        (
+            "s",
+            3,
+            2,
+            "2 at a time, not all 3: this workspace runs at most 2 GPUs at once (max_concurrent_gpus) and each "
+            "task takes 1 GPU",
+        ),
+        ("f", 3, 3, None),
+    ]
