@@ -233,6 +233,8 @@ def enroll(
     take_over: bool = False,
     overrides: Mapping[str, int | bool] | None = None,
     slurm_account: str | None = None,
+    hold_base: bool = True,
+    checked: str | None = None,
 ) -> Enrolled:
     """Enroll (or refresh) one workspace. EnrollError when it is refused.
 
@@ -247,11 +249,17 @@ def enroll(
     on top of the config's defaults, from then on; an unenrolled workspace is enrolled again.
     `slurm_account` (`--account`) is the workspace's own Slurm account from then on ("" drops it: the config's
     `[slurm] account` again); None keeps what it had.
+    `hold_base=False` (the service's automatic enrollment) records HEAD's commit id as the pending base (read
+    without git, in the enrollment's transaction) and leaves the import to the executor, which holds it after
+    the workspace is served (SubmitExecutor.recover's upgrade, and before any submit): the base is still HEAD
+    as it was at enrollment, and first-time enrollment runs no git process but the tracked-channel check.
+    `checked`: what `check_workspace(path)` returned just before (the service runs those checks, one git
+    process each, in worker threads, many at once); None runs it here.
     """
     for name, v in (("launches", grant.launches), ("sleeps", grant.sleeps), ("gpu-hours", grant.gpu_hours)):
         if v is not None and v < 0:
             raise EnrollError(f"--{name} must be >= 0, got {v}")
-    resolved = check_workspace(path)
+    resolved = check_workspace(path) if checked is None else checked
     key = workspace_key(resolved)
     existing = store.workspace(key)
     S.ensure_schema(store)
@@ -321,9 +329,13 @@ def enroll(
                 S.set_contract(store, key, contract)
             if slurm_account is not None:
                 store.set_slurm_account(key, slurm_account or None)
+            if not hold_base:
+                head = S.head_of(resolved)
+                if head is not None:
+                    S.set_pending_base(store, key, head)
         # The submit base: HEAD the first time, taken through the verified path into the kernel's repository (an
         # older kernel's base, recorded but held only in the agent's repository, is re-imported by its id).
-        base_problem = hold_recorded_base(store, cfg, key, resolved)
+        base_problem = hold_recorded_base(store, cfg, key, resolved) if hold_base else None
         # Side effects after the commit: the channel's kernel-written files.
         ch.write_file(
             None,

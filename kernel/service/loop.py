@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import anyio
@@ -45,6 +46,9 @@ from kernel.service.pipeline import Pipeline, Spawn
 EVENT_STREAM_SIZE = 4096
 STATUS_EVERY_S = 5.0
 STORE_RETRY_S = 2.0
+# Workspace checks (a git process each) run at a time during enrollment: enough to overlap process start-up
+# and I/O on a few cores without flooding the machine.
+ENROLL_CHECKERS = 4
 T = TypeVar("T")
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
@@ -128,22 +132,55 @@ class Service:
 
     def _enroll_globs(self) -> int:
         """Enroll the new directories the `workspaces` globs match (at start, every rescan and SIGHUP); a
-        refusal is logged once per path and reason. Returns how many were enrolled."""
+        refusal is logged once per path and reason. Returns how many were enrolled.
+
+        The workspace checks (one git process each: is the channel tracked?) run ENROLL_CHECKERS at a time in
+        threads, touching no store; the enrollments themselves (channel, store row, kernel-written files) run
+        here, on the store worker, one at a time in glob order, so each workspace is enrolled exactly once and
+        store writes stay on the one writer. The submit base is left pending for the executor (after serving).
+        SIGTERM: no further enrollment starts; checks not yet begun are cancelled (each running one is a
+        single git process); the rest is enrolled at the next start."""
         enrolled = 0
-        for path in enrollment.expand_globs(self.cfg.workspaces):
-            if self.stopping:  # SIGTERM during a long enrollment: the rest waits for the next start
-                break
-            if self.store.workspace_by_path(path) is not None:
-                continue
+        new = [
+            p for p in enrollment.expand_globs(self.cfg.workspaces) if self.store.workspace_by_path(p) is None
+        ]
+        if not new:
+            return 0
+
+        def check(path: str) -> str | enrollment.EnrollError:
+            if self.stopping:
+                return enrollment.EnrollError(f"{path}: not checked (stopping)")
             try:
-                done = enrollment.enroll(self.store, self.cfg, path, self.tool, explicit=False)
-                log.event("enrolled", ws=done.row.key, path=done.row.path, watch=done.row.watch)
-                self._refused.pop(path, None)
-                enrolled += 1
+                return enrollment.check_workspace(path)
             except enrollment.EnrollError as exc:
-                if self._refused.get(path) != str(exc):
-                    self._refused[path] = str(exc)
-                    log.event("enroll_refused", logging.WARNING, path=path, reason=str(exc))
+                return exc
+
+        pool = ThreadPoolExecutor(max_workers=ENROLL_CHECKERS, thread_name_prefix="enroll-check")
+        try:
+            for path, checked in zip(new, pool.map(check, new), strict=True):
+                if self.stopping:  # SIGTERM during a long enrollment: the rest waits for the next start
+                    break
+                try:
+                    if isinstance(checked, enrollment.EnrollError):
+                        raise checked
+                    done = enrollment.enroll(
+                        self.store,
+                        self.cfg,
+                        path,
+                        self.tool,
+                        explicit=False,
+                        hold_base=False,
+                        checked=checked,
+                    )
+                    log.event("enrolled", ws=done.row.key, path=done.row.path, watch=done.row.watch)
+                    self._refused.pop(path, None)
+                    enrolled += 1
+                except enrollment.EnrollError as exc:
+                    if self._refused.get(path) != str(exc):
+                        self._refused[path] = str(exc)
+                        log.event("enroll_refused", logging.WARNING, path=path, reason=str(exc))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         return enrolled
 
     def _startup(self) -> list[WorkspaceRow]:

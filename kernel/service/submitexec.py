@@ -49,7 +49,7 @@ from kernel.backends.jobscript import read_exit
 from kernel.core import evaluate as E
 from kernel.core.budget import release
 from kernel.core.config import Config
-from kernel.core.records import JobRow, SleepRow
+from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.io import log as klog
 from kernel.io import repo as R
 from kernel.io import submit as S
@@ -59,6 +59,8 @@ from kernel.service.execute import RealExecutor
 from kernel.service.executor import SleepOrder
 
 _submit_decoder: Final = msgspec.json.Decoder(Submit)
+# Workspaces whose base the start's upgrade checks at a time (each check is a git process on a thread).
+UPGRADE_WORKERS: Final = 4
 HOOK_ENV: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
@@ -105,6 +107,9 @@ class SubmitExecutor(RealExecutor):
         super().__init__(cfg, worker, backend, judge=self._judge)
         self._plans: dict[tuple[str, int], S.Plan] = {}
         self._hooking = False
+        # One hold at a time per workspace (the start's upgrade and a submit's preflight may meet): the second
+        # finds the base held instead of importing it again.
+        self._holding: dict[str, anyio.Lock] = {}
         self.hook_argv: tuple[str, ...] = tuple(shlex.split(cfg.on_verdict)) if cfg.on_verdict else ()
 
     def _setup(self) -> None:
@@ -172,6 +177,11 @@ class SubmitExecutor(RealExecutor):
     async def hold_base(self, key: str, path: str) -> None:
         """Make the kernel's repository hold the recorded base (R.UntrustedGit, R.RepoError when it cannot).
         Nothing recorded: nothing to do (HEAD becomes the base only at enrollment or by `rebase`)."""
+        lock = self._holding.setdefault(key, anyio.Lock())
+        async with lock:
+            await self._hold_base(key, path)
+
+    async def _hold_base(self, key: str, path: str) -> None:
         base, rev = await self._call(self._base_to_hold, key)
         repo = self.repo_of(key)
         if rev is None or (base is not None and await anyio.to_thread.run_sync(R.held, repo, base[1])):
@@ -181,24 +191,39 @@ class SubmitExecutor(RealExecutor):
             await self._call(self._record_held, key, base, got)
             klog.event("submit_base_held", ws=key, commit=got.commit[:12], tree=got.tree[:12])
 
-    async def recover(self) -> None:
-        await super().recover()
-        await self._upgrade()
+    async def run(self) -> None:
+        # The upgrade runs once the workspaces are served (not in `recover`, which start-up waits for): a
+        # restart with many enrolled workspaces is ready without a git process per workspace, and a base an
+        # automatic enrollment left pending is imported in the background. A submit meanwhile holds its own
+        # base first (preflight), so nothing waits on this.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._upgrade)
+            await super().run()
 
     async def _upgrade(self) -> None:
         """Once per start: refs an older kernel left under `refs/syscall/` of an agent's repository are reported
-        (once per workspace, ever) and never followed; each recorded base is held in the kernel's repository."""
-        for ws in await self._call(self.store.workspaces):
-            repo = self.repo_of(ws.key)
-            try:
-                found = await anyio.to_thread.run_sync(_legacy_refs_once, repo, ws.path)
-                if found:
-                    klog.event(
-                        "legacy_refs_ignored", logging.WARNING, ws=ws.key, path=ws.path, refs=found[:20]
-                    )
-                await self.hold_base(ws.key, ws.path)
-            except (R.UntrustedGit, R.RepoError, OSError) as exc:
-                klog.event("submit_base_unheld", logging.WARNING, ws=ws.key, problem=str(exc)[:500])
+        (once per workspace, ever) and never followed; each recorded base is held in the kernel's repository.
+        UPGRADE_WORKERS workspaces at a time (the imports themselves go through the bounded heavy pool)."""
+        todo = list(await self._call(self.store.workspaces))
+        todo.reverse()
+
+        async def worker() -> None:
+            while todo:
+                await self._upgrade_one(todo.pop())
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(UPGRADE_WORKERS):
+                tg.start_soon(worker)
+
+    async def _upgrade_one(self, ws: WorkspaceRow) -> None:
+        repo = self.repo_of(ws.key)
+        try:
+            found = await anyio.to_thread.run_sync(_legacy_refs_once, repo, ws.path)
+            if found:
+                klog.event("legacy_refs_ignored", logging.WARNING, ws=ws.key, path=ws.path, refs=found[:20])
+            await self.hold_base(ws.key, ws.path)
+        except (R.UntrustedGit, R.RepoError, OSError) as exc:
+            klog.event("submit_base_unheld", logging.WARNING, ws=ws.key, problem=str(exc)[:500])
 
     def _decide_plan(self, order: SleepOrder, commit: str, tree: str, changed: tuple[str, ...]) -> S.Plan:
         ws = order.workspace

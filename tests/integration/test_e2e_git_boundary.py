@@ -367,7 +367,10 @@ def test_an_older_kernels_refs_are_reported_once_and_its_bases_re_imported_throu
     forge_loose(bad, "result.txt", FORGED)
     before = {ws.name: fingerprint(ws / ".git") for ws in (good, bad)}
     try:
-        kernel.start()
+        kernel.start()  # the upgrade runs once the workspaces are served
+        kernel.wait_log("event=legacy_refs_ignored", 60, count=2)
+        kernel.wait_log("event=submit_base_held", 60)
+        kernel.wait_log("event=submit_base_unheld", 60)
         log = kernel.log_text()
         assert log.count("event=legacy_refs_ignored") == 2, log
         assert f"refs/syscall/{workspace_key(good.resolve())}/3" in log
@@ -376,6 +379,7 @@ def test_an_older_kernels_refs_are_reported_once_and_its_bases_re_imported_throu
         assert "does not hash to its id" in log
         assert kernel.stop() == 0
         kernel.start()  # said once: not again at the next start
+        kernel.wait_log("event=submit_base_unheld", 60, count=2)
         assert kernel.log_text().count("event=legacy_refs_ignored") == 2
         e = Env(tmp_path, kernel, {"good": good, "bad": bad})
         for ws in (good, bad):

@@ -4,7 +4,10 @@ start. Real kernel process, real git workspaces."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -38,3 +41,94 @@ def test_sigterm_during_first_enrollment_stops_within_a_step(tmp_path: Path) -> 
     kernel.wait_log("event=ready", 300)
     assert kernel.log_text().count("event=enrolled") == N
     assert kernel.stop() == 0
+
+
+def _committed_workspaces(root: Path, n: int) -> list[Path]:
+    """n git workspaces with one commit each (copies of one template), so each has a HEAD to take as its base."""
+    template = root.parent / "template"
+    subprocess.run(["git", "init", "-q", str(template)], check=True)
+    (template / "train.py").write_text("print('hello')\n")
+    env = {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    subprocess.run(["git", "-C", str(template), "add", "train.py"], check=True)
+    subprocess.run(
+        ["git", "-C", str(template), "commit", "-qm", "start"], check=True, env={**os.environ, **env}
+    )
+    spaces = []
+    for i in range(n):
+        ws = root / f"w{i:04d}"
+        shutil.copytree(template, ws, symlinks=True)
+        spaces.append(ws)
+    return spaces
+
+
+def _head(ws: Path) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ws), "rev-parse", "HEAD"], capture_output=True, check=True, text=True
+    ).stdout.strip()
+
+
+def test_concurrent_first_enrollment_enrolls_each_once_with_exact_budgets_and_the_base_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """The workspace checks run concurrently and the bases are imported after serving: still every workspace
+    is enrolled exactly once, each with exactly the configured budget, a refused one is refused (once), and
+    the submit base is HEAD as it was at enrollment even when the agent commits before the import."""
+    n = 24
+    root = tmp_path / "spaces"
+    root.mkdir()
+    spaces = _committed_workspaces(root, n)
+    bad = root / "tracks-channel"
+    shutil.copytree(spaces[0], bad, symlinks=True)
+    (bad / ".syscall").mkdir()
+    (bad / ".syscall" / "x").write_text("x\n")
+    subprocess.run(["git", "-C", str(bad), "add", "-f", ".syscall/x"], check=True)
+    heads = {ws: _head(ws) for ws in spaces}
+    kernel = Kernel(
+        tmp_path, f'workspaces = ["{root}/*"]\n[defaults]\nlaunches = 7\nsleeps = 11\ngpu_hours = 3'
+    )
+    try:
+        kernel.start()
+        # The agent of w0000 commits the moment it is served, before its base may have been imported.
+        (spaces[0] / "train.py").write_text("print('later')\n")
+        subprocess.run(
+            ["git", "-C", str(spaces[0]), "commit", "-qam", "later"],
+            check=True,
+            env={
+                **os.environ,
+                "GIT_AUTHOR_NAME": "a",
+                "GIT_AUTHOR_EMAIL": "a@a",
+                "GIT_COMMITTER_NAME": "a",
+                "GIT_COMMITTER_EMAIL": "a@a",
+            },
+        )
+        kernel.wait_log("event=submit_base_held", 120, count=n)
+        log = kernel.log_text()
+        for ws in spaces:
+            assert log.count(f"path={ws}\n") + log.count(f"path={ws} ") == 1, f"{ws.name} not enrolled once"
+            budget = json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]
+            assert (budget["launches"], budget["sleeps"]) == (7, 11), (ws.name, budget)
+        assert log.count("event=enrolled") == n
+        assert log.count("event=enroll_refused") == 1
+        assert "tracks-channel" in log
+        assert not (bad / ".syscall" / "kernel.json").exists()
+        with sqlite3.connect(kernel.state / "state.sqlite") as db:
+            bases = dict(
+                db.execute(
+                    "SELECT w.path, e.base_commit FROM workspaces w JOIN eval_workspaces e ON e.workspace = w.key"
+                )
+            )
+        assert bases == {str(ws.resolve()): heads[ws] for ws in spaces}
+        assert kernel.stop() == 0
+        kernel.start(wait_ready=False)  # a restart enrolls nothing again and imports nothing again
+        kernel.wait_log("event=ready", 60, count=2)
+        assert kernel.stop() == 0
+        log = kernel.log_text()
+        assert log.count("event=enrolled") == n
+        assert log.count("event=submit_base_held") == n
+    finally:
+        kernel.ensure_stopped()
