@@ -237,7 +237,8 @@ def render_verdict(v: Verdict) -> str:
     elif v.test == "bootstrap" and v.lower_bound is not None and v.confidence is not None:
         verdict = "passed" if v.lower_bound > 0 else "not passed"
         out.append(
-            f"Bootstrap lower bound of the mean improvement at confidence {v.confidence:g}: "
+            f"Bootstrap lower bound of the mean improvement (low end of the two-sided {v.confidence:g} "
+            f"interval): "
             f"{_num(v.lower_bound)} (needs > 0): {verdict}."
         )
     elif n > 1 or v.repeats > 1:

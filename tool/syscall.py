@@ -1827,7 +1827,7 @@ def contract_lines(info: dict[str, Any]) -> list[str]:
         test = (
             "an exact one-sided sign test"
             if c.get("test", "sign") == "sign"
-            else "a one-sided bootstrap lower bound of the mean improvement"
+            else "a bootstrap lower bound of the mean improvement (low end of its two-sided interval)"
         )
         judged = "; the mean difference must clear the floors and {} at confidence {} must clear zero".format(
             test, c.get("confidence", 0.95)

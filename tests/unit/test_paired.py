@@ -51,17 +51,13 @@ def improved_count(gain: float, test: str, direction: str = "higher") -> int:
     return hits
 
 
+@pytest.mark.parametrize("test", ["sign", "bootstrap"])
 @pytest.mark.parametrize("direction", ["higher", "lower"])
-def test_with_no_real_gain_the_sign_test_calls_at_most_5_percent_of_tables_improved(direction: str) -> None:
-    assert improved_count(0.0, "sign", direction) <= TABLES * 5 // 100
-
-
-@pytest.mark.parametrize("direction", ["higher", "lower"])
-def test_with_no_real_gain_the_bootstrap_stays_near_its_nominal_5_percent(direction: str) -> None:
-    """The expanded percentile bootstrap is calibrated to 5% (4.9% measured over 2,000 normal tables), not
-    conservative like the sign test at N = 9 (1.95%), so 200 tables may land a little above 10; the plain
-    percentile bootstrap called 22 of these 200 improved."""
-    assert improved_count(0.0, "bootstrap", direction) <= 15
+def test_with_no_real_gain_at_most_5_percent_of_tables_are_improved(test: str, direction: str) -> None:
+    """The issue's bound for both tests. The bootstrap's bound is the two-sided one (kernel.core.paired): the
+    one-sided expanded bound, calibrated to 5%, called 14 of these 200 improved; other table sets:
+    bench/paired_rates.py."""
+    assert improved_count(0.0, test, direction) <= TABLES * 5 // 100
 
 
 @pytest.mark.parametrize("test", ["sign", "bootstrap"])
@@ -158,3 +154,10 @@ def test_student_t_quantiles_match_the_printed_table() -> None:
     ):
         assert round(student_t_quantile(0.95, df), 3) == q95
         assert round(student_t_quantile(0.975, df), 3) == q975
+
+
+def test_the_bootstrap_quantile_is_the_expanded_two_sided_one() -> None:
+    from kernel.core.paired import expanded_tail
+
+    # Phi(-sqrt(9/8) * t_{0.975, 8}) = Phi(-1.0607 * 2.3060) = Phi(-2.4459)
+    assert round(expanded_tail(9, 0.95), 4) == 0.0072

@@ -273,7 +273,8 @@ def test_the_verdict_section_shows_pairs_the_test_the_commitment_and_no_seed() -
     assert [ln for ln in md.splitlines() if ln.startswith("#")] == ["## Submit verdict: improved"]
     boot = render_verdict(msgspec.structs.replace(v, test="bootstrap", p_value=None, lower_bound=0.01))
     assert (
-        "Bootstrap lower bound of the mean improvement at confidence 0.9: 0.01 (needs > 0): passed." in boot
+        "Bootstrap lower bound of the mean improvement (low end of the two-sided 0.9 interval): 0.01 (needs > 0): "
+        "passed." in boot
     )
     self_reported = render_verdict(msgspec.structs.replace(v, trusted=False))
     assert self_reported.startswith("## Submit verdict: improved (self-reported)\n\nSelf-reported:")
