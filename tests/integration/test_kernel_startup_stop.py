@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -39,7 +40,9 @@ def test_sigterm_during_first_enrollment_stops_within_a_step(tmp_path: Path) -> 
 
     kernel.start(wait_ready=False)  # the next start enrolls the rest (each enrollment runs git: allow for it)
     kernel.wait_log("event=ready", 300)
-    assert kernel.log_text().count("event=enrolled") == N
+    enrolled_paths = re.findall(r"event=enrolled ws=\S+ path=(\S+)", kernel.log_text())
+    assert len(enrolled_paths) == N
+    assert len(set(enrolled_paths)) == N, "a workspace was enrolled twice across the SIGTERM"
     assert kernel.stop() == 0
 
 
