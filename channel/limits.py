@@ -43,6 +43,10 @@ TAIL_MAX_BYTES: Final = 4000
 TAIL_MAX_LINES: Final = 40
 RESULT_MAX_CHARS: Final = 2000
 LOG_MAX_BYTES: Final = 16 * 1024 * 1024
+# Kernel-side snapshot limits (the operator's `[snapshot]`): a workspace past one is refused `snapshot.too_large`.
+SNAPSHOT_MAX_FILES: Final = 200_000
+SNAPSHOT_MAX_BYTES: Final = 2 * 1024 * 1024 * 1024
+SNAPSHOT_MAX_DEPTH: Final = 64
 # `tail` (a running task's output so far): lines asked for by default and at most, and the answer's byte cap.
 TAIL_VERB_DEFAULT_LINES: Final = 20
 TAIL_VERB_MAX_LINES: Final = 200

@@ -478,6 +478,11 @@ class Limits(_Strict, frozen=True):
     report_max_chars: int = L.REPORT_MAX_CHARS
     # Kernel-written: the most of each stdout/stderr delivered into results/ (the operator's `log_max_bytes`).
     log_max_bytes: int = L.LOG_MAX_BYTES
+    # Kernel-side: the operator's `[snapshot]` limits; a workspace past one is refused `snapshot.too_large` (no
+    # charge) before any file is read: unignored files, their bytes in all, directory depth.
+    snapshot_max_files: int = L.SNAPSHOT_MAX_FILES
+    snapshot_max_bytes: int = L.SNAPSHOT_MAX_BYTES
+    snapshot_max_depth: int = L.SNAPSHOT_MAX_DEPTH
 
 
 class StoreRef(_Strict, frozen=True):
@@ -565,6 +570,9 @@ class SnapshotRules(_Strict, frozen=True):
     channel: bool = False  # `.syscall/` is never in the tree
     max_file_bytes: int = 0
     max_total_bytes: int = 0
+    # the operator's `[snapshot]` limits besides `max_total_bytes` (0: not published)
+    max_files: int = 0
+    max_depth: int = 0
 
 
 class JobEnvFile(_Strict, frozen=True):

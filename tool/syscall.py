@@ -53,6 +53,9 @@ DEFAULT_LIMITS: dict[str, Any] = {
     "note_max_chars": 2000,
     "report_max_chars": 8000,
     "log_max_bytes": 16 * 1024 * 1024,
+    "snapshot_max_files": 200000,
+    "snapshot_max_bytes": 2 * 1024 * 1024 * 1024,
+    "snapshot_max_depth": 64,
 }
 # Absolute bounds that kernel.json does not publish (channel/limits.py).
 MINUTES_MIN = 1
@@ -2257,6 +2260,12 @@ def _env_lines(doc: dict[str, Any], local: dict[str, Any], show: Callable[[str],
     )
     if snap.get("max_file_bytes"):
         add("              (a file above {} MiB fails the sleep)".format(int(snap["max_file_bytes"]) >> 20))
+    if snap.get("max_files") and snap.get("max_total_bytes") and snap.get("max_depth"):
+        add(
+            "              (more than {} files, more than {} bytes in all, or a path deeper than {} "
+            "directories: the sleep is refused snapshot.too_large, nothing charged; .gitignore what jobs "
+            "do not need)".format(snap["max_files"], snap["max_total_bytes"], snap["max_depth"])
+        )
     return lines
 
 

@@ -164,9 +164,9 @@ class SnapshotLimits(_Strict, frozen=True, kw_only=True):
     """`[snapshot]`: a workspace past any of these is refused (`snapshot.too_large`, no charge) before a single
     file is read: unignored files, their bytes in all, and directory depth (a path of N components is depth N)."""
 
-    max_files: Annotated[int, Meta(ge=1, le=100_000_000)] = 200_000
-    max_bytes: Annotated[int, Meta(ge=1)] = 2 * 1024 * 1024 * 1024
-    max_depth: Annotated[int, Meta(ge=1, le=4096)] = 64
+    max_files: Annotated[int, Meta(ge=1, le=100_000_000)] = L.SNAPSHOT_MAX_FILES
+    max_bytes: Annotated[int, Meta(ge=1)] = L.SNAPSHOT_MAX_BYTES
+    max_depth: Annotated[int, Meta(ge=1, le=4096)] = L.SNAPSHOT_MAX_DEPTH
 
 
 class Config(_Strict, frozen=True, kw_only=True):

@@ -190,15 +190,29 @@ def check_owner(store: Store, ch: safefs.Channel, path: str) -> StoreRef:
     return StoreRef(store=mine, state_dir=str(store.path.parent))
 
 
+def published_limits(cfg: Config | None) -> Limits:
+    """The protocol's limits with the operator's: `log_max_bytes` and the `[snapshot]` limits (the defaults
+    without a config)."""
+    if cfg is None:
+        return Limits()
+    return Limits(
+        log_max_bytes=cfg.log_max_bytes,
+        snapshot_max_files=cfg.snapshot.max_files,
+        snapshot_max_bytes=cfg.snapshot.max_bytes,
+        snapshot_max_depth=cfg.snapshot.max_depth,
+    )
+
+
 def kernel_json(
     row: WorkspaceRow,
     tool: ToolSource,
     owner: StoreRef | None = None,
     *,
     jail: str,
-    log_max_bytes: int = L.LOG_MAX_BYTES,
+    limits: Limits | None = None,
 ) -> bytes:
-    """`kernel.json`; `jail` (the config's) decides, with the contract, whether its verdicts are trusted."""
+    """`kernel.json`; `jail` (the config's) decides, with the contract, whether its verdicts are trusted;
+    `limits` as `published_limits` makes them from the config."""
     from channel.messages import VERBS
 
     return encode(
@@ -206,7 +220,7 @@ def kernel_json(
             protocol=L.PROTOCOL_VERSION,
             kernel=kernel_ref(),
             workspace=row.path,
-            limits=Limits(log_max_bytes=log_max_bytes),
+            limits=Limits() if limits is None else limits,
             policy=row.policy,
             verbs=VERBS,
             tool_sha256=tool.sha256,
@@ -340,7 +354,7 @@ def enroll(
         ch.write_file(
             None,
             ChannelPaths.KERNEL_JSON,
-            kernel_json(row, tool, owner, jail=cfg.jail, log_max_bytes=cfg.log_max_bytes),
+            kernel_json(row, tool, owner, jail=cfg.jail, limits=published_limits(cfg)),
         )
         ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
         jobenv.write(ch, jobenv.for_workspace(cfg, key, row.policy, now))
@@ -462,9 +476,7 @@ def refresh(
         with store.transaction():
             store.put_workspace(replace(row, tool_sha256=tool.sha256))
     note = install(ch, tool)
-    wanted = kernel_json(
-        row, tool, owner, jail=jail, log_max_bytes=cfg.log_max_bytes if cfg is not None else L.LOG_MAX_BYTES
-    )
+    wanted = kernel_json(row, tool, owner, jail=jail, limits=published_limits(cfg))
     try:
         current: bytes | None = safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024)
     except safefs.Refused:

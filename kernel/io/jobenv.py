@@ -32,7 +32,7 @@ from channel.messages import (
 from channel.paths import ChannelPaths
 from kernel.core.config import Config
 from kernel.io.envcache import ENVS_DIR, WORKSPACES_DIR, EnvReady
-from kernel.io.snapshot import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_TOTAL_BYTES
+from kernel.io.snapshot import DEFAULT_MAX_FILE_BYTES
 
 SYSTEM_PYTHON: Final = "/usr/bin/python3"
 
@@ -95,7 +95,10 @@ def document(
         path_dirs=cfg.environment.extra_dirs,
         variables=tuple(JobVariable(name=n, meaning=m) for n, m in JOB_VARIABLES),
         snapshot=SnapshotRules(
-            max_file_bytes=DEFAULT_MAX_FILE_BYTES, max_total_bytes=DEFAULT_MAX_TOTAL_BYTES
+            max_file_bytes=DEFAULT_MAX_FILE_BYTES,
+            max_total_bytes=cfg.snapshot.max_bytes,
+            max_files=cfg.snapshot.max_files,
+            max_depth=cfg.snapshot.max_depth,
         ),
         updated_at=now,
     )
