@@ -398,7 +398,6 @@ def cmd_rebase(args: argparse.Namespace) -> int:
         if ws is None:
             print(f"syscall-kernel rebase: {args.workspace} is not enrolled", file=sys.stderr)
             return 1
-        S.ensure_schema(store)
         repo = KernelRepo.at(cfg.run_dir, ws.key)
         try:
             # Taken through the verified path and held in the kernel's repository before it is recorded.

@@ -81,3 +81,18 @@ class JobRow:
     # When the kernel recorded this task's last change of state or placement, by its own clock (ended_at is the
     # backend's); rules.cancelled_by compares it with a cancel's received_at.
     updated_at: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ExecSleepRow:
+    """What execution recorded for one sleep: its snapshot (ref, commit, kernel tree), the wake it gathered (the
+    exact bytes, kept until they are on disk) and whether the snapshot was released after the wake."""
+
+    workspace: str
+    seq: int
+    ref: str
+    commit: str
+    tree: str
+    wake_json: bytes | None
+    wake_md: bytes | None
+    released: bool

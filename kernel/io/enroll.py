@@ -276,7 +276,6 @@ def enroll(
     resolved = check_workspace(path) if checked is None else checked
     key = workspace_key(resolved)
     existing = store.workspace(key)
-    S.ensure_schema(store)
     chosen = contract or S.contract_of(store, key) or cfg.defaults.submit
     admin = store.admin(key)
     own = {**admin.overrides, **(overrides or {})}

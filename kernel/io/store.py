@@ -30,7 +30,7 @@ import msgspec
 from channel.messages import Policy
 from channel.safefs import Identity
 from kernel.core.budget import Balance
-from kernel.core.records import JobRow, RequestRow, SleepRow, WorkspaceRow
+from kernel.core.records import ExecSleepRow, JobRow, RequestRow, SleepRow, WorkspaceRow
 from kernel.io import log
 
 SCHEMA_VERSION: Final = 1
@@ -109,7 +109,9 @@ CREATE TABLE jobs (
 CREATE INDEX jobs_live ON jobs(state) WHERE state IN ('PENDING', 'RUNNING');
 """
 
-# Added after SCHEMA_VERSION 1 shipped, so made if missing at every read-write open (additive only).
+# Added after SCHEMA_VERSION 1 shipped, so made if missing at every read-write open (additive only). Every table
+# the kernel keeps is made here, the executor's (exec_sleeps) and submit's (eval_*) included: no other module
+# creates or alters one.
 _ADMIN_SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS store_meta (
     name            TEXT PRIMARY KEY,
@@ -145,7 +147,88 @@ CREATE TABLE IF NOT EXISTS budget_changes (
     before          BLOB NOT NULL,
     after           BLOB NOT NULL
 ) STRICT;
+
+CREATE TABLE IF NOT EXISTS exec_sleeps (
+    workspace   TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    ref         TEXT NOT NULL,
+    commit_id   TEXT NOT NULL,
+    tree        TEXT NOT NULL,
+    wake_json   BLOB,
+    wake_md     BLOB,
+    released    INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (workspace, seq)
+) STRICT;
+
+CREATE TABLE IF NOT EXISTS eval_workspaces (
+    workspace   TEXT PRIMARY KEY,
+    base_commit TEXT,
+    base_tree   TEXT,
+    base_set_at TEXT,
+    seed        INTEGER,
+    contract    BLOB
+) STRICT;
+
+CREATE TABLE IF NOT EXISTS eval_plans (
+    workspace       TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    decision        TEXT NOT NULL,
+    contract        BLOB NOT NULL,
+    seed            INTEGER,
+    base_commit     TEXT,
+    base_tree       TEXT,
+    candidate_commit TEXT NOT NULL,
+    candidate_tree  TEXT NOT NULL,
+    baseline_key    TEXT,
+    reused_value    TEXT,
+    PRIMARY KEY (workspace, seq)
+) STRICT;
+
+CREATE TABLE IF NOT EXISTS eval_verdicts (
+    workspace   TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    sleep_id    TEXT NOT NULL,
+    outcome     TEXT NOT NULL,
+    verdict     BLOB NOT NULL,
+    report      TEXT NOT NULL,
+    created_at  TEXT NOT NULL,
+    hook_status TEXT NOT NULL,
+    PRIMARY KEY (workspace, seq)
+) STRICT;
+
+CREATE TABLE IF NOT EXISTS eval_measurements (
+    key         TEXT PRIMARY KEY,
+    seeds       TEXT NOT NULL,
+    vals        TEXT NOT NULL,
+    workspace   TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    measured_at TEXT NOT NULL
+) STRICT;
 """
+# Columns added to a table of _ADMIN_SCHEMA after it first shipped: added to an older database at open.
+_ADDED_COLUMNS: Final = (("eval_plans", "seeds", "TEXT"), ("eval_plans", "protected_changed", "TEXT"))
+
+_PLAN_COLS: Final = (
+    "workspace, seq, decision, contract, seed, base_commit, base_tree, candidate_commit, candidate_tree, "
+    "baseline_key, reused_value, seeds, protected_changed"
+)
+# One eval_plans row, in _PLAN_COLS order: reused_value, seeds and protected_changed are JSON lists (the last two
+# NULL in a row recorded before they were added).
+EvalPlanValues = tuple[
+    str,
+    int,
+    str,
+    bytes,
+    int | None,
+    str | None,
+    str | None,
+    str,
+    str,
+    str | None,
+    str | None,
+    str | None,
+    str | None,
+]
 
 T = TypeVar("T")
 
@@ -245,6 +328,9 @@ class Store:
             for stmt in _ADMIN_SCHEMA.split(";"):
                 if stmt.strip():
                     c.execute(stmt)
+            for table, column, kind in _ADDED_COLUMNS:
+                if column not in {r[1] for r in c.execute(f"PRAGMA table_info({table})")}:
+                    c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
             if c.execute("SELECT 1 FROM store_meta WHERE name = 'store_id'").fetchone() is None:
                 c.execute("INSERT INTO store_meta (name, value) VALUES ('store_id', ?)", (uuid.uuid4().hex,))
 
@@ -571,6 +657,9 @@ class Store:
             return {}
         return {int(seq): str(commit) for seq, commit in rows if commit}
 
+    def set_sleep_verdict(self, workspace: str, seq: int, verdict: bytes) -> None:
+        self._one("UPDATE sleeps SET verdict=? WHERE workspace=? AND seq=?", (verdict, workspace, seq))
+
     def live_sleeps(self) -> list[SleepRow]:
         rows = self._all(
             f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE state NOT IN ('woken', 'rejected') "
@@ -582,6 +671,155 @@ class Store:
         self._conn.execute(
             "UPDATE sleeps SET state=?, woken_at=coalesce(?, woken_at) WHERE workspace=? AND seq=?",
             (state, woken_at, workspace, seq),
+        )
+
+    # --- execution (exec_sleeps) ------------------------------------------------------------------------
+
+    def exec_sleep(self, workspace: str, seq: int) -> ExecSleepRow | None:
+        row = self._one(
+            "SELECT ref, commit_id, tree, wake_json, wake_md, released FROM exec_sleeps WHERE workspace=? AND seq=?",
+            (workspace, seq),
+        )
+        return (
+            None
+            if row is None
+            else ExecSleepRow(workspace, seq, row[0], row[1], row[2], row[3], row[4], bool(row[5]))
+        )
+
+    def record_snapshot(self, workspace: str, seq: int, ref: str, commit: str, tree: str) -> None:
+        self._one(
+            "INSERT OR REPLACE INTO exec_sleeps (workspace, seq, ref, commit_id, tree) VALUES (?,?,?,?,?)",
+            (workspace, seq, ref, commit, tree),
+        )
+
+    def record_wake(self, workspace: str, seq: int, ref: str, wake_json: bytes, wake_md: bytes) -> None:
+        """Keep a gathered wake's exact bytes until they are written (the snapshot, if recorded, is kept)."""
+        self._one(
+            "INSERT INTO exec_sleeps (workspace, seq, ref, commit_id, tree, wake_json, wake_md) "
+            "VALUES (?,?,?,'','',?,?) ON CONFLICT(workspace, seq) DO UPDATE SET "
+            "wake_json=excluded.wake_json, wake_md=excluded.wake_md",
+            (workspace, seq, ref, wake_json, wake_md),
+        )
+
+    def unreleased_snapshots(self) -> list[tuple[str, int]]:
+        """(workspace, seq) of finished sleeps (woken or rejected) whose snapshot is not released yet."""
+        rows = self._all(
+            "SELECT e.workspace, e.seq FROM exec_sleeps e JOIN sleeps s ON s.workspace = e.workspace "
+            "AND s.seq = e.seq WHERE e.released = 0 AND s.state IN ('woken', 'rejected')"
+        )
+        return [(str(r[0]), int(r[1])) for r in rows]
+
+    def mark_released(self, workspace: str, seq: int) -> None:
+        self._one("UPDATE exec_sleeps SET released = 1 WHERE workspace=? AND seq=?", (workspace, seq))
+
+    def drop_wake_bytes(self, workspace: str, seq: int) -> None:
+        """Forget a woken sleep's stored wake bytes (they served only to (re)write the wake, now on disk)."""
+        self._one(
+            "UPDATE exec_sleeps SET wake_json=NULL, wake_md=NULL WHERE workspace=? AND seq=? AND EXISTS "
+            "(SELECT 1 FROM sleeps WHERE workspace=? AND seq=? AND state='woken')",
+            (workspace, seq, workspace, seq),
+        )
+
+    def data_version(self) -> int:
+        """Changes when another connection (an `enroll` process) commits to the store."""
+        return int(self._one("PRAGMA data_version")[0])
+
+    # --- submit (eval_*; kernel.io.submit encodes and decodes) ----------------------------------------------
+
+    def eval_base(self, workspace: str) -> tuple[str | None, str | None] | None:
+        """(base_commit, base_tree) as recorded; None when the workspace has no eval_workspaces row."""
+        row = self._one("SELECT base_commit, base_tree FROM eval_workspaces WHERE workspace=?", (workspace,))
+        return None if row is None else (row[0], row[1])
+
+    def set_pending_eval_base(self, workspace: str, commit: str, at: str) -> None:
+        """Record `commit` as the base not held yet, only when no base is recorded."""
+        self._one(
+            "INSERT INTO eval_workspaces (workspace, base_commit, base_set_at) VALUES (?,?,?) "
+            "ON CONFLICT(workspace) DO UPDATE SET base_commit=excluded.base_commit, base_tree=NULL, "
+            "base_set_at=excluded.base_set_at WHERE eval_workspaces.base_commit IS NULL",
+            (workspace, commit, at),
+        )
+
+    def set_eval_base(self, workspace: str, commit: str, tree: str, at: str) -> None:
+        self._one(
+            "INSERT INTO eval_workspaces (workspace, base_commit, base_tree, base_set_at) VALUES (?,?,?,?) "
+            "ON CONFLICT(workspace) DO UPDATE SET base_commit=excluded.base_commit, base_tree=excluded.base_tree, "
+            "base_set_at=excluded.base_set_at",
+            (workspace, commit, tree, at),
+        )
+
+    def eval_contract(self, workspace: str) -> bytes | None:
+        row = self._one("SELECT contract FROM eval_workspaces WHERE workspace=?", (workspace,))
+        return None if row is None or row[0] is None else bytes(row[0])
+
+    def set_eval_contract(self, workspace: str, contract: bytes) -> None:
+        self._one(
+            "INSERT INTO eval_workspaces (workspace, contract) VALUES (?,?) "
+            "ON CONFLICT(workspace) DO UPDATE SET contract=excluded.contract",
+            (workspace, contract),
+        )
+
+    def eval_plan(self, workspace: str, seq: int) -> EvalPlanValues | None:
+        row = self._one(
+            f"SELECT {_PLAN_COLS} FROM eval_plans WHERE workspace=? AND seq=?",
+            (workspace, seq),
+        )
+        return None if row is None else tuple(row)
+
+    def put_eval_plan(self, values: EvalPlanValues) -> None:
+        self._one(f"INSERT INTO eval_plans ({_PLAN_COLS}) VALUES ({','.join('?' * len(values))})", values)
+
+    def eval_measurement(self, key: str) -> tuple[str, str] | None:
+        """(seeds, values) of a stored base measurement, both JSON lists."""
+        row = self._one("SELECT seeds, vals FROM eval_measurements WHERE key=?", (key,))
+        return None if row is None else (str(row[0]), str(row[1]))
+
+    def put_eval_measurement(
+        self, key: str, seeds: str, vals: str, workspace: str, seq: int, at: str
+    ) -> None:
+        """Keep the first measurement of `key` (a later one with the same key is ignored)."""
+        self._one(
+            "INSERT OR IGNORE INTO eval_measurements (key, seeds, vals, workspace, seq, measured_at) "
+            "VALUES (?,?,?,?,?,?)",
+            (key, seeds, vals, workspace, seq, at),
+        )
+
+    def put_eval_verdict(
+        self,
+        workspace: str,
+        seq: int,
+        sleep_id: str,
+        outcome: str,
+        verdict: bytes,
+        report: str,
+        at: str,
+        hook: str,
+    ) -> None:
+        self._one(
+            "INSERT OR REPLACE INTO eval_verdicts (workspace, seq, sleep_id, outcome, verdict, report, created_at, "
+            "hook_status) VALUES (?,?,?,?,?,?,?,?)",
+            (workspace, seq, sleep_id, outcome, verdict, report, at, hook),
+        )
+
+    def eval_verdicts(
+        self, *, workspace: str | None = None, hook_pending: bool = False
+    ) -> list[tuple[str, int, str, bytes, str, str]]:
+        """(workspace, seq, sleep_id, verdict, report, hook_status) in the order they were recorded."""
+        sql = "SELECT workspace, seq, sleep_id, verdict, report, hook_status FROM eval_verdicts"
+        where: list[str] = []
+        args: list[str] = []
+        if workspace is not None:
+            where.append("workspace=?")
+            args.append(workspace)
+        if hook_pending:
+            where.append("hook_status='pending'")
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in self._all(sql + " ORDER BY created_at", args)]
+
+    def set_eval_hook_status(self, workspace: str, seq: int, status: str) -> None:
+        self._one(
+            "UPDATE eval_verdicts SET hook_status=? WHERE workspace=? AND seq=?", (status, workspace, seq)
         )
 
     # --- jobs ---------------------------------------------------------------------------------------------

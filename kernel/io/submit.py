@@ -1,6 +1,6 @@
 """Submit's durable state: each workspace's base commit and seed, the per-sleep plan, verdicts and baselines.
 
-Tables (created on demand next to the core schema, like the executor's):
+Tables (made by the store's migrations, kernel.io.store; read and written here only through its `eval_*` methods):
 - `eval_workspaces`: the recorded base commit and tree (HEAD at enrollment; moved only by the operator with
   `syscall-kernel rebase`), and the workspace's own eval contract when the operator gave one at enrollment
   (else `[defaults.submit]` applies). (Its `seed` column is no longer used: seeds are drawn per submit.)
@@ -41,64 +41,8 @@ from kernel.node.wrapper import is_protected
 Decision = Literal["run", "reuse", "unchanged", "no_base"]
 SEED_BOUND: Final = 2**31
 
-_SCHEMA: Final = (
-    """CREATE TABLE IF NOT EXISTS eval_workspaces (
-    workspace   TEXT PRIMARY KEY,
-    base_commit TEXT,
-    base_tree   TEXT,
-    base_set_at TEXT,
-    seed        INTEGER,
-    contract    BLOB
-) STRICT""",
-    """CREATE TABLE IF NOT EXISTS eval_plans (
-    workspace       TEXT NOT NULL,
-    seq             INTEGER NOT NULL,
-    decision        TEXT NOT NULL,
-    contract        BLOB NOT NULL,
-    seed            INTEGER,
-    base_commit     TEXT,
-    base_tree       TEXT,
-    candidate_commit TEXT NOT NULL,
-    candidate_tree  TEXT NOT NULL,
-    baseline_key    TEXT,
-    reused_value    TEXT,
-    PRIMARY KEY (workspace, seq)
-) STRICT""",
-    """CREATE TABLE IF NOT EXISTS eval_verdicts (
-    workspace   TEXT NOT NULL,
-    seq         INTEGER NOT NULL,
-    sleep_id    TEXT NOT NULL,
-    outcome     TEXT NOT NULL,
-    verdict     BLOB NOT NULL,
-    report      TEXT NOT NULL,
-    created_at  TEXT NOT NULL,
-    hook_status TEXT NOT NULL,
-    PRIMARY KEY (workspace, seq)
-) STRICT""",
-    """CREATE TABLE IF NOT EXISTS eval_measurements (
-    key         TEXT PRIMARY KEY,
-    seeds       TEXT NOT NULL,
-    vals        TEXT NOT NULL,
-    workspace   TEXT NOT NULL,
-    seq         INTEGER NOT NULL,
-    measured_at TEXT NOT NULL
-) STRICT""",
-)
-# Columns added to eval_plans after its first release (added to an older database by ensure_schema).
-_PLAN_COLUMNS: Final = (("seeds", "TEXT"), ("protected_changed", "TEXT"))
-
 _contract_decoder: Final = msgspec.json.Decoder(EvalContract)
 _verdict_decoder: Final = msgspec.json.Decoder(Verdict)
-
-
-def ensure_schema(store: Store) -> None:
-    with store.transaction():
-        for stmt in _SCHEMA:
-            store._one(stmt)
-        have = {r[1] for r in store._all("PRAGMA table_info(eval_plans)", ())}
-        for name, kind in _PLAN_COLUMNS:
-            if name not in have:
-                store._one(f"ALTER TABLE eval_plans ADD COLUMN {name} {kind}")
 
 
 def draw_seeds(n: int) -> tuple[int, ...]:
@@ -130,24 +74,19 @@ def changed_paths(
 
 def base_of(store: Store, workspace: str) -> tuple[str, str] | None:
     """(commit, kernel tree) of the recorded base; None when there is none or it is not held yet."""
-    row = store._one("SELECT base_commit, base_tree FROM eval_workspaces WHERE workspace=?", (workspace,))
+    row = store.eval_base(workspace)
     return None if row is None or row[0] is None or row[1] is None else (row[0], row[1])
 
 
 def pending_base(store: Store, workspace: str) -> str | None:
     """A base commit recorded but not held yet (its import from the agent's `.git` was refused so far)."""
-    row = store._one("SELECT base_commit, base_tree FROM eval_workspaces WHERE workspace=?", (workspace,))
-    return None if row is None or row[0] is None or row[1] is not None else str(row[0])
+    row = store.eval_base(workspace)
+    return None if row is None or row[0] is None or row[1] is not None else row[0]
 
 
 def set_pending_base(store: Store, workspace: str, commit: str) -> None:
     """Record HEAD as the base before it could be held (in the caller's transaction; only when none is)."""
-    store._one(
-        "INSERT INTO eval_workspaces (workspace, base_commit, base_set_at) VALUES (?,?,?) "
-        "ON CONFLICT(workspace) DO UPDATE SET base_commit=excluded.base_commit, base_tree=NULL, "
-        "base_set_at=excluded.base_set_at WHERE eval_workspaces.base_commit IS NULL",
-        (workspace, commit, timestamp()),
-    )
+    store.set_pending_eval_base(workspace, commit, timestamp())
 
 
 def base_to_hold(store: Store, workspace: str) -> tuple[tuple[str, str] | None, str | None]:
@@ -187,12 +126,7 @@ def head_of(path: str) -> str | None:
 
 def set_base(store: Store, workspace: str, commit: str, tree: str) -> None:
     """Record the base (in the caller's transaction)."""
-    store._one(
-        "INSERT INTO eval_workspaces (workspace, base_commit, base_tree, base_set_at) VALUES (?,?,?,?) "
-        "ON CONFLICT(workspace) DO UPDATE SET base_commit=excluded.base_commit, base_tree=excluded.base_tree, "
-        "base_set_at=excluded.base_set_at",
-        (workspace, commit, tree, timestamp()),
-    )
+    store.set_eval_base(workspace, commit, tree, timestamp())
 
 
 def rebase(store: Store, workspace: str, commit: str, tree: str) -> None:
@@ -203,16 +137,12 @@ def rebase(store: Store, workspace: str, commit: str, tree: str) -> None:
 
 def contract_of(store: Store, workspace: str) -> EvalContract | None:
     """The contract the operator gave this workspace at enrollment (None: the config's default applies)."""
-    row = store._one("SELECT contract FROM eval_workspaces WHERE workspace=?", (workspace,))
-    return None if row is None or row[0] is None else _contract_decoder.decode(row[0])
+    blob = store.eval_contract(workspace)
+    return None if blob is None else _contract_decoder.decode(blob)
 
 
 def set_contract(store: Store, workspace: str, contract: EvalContract) -> None:
-    store._one(
-        "INSERT INTO eval_workspaces (workspace, contract) VALUES (?,?) "
-        "ON CONFLICT(workspace) DO UPDATE SET contract=excluded.contract",
-        (workspace, msgspec.json.encode(contract)),
-    )
+    store.set_eval_contract(workspace, msgspec.json.encode(contract))
 
 
 def effective_policy(store: Store, workspace: str, defaults: Policy) -> Policy:
@@ -242,35 +172,29 @@ class Plan:
 
 
 def plan_of(store: Store, workspace: str, seq: int) -> Plan | None:
-    row = store._one(
-        "SELECT decision, contract, seed, base_commit, base_tree, candidate_commit, candidate_tree, "
-        "baseline_key, reused_value, seeds, protected_changed FROM eval_plans WHERE workspace=? AND seq=?",
-        (workspace, seq),
-    )
+    row = store.eval_plan(workspace, seq)
     if row is None:
         return None
+    decision: Decision = row[2]  # type: ignore[assignment]  # only put_plan writes it, from a Decision
     return Plan(
         workspace,
         seq,
-        row[0],
-        _contract_decoder.decode(row[1]),
-        row[2],
-        row[3],
+        decision,
+        _contract_decoder.decode(row[3]),
         row[4],
         row[5],
         row[6],
         row[7],
-        None if row[8] is None else tuple(Decimal(v) for v in json.loads(row[8])),
-        tuple(json.loads(row[9])) if row[9] else (),
-        tuple(json.loads(row[10])) if row[10] else (),
+        row[8],
+        row[9],
+        None if row[10] is None else tuple(Decimal(v) for v in json.loads(row[10])),
+        tuple(json.loads(row[11])) if row[11] else (),
+        tuple(json.loads(row[12])) if row[12] else (),
     )
 
 
 def put_plan(store: Store, p: Plan) -> None:
-    store._one(
-        "INSERT INTO eval_plans (workspace, seq, decision, contract, seed, base_commit, base_tree, "
-        "candidate_commit, candidate_tree, baseline_key, reused_value, seeds, protected_changed) "
-        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+    store.put_eval_plan(
         (
             p.workspace,
             p.seq,
@@ -294,7 +218,7 @@ def put_plan(store: Store, p: Plan) -> None:
 
 def measurement(store: Store, key: str) -> tuple[tuple[int, ...], tuple[Decimal, ...]] | None:
     """A stored base measurement: (seeds, one value per seed)."""
-    row = store._one("SELECT seeds, vals FROM eval_measurements WHERE key=?", (key,))
+    row = store.eval_measurement(key)
     if row is None:
         return None
     return tuple(json.loads(row[0])), tuple(Decimal(v) for v in json.loads(row[1]))
@@ -303,29 +227,23 @@ def measurement(store: Store, key: str) -> tuple[tuple[int, ...], tuple[Decimal,
 def put_measurement(
     store: Store, key: str, seeds: tuple[int, ...], values: tuple[Decimal, ...], workspace: str, seq: int
 ) -> None:
-    store._one(
-        "INSERT OR IGNORE INTO eval_measurements (key, seeds, vals, workspace, seq, measured_at) "
-        "VALUES (?,?,?,?,?,?)",
-        (key, json.dumps(list(seeds)), json.dumps([str(v) for v in values]), workspace, seq, timestamp()),
+    store.put_eval_measurement(
+        key, json.dumps(list(seeds)), json.dumps([str(v) for v in values]), workspace, seq, timestamp()
     )
 
 
 def put_verdict(
     store: Store, workspace: str, seq: int, sleep_id: str, verdict: Verdict, report: str, hook: bool
 ) -> None:
-    store._one(
-        "INSERT OR REPLACE INTO eval_verdicts (workspace, seq, sleep_id, outcome, verdict, report, created_at, "
-        "hook_status) VALUES (?,?,?,?,?,?,?,?)",
-        (
-            workspace,
-            seq,
-            sleep_id,
-            verdict.outcome,
-            encode(verdict),
-            report,
-            timestamp(),
-            "pending" if hook else "none",
-        ),
+    store.put_eval_verdict(
+        workspace,
+        seq,
+        sleep_id,
+        verdict.outcome,
+        encode(verdict),
+        report,
+        timestamp(),
+        "pending" if hook else "none",
     )
 
 
@@ -342,16 +260,7 @@ class StoredVerdict:
 def verdicts(
     store: Store, *, workspace: str | None = None, hook_pending: bool = False
 ) -> list[StoredVerdict]:
-    sql = "SELECT workspace, seq, sleep_id, verdict, report, hook_status FROM eval_verdicts"
-    where, args = [], []
-    if workspace is not None:
-        where.append("workspace=?")
-        args.append(workspace)
-    if hook_pending:
-        where.append("hook_status='pending'")
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    rows = store._all(sql + " ORDER BY created_at", args)
+    rows = store.eval_verdicts(workspace=workspace, hook_pending=hook_pending)
     return [StoredVerdict(r[0], r[1], r[2], stored_verdict(r[3]), r[4], r[5]) for r in rows]
 
 
@@ -370,7 +279,4 @@ def stored_verdict(blob: bytes) -> Verdict:
 
 def set_hook_status(store: Store, workspace: str, seq: int, status: str) -> None:
     with store.transaction():
-        store._one(
-            "UPDATE eval_verdicts SET hook_status=? WHERE workspace=? AND seq=?",
-            (status[:500], workspace, seq),
-        )
+        store.set_eval_hook_status(workspace, seq, status[:500])

@@ -90,20 +90,6 @@ RETENTION_LOOK_S: Final = 600.0  # how often retention looks for evidence to pru
 TICK_S: Final = 1.0
 _wake_decoder: Final = msgspec.json.Decoder(Wake)
 
-_EXEC_SCHEMA: Final = """
-CREATE TABLE IF NOT EXISTS exec_sleeps (
-    workspace   TEXT NOT NULL,
-    seq         INTEGER NOT NULL,
-    ref         TEXT NOT NULL,
-    commit_id   TEXT NOT NULL,
-    tree        TEXT NOT NULL,
-    wake_json   BLOB,
-    wake_md     BLOB,
-    released    INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (workspace, seq)
-) STRICT
-"""
-
 
 def _write_launches(specs: list[JobSpec]) -> None:
     for spec in specs:
@@ -159,16 +145,6 @@ class RealExecutor:
     def _setup(self) -> None:
         self.tmp_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         Path(self.cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-        with self.store.transaction():
-            self.store._one(_EXEC_SCHEMA)
-
-    def _exec_row(self, key: str, seq: int) -> tuple[str, str, str, bytes | None, bytes | None, int] | None:
-        row = self.store._one(
-            "SELECT ref, commit_id, tree, wake_json, wake_md, released FROM exec_sleeps "
-            "WHERE workspace=? AND seq=?",
-            (key, seq),
-        )
-        return None if row is None else (row[0], row[1], row[2], row[3], row[4], row[5])
 
     def _record_snapshot(self, key: str, seq: int, snap: Snapshot) -> None:
         with self.store.transaction():
@@ -176,10 +152,7 @@ class RealExecutor:
             assert sleep is not None
             if sleep.state != "validated":
                 return
-            self.store._one(
-                "INSERT OR REPLACE INTO exec_sleeps (workspace, seq, ref, commit_id, tree) VALUES (?,?,?,?,?)",
-                (key, seq, snap.ref, snap.commit, snap.tree),
-            )
+            self.store.record_snapshot(key, seq, snap.ref, snap.commit, snap.tree)
             self.store.set_sleep_state(key, seq, next_sleep_state(sleep.state, SleepEvent.SNAPSHOT))
 
     def _record_submitted(
@@ -392,23 +365,23 @@ class RealExecutor:
             sleep = await self._call(self.store.sleep, key, seq)
             assert sleep is not None
         if sleep.state == "snapshotted":
-            row = await self._call(self._exec_row, key, seq)
+            row = await self._call(self.store.exec_sleep, key, seq)
             assert row is not None, (key, seq)
-            if not await self.heavy.run(key, self.repo_of(key).has_tree, row[2]):
+            if not await self.heavy.run(key, self.repo_of(key).has_tree, row.tree):
                 # Only an older kernel (snapshots in the agent's .git) stopped between snapshot and submit leaves
                 # this: its jobs could only read the workspace's repository, which this kernel never does.
                 raise DispatchRefused(
                     RequestError(
                         "snapshot.failed",
-                        f"the snapshot recorded for this sleep ({row[2][:12]}) is not in the kernel's repository "
+                        f"the snapshot recorded for this sleep ({row.tree[:12]}) is not in the kernel's repository "
                         "(an older kernel kept it in the workspace's .git, which is no longer read); sleep again",
                         None,
                     )
                 )
-            await self._call(self.prepare, order, row[1], row[2])
+            await self._call(self.prepare, order, row.commit, row.tree)
             jobs = await self._call(self.store.jobs_of, key, seq)
-            specs = self.specs_of(order, row[1], row[2], [j for j in jobs if j.state == "PENDING"])
-            specs = await self._with_environments(order, row[2], specs)
+            specs = self.specs_of(order, row.commit, row.tree, [j for j in jobs if j.state == "PENDING"])
+            specs = await self._with_environments(order, row.tree, specs)
             account = await self._call(self.store.slurm_account, key)
             if account is not None:
                 specs = {n: msgspec.structs.replace(s, account=account) for n, s in specs.items()}
@@ -670,7 +643,7 @@ class RealExecutor:
                 refunded += cost - used
                 tasks.append(gather.task_result(cur, tdir, elapsed, files, self.backend.hint_of))
             shown, verdict = (tuple(tasks), None) if self.judge is None else self.judge(sleep, tuple(tasks))
-            exec_row = self._exec_row(key, seq)
+            exec_row = self.store.exec_sleep(key, seq)
             wake = gather.build_wake(
                 sleep_id=sleep.id,
                 seq=seq,
@@ -681,20 +654,13 @@ class RealExecutor:
                 tasks=shown,
                 refunded_gpu_s=refunded,
                 verdict=verdict,
-                snapshot=exec_row[1] if exec_row is not None else None,
+                snapshot=exec_row.commit if exec_row is not None else None,
                 launches=gather.launch_summaries(list(fresh.values()), shown, ws.policy.max_concurrent_gpus),
             )
             if verdict is not None:
-                self.store._one(
-                    "UPDATE sleeps SET verdict=? WHERE workspace=? AND seq=?", (encode(verdict), key, seq)
-                )
+                self.store.set_sleep_verdict(key, seq, encode(verdict))
             self.store.set_balance(key, balance)
-            self.store._one(
-                "INSERT INTO exec_sleeps (workspace, seq, ref, commit_id, tree, wake_json, wake_md) "
-                "VALUES (?,?,?,?,?,?,?) ON CONFLICT(workspace, seq) DO UPDATE SET "
-                "wake_json=excluded.wake_json, wake_md=excluded.wake_md",
-                (key, seq, snapshot_ref(seq), "", "", encode(wake), render_wake(wake).encode()),
-            )
+            self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
             self.store.set_sleep_state(key, seq, next_sleep_state(sleep.state, SleepEvent.GATHER))
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks))
         return True
@@ -702,11 +668,11 @@ class RealExecutor:
     def _wake_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, str, bytes, bytes, str] | None:
         """(store worker) The recorded wake of a gathered sleep: (workspace, sleep id, json, md, woken_at)."""
         sleep = self.store.sleep(key, seq)
-        row = self._exec_row(key, seq)
+        row = self.store.exec_sleep(key, seq)
         ws = self.store.workspace(key)
         if sleep is None or ws is None or row is None or sleep.state != "gathered":
             return None
-        wake_json, wake_md = row[3], row[4]
+        wake_json, wake_md = row.wake_json, row.wake_md
         assert wake_json is not None
         assert wake_md is not None
         return ws, sleep.id, wake_json, wake_md, _wake_decoder.decode(wake_json).woken_at
@@ -767,15 +733,11 @@ class RealExecutor:
             klog.event(name, logging.WARNING, ws=key, seq=seq, problem=problem)
 
     def _unreleased(self) -> list[tuple[str, int]]:
-        rows = self.store._all(
-            "SELECT e.workspace, e.seq FROM exec_sleeps e JOIN sleeps s ON s.workspace = e.workspace "
-            "AND s.seq = e.seq WHERE e.released = 0 AND s.state IN ('woken', 'rejected')"
-        )
-        return [(r[0], r[1]) for r in rows]
+        return self.store.unreleased_snapshots()
 
     def _mark_released(self, key: str, seq: int) -> None:
         with self.store.transaction():
-            self.store._one("UPDATE exec_sleeps SET released = 1 WHERE workspace=? AND seq=?", (key, seq))
+            self.store.mark_released(key, seq)
 
     async def _release(self, key: str, seq: int) -> None:
         ws = await self._call(self.store.workspace, key)
@@ -890,11 +852,7 @@ class RealExecutor:
         with self.store.transaction():
             self.store.record_pruned(key, seq, timestamp(), run_bytes, result_bytes)
             # The stored wake bytes served only to (re)write the wake; a woken sleep's are on disk.
-            self.store._one(
-                "UPDATE exec_sleeps SET wake_json=NULL, wake_md=NULL WHERE workspace=? AND seq=? AND EXISTS "
-                "(SELECT 1 FROM sleeps WHERE workspace=? AND seq=? AND state='woken')",
-                (key, seq, key, seq),
-            )
+            self.store.drop_wake_bytes(key, seq)
 
     def _prune_requests(self, key: str, cutoff: str) -> int:
         with self.store.transaction():

@@ -32,7 +32,7 @@ from kernel.core.config import Config, ConfigError
 from kernel.core.config import load as load_config
 from kernel.core.records import WorkspaceRow
 from kernel.io import enroll as enrollment
-from kernel.io import log, metrics, submit
+from kernel.io import log, metrics
 from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreUnavailable, StoreWorker, disk_failure
 from kernel.io.watch import Watcher, choose_mode, fs_type_of, read_mounts
@@ -184,7 +184,6 @@ class Service:
         return enrolled
 
     def _startup(self) -> list[WorkspaceRow]:
-        submit.ensure_schema(self.store)
         self._enroll_globs()
         mounts = read_mounts()
         rows = []
@@ -280,7 +279,7 @@ class Service:
 
     def _read_data_version(self) -> int:
         # Changes when another process (an `enroll`) commits to the store.
-        return int(self.store._one("PRAGMA data_version")[0])
+        return self.store.data_version()
 
     def _reload_if_changed(self) -> list[WorkspaceRow] | None:
         version = self._read_data_version()

@@ -112,10 +112,6 @@ class SubmitExecutor(RealExecutor):
         self._holding: dict[str, anyio.Lock] = {}
         self.hook_argv: tuple[str, ...] = tuple(shlex.split(cfg.on_verdict)) if cfg.on_verdict else ()
 
-    def _setup(self) -> None:
-        super()._setup()
-        S.ensure_schema(self.store)
-
     # --- dispatch -----------------------------------------------------------------------------------------
 
     def _jail_id(self, order: SleepOrder) -> str:

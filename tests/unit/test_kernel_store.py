@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from channel.messages import Policy
+from channel.messages import EvalContract, Policy
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import RequestRow, WorkspaceRow
@@ -80,3 +82,66 @@ def test_readonly_open_and_version_checks(tmp_path: Path) -> None:
     s.close()
     with pytest.raises(StoreError, match="schema version 99"):
         Store.open(tmp_path / "db.sqlite")
+
+
+# The side tables as the executor and kernel.io.submit made them before they moved into the store's migrations
+# (eval_plans as first released, without `seeds` and `protected_changed`).
+_OLD_SIDE_DDL = (
+    "CREATE TABLE IF NOT EXISTS exec_sleeps (workspace TEXT NOT NULL, seq INTEGER NOT NULL, ref TEXT NOT NULL, "
+    "commit_id TEXT NOT NULL, tree TEXT NOT NULL, wake_json BLOB, wake_md BLOB, released INTEGER NOT NULL DEFAULT 0, "
+    "PRIMARY KEY (workspace, seq)) STRICT",
+    "CREATE TABLE IF NOT EXISTS eval_workspaces (workspace TEXT PRIMARY KEY, base_commit TEXT, base_tree TEXT, "
+    "base_set_at TEXT, seed INTEGER, contract BLOB) STRICT",
+    "CREATE TABLE IF NOT EXISTS eval_plans (workspace TEXT NOT NULL, seq INTEGER NOT NULL, decision TEXT NOT NULL, "
+    "contract BLOB NOT NULL, seed INTEGER, base_commit TEXT, base_tree TEXT, candidate_commit TEXT NOT NULL, "
+    "candidate_tree TEXT NOT NULL, baseline_key TEXT, reused_value TEXT, PRIMARY KEY (workspace, seq)) STRICT",
+    "CREATE TABLE IF NOT EXISTS eval_verdicts (workspace TEXT NOT NULL, seq INTEGER NOT NULL, sleep_id TEXT NOT NULL, "
+    "outcome TEXT NOT NULL, verdict BLOB NOT NULL, report TEXT NOT NULL, created_at TEXT NOT NULL, "
+    "hook_status TEXT NOT NULL, PRIMARY KEY (workspace, seq)) STRICT",
+    "CREATE TABLE IF NOT EXISTS eval_measurements (key TEXT PRIMARY KEY, seeds TEXT NOT NULL, vals TEXT NOT NULL, "
+    "workspace TEXT NOT NULL, seq INTEGER NOT NULL, measured_at TEXT NOT NULL) STRICT",
+)
+
+
+def test_a_database_made_by_the_old_side_table_ddl_opens_and_keeps_its_data(tmp_path: Path) -> None:
+    from kernel.io import submit as S
+
+    path = tmp_path / "db.sqlite"
+    Store.open(path).close()
+    db = sqlite3.connect(path)
+    for t in ("exec_sleeps", "eval_workspaces", "eval_plans", "eval_verdicts", "eval_measurements"):
+        db.execute(f"DROP TABLE {t}")
+    for stmt in _OLD_SIDE_DDL:
+        db.execute(stmt)
+    db.execute(
+        "INSERT INTO exec_sleeps (workspace, seq, ref, commit_id, tree) VALUES ('w-1', 1, 'r', 'c1', 't1')"
+    )
+    db.execute("INSERT INTO eval_workspaces (workspace, base_commit, base_tree) VALUES ('w-1', 'bc', 'bt')")
+    db.execute(
+        "INSERT INTO eval_plans (workspace, seq, decision, contract, candidate_commit, candidate_tree) "
+        "VALUES ('w-1', 1, 'no_base', ?, 'cc', 'ct')",
+        (msgspec.json.encode(EvalContract(command="python eval.py", metric="score")),),
+    )
+    db.execute("INSERT INTO eval_measurements VALUES ('k', '[7]', '[\"0.5\"]', 'w-1', 1, 'now')")
+    db.commit()
+    db.close()
+
+    for _ in range(2):  # the migration is idempotent: a second open changes nothing
+        s = Store.open(path)
+        got = s.exec_sleep("w-1", 1)
+        assert got is not None
+        assert (got.ref, got.commit, got.tree, got.released) == ("r", "c1", "t1", False)
+        assert S.base_of(s, "w-1") == ("bc", "bt")
+        plan = S.plan_of(s, "w-1", 1)
+        assert plan is not None
+        assert (plan.decision, plan.seeds, plan.protected_changed) == ("no_base", (), ())
+        assert S.measurement(s, "k") is not None
+        s.close()
+
+    s = Store.open(path)
+    with s.transaction():  # the added columns are written
+        S.put_plan(s, replace(plan, seq=2, seeds=(1, 2), protected_changed=("eval.py",)))
+    again = S.plan_of(s, "w-1", 2)
+    assert again is not None
+    assert (again.seeds, again.protected_changed) == ((1, 2), ("eval.py",))
+    s.close()
