@@ -3382,7 +3382,8 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "Show the last lines a task has printed so far (while it runs, or after).",
         "{p} tail train\n{p} tail sweep/2 --lines 50\n{p} tail sweep/2 --stderr",
         "NAME is a launch of the current sleep (else of the last one), NAME/TASK one task of an array.\n"
-        "Read-only and free: it costs nothing from the budget.",
+        "An earlier sleep's logs are files: .syscall/results/SEQ/NAME[/TASK]/stdout and stderr, as its wake\n"
+        "names them. Read-only and free: it costs nothing from the budget.",
     )
     p.add_argument("target", metavar="NAME[/TASK]")
     p.add_argument(

@@ -37,6 +37,7 @@ from channel.messages import (
     TailRequest,
     TaskView,
 )
+from channel.paths import CHANNEL_DIR, ChannelPaths, RunPaths
 from kernel.core import budget
 from kernel.core.budget import Balance
 from kernel.core.evaluate import charge_eval, check_eval_names, eval_jobs
@@ -176,6 +177,14 @@ def cancelled_by(jobs: Sequence[JobRow], names: Sequence[str], received_at: str)
     ]
 
 
+# Where a woken sleep's logs are (gather.deliver_log): what `tail` cannot reach is named in its refusal.
+OLDER_LOGS: Final = (
+    f"{CHANNEL_DIR}/{ChannelPaths.RESULTS}/<seq>/<launch>/{RunPaths.STDOUT} (an array's task: "
+    f"{CHANNEL_DIR}/{ChannelPaths.RESULTS}/<seq>/<launch>/<task>/{RunPaths.STDOUT}; {RunPaths.STDERR} beside it), "
+    "at most the last log_max_bytes (kernel.json) of each"
+)
+
+
 def tail_target(sleep: SleepRow | None, jobs: Sequence[JobRow], req: TailRequest) -> JobRow:
     """The task a `tail` names in `sleep` (the current sleep, else the last one), or RequestError saying why
     there is none."""
@@ -186,7 +195,9 @@ def tail_target(sleep: SleepRow | None, jobs: Sequence[JobRow], req: TailRequest
         known = ", ".join(sorted({j.launch for j in jobs})) or "none"
         raise RequestError(
             "tail.unknown_task",
-            f"{req.launch!r} is not a launch of sleep {sleep.id!r} (its launches: {known})",
+            f"{req.launch!r} is not a launch of sleep {sleep.id!r} (its launches: {known}); tail reaches only "
+            f"the current sleep, else the last one (sleep {sleep.seq}). An earlier sleep's logs were delivered "
+            f"when it woke, as its wake names them: {OLDER_LOGS}",
             "$.launch",
         )
     for j in tasks:

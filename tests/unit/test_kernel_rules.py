@@ -222,3 +222,19 @@ def test_status_shows_each_launch_and_the_clamp_where_it_happens() -> None:
         ),
         ("f", 3, 3, None),
     ]
+
+
+def test_tail_of_an_earlier_sleeps_launch_says_what_it_reaches_and_where_the_logs_are() -> None:
+    from channel.messages import TailRequest
+    from kernel.core.rules import tail_target
+
+    last = replace(sleep_row(seq=3, state="woken"), id="s3")
+    with pytest.raises(RequestError) as e:
+        tail_target(last, [job("eval", 0)], TailRequest(protocol=1, id="t", launch="train"))
+    assert e.value.code == "tail.unknown_task"
+    assert e.value.message == (
+        "'train' is not a launch of sleep 's3' (its launches: eval); tail reaches only the current sleep, else "
+        "the last one (sleep 3). An earlier sleep's logs were delivered when it woke, as its wake names them: "
+        ".syscall/results/<seq>/<launch>/stdout (an array's task: .syscall/results/<seq>/<launch>/<task>/stdout; "
+        "stderr beside it), at most the last log_max_bytes (kernel.json) of each"
+    )
