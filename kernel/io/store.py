@@ -27,6 +27,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from channel.lifecycle import SleepEvent, next_sleep_state
 from channel.messages import Policy
 from channel.safefs import Identity
 from kernel.core.budget import Balance
@@ -667,11 +668,18 @@ class Store:
         )
         return [SleepRow(*r) for r in rows]
 
-    def set_sleep_state(self, workspace: str, seq: int, state: str, *, woken_at: str | None = None) -> None:
-        self._conn.execute(
-            "UPDATE sleeps SET state=?, woken_at=coalesce(?, woken_at) WHERE workspace=? AND seq=?",
-            (state, woken_at, workspace, seq),
+    def advance_sleep(
+        self, workspace: str, seq: int, frm: str, event: SleepEvent, *, woken_at: str | None = None
+    ) -> bool:
+        """Move the sleep from `frm` by `event`, through the lifecycle table only (compare-and-set): True when it
+        was in `frm` and moved, False when it was not in `frm` (someone else moved it first; nothing changed).
+        IllegalTransition (a kernel bug) when the table has no such move, whatever the sleep's state."""
+        to = next_sleep_state(frm, event)
+        cur = self._conn.execute(
+            "UPDATE sleeps SET state=?, woken_at=coalesce(?, woken_at) WHERE workspace=? AND seq=? AND state=?",
+            (to, woken_at, workspace, seq, frm),
         )
+        return cur.rowcount == 1
 
     # --- execution (exec_sleeps) ------------------------------------------------------------------------
 

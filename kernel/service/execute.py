@@ -46,7 +46,7 @@ import msgspec
 
 from channel import safefs
 from channel.decode import RequestError, at_a_time
-from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
+from channel.lifecycle import SleepEvent, TaskEvent, next_task_state
 from channel.messages import (
     TERMINAL_TASK_STATES,
     JobRef,
@@ -148,21 +148,16 @@ class RealExecutor:
 
     def _record_snapshot(self, key: str, seq: int, snap: Snapshot) -> None:
         with self.store.transaction():
-            sleep = self.store.sleep(key, seq)
-            assert sleep is not None
-            if sleep.state != "validated":
-                return
+            if not self.store.advance_sleep(key, seq, "validated", SleepEvent.SNAPSHOT):
+                return  # refused meanwhile: the snapshot is not recorded
             self.store.record_snapshot(key, seq, snap.ref, snap.commit, snap.tree)
-            self.store.set_sleep_state(key, seq, next_sleep_state(sleep.state, SleepEvent.SNAPSHOT))
 
     def _record_submitted(
         self, key: str, seq: int, specs: dict[str, JobSpec], ids: dict[tuple[str, int], str]
     ) -> None:
         now = timestamp()
         with self.store.transaction():
-            sleep = self.store.sleep(key, seq)
-            assert sleep is not None
-            if sleep.state != "snapshotted":
+            if not self.store.advance_sleep(key, seq, "snapshotted", SleepEvent.SUBMIT):
                 return
             for j in self.store.jobs_of(key, seq):
                 job_id = ids.get((j.launch, j.task))
@@ -171,7 +166,6 @@ class RealExecutor:
                     self.store.update_job(
                         replace(j, backend=self.backend.name, job_id=job_id, run_dir=tdir, updated_at=now)
                     )
-            self.store.set_sleep_state(key, seq, next_sleep_state(sleep.state, SleepEvent.SUBMIT))
 
     # --- dispatch -------------------------------------------------------------------------------------
 
@@ -533,11 +527,8 @@ class RealExecutor:
                     updated_at=now,
                 )
             )
-            sleep = self.store.sleep(job.workspace, job.seq)
-            if sleep is not None and sleep.state == "submitted":
-                self.store.set_sleep_state(
-                    job.workspace, job.seq, next_sleep_state("submitted", SleepEvent.START)
-                )
+            # The first task seen running moves the sleep on; a later one finds it moved already.
+            self.store.advance_sleep(job.workspace, job.seq, "submitted", SleepEvent.START)
 
     def _live_sleeps(self) -> list[tuple[str, int]]:
         return [
@@ -661,7 +652,8 @@ class RealExecutor:
                 self.store.set_sleep_verdict(key, seq, encode(verdict))
             self.store.set_balance(key, balance)
             self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
-            self.store.set_sleep_state(key, seq, next_sleep_state(sleep.state, SleepEvent.GATHER))
+            advanced = self.store.advance_sleep(key, seq, sleep.state, SleepEvent.GATHER)
+            assert advanced, (key, seq, sleep.state)  # read in this transaction
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks))
         return True
 
@@ -703,13 +695,9 @@ class RealExecutor:
 
     def _record_woken(self, key: str, seq: int, sleep_id: str, woken_at: str) -> bool:
         """(store worker) The sleep -> woken, once its wake is written (idempotent)."""
-        sleep = self.store.sleep(key, seq)
-        if sleep is None or sleep.state != "gathered":
-            return False
         with self.store.transaction():
-            self.store.set_sleep_state(
-                key, seq, next_sleep_state("gathered", SleepEvent.WAKE), woken_at=woken_at
-            )
+            if not self.store.advance_sleep(key, seq, "gathered", SleepEvent.WAKE, woken_at=woken_at):
+                return False
         self._problems.pop((key, seq), None)
         jobs = sorted({j.job_id for j in self.store.jobs_of(key, seq) if j.job_id}, key=_job_order)
         klog.event("woken", ws=key, seq=seq, id=sleep_id, jobs=",".join(jobs))

@@ -717,7 +717,8 @@ class Pipeline:
                             replace(j, state=state, reserved_gpu_s=0, ended_at=now, updated_at=now)
                         )
                 self.store.set_balance(c.key, balance)
-                self.store.set_sleep_state(c.key, c.seq, next_sleep_state(sleep.state, SleepEvent.REJECT))
+                advanced = self.store.advance_sleep(c.key, c.seq, sleep.state, SleepEvent.REJECT)
+                assert advanced, (c.key, c.seq, sleep.state)  # read in this transaction
         self._answer_and_deliver(c, lambda ws: encode(rejected(c.request_id, err)), f"rejected:{err.code}")
 
     def _finish_cancel(self, c: Continuation, order: SleepOrder) -> None:

@@ -145,3 +145,34 @@ def test_a_database_made_by_the_old_side_table_ddl_opens_and_keeps_its_data(tmp_
     assert again is not None
     assert (again.seeds, again.protected_changed) == ((1, 2), ("eval.py",))
     s.close()
+
+
+def test_a_sleep_advances_only_through_the_lifecycle_table_and_only_from_the_state_named(
+    tmp_path: Path,
+) -> None:
+    from channel.lifecycle import IllegalTransition, SleepEvent
+    from kernel.core.records import SleepRow
+
+    s = Store.open(tmp_path / "db.sqlite")
+    with s.transaction():
+        s.put_workspace(row())
+        s.insert_sleep(SleepRow("w-1", 1, "s1", "validated", "", None, NOW, None, None))
+        # compare-and-set: the sleep is not `snapshotted`, so nothing moves
+        assert not s.advance_sleep("w-1", 1, "snapshotted", SleepEvent.SUBMIT)
+        assert s.advance_sleep("w-1", 1, "validated", SleepEvent.SNAPSHOT)
+        # a second writer that read `validated` earlier loses: the sleep is not moved twice
+        assert not s.advance_sleep("w-1", 1, "validated", SleepEvent.REJECT)
+    got = s.sleep("w-1", 1)
+    assert got is not None
+    assert got.state == "snapshotted"
+    # a move the table does not have raises, even from the sleep's actual state
+    with pytest.raises(IllegalTransition, match="'snapshotted' cannot wake"), s.transaction():
+        s.advance_sleep("w-1", 1, "snapshotted", SleepEvent.WAKE)
+    with s.transaction():
+        assert s.advance_sleep("w-1", 1, "snapshotted", SleepEvent.SUBMIT)
+        assert s.advance_sleep("w-1", 1, "submitted", SleepEvent.GATHER)
+        assert s.advance_sleep("w-1", 1, "gathered", SleepEvent.WAKE, woken_at=NOW)
+    got = s.sleep("w-1", 1)
+    assert got is not None
+    assert (got.state, got.woken_at) == ("woken", NOW)
+    s.close()
