@@ -11,13 +11,14 @@ import importlib.metadata
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
 import msgspec
 
 from channel import limits as L
+from channel import safefs
 from channel.messages import EvalContract
 from kernel.core.budget import Balance
 from kernel.core.config import Config, ConfigError, load
@@ -266,6 +267,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _not_served_elsewhere(state_dir: str) -> Callable[[str, safefs.Channel], str | None]:
+    """`enroll`'s check that no other kernel serves the channel (its lock, kernel.io.chanlock): kernel.json's
+    `owner` may have been removed by the agent. `--take-over` skips it (the old kernel lets go at its rescan)."""
+    from kernel.io import chanlock
+
+    own = statedir.holder(state_dir)
+
+    def claim(key: str, ch: safefs.Channel) -> str | None:
+        why = chanlock.probe(ch, own)
+        return None if why is None else f"{why}; stop it there, or run `syscall-kernel enroll --take-over`"
+
+    return claim
+
+
 def cmd_enroll(args: argparse.Namespace) -> int:
     from kernel.io.enroll import EnrollError, Grant, enroll
     from kernel.io.install import ToolMissing, ToolSource
@@ -303,6 +318,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
                 if (v := getattr(args, k)) is not None
             },
             slurm_account=args.account,
+            claim=None if args.take_over else _not_served_elsewhere(cfg.state_dir),
         )
     except EnrollError as exc:
         print(f"syscall-kernel enroll: refused: {exc}", file=sys.stderr)

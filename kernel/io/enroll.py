@@ -18,7 +18,7 @@ import functools
 import glob
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
@@ -73,6 +73,10 @@ class OwnedElsewhere(EnrollError):
             "not taking it over. Stop serving it there (`syscall-kernel unenroll` with that kernel's config), or "
             f"run `syscall-kernel enroll --take-over {path}` to move it to this kernel"
         )
+
+
+class HeldElsewhere(EnrollError):
+    """Another process (another kernel, or the agent) holds the channel directory's lock (kernel.io.chanlock)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +253,7 @@ def enroll(
     slurm_account: str | None = None,
     hold_base: bool = True,
     checked: str | None = None,
+    claim: Callable[[str, safefs.Channel], str | None] | None = None,
 ) -> Enrolled:
     """Enroll (or refresh) one workspace. EnrollError when it is refused.
 
@@ -269,6 +274,10 @@ def enroll(
     as it was at enrollment, and first-time enrollment runs no git process but the tracked-channel check.
     `checked`: what `check_workspace(path)` returned just before (the service runs those checks, one git
     process each, in worker threads, many at once); None runs it here.
+    `claim` (the service's channel lock, kernel.io.chanlock) is called before anything is written: a problem it
+    returns refuses the enrollment with nothing written (another kernel serves the channel).
+    The store's sleep numbering for the workspace starts after every seq the channel already shows (results/,
+    wakes/), so `results/<seq>/` written under an earlier store is never overwritten.
     """
     for name, v in (("launches", grant.launches), ("sleeps", grant.sleeps), ("gpu-hours", grant.gpu_hours)):
         if v is not None and v < 0:
@@ -309,6 +318,10 @@ def enroll(
             taken_from: StoreRef | None = exc.owner
         else:
             taken_from = None
+        if claim is not None:
+            held_elsewhere = claim(key, ch)
+            if held_elsewhere is not None:
+                raise HeldElsewhere(f"{path}: {held_elsewhere}")
         if existing is not None and existing.identity != ch.identity:
             if not explicit:
                 raise EnrollError(
@@ -334,8 +347,10 @@ def enroll(
             enrolled_at=existing.enrolled_at if existing is not None else now,
             problem=None,
         )
+        floor = seq_floor(ch)
         with store.transaction():
             store.put_workspace(row)
+            store.raise_seq_floor(key, floor)
             if own != admin.overrides or admin.unenrolled_at is not None:
                 store.set_admin(key, replace(admin, unenrolled_at=None, overrides=own))
             if contract is not None:
@@ -366,6 +381,37 @@ def enroll(
         taken_from=taken_from,
         slurm_account=store.slurm_account(key),
     )
+
+
+_wake_seq_decoder: Final = msgspec.json.Decoder(dict[str, object])
+
+
+def seq_floor(ch: safefs.Channel) -> int:
+    """The highest sleep seq the channel shows: `results/<seq>/` names and the `seq` of each wake in `wakes/`
+    (what an earlier store, e.g. before an `enroll --take-over`, left there). 0 when none."""
+    top = 0
+    for sub in (ChannelPaths.RESULTS, ChannelPaths.WAKES):
+        try:
+            fd = ch.subdir(sub)
+        except (safefs.Refused, OSError):
+            continue
+        try:
+            for name in os.listdir(fd):
+                if sub == ChannelPaths.RESULTS:
+                    if name.isascii() and name.isdigit() and len(name) < 19:
+                        top = max(top, int(name))
+                    continue
+                if not name.endswith(".json"):
+                    continue
+                try:
+                    seq = _wake_seq_decoder.decode(safefs.read_capped_at(fd, name, 1024 * 1024)).get("seq")
+                except (safefs.Refused, msgspec.DecodeError, OSError):
+                    continue
+                if isinstance(seq, int) and not isinstance(seq, bool) and 0 < seq < 2**62:
+                    top = max(top, seq)
+        finally:
+            os.close(fd)
+    return top
 
 
 def hold_recorded_base(store: Store, cfg: Config, key: str, path: str) -> str | None:
@@ -465,12 +511,18 @@ def refresh(
     *,
     jail: str,
     cfg: Config | None = None,
+    claim: Callable[[str, safefs.Channel], str | None] | None = None,
 ) -> str | None:
     """At start, for an enrolled workspace: reinstall the tool if it changed, and rewrite `kernel.json`,
     `budget.json` (and with `cfg`, `jobenv.json`) where they differ from the store (a crash may have left them
     stale). Returns the tool note. OwnedElsewhere, with nothing written, when the channel was taken over by
-    another kernel's store."""
+    another kernel's store; HeldElsewhere, with nothing written, when `claim` (the service's channel lock) says
+    another process holds the channel."""
     owner = check_owner(store, ch, row.path)
+    if claim is not None:
+        held_elsewhere = claim(row.key, ch)
+        if held_elsewhere is not None:
+            raise HeldElsewhere(f"{row.path}: {held_elsewhere}")
     if row.tool_sha256 != tool.sha256:
         with store.transaction():
             store.put_workspace(replace(row, tool_sha256=tool.sha256))

@@ -140,6 +140,11 @@ CREATE TABLE IF NOT EXISTS pruned_sleeps (
     PRIMARY KEY (workspace, seq)
 ) STRICT;
 
+CREATE TABLE IF NOT EXISTS seq_floors (
+    workspace       TEXT PRIMARY KEY REFERENCES workspaces(key),
+    floor           INTEGER NOT NULL
+) STRICT;
+
 CREATE TABLE IF NOT EXISTS budget_changes (
     workspace       TEXT NOT NULL REFERENCES workspaces(key),
     at              TEXT NOT NULL,
@@ -612,9 +617,22 @@ class Store:
     _SLEEP_COLS: Final = "workspace, seq, id, state, note, submit, created_at, woken_at, verdict"
 
     def next_seq(self, workspace: str) -> int:
+        """After every sleep of this store and the workspace's floor (the seqs its channel showed at enrollment)."""
         return int(
-            self._one("SELECT coalesce(max(seq), 0) + 1 FROM sleeps WHERE workspace=?", (workspace,))[0]
+            self._one(
+                "SELECT max(coalesce((SELECT max(seq) FROM sleeps WHERE workspace=?), 0), "
+                "coalesce((SELECT floor FROM seq_floors WHERE workspace=?), 0)) + 1",
+                (workspace, workspace),
+            )[0]
         )
+
+    def raise_seq_floor(self, workspace: str, floor: int) -> None:
+        if floor > 0:
+            self._conn.execute(
+                "INSERT INTO seq_floors (workspace, floor) VALUES (?, ?) "
+                "ON CONFLICT(workspace) DO UPDATE SET floor = max(floor, excluded.floor)",
+                (workspace, floor),
+            )
 
     def insert_sleep(self, s: SleepRow) -> None:
         self._conn.execute(

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -31,8 +32,8 @@ from channel.paths import ChannelPaths
 from kernel.core.config import Config, ConfigError
 from kernel.core.config import load as load_config
 from kernel.core.records import WorkspaceRow
+from kernel.io import chanlock, log, metrics
 from kernel.io import enroll as enrollment
-from kernel.io import log, metrics
 from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreUnavailable, StoreWorker, disk_failure
 from kernel.io.watch import Watcher, choose_mode, fs_type_of, read_mounts
@@ -86,6 +87,12 @@ class Service:
         self._reload_wanted = False
         self._paused: set[str] = set()
         self._refused: dict[str, str] = {}
+        # The lock of every channel this kernel serves (kernel.io.chanlock), and the channels whose lock another
+        # process holds (with why), retried at each rescan.
+        self.locks = chanlock.ChannelLocks()
+        self._held_elsewhere: dict[str, str] = {}
+        self._unlocked: set[str] = set()
+        self._channel_problems: dict[str, str] = {}
 
     # --- health -------------------------------------------------------------------------------------------
 
@@ -171,6 +178,7 @@ class Service:
                         explicit=False,
                         hold_base=False,
                         checked=checked,
+                        claim=self._claim,
                     )
                     log.event("enrolled", ws=done.row.key, path=done.row.path, watch=done.row.watch)
                     self._refused.pop(path, None)
@@ -210,12 +218,19 @@ class Service:
             with safefs.open_channel(row.path, row.identity) as ch:
                 try:
                     note = enrollment.refresh(
-                        self.store, ch, row, self.tool, jail=self.cfg.jail, cfg=self.cfg
+                        self.store, ch, row, self.tool, jail=self.cfg.jail, cfg=self.cfg, claim=self._claim
                     )
                 except enrollment.OwnedElsewhere as exc:
                     self._owned_elsewhere(row, exc)
                     return
+                except enrollment.HeldElsewhere as exc:
+                    self._lock_held_elsewhere(row, str(exc))
+                    return
                 self._foreign.discard(row.key)
+                if self._held_elsewhere.pop(row.key, None) is not None:
+                    log.event("channel_lock_taken", ws=row.key)
+                    with self.store.transaction():
+                        self.store.set_problem(row.key, None)
                 if note is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
                 safefs.sweep_kernel_temps(ch.fd)
@@ -225,10 +240,36 @@ class Service:
                 finally:
                     os.close(answers)
         except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
-            log.event("channel_problem", logging.WARNING, ws=row.key, problem=f"{type(exc).__name__}: {exc}")
+            problem = f"{type(exc).__name__}: {exc}"
+            if self._channel_problems.get(row.key) != problem:  # retried at every rescan: logged once
+                self._channel_problems[row.key] = problem
+                log.event("channel_problem", logging.WARNING, ws=row.key, problem=problem)
+            return
+        self._channel_problems.pop(row.key, None)
+
+    def _claim(self, key: str, ch: safefs.Channel) -> str | None:
+        """Take (or keep) the channel's lock before anything is written to it; why not, or None."""
+        try:
+            return self.locks.hold(key, ch)
+        except chanlock.Unsupported as exc:
+            if key not in self._unlocked:
+                self._unlocked.add(key)
+                log.event("channel_lock_unsupported", logging.WARNING, ws=key, problem=str(exc))
+            return None
+
+    def _lock_held_elsewhere(self, row: WorkspaceRow, why: str) -> None:
+        """Another process holds the channel's lock: not served here (nor written to) until it lets go."""
+        self.locks.release(row.key)
+        if self._held_elsewhere.get(row.key) != why:
+            self._held_elsewhere[row.key] = why
+            log.event("channel_held_elsewhere", logging.WARNING, ws=row.key, problem=why)
+            with self.store.transaction():
+                self.store.set_problem(row.key, why)
 
     def _owned_elsewhere(self, row: WorkspaceRow, exc: enrollment.OwnedElsewhere) -> None:
-        """Another kernel's store took the channel over: stop serving it (its requests are that kernel's)."""
+        """Another kernel's store took the channel over: stop serving it (its requests are that kernel's) and let
+        its lock go, so that kernel can take it."""
+        self.locks.release(row.key)
         if row.key not in self._foreign:
             self._foreign.add(row.key)
             log.event(
@@ -257,6 +298,12 @@ class Service:
                 changed = True
             except (safefs.ChannelMoved, safefs.Refused, OSError, enrollment.EnrollError):
                 continue  # the pipeline reports an unusable channel itself
+        # Channels not locked yet (another process held the lock, the channel could not be opened, or its
+        # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
+        for row in self.store.workspaces():
+            if not self.locks.holds(row.key):
+                self._refresh(row)
+                changed = changed or self.locks.holds(row.key)
         return self.store.workspaces() if changed else None
 
     def _rescan_workspaces(self) -> list[WorkspaceRow] | None:
@@ -273,9 +320,14 @@ class Service:
         return None
 
     def served(self, rows: list[WorkspaceRow]) -> list[WorkspaceRow]:
-        """The rows this kernel answers: not those another store owns, nor those the operator paused (their
-        requests wait in their channels; their jobs in flight go on and their wakes are written)."""
-        return [r for r in rows if r.key not in self._foreign and r.key not in self._paused]
+        """The rows this kernel answers: those whose channel lock it holds (kernel.io.chanlock: so no other
+        kernel answers them), not those another store owns, nor those the operator paused (their requests wait
+        in their channels; their jobs in flight go on and their wakes are written)."""
+        return [
+            r
+            for r in rows
+            if r.key not in self._foreign and r.key not in self._paused and self.locks.holds(r.key)
+        ]
 
     def _read_data_version(self) -> int:
         # Changes when another process (an `enroll`) commits to the store.
@@ -588,6 +640,10 @@ async def serve(
 
         executor_factory = configured(cfg)
     notifier = Notifier.from_env()
+    # One fd per served channel (its lock, kernel.io.chanlock): the soft limit up to the hard one (LimitNOFILE=).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     store = await _open_store(cfg, notifier)
     try:
         if cfg.metrics_listen:

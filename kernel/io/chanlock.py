@@ -1,0 +1,117 @@
+"""Which kernel serves a channel: an advisory lock on the channel directory, held while it is served.
+
+kernel.json's `owner` names the store that owns a channel, for the operator; the agent can write kernel.json, so it
+cannot be what keeps two kernels off one channel. This lock is: a kernel serves (and writes the kernel files of) a
+channel only while it holds `flock(LOCK_EX | LOCK_NB)` on the channel directory, so at most one process serves a
+channel at a time, whatever the agent wrote. The lock goes with the process (also on SIGKILL), so a dead kernel
+never keeps a channel. One fd per served channel: a dup of the fd `safefs.open_channel` opened (the same open file
+description, so the lock is the one that fd took), kept until the channel is let go.
+
+The agent can flock its own channel directory too: then no kernel serves that channel, which is reported as a
+problem of that workspace only (a non-blocking try per channel, retried at each rescan; no other channel waits).
+A filesystem that does not support flock on a directory (some NFS mounts) is served without the lock, and said.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from typing import Final
+
+from channel import safefs
+
+# Errors meaning "this filesystem does not do flock here", not "somebody holds it".
+_UNSUPPORTED: Final = frozenset({errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})
+
+
+class Unsupported(Exception):
+    """flock does not work on this channel's filesystem; the channel is served without the lock."""
+
+
+def holder_pid(fd: int) -> int | None:
+    """The pid /proc/locks names for a flock on the file behind `fd` (None if not found or not readable)."""
+    st = os.fstat(fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" ("->" marks a blocked waiter)
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[2] != "->" and parts[5] == want:
+                    return int(parts[4])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class ChannelLocks:
+    """The locks of the channels this process serves, by workspace key."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[safefs.Identity, int | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def holds(self, key: str) -> bool:
+        return key in self._held
+
+    def hold(self, key: str, ch: safefs.Channel) -> str | None:
+        """Take (or keep) the lock on `ch` for `key`. None when held; else why not, for the operator and the
+        workspace's problem. Unsupported when the filesystem does not do flock (then the channel is recorded as
+        held without a lock: the caller serves it and says so)."""
+        had = self._held.get(key)
+        if had is not None and had[0] == ch.identity:
+            return None
+        self.release(key)
+        try:
+            fd = os.dup(ch.fd)
+        except OSError as exc:  # EMFILE: raise LimitNOFILE (one fd per served channel)
+            return f"cannot lock the channel directory ({exc.strerror}); not served here"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = holder_pid(fd)
+            os.close(fd)
+            who = f"pid {pid}" if pid is not None else "pid not known"
+            return (
+                f"served by another kernel ({who}): another process holds the lock on the channel directory; not "
+                "served here until it lets go"
+            )
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in _UNSUPPORTED:
+                self._held[key] = (ch.identity, None)
+                raise Unsupported(f"flock on the channel directory: {exc.strerror}") from None
+            return f"cannot lock the channel directory ({exc.strerror}); not served here"
+        self._held[key] = (ch.identity, fd)
+        return None
+
+    def release(self, key: str) -> None:
+        had = self._held.pop(key, None)
+        if had is not None and had[1] is not None:
+            os.close(had[1])  # closing the last fd of the open file description drops the lock
+
+    def release_all(self) -> None:
+        for key in list(self._held):
+            self.release(key)
+
+
+def probe(ch: safefs.Channel, own_kernel: int | None) -> str | None:
+    """For an operator's `enroll` (which keeps no lock): why another process serves the channel, or None when
+    nobody holds its lock, the holder is `own_kernel` (this state dir's `serve`), or flock is not supported."""
+    fd = os.dup(ch.fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = holder_pid(fd)
+        if pid is not None and pid == own_kernel:
+            return None
+        who = f"pid {pid}" if pid is not None else "pid not known"
+        return f"served by another kernel ({who}): another process holds the lock on the channel directory"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # also drops the probe's lock, if it took it
+    return None
