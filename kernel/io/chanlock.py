@@ -93,8 +93,8 @@ class ChannelLocks:
         if had is not None and had[1] is not None:
             os.close(had[1])  # closing the last fd of the open file description drops the lock
 
-    def release_all(self) -> None:
-        for key in list(self._held):
+    def keep_only(self, keys: set[str]) -> None:
+        for key in [k for k in self._held if k not in keys]:
             self.release(key)
 
 

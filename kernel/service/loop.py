@@ -384,6 +384,7 @@ class Service:
                 log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc), fallback="poll")
 
     def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
+        self.locks.keep_only({r.key for r in rows})  # an unenrolled channel's lock (and fd) is let go
         rows = self.served(rows)
         old = self.pipeline.workspaces
         self.pipeline.set_workspaces(rows)
