@@ -14,6 +14,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Final
 
+from channel.messages import SleepState  # the one list of sleep states (the protocol's)
+
 
 class SleepEvent(StrEnum):
     VALIDATE = "validate"  # decoded, within policy and budget; charged
@@ -35,7 +37,7 @@ class TaskEvent(StrEnum):
     )
 
 
-SLEEP_TRANSITIONS: Final[dict[tuple[str, SleepEvent], str]] = {
+SLEEP_TRANSITIONS: Final[dict[tuple[SleepState, SleepEvent], SleepState]] = {
     ("received", SleepEvent.VALIDATE): "validated",
     ("received", SleepEvent.REJECT): "rejected",
     ("validated", SleepEvent.SNAPSHOT): "snapshotted",
@@ -67,7 +69,7 @@ class IllegalTransition(RuntimeError):
     """A state change the lifecycle does not allow: a kernel bug."""
 
 
-def next_sleep_state(state: str, event: SleepEvent) -> str:
+def next_sleep_state(state: SleepState, event: SleepEvent) -> SleepState:
     try:
         return SLEEP_TRANSITIONS[(state, event)]
     except KeyError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from channel.messages import Policy
+from channel.messages import Policy, SleepState
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 
@@ -48,7 +48,7 @@ class SleepRow:
     workspace: str
     seq: int
     id: str
-    state: str
+    state: SleepState
     note: str
     submit: bytes | None
     created_at: str

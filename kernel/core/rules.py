@@ -243,7 +243,7 @@ def sleep_view(s: SleepRow, jobs: Sequence[JobRow], now: float, max_concurrent_g
         launches=launch_summaries(jobs, max_concurrent_gpus),
         id=s.id,
         seq=s.seq,
-        state=s.state,  # type: ignore[arg-type]  # the store only holds lifecycle states
+        state=s.state,
         created_at=s.created_at,
         woken_at=s.woken_at,
         note=s.note,
@@ -314,7 +314,7 @@ def history_answer(
             HistoryEntry(
                 id=s.id,
                 seq=s.seq,
-                state=s.state,  # type: ignore[arg-type]
+                state=s.state,
                 created_at=s.created_at,
                 woken_at=s.woken_at,
                 note=s.note,

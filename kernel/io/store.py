@@ -28,7 +28,7 @@ import anyio.to_thread
 import msgspec
 
 from channel.lifecycle import SleepEvent, next_sleep_state
-from channel.messages import Policy
+from channel.messages import Policy, SleepState
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import ExecSleepRow, JobRow, RequestRow, SleepRow, WorkspaceRow
@@ -687,7 +687,7 @@ class Store:
         return [SleepRow(*r) for r in rows]
 
     def advance_sleep(
-        self, workspace: str, seq: int, frm: str, event: SleepEvent, *, woken_at: str | None = None
+        self, workspace: str, seq: int, frm: SleepState, event: SleepEvent, *, woken_at: str | None = None
     ) -> bool:
         """Move the sleep from `frm` by `event`, through the lifecycle table only (compare-and-set): True when it
         was in `frm` and moved, False when it was not in `frm` (someone else moved it first; nothing changed).
