@@ -59,9 +59,12 @@ NETWORK_FS: Final = frozenset(
 # Names remembered per channel between two passes; past it, the channel is listed in full.
 NAMES_PER_KEY: Final = 1024
 
+# IN_CREATE too: a request made by mkfifo, symlink or link raises no other event, and events that name their
+# request are all the pipeline reads until the next full listing (a refusal must not wait for the rescan).
 MASK: Final = ic.Mask(
     ic.InotifyConstants.IN_MOVED_TO
     | ic.InotifyConstants.IN_CLOSE_WRITE
+    | ic.InotifyConstants.IN_CREATE
     | ic.InotifyConstants.IN_DELETE_SELF
     | ic.InotifyConstants.IN_MOVE_SELF
     | ic.InotifyConstants.IN_ONLYDIR
