@@ -13,6 +13,7 @@ what it leads to against the identity recorded at enrollment.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import os
@@ -44,6 +45,10 @@ class SafeFsError(Exception):
 
 class ChannelMoved(SafeFsError):
     """The workspace or its channel is not the enrolled directory any more (gone, symlink, swapped, wrong owner)."""
+
+
+class SubdirReplaced(ChannelMoved):
+    """A channel subdirectory (`requests/`, `answers/`, ...) is not the directory recorded at enrollment."""
 
 
 class Refused(SafeFsError):
@@ -85,11 +90,32 @@ class Identity:
     dev: int
     ino: int
     uid: int
+    # (name, dev, ino) of each subdirectory (ChannelPaths.SUBDIRS) as enrollment made or found it; () for a
+    # channel recorded before they were (only their owner is checked then, until the next enrollment or start
+    # records them).
+    subdirs: tuple[tuple[str, int, int], ...] = ()
 
     @classmethod
     def of_fd(cls, fd: int) -> Identity:
         st = os.fstat(fd)
         return cls(dev=st.st_dev, ino=st.st_ino, uid=st.st_uid)
+
+    def same_directory(self, other: Identity) -> bool:
+        """The same channel directory (dev, inode, owner), whatever is recorded of its subdirectories."""
+        return (self.dev, self.ino, self.uid) == (other.dev, other.ino, other.uid)
+
+    def differs_from(self, enrolled: Identity) -> bool:
+        """Not what `enrolled` recorded: another channel directory, or (where recorded) another subdirectory."""
+        return not self.same_directory(enrolled) or (
+            bool(enrolled.subdirs) and self.subdirs != enrolled.subdirs
+        )
+
+    def subdir(self, name: str) -> tuple[int, int] | None:
+        """The recorded (dev, inode) of subdirectory `name`, or None when not recorded."""
+        for sub, dev, ino in self.subdirs:
+            if sub == name:
+                return dev, ino
+        return None
 
 
 def open_dir(path: str | os.PathLike[str]) -> int:
@@ -156,13 +182,13 @@ def open_channel(
     fd = _open_channel_fd(ws)
     try:
         identity = Identity.of_fd(fd)
-        if expected is not None and identity != expected:
+        if expected is not None and not identity.same_directory(expected):
             raise ChannelMoved(f"{ws}/{CHANNEL_DIR} is not the enrolled directory ({identity} != {expected})")
         if expected is None and identity.uid != os.geteuid():
             raise ChannelMoved(
                 f"{ws}/{CHANNEL_DIR} is owned by uid {identity.uid}, not by us ({os.geteuid()})"
             )
-        channel = Channel(ws, fd, identity)
+        channel = Channel(ws, fd, identity if expected is None else expected)
     except BaseException:
         os.close(fd)
         raise
@@ -171,7 +197,8 @@ def open_channel(
             for sub in ChannelPaths.SUBDIRS:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(sub, 0o755, dir_fd=fd)
-                os.close(channel.subdir(sub))
+            # What enrollment finds is what it records (spec 2.3): later opens check each against it.
+            channel.identity = dataclasses.replace(channel.identity, subdirs=channel.found_subdirs())
         except BaseException:
             channel.close()
             raise
@@ -230,14 +257,44 @@ class Channel:
             now = Identity.of_fd(fd)
         finally:
             os.close(fd)
-        if now != self.identity:
+        if not now.same_directory(self.identity):
             raise ChannelMoved(
                 f"{self.workspace}/{CHANNEL_DIR} was replaced ({now} is not the enrolled {self.identity})"
             )
 
     def subdir(self, name: str) -> int:
-        """An fd of the direct subdirectory `name` (not followed if a symlink, same owner); the caller closes it."""
-        return _open_subdir(self.fd, check_name(name), self.identity.uid, name)
+        """An fd of the direct subdirectory `name` (not followed if a symlink, same owner, and where enrollment
+        recorded it, the very directory it recorded: else SubdirReplaced); the caller closes it."""
+        fd = _open_subdir(self.fd, check_name(name), self.identity.uid, name)
+        recorded = self.identity.subdir(name)
+        if recorded is not None:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != recorded:
+                os.close(fd)
+                raise SubdirReplaced(
+                    f"{self.workspace}/{CHANNEL_DIR}/{name} was replaced since enrollment (device {st.st_dev}, "
+                    f"inode {st.st_ino}; enrolled: device {recorded[0]}, inode {recorded[1]}); this workspace "
+                    f"is not served and its requests are kept until the operator checks it and runs "
+                    f"`syscall-kernel enroll {self.workspace}` to adopt the new directory"
+                )
+        return fd
+
+    def found_subdirs(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, dev, inode) of each subdirectory as it is now (owner checked, nothing followed)."""
+        found = []
+        for sub in ChannelPaths.SUBDIRS:
+            fd = _open_subdir(self.fd, sub, self.identity.uid, sub)
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            found.append((sub, st.st_dev, st.st_ino))
+        return tuple(found)
+
+    def check_subdirs(self) -> None:
+        """Raise SubdirReplaced (or Refused) unless every recorded subdirectory is still the one recorded."""
+        for sub, _dev, _ino in self.identity.subdirs:
+            os.close(self.subdir(sub))
 
     def list_requests(self) -> tuple[list[str], list[str]]:
         """(committed request ids, sorted; junk names to remove, sorted). In-flight temp files are neither."""

@@ -322,10 +322,15 @@ def enroll(
             held_elsewhere = claim(key, ch)
             if held_elsewhere is not None:
                 raise HeldElsewhere(f"{path}: {held_elsewhere}")
-        if existing is not None and existing.identity != ch.identity:
+        if existing is not None and ch.identity.differs_from(existing.identity):
             if not explicit:
+                what = (
+                    CHANNEL_DIR
+                    if not ch.identity.same_directory(existing.identity)
+                    else "a subdirectory of it"
+                )
                 raise EnrollError(
-                    f"{path}: {CHANNEL_DIR} is not the directory enrolled before ({ch.identity} != "
+                    f"{path}: {what} is not the directory enrolled before ({ch.identity} != "
                     f"{existing.identity}); not serving it. Check the workspace, then run "
                     f"`syscall-kernel enroll {resolved}` to adopt the new channel"
                 )
@@ -523,9 +528,14 @@ def refresh(
         held_elsewhere = claim(row.key, ch)
         if held_elsewhere is not None:
             raise HeldElsewhere(f"{row.path}: {held_elsewhere}")
-    if row.tool_sha256 != tool.sha256:
+    if row.tool_sha256 != tool.sha256 or not row.identity.subdirs:
+        # A channel enrolled before subdirectory identities were recorded gets them now (what is there at
+        # this start), and is checked against them from then on.
+        identity = row.identity
+        if not identity.subdirs:
+            identity = replace(identity, subdirs=ch.found_subdirs())
         with store.transaction():
-            store.put_workspace(replace(row, tool_sha256=tool.sha256))
+            store.put_workspace(replace(row, tool_sha256=tool.sha256, identity=identity))
     note = install(ch, tool)
     wanted = kernel_json(row, tool, owner, jail=jail, limits=published_limits(cfg))
     try:

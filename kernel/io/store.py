@@ -51,7 +51,8 @@ CREATE TABLE workspaces (
     tool_sha256     TEXT NOT NULL,
     watch           TEXT NOT NULL,
     enrolled_at     TEXT NOT NULL,
-    problem         TEXT
+    problem         TEXT,
+    subdirs         TEXT
 ) STRICT;
 
 CREATE TABLE requests (
@@ -212,7 +213,12 @@ CREATE TABLE IF NOT EXISTS eval_measurements (
 ) STRICT;
 """
 # Columns added to a table of _ADMIN_SCHEMA after it first shipped: added to an older database at open.
-_ADDED_COLUMNS: Final = (("eval_plans", "seeds", "TEXT"), ("eval_plans", "protected_changed", "TEXT"))
+_ADDED_COLUMNS: Final = (
+    ("eval_plans", "seeds", "TEXT"),
+    ("eval_plans", "protected_changed", "TEXT"),
+    # the channel subdirectories' identities (spec 2.3): NULL until the next enrollment or start records them
+    ("workspaces", "subdirs", "TEXT"),
+)
 
 _PLAN_COLS: Final = (
     "workspace, seq, decision, contract, seed, base_commit, base_tree, candidate_commit, candidate_tree, "
@@ -247,6 +253,13 @@ def timestamp(at: float | None = None) -> str:
 
 
 _policy_decoder: Final = msgspec.json.Decoder(Policy)
+_subdirs_decoder: Final = msgspec.json.Decoder(tuple[tuple[str, int, int], ...])
+
+
+def _subdirs_of(text: str | None) -> tuple[tuple[str, int, int], ...]:
+    return () if text is None else _subdirs_decoder.decode(text)
+
+
 _artifacts_decoder: Final = msgspec.json.Decoder(tuple[str, ...])
 
 
@@ -380,7 +393,7 @@ class Store:
 
     _WS_COLS: Final = (
         "key, path, dev, ino, uid, launches, sleeps, gpu_s, reserved_gpu_s, policy, tool_sha256, watch, "
-        "enrolled_at, problem"
+        "enrolled_at, problem, subdirs"
     )
 
     @staticmethod
@@ -388,7 +401,7 @@ class Store:
         return WorkspaceRow(
             key=row[0],
             path=row[1],
-            identity=Identity(dev=row[2], ino=row[3], uid=row[4]),
+            identity=Identity(dev=row[2], ino=row[3], uid=row[4], subdirs=_subdirs_of(row[14])),
             balance=Balance(launches=row[5], sleeps=row[6], gpu_s=row[7], reserved_gpu_s=row[8]),
             policy=_policy_decoder.decode(row[9]),
             tool_sha256=row[10],
@@ -532,11 +545,11 @@ class Store:
 
     def put_workspace(self, ws: WorkspaceRow) -> None:
         self._conn.execute(
-            f"INSERT INTO workspaces ({self._WS_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
+            f"INSERT INTO workspaces ({self._WS_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
             "ON CONFLICT(key) DO UPDATE SET path=excluded.path, dev=excluded.dev, ino=excluded.ino, "
             "uid=excluded.uid, launches=excluded.launches, sleeps=excluded.sleeps, gpu_s=excluded.gpu_s, "
             "reserved_gpu_s=excluded.reserved_gpu_s, policy=excluded.policy, tool_sha256=excluded.tool_sha256, "
-            "watch=excluded.watch, problem=excluded.problem",
+            "watch=excluded.watch, problem=excluded.problem, subdirs=excluded.subdirs",
             (
                 ws.key,
                 ws.path,
@@ -552,6 +565,7 @@ class Store:
                 ws.watch,
                 ws.enrolled_at,
                 ws.problem,
+                msgspec.json.encode(ws.identity.subdirs).decode() if ws.identity.subdirs else None,
             ),
         )
 

@@ -241,6 +241,9 @@ class Pipeline:
             queue = self.backlog.setdefault(key, deque())
             try:
                 with safefs.open_channel(ws.path, ws.identity) as ch:
+                    # A replaced subdirectory (spec 2.3) stops this workspace only: nothing is read from it or
+                    # written into it, its requests stay where they are, until `enroll` adopts it.
+                    ch.check_subdirs()
                     if not queue and key in self.dirty:
                         self.dirty.discard(key)
                         self.named.pop(key, None)  # the full listing sees them too

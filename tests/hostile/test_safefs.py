@@ -110,9 +110,14 @@ def refusal(excinfo: pytest.ExceptionInfo[Refused]) -> str:
 
 def test_enrollment_creates_the_channel_and_its_subdirectories(ws: Path) -> None:
     with open_channel(ws, create=True) as channel:
-        assert Identity.of_fd(channel.fd) == channel.identity
+        assert Identity.of_fd(channel.fd).same_directory(channel.identity)
         st_chan = os.stat(chan(ws))
-        assert channel.identity == Identity(st_chan.st_dev, st_chan.st_ino, st_chan.st_uid)
+        subdirs = tuple(
+            (sub, os.stat(chan(ws) / sub).st_dev, os.stat(chan(ws) / sub).st_ino)
+            for sub in ChannelPaths.SUBDIRS
+        )
+        # The channel and, recorded with it, each subdirectory as enrollment made it (spec 2.3).
+        assert channel.identity == Identity(st_chan.st_dev, st_chan.st_ino, st_chan.st_uid, subdirs)
     for sub in ChannelPaths.SUBDIRS:
         assert stat.S_ISDIR(os.lstat(chan(ws) / sub).st_mode)
     # Re-opening with the recorded identity works; enrolling twice is harmless.

@@ -175,4 +175,29 @@ def test_a_sleep_advances_only_through_the_lifecycle_table_and_only_from_the_sta
     got = s.sleep("w-1", 1)
     assert got is not None
     assert (got.state, got.woken_at) == ("woken", NOW)
+
+
+def test_subdirectory_identities_round_trip_and_an_older_store_gains_the_column(tmp_path: Path) -> None:
+    """Spec 2.3: each channel subdirectory's (device, inode) is recorded; a store made before the column
+    existed is migrated additively (its rows read with none recorded, everything else kept)."""
+    path = tmp_path / "state.db"
+    s = Store.open(path)
+    with s.transaction():
+        s.put_workspace(row("w-old"))
+    subdirs = (("requests", 1, 10), ("answers", 1, 11), ("wakes", 1, 12), ("results", 1, 13))
+    recorded = replace(row("w-new"), identity=Identity(1, 2, 3, subdirs))
+    with s.transaction():
+        s.put_workspace(recorded)
+    got = s.workspace("w-new")
+    assert got is not None
+    assert got.identity.subdirs == subdirs
+    # An older store: the column dropped, as a store of the previous release lacks it.
+    with s.transaction():
+        s._conn.execute("ALTER TABLE workspaces DROP COLUMN subdirs")
+    s.close()
+    s = Store.open(path)
+    old = s.workspace("w-old")
+    assert old is not None
+    assert old.identity.subdirs == ()
+    assert old.balance == row("w-old").balance
     s.close()
