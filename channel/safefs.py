@@ -28,6 +28,9 @@ from channel.decode import is_valid_id
 from channel.limits import REQUEST_MAX_BYTES
 from channel.paths import CHANNEL_DIR, ChannelPaths
 
+# A file's (st_dev, st_ino).
+Inode = tuple[int, int]
+
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: opening or reading a planted FIFO must not block a kernel thread. O_NOCTTY: a planted tty must
 # not become our controlling terminal.
@@ -365,23 +368,36 @@ class Channel:
 
     def read_request(self, request_id: str, cap: int = REQUEST_MAX_BYTES) -> bytes:
         """The bytes of `requests/<id>.json`, at most `cap`; Refused for anything but a plain small file."""
+        return self.read_request_entry(request_id, cap)[0]
+
+    def read_request_entry(self, request_id: str, cap: int = REQUEST_MAX_BYTES) -> tuple[bytes, Inode]:
+        """`read_request`, with the (device, inode) of the file read, for `remove_request(..., only=...)`."""
         if not is_valid_id(request_id):
             raise ValueError(f"{_shown(request_id)} is not a valid request id")
         dfd = self.subdir(ChannelPaths.REQUESTS)
         try:
-            return read_capped_at(dfd, ChannelPaths.request(request_id), cap)
+            return read_capped_entry_at(dfd, ChannelPaths.request(request_id), cap)
         finally:
             os.close(dfd)
 
-    def remove_request(self, name: str) -> None:
+    def remove_request(self, name: str, only: Inode | None = None) -> None:
         """Remove `requests/<name>` (a file, or an empty directory); a name already gone is fine.
 
+        With `only`, the entry is removed only while it is still that (device, inode): a client that renamed a
+        new request over the name after the answer was written keeps it (it is read at the next listing).
         A non-empty directory is Refused rather than walked: deleting an agent-controlled tree safely is not
         worth it for junk.
         """
         check_name(name)
         dfd = self.subdir(ChannelPaths.REQUESTS)
         try:
+            if only is not None:
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return
+                if (st.st_dev, st.st_ino) != only:
+                    return
             _remove_at(dfd, name)
         finally:
             os.close(dfd)
@@ -446,7 +462,12 @@ def _entry(dir_fd: int, name: str) -> os.stat_result:
 
 
 def read_capped_at(dir_fd: int, name: str, cap: int) -> bytes:
-    """Read `dir_fd/name` if it is a regular, singly-linked file of at most `cap` bytes; else Refused.
+    """Read `dir_fd/name` if it is a regular, singly-linked file of at most `cap` bytes; else Refused."""
+    return read_capped_entry_at(dir_fd, name, cap)[0]
+
+
+def read_capped_entry_at(dir_fd: int, name: str, cap: int) -> tuple[bytes, Inode]:
+    """`read_capped_at`, with the (device, inode) of the file read.
 
     `st_nlink == 1` alone does not prove the file lives only in this directory: the agent can link a foreign
     file in, let us open it, then unlink its own name, leaving the foreign name as the single link. So the
@@ -479,7 +500,7 @@ def read_capped_at(dir_fd: int, name: str, cap: int) -> bytes:
     inode = (opened.st_dev, opened.st_ino)
     if (pre.st_dev, pre.st_ino) != inode or (post.st_dev, post.st_ino) != inode:
         raise Refused("replaced while being read", name)
-    return data
+    return data, inode
 
 
 def read_capped_fd(fd: int, cap: int, name: str | None = None) -> bytes:

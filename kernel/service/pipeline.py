@@ -124,6 +124,8 @@ class Pipeline:
         self.on_idle: Callable[[str], None] = lambda key: None
         self._swept: set[str] = set()
         self._stuck: dict[str, set[str]] = {}
+        # (workspace, request id) -> the inode its request was read from, until the answer is delivered.
+        self._read_as: dict[tuple[str, str], safefs.Inode] = {}
         # Per workspace, requests whose answer could not be written (kept, retried at every listing).
         self._backoff: dict[str, _Backoff] = {}
         self._blocked: dict[str, set[str]] = {}
@@ -355,7 +357,8 @@ class Pipeline:
             blocked.discard(rid)
             event("answer_unblocked", ws=ws.key, id=rid)
         try:
-            ch.remove_request(ChannelPaths.request(rid))
+            # Only the file that was read: a new request renamed over the name since then is kept.
+            ch.remove_request(ChannelPaths.request(rid), only=self._read_as.pop((ws.key, rid), None))
         except safefs.Refused:
             self._stuck.setdefault(ws.key, set()).add(rid)
         except OSError as exc:
@@ -368,7 +371,7 @@ class Pipeline:
     def _one(self, ws: WorkspaceRow, ch: safefs.Channel, rid: str) -> Continuation | None:
         received = self.clock()
         try:
-            data = ch.read_request(rid)
+            data, inode = ch.read_request_entry(rid)
         except safefs.Refused as exc:
             if exc.reason == "vanished":
                 return None
@@ -378,8 +381,10 @@ class Pipeline:
                 f"requests/{rid}.json is {exc.reason}; write a regular file of at most "
                 f"{L.REQUEST_MAX_BYTES} bytes and rename it into requests/ (the tool does this)",
             )
+            self._read_as.pop((ws.key, rid), None)
             self._deliver(ch, ws, rid, encode(rejected(rid, err)), f"rejected:{code}", received)
             return None
+        self._read_as[(ws.key, rid)] = inode
         digest = hashlib.sha256(data).hexdigest()
         known = self.store.request(ws.key, rid)
         if known is not None:

@@ -958,3 +958,20 @@ def test_list_requests_puts_every_name_in_exactly_one_class(names: set[bytes]) -
         for request_id in ids:
             assert request_id.isascii()
             assert channel.read_request(request_id) == b""
+
+
+def test_removing_an_answered_request_keeps_a_new_one_renamed_over_its_name(ch: Channel, ws: Path) -> None:
+    # The kernel answers, then removes the request; a client that reused the id in between (a replay, or
+    # `request.id.reused`) renamed a new file over the name: removing it unread would lose it, never answered.
+    req = ws / CHANNEL_DIR / ChannelPaths.REQUESTS
+    (req / "r1.json").write_bytes(b'{"first": 1}')
+    data, inode = ch.read_request_entry("r1")
+    assert data == b'{"first": 1}'
+    (req / ".r1.tmp").write_bytes(b'{"second": 2}')
+    os.rename(req / ".r1.tmp", req / "r1.json")
+    ch.remove_request("r1.json", only=inode)
+    assert (req / "r1.json").read_bytes() == b'{"second": 2}'
+    _, inode = ch.read_request_entry("r1")
+    ch.remove_request("r1.json", only=inode)
+    assert not (req / "r1.json").exists()
+    ch.remove_request("r1.json", only=inode)  # already gone is fine
