@@ -38,7 +38,8 @@ def tmpfs_state(tmp_path: Path) -> Iterator[Path]:
 
 
 def fill(path: Path) -> None:
-    with open(path, "wb") as f, contextlib.suppress(OSError):
+    # suppress outermost: closing the file flushes what the last write left buffered, which fails too
+    with contextlib.suppress(OSError), open(path, "wb") as f:
         while True:
             f.write(b"\0" * 65536)
             f.flush()
