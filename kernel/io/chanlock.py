@@ -106,12 +106,16 @@ def probe(ch: safefs.Channel, own_kernel: int | None) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         pid = holder_pid(fd)
+        os.close(fd)
         if pid is not None and pid == own_kernel:
             return None
         who = f"pid {pid}" if pid is not None else "pid not known"
         return f"served by another kernel ({who}): another process holds the lock on the channel directory"
     except OSError:
+        os.close(fd)
         return None
-    finally:
-        os.close(fd)  # also drops the probe's lock, if it took it
+    # Unlocked explicitly: closing a dup leaves the lock on the open file description, which `ch.fd` keeps
+    # open, so a kernel picking the new workspace up found the channel "held elsewhere" until the rescan.
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
     return None
