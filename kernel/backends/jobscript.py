@@ -158,7 +158,8 @@ def render_job_script(spec: JobSpec, source: str | None = None) -> str:
     return text.replace(CONFIG_LINE, f"CONFIG_JSON: str | None = {literal!r}")
 
 
-def _write_atomic(directory: Path, name: str, data: bytes, mode: int) -> None:
+def write_atomic(directory: Path, name: str, data: bytes, mode: int) -> None:
+    """Write `directory/name` durably and whole (a temp file fsynced, then renamed over it) with `mode`."""
     tmp = directory / f".{name}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
@@ -179,8 +180,8 @@ def write_launch(spec: JobSpec) -> Path:
     """Create the launch directory with `command.txt` and `job.sh` (idempotent); returns job.sh's path."""
     launch_dir = spec.paths.launch_dir
     launch_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _write_atomic(launch_dir, NAMES.COMMAND, spec.command.encode(), 0o600)
-    _write_atomic(launch_dir, NAMES.JOB_SCRIPT, render_job_script(spec).encode(), 0o700)
+    write_atomic(launch_dir, NAMES.COMMAND, spec.command.encode(), 0o600)
+    write_atomic(launch_dir, NAMES.JOB_SCRIPT, render_job_script(spec).encode(), 0o700)
     return launch_dir / NAMES.JOB_SCRIPT
 
 
@@ -196,7 +197,7 @@ def read_exit(task_dir: Path) -> ExitRecord | None:
 def write_exit(task_dir: Path, record: ExitRecord) -> None:
     """Write an exit record on the wrapper's behalf (it died without one, or never started)."""
     task_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _write_atomic(task_dir, NAMES.EXIT_CODE, msgspec.json.encode(record) + b"\n", 0o644)
+    write_atomic(task_dir, NAMES.EXIT_CODE, msgspec.json.encode(record) + b"\n", 0o644)
 
 
 def read_timestamp(task_dir: Path, name: str) -> datetime | None:

@@ -270,7 +270,7 @@ def enroll(
     `[slurm] account` again); None keeps what it had.
     `hold_base=False` (the service's automatic enrollment) records HEAD's commit id as the pending base (read
     without git, in the enrollment's transaction) and leaves the import to the executor, which holds it after
-    the workspace is served (SubmitExecutor.recover's upgrade, and before any submit): the base is still HEAD
+    the workspace is served (the upgrade SubmitEvaluation.run starts, and before any submit): the base is still HEAD
     as it was at enrollment, and first-time enrollment runs no git process but the tracked-channel check.
     `checked`: what `check_workspace(path)` returned just before (the service runs those checks, one git
     process each, in worker threads, many at once); None runs it here.

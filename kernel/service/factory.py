@@ -1,7 +1,7 @@
 """Where the service's executor and its backend are built from the config: the one place that knows them all.
 
-`execute` (the executor) and `submitexec` (the executor with submit) never import this module, so the executor
-layers import one way only: factory -> submitexec -> execute.
+`execute` (the composed executor) and `submitexec` (the submit's evaluation strategy) never import this module
+nor each other: the factory gives the executor its strategy.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from kernel.core.config import Config, ConfigError
 from kernel.io import log as klog
 from kernel.io.store import StoreWorker
 from kernel.node.jail import NONE_WARNING
+from kernel.service.execute import RealExecutor
 from kernel.service.executor import Executor, PendingExecutor
-from kernel.service.submitexec import SubmitExecutor
+from kernel.service.heavy import HeavyPool
+from kernel.service.submitexec import SubmitEvaluation
 
 
 def make_backend(cfg: Config) -> RunnableBackend:
@@ -49,4 +51,11 @@ def executor_factory(cfg: Config) -> Callable[[StoreWorker], Executor]:
             "or set jail = 'none' on a single-user laptop"
         )
     backend = make_backend(cfg)
-    return lambda worker: SubmitExecutor(cfg, worker, backend)
+
+    def build(worker: StoreWorker) -> Executor:
+        heavy = HeavyPool()
+        return RealExecutor(
+            cfg, worker, backend, evaluation=SubmitEvaluation(cfg, worker, heavy), heavy=heavy
+        )
+
+    return build

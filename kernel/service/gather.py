@@ -406,3 +406,9 @@ def build_wake(
         snapshot=snapshot or None,
         launches=launches,
     )
+
+
+def job_order(job_id: str) -> tuple[int, str]:
+    """Job ids in submission order for log lines (numeric where they are: `99` before `100`)."""
+    head = job_id.split("_")[0].split(".")[0]
+    return (int(head) if head.isdigit() else 0, job_id)

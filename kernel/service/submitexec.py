@@ -1,4 +1,4 @@
-"""The executor with submit: paired evaluation runs as job rows of the sleep, the verdict at gathering, the hook.
+"""The submit's evaluation strategy: paired evaluation runs as job rows of the sleep, the verdict, the hook.
 
 A sleep carrying a submit holds `2 x repeats` extra job rows from its acceptance (`evaluate.eval_jobs`:
 `submit-base[i]` and `submit-candidate[i]`, pair i; the contract's command, its GPU time reserved like a
@@ -11,17 +11,18 @@ launch's). Here:
   reservation is refunded in full; an `unchanged` submit in a sleep with nothing else refunds the sleep too.
   The protected paths the candidate changed are listed from the kernel's repository here (`submit.changed_paths`,
   base tree against snapshot tree; never from the agent's `.git`).
-- `specs_of` gives the evaluation runs their seeds (to the score stage, and to `command` only when there is no
+- `specs` gives the evaluation runs their seeds (to the score stage, and to `command` only when there is no
   score stage), the protected files from the base tree, and the operator's score stage; the base runs read
   the base tree. Every tree is read on the node from the kernel's repository of the workspace.
 - `precheck` (before the snapshot) makes sure the recorded base is held in the kernel's repository, importing
   it through the verified path when it is not (kernel.io.repo.import_base); a base the agent's `.git` cannot
   give intact refuses the sleep with `snapshot.failed`, nothing charged.
+- `run` (for as long as the service runs) holds each workspace's recorded base once per start (`_upgrade`).
 - `judge` (inside the gather transaction) reads each run's stdout (or its score stage's) from its run
   directory, decides the verdict (`evaluate.decide`, `kernel.core.paired`), stores it with the report and, when the
   base was measured, the measurement. The wake shows every evaluation run as a task labelled by a kernel hint;
   a seed that a run's own output printed is blanked from its tails (the seeds stay private).
-- `on_verdict`: after the verdict is committed, the operator's command gets the verdict and report as JSON on
+- `settle` runs `on_verdict`: after the verdict is committed, the operator's command gets the verdict and report as JSON on
   stdin (cwd = state_dir, clean env, a timeout). A failing or hanging hook is logged and recorded; the verdict
   is already in the store and the wake. A kernel killed while a hook runs runs it again at restart.
 """
@@ -32,19 +33,19 @@ import logging
 import os
 import shlex
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, TypeVar
 
 import anyio.to_thread
 import msgspec
 
 from channel.lifecycle import TaskEvent, next_task_state
-from channel.messages import NOT_RUN_TASK_STATES, EvalContract, JobRef, Submit, TaskResult, Verdict
+from channel.messages import NOT_RUN_TASK_STATES, EvalContract, Submit, TaskResult, Verdict
 from channel.paths import RunPaths
-from kernel.backends.base import DEFAULT_OUTPUT_MAX_BYTES, BaseFiles, JobSpec, RunnableBackend, ScoreStage
+from kernel.backends.base import DEFAULT_OUTPUT_MAX_BYTES, BaseFiles, JobSpec, ScoreStage
 from kernel.backends.jobscript import read_exit
 from kernel.core import evaluate as E
 from kernel.core.budget import release
@@ -55,8 +56,10 @@ from kernel.io import repo as R
 from kernel.io import submit as S
 from kernel.io.snapshot import SnapshotError
 from kernel.io.store import StoreWorker, timestamp
-from kernel.service.execute import RealExecutor
 from kernel.service.executor import SleepOrder
+from kernel.service.heavy import HeavyPool
+
+T = TypeVar("T")
 
 _submit_decoder: Final = msgspec.json.Decoder(Submit)
 # Workspaces whose base the start's upgrade checks at a time (each check is a git process on a thread).
@@ -102,15 +105,28 @@ def run_hook(argv: Sequence[str], payload: bytes, cwd: str, timeout: float) -> s
     return "ok"
 
 
-class SubmitExecutor(RealExecutor):
-    def __init__(self, cfg: Config, worker: StoreWorker, backend: RunnableBackend) -> None:
-        super().__init__(cfg, worker, backend, judge=self._judge)
+class SubmitEvaluation:
+    """The `Evaluation` (kernel.service.evaluation) of a kernel whose sleeps may carry a submit."""
+
+    def __init__(self, cfg: Config, worker: StoreWorker, heavy: HeavyPool) -> None:
+        self.cfg = cfg
+        self.worker = worker
+        self.store = worker.store
+        self.heavy = heavy  # the executor's: a base import is heavy work of its workspace
+        self.tmp_dir = Path(cfg.state_dir) / "tmp"
         self._plans: dict[tuple[str, int], S.Plan] = {}
         self._hooking = False
         # One hold at a time per workspace (the start's upgrade and a submit's preflight may meet): the second
         # finds the base held instead of importing it again.
         self._holding: dict[str, anyio.Lock] = {}
         self.hook_argv: tuple[str, ...] = tuple(shlex.split(cfg.on_verdict)) if cfg.on_verdict else ()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.worker.call(fn, *args)
+
+    def repo_of(self, key: str) -> R.KernelRepo:
+        """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""
+        return R.KernelRepo.at(self.cfg.run_dir, key)
 
     # --- dispatch -----------------------------------------------------------------------------------------
 
@@ -192,9 +208,7 @@ class SubmitExecutor(RealExecutor):
         # restart with many enrolled workspaces is ready without a git process per workspace, and a base an
         # automatic enrollment left pending is imported in the background. A submit meanwhile holds its own
         # base first (preflight), so nothing waits on this.
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._upgrade)
-            await super().run()
+        await self._upgrade()
 
     async def _upgrade(self) -> None:
         """Once per start: refs an older kernel left under `refs/syscall/` of an agent's repository are reported
@@ -290,10 +304,8 @@ class SubmitExecutor(RealExecutor):
             balance = replace(balance, sleeps=balance.sleeps + 1)
         self.store.set_balance(key, balance)
 
-    def specs_of(
-        self, order: SleepOrder, commit: str, tree: str, jobs: Sequence[JobRow]
-    ) -> dict[str, JobSpec]:
-        specs = super().specs_of(order, commit, tree, jobs)
+    def specs(self, order: SleepOrder, specs: dict[str, JobSpec]) -> dict[str, JobSpec]:
+        """The evaluation runs' seeds, protected files and score stage; the base runs read the base tree."""
         plan = self._plans.get((order.workspace.key, order.sleep.seq))
         if plan is None:
             return specs
@@ -327,15 +339,12 @@ class SubmitExecutor(RealExecutor):
             )
         return specs
 
-    async def dispatch(self, order: SleepOrder) -> tuple[JobRef, ...]:
-        try:
-            return await super().dispatch(order)
-        finally:
-            self._plans.pop((order.workspace.key, order.sleep.seq), None)
+    def forget(self, order: SleepOrder) -> None:
+        self._plans.pop((order.workspace.key, order.sleep.seq), None)
 
     # --- gathering ----------------------------------------------------------------------------------------
 
-    def _judge(
+    def judge(
         self, sleep: SleepRow, tasks: tuple[TaskResult, ...]
     ) -> tuple[tuple[TaskResult, ...], Verdict | None]:
         if sleep.submit is None:
@@ -449,14 +458,6 @@ class SubmitExecutor(RealExecutor):
 
     # --- the operator's hook ------------------------------------------------------------------------------
 
-    async def _tick(self) -> None:
-        await super()._tick()
-        await self._run_hooks()
-
-    async def _maybe_gather(self, key: str, seq: int) -> None:
-        await super()._maybe_gather(key, seq)
-        await self._run_hooks()
-
     def _pending_hooks(self) -> list[tuple[str, int, bytes]]:
         out = []
         for v in S.verdicts(self.store, hook_pending=True):
@@ -471,7 +472,8 @@ class SubmitExecutor(RealExecutor):
             )
         return out
 
-    async def _run_hooks(self) -> None:
+    async def settle(self) -> None:
+        """Run the operator's hook for every verdict whose hook has not run (one pass at a time)."""
         if not self.hook_argv or self._hooking:
             return
         self._hooking = True

@@ -251,7 +251,7 @@ def hint_of(task_dir: Path) -> str | None:
 
 
 def _write_json(directory: Path, name: str, value: object) -> None:
-    jobscript._write_atomic(directory, name, msgspec.json.encode(value) + b"\n", 0o644)
+    jobscript.write_atomic(directory, name, msgspec.json.encode(value) + b"\n", 0o644)
 
 
 @dataclass

@@ -1,0 +1,385 @@
+"""Dispatch: a recorded, charged sleep becomes a snapshot in the kernel's repository and submitted launches.
+
+Step 1 of a sleep's life (kernel.service.execute): snapshot the workspace into the kernel's own repository of it
+(`<run_dir>/repos/<ws>.git`, ref `refs/snapshots/<seq>`; nothing is written into the agent's `.git`) and record
+the commit and tree with the sleep `snapshotted`; write each launch's run directory (`jobscript.write_launch`) and
+hand it to the backend (`submit` is idempotent per launch: a local launch already on disk or a Slurm job found by
+name is not submitted again); record every task's job id with the sleep `submitted`. A `SnapshotError` is the
+agent's (`DispatchRefused`, code `snapshot.failed`, the charge is refunded); a backend failure is the world's
+(`ExecutorUnavailable`, retried at the next rescan). Cancelling sends the backend's cancel for submitted tasks.
+
+Launches are built from the sleep's job rows, not from the request, so whatever rows a sleep holds (a submit's
+evaluation runs included) are dispatched; the `Evaluation` strategy decides its plan (`prepare`) and adjusts
+those launches' specs (`specs`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from channel import safefs
+from channel.decode import RequestError, at_a_time
+from channel.lifecycle import SleepEvent
+from channel.messages import JobRef, LockedEnvironment
+from kernel.backends import jobscript
+from kernel.backends.base import JobSpec, RunnableBackend
+from kernel.core.config import Config
+from kernel.core.records import JobRow, WorkspaceRow
+from kernel.io import envcache, jobenv
+from kernel.io import log as klog
+from kernel.io.crash import crash_point
+from kernel.io.repo import KernelRepo, RepoError
+from kernel.io.snapshot import Snapshot, SnapshotError, SnapshotTooLarge, snapshot_sync
+from kernel.io.store import StoreWorker, timestamp
+from kernel.node.jail import JailPolicy, JobEnvironment
+from kernel.service.evaluation import Evaluation
+from kernel.service.executor import DispatchRefused, ExecutorUnavailable, SleepOrder
+from kernel.service.gather import job_order
+from kernel.service.heavy import HeavyPool
+
+T = TypeVar("T")
+
+
+def _write_launches(specs: list[JobSpec]) -> None:
+    for spec in specs:
+        jobscript.write_launch(spec)
+
+
+def _worlds_fault(e: Exception) -> bool:
+    """A backend failure that is the world's (filesystem, scheduler down or refusing): retried later."""
+    return isinstance(e, OSError) or type(e).__name__ == "SlurmSubmitError"
+
+
+def _refused(e: Exception) -> bool:
+    """A permanent refusal by the backend (kernel.backends.slurm.backend.SlurmRefused): answered, never retried."""
+    return any(c.__name__ == "SlurmRefused" for c in type(e).__mro__)
+
+
+class Dispatcher:
+    """Snapshot, build, submit and cancel a sleep's launches (recording each step in the store)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        worker: StoreWorker,
+        backend: RunnableBackend,
+        heavy: HeavyPool,
+        evaluation: Evaluation,
+    ) -> None:
+        self.cfg = cfg
+        self.worker = worker
+        self.store = worker.store
+        self.backend = backend
+        self.heavy = heavy
+        self.evaluation = evaluation
+        self.tmp_dir = Path(cfg.state_dir) / "tmp"
+        self.envs = envcache.EnvCache(cfg.environment, cfg.run_dir) if cfg.environment.mode == "uv" else None
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.worker.call(fn, *args)
+
+    def repo_of(self, key: str) -> KernelRepo:
+        """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""
+        return KernelRepo.at(self.cfg.run_dir, key)
+
+    # --- store helpers (worker thread) ----------------------------------------------------------------
+
+    def _record_snapshot(self, key: str, seq: int, snap: Snapshot) -> None:
+        with self.store.transaction():
+            if not self.store.advance_sleep(key, seq, "validated", SleepEvent.SNAPSHOT):
+                return  # refused meanwhile: the snapshot is not recorded
+            self.store.record_snapshot(key, seq, snap.ref, snap.commit, snap.tree)
+
+    def _record_submitted(
+        self, key: str, seq: int, specs: dict[str, JobSpec], ids: dict[tuple[str, int], str]
+    ) -> None:
+        now = timestamp()
+        with self.store.transaction():
+            if not self.store.advance_sleep(key, seq, "snapshotted", SleepEvent.SUBMIT):
+                return
+            for j in self.store.jobs_of(key, seq):
+                job_id = ids.get((j.launch, j.task))
+                if job_id is not None and j.job_id is None:
+                    tdir = str(specs[j.launch].task_dir(j.task))
+                    self.store.update_job(
+                        replace(j, backend=self.backend.name, job_id=job_id, run_dir=tdir, updated_at=now)
+                    )
+
+    # --- launches --------------------------------------------------------------------------------------
+
+    def specs_of(
+        self, order: SleepOrder, commit: str, tree: str, jobs: Sequence[JobRow]
+    ) -> dict[str, JobSpec]:
+        """One JobSpec per launch among the sleep's job rows (extra rows, e.g. evaluation runs, included)."""
+        ws = order.workspace
+        local = self.cfg.local if self.cfg.backend == "local" else None
+        jail = JailPolicy(
+            kind=self.cfg.jail,
+            network=ws.policy.network,
+            image=self.cfg.apptainer_image or None,
+            hide=(self.cfg.state_dir,),
+            ro_dirs=self.cfg.environment.extra_dirs,
+            tmp_mb=local.tmp_mb if local is not None else 0,
+            shm_mb=local.mem_mb // 2 if local is not None else 0,
+            mem_mb=local.mem_mb if local is not None else 0,
+            max_procs=local.max_procs if local is not None else 0,
+        )
+        specs: dict[str, JobSpec] = {}
+        for j in jobs:
+            if j.launch in specs:
+                continue
+            width = at_a_time(j.array_size, j.concurrency, j.gpus, ws.policy.max_concurrent_gpus)
+            specs[j.launch] = JobSpec(
+                workspace=ws.key,
+                workspace_path=ws.path,
+                seq=order.sleep.seq,
+                launch=j.launch,
+                run_dir=self.cfg.run_dir,
+                command=j.command,
+                commit=commit,
+                tree=tree,
+                minutes=j.minutes,
+                array=j.array_size,
+                concurrency=0 if width >= j.array_size else width,
+                gpus=j.gpus,
+                artifacts=j.artifacts,
+                jail=jail,
+                path_dirs=self.cfg.environment.extra_dirs,
+                sleep_id=order.sleep.id,
+                gpus_constrained=self.cfg.backend == "slurm",
+            )
+        return specs
+
+    # --- locked environments ----------------------------------------------------------------------------
+
+    async def _with_environments(
+        self, order: SleepOrder, tree: str, specs: dict[str, JobSpec]
+    ) -> dict[str, JobSpec]:
+        """Give each launch the locked environment of the tree it runs (the sleep's snapshot `tree`, or a
+        submit's base), built now if its cache is cold; raise DispatchRefused(environment.failed) when a
+        lockfile cannot be installed: before anything is submitted."""
+        ws = order.workspace
+        by_tree: dict[str, tuple[envcache.EnvReady, JobEnvironment] | None] = {}
+        for each in dict.fromkeys(spec.tree for spec in specs.values()):
+            by_tree[each] = await self._environment(order, each)
+        own = by_tree.get(tree)
+        locked = None if own is None else jobenv.locked_of(own[0], timestamp())
+        if self.envs is not None and specs:  # a checkpoint (no launch) says nothing about the environment
+            await anyio.to_thread.run_sync(self._publish_jobenv, ws, locked)
+        out = {}
+        for name, spec in specs.items():
+            found = by_tree[spec.tree]
+            out[name] = msgspec.structs.replace(spec, environment=None if found is None else found[1])
+        return out
+
+    def _project_files(self, key: str, tree: str) -> dict[str, bytes]:
+        """pyproject.toml and uv.lock at the root of a snapshot tree in the kernel's repository (those present)."""
+        repo = self.repo_of(key)
+        out = {}
+        for name in (envcache.PROJECT_FILE, envcache.LOCK_FILE):
+            data = repo.read_blob(tree, name)
+            if data is not None:
+                if len(data) > envcache.MAX_FILE_BYTES:
+                    raise RepoError(
+                        f"{name} is {len(data)} bytes, above the limit of {envcache.MAX_FILE_BYTES}"
+                    )
+                out[name] = data
+        return out
+
+    async def _environment(
+        self, order: SleepOrder, tree: str
+    ) -> tuple[envcache.EnvReady, JobEnvironment] | None:
+        if self.envs is None:
+            return None
+        ws = order.workspace
+        try:
+            files = await anyio.to_thread.run_sync(self._project_files, ws.key, tree)
+        except RepoError as e:
+            raise DispatchRefused(
+                RequestError("environment.failed", f"the locked environment: {e}", None)
+            ) from None
+        if envcache.LOCK_FILE not in files:
+            return None
+        if envcache.PROJECT_FILE not in files:
+            raise DispatchRefused(
+                RequestError(
+                    "environment.failed",
+                    "the snapshot has uv.lock but no pyproject.toml at its root; uv needs both (add pyproject.toml, "
+                    "or remove uv.lock to run on the system's Python)",
+                    None,
+                )
+            )
+        project = envcache.LockedProject(
+            pyproject=files[envcache.PROJECT_FILE], lock=files[envcache.LOCK_FILE]
+        )
+        try:
+            ready, env, built = await self.envs.ensure(project)
+        except envcache.EnvironmentFailed as e:
+            klog.event(
+                "environment_failed", logging.WARNING, ws=ws.key, seq=order.sleep.seq, error=str(e)[:500]
+            )
+            raise DispatchRefused(
+                RequestError(
+                    "environment.failed",
+                    f"the workspace's uv.lock could not be installed, so nothing was submitted: {e}",
+                    None,
+                )
+            ) from None
+        klog.event(
+            "environment_ready",
+            ws=ws.key,
+            seq=order.sleep.seq,
+            key=env.cache.rsplit("/", 2)[-2],
+            built=built,
+            packages=len(ready.packages),
+            warm_s=ready.warm_seconds if built else 0.0,
+        )
+        if built:
+            removed = await anyio.to_thread.run_sync(self.envs.prune)
+            if removed:
+                klog.event("environment_pruned", caches=len(removed))
+        return ready, env
+
+    def _publish_jobenv(self, ws: WorkspaceRow, locked: LockedEnvironment | None) -> None:
+        """Record the workspace's latest locked environment and rewrite its `jobenv.json` (a channel the agent
+        broke only loses the file, never the sleep)."""
+        jobenv.remember(self.cfg.run_dir, ws.key, locked)
+        try:
+            with safefs.open_channel(ws.path, ws.identity) as ch:
+                jobenv.write(ch, jobenv.document(self.cfg, ws.policy, locked, timestamp()))
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
+            klog.event("jobenv_unwritten", logging.WARNING, ws=ws.key, problem=f"{type(e).__name__}: {e}")
+
+    # --- dispatch -------------------------------------------------------------------------------------
+
+    async def dispatch(self, order: SleepOrder) -> tuple[JobRef, ...]:
+        key, seq = order.workspace.key, order.sleep.seq
+        sleep = await self._call(self.store.sleep, key, seq)
+        assert sleep is not None
+        if sleep.state == "validated":
+            crash_point("recorded")
+            try:
+                await self.evaluation.precheck(order)
+                snap = await self.heavy.run(
+                    key,
+                    functools.partial(
+                        snapshot_sync,
+                        tmp_dir=self.tmp_dir,
+                        max_total_bytes=self.cfg.snapshot.max_bytes,
+                        max_files=self.cfg.snapshot.max_files,
+                        max_depth=self.cfg.snapshot.max_depth,
+                    ),
+                    order.workspace.path,
+                    self.repo_of(key),
+                    seq,
+                )
+            except SnapshotTooLarge as e:
+                raise DispatchRefused(RequestError("snapshot.too_large", str(e), None)) from None
+            except SnapshotError as e:
+                raise DispatchRefused(
+                    RequestError("snapshot.failed", f"the workspace could not be snapshotted: {e}", None)
+                ) from None
+            except (OSError, RepoError) as e:
+                raise ExecutorUnavailable(f"snapshot of {order.workspace.path}: {e}") from e
+            await self._call(self._record_snapshot, key, seq, snap)
+            klog.event("snapshotted", ws=key, seq=seq, commit=snap.commit[:12], files=snap.files)
+            crash_point("snapshot")
+            sleep = await self._call(self.store.sleep, key, seq)
+            assert sleep is not None
+        if sleep.state == "snapshotted":
+            row = await self._call(self.store.exec_sleep, key, seq)
+            assert row is not None, (key, seq)
+            if not await self.heavy.run(key, self.repo_of(key).has_tree, row.tree):
+                # Only an older kernel (snapshots in the agent's .git) stopped between snapshot and submit leaves
+                # this: its jobs could only read the workspace's repository, which this kernel never does.
+                raise DispatchRefused(
+                    RequestError(
+                        "snapshot.failed",
+                        f"the snapshot recorded for this sleep ({row.tree[:12]}) is not in the kernel's repository "
+                        "(an older kernel kept it in the workspace's .git, which is no longer read); sleep again",
+                        None,
+                    )
+                )
+            await self._call(self.evaluation.prepare, order, row.commit, row.tree)
+            jobs = await self._call(self.store.jobs_of, key, seq)
+            pending = [j for j in jobs if j.state == "PENDING"]
+            specs = self.evaluation.specs(order, self.specs_of(order, row.commit, row.tree, pending))
+            specs = await self._with_environments(order, row.tree, specs)
+            account = await self._call(self.store.slurm_account, key)
+            if account is not None:
+                specs = {n: msgspec.structs.replace(s, account=account) for n, s in specs.items()}
+            ids: dict[tuple[str, int], str] = {}
+            try:
+                # Every run directory first, then every submit back to back: the launches start together.
+                await anyio.to_thread.run_sync(_write_launches, list(specs.values()))
+            except OSError as e:
+                raise ExecutorUnavailable(f"writing the run directories of {key}/{seq}: {e}") from e
+            done: list[JobSpec] = []
+            for spec in specs.values():
+                try:
+                    refs = await self.backend.submit(spec)
+                except Exception as e:
+                    if _refused(e):
+                        await self._refuse_partial(done, spec, e)
+                    if _worlds_fault(e):
+                        raise ExecutorUnavailable(f"submitting {spec.key}: {e}") from e
+                    raise
+                done.append(spec)
+                for r in refs:
+                    ids[(spec.launch, r.task)] = r.job_id
+            crash_point("submit")
+            await self._call(self._record_submitted, key, seq, specs, ids)
+            klog.event(
+                "submitted",
+                ws=key,
+                seq=seq,
+                launches=len(specs),
+                tasks=len(ids),
+                jobs=",".join(sorted({i for i in ids.values() if i}, key=job_order)),
+            )
+        jobs = await self._call(self.store.jobs_of, key, seq)
+        return tuple(JobRef(launch=j.launch, task=j.task, job_id=j.job_id) for j in jobs)
+
+    async def _refuse_partial(self, done: list[JobSpec], spec: JobSpec, e: Exception) -> None:
+        """The backend refused `spec` for good: cancel the launches already submitted (never half a sleep), then
+        reject the sleep with `backend.refused` (the pipeline refunds it)."""
+        for other in done:
+            await self.backend.cancel(other.key)
+        klog.event("dispatch_refused", logging.WARNING, launch=spec.key, cancelled=len(done), error=str(e))
+        detail = getattr(e, "detail", str(e))
+        raise DispatchRefused(
+            RequestError(
+                "backend.refused",
+                f"the scheduler refused launch {spec.launch!r}: {detail}; nothing of this sleep runs "
+                "and its charge is refunded",
+                None,
+            )
+        ) from None
+
+    # --- cancel ---------------------------------------------------------------------------------------
+
+    async def cancel(self, order: SleepOrder, launches: tuple[str, ...]) -> None:
+        key, seq = order.workspace.key, order.sleep.seq
+        jobs = await self._call(self.store.jobs_of, key, seq)
+        wanted = set(launches) or {j.launch for j in jobs}
+        tasks: dict[str, list[int]] = {}
+        for j in jobs:
+            if j.launch in wanted and j.job_id is not None and j.state in ("PENDING", "RUNNING"):
+                tasks.setdefault(j.launch, []).append(j.task)
+        for launch, ts in tasks.items():
+            try:
+                stopped = await self.backend.cancel(f"{key}/{seq}/{launch}", ts)
+            except Exception as e:
+                if _worlds_fault(e):
+                    raise ExecutorUnavailable(f"cancelling {key}/{seq}/{launch}: {e}") from e
+                raise
+            klog.event("cancel_sent", ws=key, seq=seq, launch=launch, tasks=len(stopped))

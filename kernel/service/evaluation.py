@@ -1,0 +1,72 @@
+"""The evaluation strategy: what the executor asks at each step of a sleep that may carry more than launches.
+
+The executor (kernel.service.execute) dispatches, tracks, gathers and wakes every sleep the same way; what a
+submit adds (a plan decided once the snapshot is recorded, evaluation runs with seeds and the base tree, a
+verdict at gathering, the operator's hook, the start's base upgrade) is an `Evaluation` it is given. A kernel
+whose sleeps carry no submit uses `PlainSleeps`, which adds nothing. kernel.service.submitexec's
+`SubmitEvaluation` is the submit's.
+
+The executor calls, in a sleep's order:
+1. `precheck` (async, before the snapshot; may raise `SnapshotError`, which refuses the sleep at no cost);
+2. `prepare` (store worker thread, once the snapshot is recorded, before any launch is built; idempotent: it runs
+   again after a crash);
+3. `specs` (with the plain JobSpec of every launch to dispatch; returns them as they are to run);
+4. `forget` (after dispatch, also when it raised: drop what `prepare` kept for `specs`);
+5. `judge` (store worker thread, inside the gather transaction: the tasks the wake shows and the verdict);
+6. `settle` (async, after every gathering attempt and every tick: follow-up work such as the operator's hook).
+`run` is started in the executor's task group (background work for as long as the service runs).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from channel.messages import TaskResult, Verdict
+from kernel.backends.base import JobSpec
+from kernel.core.records import SleepRow
+from kernel.service.executor import SleepOrder
+
+
+class Evaluation(Protocol):
+    async def precheck(self, order: SleepOrder) -> None: ...
+
+    def prepare(self, order: SleepOrder, commit: str, tree: str) -> None: ...
+
+    def specs(self, order: SleepOrder, specs: dict[str, JobSpec]) -> dict[str, JobSpec]: ...
+
+    def forget(self, order: SleepOrder) -> None: ...
+
+    def judge(
+        self, sleep: SleepRow, tasks: tuple[TaskResult, ...]
+    ) -> tuple[tuple[TaskResult, ...], Verdict | None]: ...
+
+    async def settle(self) -> None: ...
+
+    async def run(self) -> None: ...
+
+
+class PlainSleeps:
+    """No evaluation: every launch runs as written and the wake shows every task, with no verdict."""
+
+    async def precheck(self, order: SleepOrder) -> None:
+        return None
+
+    def prepare(self, order: SleepOrder, commit: str, tree: str) -> None:
+        return None
+
+    def specs(self, order: SleepOrder, specs: dict[str, JobSpec]) -> dict[str, JobSpec]:
+        return specs
+
+    def forget(self, order: SleepOrder) -> None:
+        return None
+
+    def judge(
+        self, sleep: SleepRow, tasks: tuple[TaskResult, ...]
+    ) -> tuple[tuple[TaskResult, ...], Verdict | None]:
+        return tasks, None
+
+    async def settle(self) -> None:
+        return None
+
+    async def run(self) -> None:
+        return None

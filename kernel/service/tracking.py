@@ -1,0 +1,148 @@
+"""Tracking: each task's end and start recorded in the store, from the backend's events and the run directories.
+
+Step 2 of a sleep's life (kernel.service.execute): `backend.wait_any_exit` reports each task's end at once
+(`on_exit`); a sweep re-reads the exit files of every live task (the ground truth: events only make it faster)
+and marks tasks whose `started` file appeared RUNNING. Each end is recorded with its state, exit code, signal and
+times; the executor then offers the sleep to gathering (kernel.service.waking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from channel.lifecycle import SleepEvent, TaskEvent, next_task_state
+from channel.messages import TERMINAL_TASK_STATES
+from kernel.backends import jobscript
+from kernel.backends.base import TaskExit
+from kernel.core.records import JobRow
+from kernel.io import log as klog
+from kernel.io.crash import crash_point
+from kernel.io.store import StoreWorker, timestamp
+from kernel.service import gather
+
+T = TypeVar("T")
+
+
+def _split_key(key: str) -> tuple[str, int, str] | None:
+    parts = key.split("/")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2]
+
+
+class Tracker:
+    """Records task ends and starts (store worker for the `record_*`/`sweep_*` methods)."""
+
+    def __init__(self, worker: StoreWorker) -> None:
+        self.worker = worker
+        self.store = worker.store
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.worker.call(fn, *args)
+
+    def record_exit(self, key: str, seq: int, launch: str, task: int, task_dir: Path) -> bool:
+        """Record a task's end from its exit record; True if this call recorded it."""
+        rec = jobscript.read_exit(task_dir)
+        if rec is None:
+            return False
+        out = gather.outcome(rec)
+        started, ended = gather.task_times(task_dir)
+        now = timestamp()
+        with self.store.transaction():
+            job = next(
+                (j for j in self.store.jobs_of(key, seq) if j.launch == launch and j.task == task), None
+            )
+            if job is None or job.state in TERMINAL_TASK_STATES:
+                return False
+            state = next_task_state(job.state, out.event, out.state)
+            self.store.update_job(
+                replace(
+                    job,
+                    state=state,
+                    exit_code=out.exit_code,
+                    signal=out.signal,
+                    started_at=timestamp(started) if started is not None else job.started_at,
+                    ended_at=timestamp(ended) if ended is not None else now,
+                    run_dir=str(task_dir),
+                    updated_at=now,
+                )
+            )
+        klog.event(
+            "task_ended",
+            ws=key,
+            seq=seq,
+            launch=launch,
+            task=task,
+            job=job.job_id,
+            state=state,
+            code=out.exit_code,
+        )
+        return True
+
+    def sweep_sleep(self, key: str, seq: int) -> list[JobRow]:
+        """Ground truth for one sleep: record ends whose exit file is there; mark started tasks RUNNING."""
+        changed = []
+        for j in self.store.jobs_of(key, seq):
+            if j.state not in ("PENDING", "RUNNING") or j.run_dir is None:
+                continue
+            tdir = Path(j.run_dir)
+            if self.record_exit(key, seq, j.launch, j.task, tdir):
+                changed.append(j)
+            elif j.state == "PENDING" and (tdir / jobscript.NAMES.STARTED).exists():
+                self.mark_running(j, tdir)
+        return changed
+
+    def mark_running(self, job: JobRow, tdir: Path) -> None:
+        started = gather.stamp(jobscript.read_timestamp(tdir, jobscript.NAMES.STARTED))
+        now = timestamp()
+        with self.store.transaction():
+            fresh = next(
+                (
+                    j
+                    for j in self.store.jobs_of(job.workspace, job.seq)
+                    if (j.launch, j.task) == (job.launch, job.task)
+                ),
+                None,
+            )
+            if fresh is None or fresh.state != "PENDING":
+                return
+            self.store.update_job(
+                replace(
+                    fresh,
+                    state=next_task_state("PENDING", TaskEvent.START),
+                    started_at=timestamp(started) if started is not None else now,
+                    updated_at=now,
+                )
+            )
+            # The first task seen running moves the sleep on; a later one finds it moved already.
+            self.store.advance_sleep(job.workspace, job.seq, "submitted", SleepEvent.START)
+
+    def live_sleeps(self) -> list[tuple[str, int]]:
+        return [
+            (s.workspace, s.seq)
+            for s in self.store.live_sleeps()
+            if s.state in ("submitted", "running", "gathered")
+        ]
+
+    def sweep_all(self) -> list[tuple[str, int]]:
+        out = []
+        for key, seq in self.live_sleeps():
+            self.sweep_sleep(key, seq)
+            out.append((key, seq))
+        return out
+
+    async def on_exit(self, ex: TaskExit) -> tuple[str, int] | None:
+        """Record the end the backend reported; the sleep to offer to gathering (None: not a launch of ours)."""
+        parsed = _split_key(ex.key)
+        if parsed is None:
+            return None
+        key, seq, launch = parsed
+        recorded = await self._call(self.record_exit, key, seq, launch, ex.task, Path(ex.task_dir))
+        if recorded:
+            live = await self._call(self.store.jobs_of, key, seq)
+            if any(j.state in ("PENDING", "RUNNING") for j in live):
+                crash_point("task_end")
+        return key, seq

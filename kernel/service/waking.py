@@ -1,0 +1,267 @@
+"""Gathering and waking: a sleep whose last task has ended gets its artifacts, its refunds and its wake.
+
+Step 3 of a sleep's life (kernel.service.execute): artifacts are delivered into `results/` (idempotent, heavy
+pool), then ONE transaction releases the reservations (refunding what the measured elapsed time did not use),
+asks the `Evaluation` strategy to judge the tasks (a submit's verdict), stores the wake's exact bytes and moves
+the sleep to `gathered`. Only then are `wakes/<id>.json`, `wakes/<id>.md` and `budget.json` written (from the
+stored bytes, so a restart rewrites the same wake), the sleep moves to `woken`, and the snapshot ref is released
+(its objects go at the kernel repository's next gc). A channel that cannot be used now defers the step (logged
+once per problem); it is retried at every tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import msgspec
+
+from channel import safefs
+from channel.lifecycle import SleepEvent
+from channel.messages import TERMINAL_TASK_STATES, SkippedArtifact, Wake, encode
+from channel.paths import ChannelPaths
+from channel.render import render_wake
+from kernel.backends import jobscript
+from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, RunnableBackend
+from kernel.core.budget import release
+from kernel.core.config import Config
+from kernel.core.records import JobRow, WorkspaceRow
+from kernel.io import log as klog
+from kernel.io.crash import crash_point
+from kernel.io.enroll import write_budget
+from kernel.io.repo import KernelRepo, RepoError, snapshot_ref
+from kernel.io.snapshot import release as release_snapshot
+from kernel.io.store import StoreWorker, timestamp
+from kernel.service import gather
+from kernel.service.evaluation import Evaluation
+from kernel.service.gather import job_order
+from kernel.service.heavy import HeavyPool
+
+T = TypeVar("T")
+
+_wake_decoder: Final = msgspec.json.Decoder(Wake)
+
+# What `collect` found for one task: (job, task dir, elapsed seconds, artifacts delivered and skipped).
+Collected = tuple[JobRow, Path | None, float | None, gather.TaskFiles]
+
+
+class Waker:
+    """Gathers a complete sleep and writes its wake (each step idempotent, each safe to repeat after a crash)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        worker: StoreWorker,
+        backend: RunnableBackend,
+        heavy: HeavyPool,
+        evaluation: Evaluation,
+    ) -> None:
+        self.cfg = cfg
+        self.worker = worker
+        self.store = worker.store
+        self.backend = backend
+        self.heavy = heavy
+        self.evaluation = evaluation
+        self._gathering: set[tuple[str, int]] = set()
+        self._problems: dict[tuple[str, int], str] = {}
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.worker.call(fn, *args)
+
+    def _gather_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, list[JobRow]] | bool:
+        """(store worker) What gathering needs, once every task has ended; True if already gathered, False if
+        not ready."""
+        sleep = self.store.sleep(key, seq)
+        if sleep is None or sleep.state not in ("submitted", "running"):
+            return sleep is not None and sleep.state == "gathered"
+        jobs = self.store.jobs_of(key, seq)
+        if any(j.state not in TERMINAL_TASK_STATES for j in jobs):
+            return False
+        ws = self.store.workspace(key)
+        assert ws is not None
+        return ws, jobs
+
+    def _collect(self, ws: WorkspaceRow, seq: int, jobs: list[JobRow]) -> list[Collected] | None:
+        """(heavy pool; no store access) Deliver every task's artifacts into the channel; None if the channel
+        cannot be used now (retried at every tick)."""
+        key = ws.key
+        results: list[Collected] = []
+        try:
+            with safefs.open_channel(ws.path, ws.identity) as ch:
+                for j in jobs:
+                    tdir = Path(j.run_dir) if j.run_dir else None
+                    if tdir is not None and jobscript.read_exit(tdir) is None:
+                        tdir = None  # cancelled before it was ever handed over
+                    elapsed = None
+                    if tdir is not None:
+                        started, ended = gather.task_times(tdir)
+                        if started is not None and ended is not None:
+                            elapsed = round(max(0.0, ended - started), 3)
+                        files = gather.deliver_task(
+                            ch, j, tdir, DEFAULT_ARTIFACT_MAX_BYTES, self.cfg.log_max_bytes
+                        )
+                    else:
+                        files = gather.TaskFiles(
+                            skipped=tuple(
+                                SkippedArtifact(a, "not collected: the task never ran") for a in j.artifacts
+                            )
+                        )
+                    results.append((j, tdir, elapsed, files))
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
+            # Retried at every tick until the channel is usable again; logged once per problem.
+            self._problem("gather_deferred", key, seq, f"{type(e).__name__}: {e}")
+            return None
+        return results
+
+    def _record_gather(self, key: str, seq: int, results: list[Collected]) -> bool:
+        """(store worker) Record the wake and the refunds (the sleep -> gathered)."""
+        woken_at = timestamp()
+        with self.store.transaction():
+            sleep = self.store.sleep(key, seq)
+            ws = self.store.workspace(key)
+            assert sleep is not None
+            assert ws is not None
+            if sleep.state not in ("submitted", "running"):
+                return sleep.state == "gathered"
+            balance = ws.balance
+            refunded = 0
+            tasks = []
+            fresh = {(j.launch, j.task): j for j in self.store.jobs_of(key, seq)}
+            for j, tdir, elapsed, files in results:
+                cur = fresh[(j.launch, j.task)]
+                cost = cur.gpus * cur.minutes * 60
+                used = min(gather.gpu_seconds_used(cur.gpus, elapsed), cost)
+                if cur.reserved_gpu_s > 0:
+                    balance = release(balance, cur.reserved_gpu_s, used)
+                    # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
+                    self.store.update_job(replace(cur, reserved_gpu_s=0))
+                refunded += cost - used
+                tasks.append(gather.task_result(cur, tdir, elapsed, files, self.backend.hint_of))
+            shown, verdict = self.evaluation.judge(sleep, tuple(tasks))
+            exec_row = self.store.exec_sleep(key, seq)
+            wake = gather.build_wake(
+                sleep_id=sleep.id,
+                seq=seq,
+                created_at=sleep.created_at,
+                woken_at=woken_at,
+                note=sleep.note,
+                balance=balance,
+                tasks=shown,
+                refunded_gpu_s=refunded,
+                verdict=verdict,
+                snapshot=exec_row.commit if exec_row is not None else None,
+                launches=gather.launch_summaries(list(fresh.values()), shown, ws.policy.max_concurrent_gpus),
+            )
+            if verdict is not None:
+                self.store.set_sleep_verdict(key, seq, encode(verdict))
+            self.store.set_balance(key, balance)
+            self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
+            advanced = self.store.advance_sleep(key, seq, sleep.state, SleepEvent.GATHER)
+            assert advanced, (key, seq, sleep.state)  # read in this transaction
+        klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks))
+        return True
+
+    def _wake_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, str, bytes, bytes, str] | None:
+        """(store worker) The recorded wake of a gathered sleep: (workspace, sleep id, json, md, woken_at)."""
+        sleep = self.store.sleep(key, seq)
+        row = self.store.exec_sleep(key, seq)
+        ws = self.store.workspace(key)
+        if sleep is None or ws is None or row is None or sleep.state != "gathered":
+            return None
+        wake_json, wake_md = row.wake_json, row.wake_md
+        assert wake_json is not None
+        assert wake_md is not None
+        return ws, sleep.id, wake_json, wake_md, _wake_decoder.decode(wake_json).woken_at
+
+    def _write_wake_files(
+        self, ws: WorkspaceRow, seq: int, sleep_id: str, wake_json: bytes, wake_md: bytes, woken_at: str
+    ) -> bool:
+        """(heavy pool; no store access) Write the wake and budget.json into the channel."""
+        key = ws.key
+        try:
+            with safefs.open_channel(ws.path, ws.identity) as ch:
+                try:
+                    wakes = ch.subdir(ChannelPaths.WAKES)
+                    try:
+                        safefs.sweep_kernel_temps(wakes)  # a wake write cut short by a crash
+                    finally:
+                        os.close(wakes)
+                    ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_json(sleep_id), wake_json)
+                    ch.write_file(ChannelPaths.WAKES, ChannelPaths.wake_md(sleep_id), wake_md)
+                except safefs.Refused as e:
+                    # The agent blocked its own wake (a directory in the way): it stays in the store.
+                    klog.event("wake_blocked", logging.WARNING, ws=key, seq=seq, reason=e.reason)
+                write_budget(ch, ws.balance, woken_at)
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
+            self._problem("wake_deferred", key, seq, f"{type(e).__name__}: {e}")
+            return False
+        return True
+
+    def _record_woken(self, key: str, seq: int, sleep_id: str, woken_at: str) -> bool:
+        """(store worker) The sleep -> woken, once its wake is written (idempotent)."""
+        with self.store.transaction():
+            if not self.store.advance_sleep(key, seq, "gathered", SleepEvent.WAKE, woken_at=woken_at):
+                return False
+        self._problems.pop((key, seq), None)
+        jobs = sorted({j.job_id for j in self.store.jobs_of(key, seq) if j.job_id}, key=job_order)
+        klog.event("woken", ws=key, seq=seq, id=sleep_id, jobs=",".join(jobs))
+        return True
+
+    async def _write_wake(self, key: str, seq: int) -> bool:
+        """Write the recorded wake and budget.json, then move the sleep to woken (idempotent)."""
+        got = await self._call(self._wake_inputs, key, seq)
+        if got is None:
+            return False
+        ws, sleep_id, wake_json, wake_md, woken_at = got
+        if not await self.heavy.run(
+            key, self._write_wake_files, ws, seq, sleep_id, wake_json, wake_md, woken_at
+        ):
+            return False
+        return await self._call(self._record_woken, key, seq, sleep_id, woken_at)
+
+    def _problem(self, name: str, key: str, seq: int, problem: str) -> None:
+        if self._problems.get((key, seq)) != problem:
+            self._problems[(key, seq)] = problem
+            klog.event(name, logging.WARNING, ws=key, seq=seq, problem=problem)
+
+    def unreleased(self) -> list[tuple[str, int]]:
+        return self.store.unreleased_snapshots()
+
+    def _mark_released(self, key: str, seq: int) -> None:
+        with self.store.transaction():
+            self.store.mark_released(key, seq)
+
+    async def release(self, key: str, seq: int) -> None:
+        """Release a woken sleep's snapshot ref in the kernel's repository, then record that it was."""
+        ws = await self._call(self.store.workspace, key)
+        if ws is None:
+            return
+        try:
+            await release_snapshot(KernelRepo.at(self.cfg.run_dir, key), seq)
+        except (RepoError, OSError) as e:
+            klog.event("snapshot_release_failed", logging.WARNING, ws=key, seq=seq, problem=str(e))
+        await self._call(self._mark_released, key, seq)
+
+    async def maybe_gather(self, key: str, seq: int) -> None:
+        """Gather the sleep if its last task has ended, then write its wake (both skipped when done already)."""
+        if (key, seq) in self._gathering:
+            return
+        self._gathering.add((key, seq))
+        try:
+            got = await self._call(self._gather_inputs, key, seq)
+            if got is False:
+                return
+            if got is not True:
+                ws, jobs = got
+                results = await self.heavy.run(key, self._collect, ws, seq, jobs)
+                if results is None or not await self._call(self._record_gather, key, seq, results):
+                    return
+            crash_point("gathered")
+            if await self._write_wake(key, seq):
+                await self.release(key, seq)
+        finally:
+            self._gathering.discard((key, seq))
