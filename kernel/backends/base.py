@@ -1,9 +1,20 @@
-"""What every backend is given and must do: the JobSpec and the Backend protocol.
+"""What every backend is given and must do: the JobSpec, the Backend protocol and the errors it may raise.
 
 A JobSpec describes one launch of one sleep (a single job or an array) completely: where its run directory is,
 which snapshot it runs, how it is jailed, and its resources. `kernel.backends.jobscript` turns it into the launch's
 `command.txt` and `job.sh`; a backend only decides where and when `job.sh` runs (a local child process, or an
 sbatch job) and how to stop it. Completion is always read from the wrapper's `exit-code` files.
+
+The contract (`Backend`), in the order the service uses it:
+1. `recover(run_dir)` once at start, BEFORE `run`: adopt what the run directories record (needs no loop);
+2. `run()` in the service's task group for as long as the kernel serves (`RunnableBackend`);
+3. `submit(spec)` per launch (idempotent per `spec.key`), `cancel(key, tasks)` when asked;
+4. `wait_any_exit()` for each task's end (its `exit-code` record in place);
+5. `hint_of(task_dir)` reads a finished task's end: the backend's own explanation for the wake.
+`submit` and `cancel` raise only the typed errors below for a failure that is not a kernel bug: a
+`BackendRefused` is the agent's (the sleep is rejected `backend.refused` and refunded, never retried), a
+`BackendUnavailable` is the world's (the sleep stays unanswered and is retried later, backing off per
+workspace). The executor decides by these types, never by an exception's name.
 """
 
 from __future__ import annotations
@@ -112,6 +123,26 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.paths.task_dir(task, self.array)
 
 
+class BackendError(Exception):
+    """A backend could not do what it was asked; the subclass says whose fault it is."""
+
+
+class BackendUnavailable(BackendError):
+    """The world's fault: the scheduler cannot be reached or stays busy through every retry, or the run
+    directory cannot be written (disk full, I/O error). Nothing is wrong with the launch: the executor answers
+    nothing now (`ExecutorUnavailable`) and the sleep is tried again later."""
+
+
+class BackendRefused(BackendError):
+    """The agent's: the backend refuses this launch for good (Slurm: an invalid partition, account, QOS or GRES
+    request), so the same launch fails the same way every time. The sleep is rejected with `backend.refused`
+    and refunded, never retried. `detail` is the backend's own reason, shown to the agent."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
 TaskStatus = Literal["pending", "running", "finished"]
 
 
@@ -144,11 +175,13 @@ class Backend(Protocol):
     name: str
 
     async def submit(self, spec: JobSpec) -> list[TaskRef]:
-        """Queue every task of the launch (job.sh must already be written); idempotent per spec.key."""
+        """Queue every task of the launch (job.sh must already be written); idempotent per spec.key.
+        Raises `BackendRefused` (the agent's fault) or `BackendUnavailable` (the world's)."""
         ...
 
     async def cancel(self, key: str, tasks: Sequence[int] | None = None) -> list[TaskRef]:
-        """Stop the launch's tasks (all when `tasks` is None); returns those that had not finished."""
+        """Stop the launch's tasks (all when `tasks` is None); returns those that had not finished.
+        Raises `BackendUnavailable` when it cannot act now (the cancel is tried again later)."""
         ...
 
     async def recover(self, run_dir: Path) -> Recovered:

@@ -34,7 +34,7 @@ import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from kernel.backends import jobscript
-from kernel.backends.base import Backend, JobSpec, Recovered, TaskExit, TaskRef
+from kernel.backends.base import Backend, BackendUnavailable, JobSpec, Recovered, TaskExit, TaskRef
 
 SPEC_FILE: Final = "local.json"
 PID_FILE: Final = "local.pid"
@@ -285,6 +285,12 @@ class LocalBackend:
     # --- the Backend protocol -------------------------------------------------------------------------------
 
     async def submit(self, spec: JobSpec) -> list[TaskRef]:
+        try:
+            return self._submit(spec)
+        except OSError as e:  # the run directory cannot be read or written: the world's, tried again later
+            raise BackendUnavailable(f"submitting {spec.key}: {e}") from e
+
+    def _submit(self, spec: JobSpec) -> list[TaskRef]:
         refs = [TaskRef(key=spec.key, task=t, job_id=job_id(spec, t)) for t in range(spec.array)]
         if spec.key in self._launches:
             return refs
@@ -314,6 +320,12 @@ class LocalBackend:
         return la
 
     async def cancel(self, key: str, tasks: Sequence[int] | None = None) -> list[TaskRef]:
+        try:
+            return self._cancel(key, tasks)
+        except OSError as e:  # an exit record cannot be written: the world's, tried again later
+            raise BackendUnavailable(f"cancelling {key}: {e}") from e
+
+    def _cancel(self, key: str, tasks: Sequence[int] | None) -> list[TaskRef]:
         la = self._launches.get(key)
         if la is None:
             return []

@@ -5,8 +5,9 @@ Step 1 of a sleep's life (kernel.service.execute): snapshot the workspace into t
 the commit and tree with the sleep `snapshotted`; write each launch's run directory (`jobscript.write_launch`) and
 hand it to the backend (`submit` is idempotent per launch: a local launch already on disk or a Slurm job found by
 name is not submitted again); record every task's job id with the sleep `submitted`. A `SnapshotError` is the
-agent's (`DispatchRefused`, code `snapshot.failed`, the charge is refunded); a backend failure is the world's
-(`ExecutorUnavailable`, retried at the next rescan). Cancelling sends the backend's cancel for submitted tasks.
+agent's (`DispatchRefused`, code `snapshot.failed`, the charge is refunded); so is a `BackendRefused` (code
+`backend.refused`: the launches already submitted are cancelled, the charge refunded); a `BackendUnavailable`
+is the world's (`ExecutorUnavailable`, retried later with a per-workspace backoff). Cancelling sends the backend's cancel for submitted tasks.
 
 Launches are built from the sleep's job rows, not from the request, so whatever rows a sleep holds (a submit's
 evaluation runs included) are dispatched; the `Evaluation` strategy decides its plan (`prepare`) and adjusts
@@ -20,7 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -31,7 +32,7 @@ from channel.decode import RequestError, at_a_time
 from channel.lifecycle import SleepEvent
 from channel.messages import JobRef, LockedEnvironment
 from kernel.backends import jobscript
-from kernel.backends.base import JobSpec, RunnableBackend
+from kernel.backends.base import BackendRefused, BackendUnavailable, JobSpec, RunnableBackend
 from kernel.core.config import Config
 from kernel.core.records import JobRow, WorkspaceRow
 from kernel.io import envcache, jobenv
@@ -52,16 +53,6 @@ T = TypeVar("T")
 def _write_launches(specs: list[JobSpec]) -> None:
     for spec in specs:
         jobscript.write_launch(spec)
-
-
-def _worlds_fault(e: Exception) -> bool:
-    """A backend failure that is the world's (filesystem, scheduler down or refusing): retried later."""
-    return isinstance(e, OSError) or type(e).__name__ == "SlurmSubmitError"
-
-
-def _refused(e: Exception) -> bool:
-    """A permanent refusal by the backend (kernel.backends.slurm.backend.SlurmRefused): answered, never retried."""
-    return any(c.__name__ == "SlurmRefused" for c in type(e).__mro__)
 
 
 class Dispatcher:
@@ -327,12 +318,10 @@ class Dispatcher:
             for spec in specs.values():
                 try:
                     refs = await self.backend.submit(spec)
-                except Exception as e:
-                    if _refused(e):
-                        await self._refuse_partial(done, spec, e)
-                    if _worlds_fault(e):
-                        raise ExecutorUnavailable(f"submitting {spec.key}: {e}") from e
-                    raise
+                except BackendRefused as e:  # the agent's: answered, never retried
+                    await self._refuse_partial(done, spec, e)
+                except BackendUnavailable as e:  # the world's: tried again later
+                    raise ExecutorUnavailable(f"submitting {spec.key}: {e}") from e
                 done.append(spec)
                 for r in refs:
                     ids[(spec.launch, r.task)] = r.job_id
@@ -349,17 +338,16 @@ class Dispatcher:
         jobs = await self._call(self.store.jobs_of, key, seq)
         return tuple(JobRef(launch=j.launch, task=j.task, job_id=j.job_id) for j in jobs)
 
-    async def _refuse_partial(self, done: list[JobSpec], spec: JobSpec, e: Exception) -> None:
+    async def _refuse_partial(self, done: list[JobSpec], spec: JobSpec, e: BackendRefused) -> NoReturn:
         """The backend refused `spec` for good: cancel the launches already submitted (never half a sleep), then
         reject the sleep with `backend.refused` (the pipeline refunds it)."""
         for other in done:
             await self.backend.cancel(other.key)
         klog.event("dispatch_refused", logging.WARNING, launch=spec.key, cancelled=len(done), error=str(e))
-        detail = getattr(e, "detail", str(e))
         raise DispatchRefused(
             RequestError(
                 "backend.refused",
-                f"the scheduler refused launch {spec.launch!r}: {detail}; nothing of this sleep runs "
+                f"the scheduler refused launch {spec.launch!r}: {e.detail}; nothing of this sleep runs "
                 "and its charge is refunded",
                 None,
             )
@@ -378,8 +366,6 @@ class Dispatcher:
         for launch, ts in tasks.items():
             try:
                 stopped = await self.backend.cancel(f"{key}/{seq}/{launch}", ts)
-            except Exception as e:
-                if _worlds_fault(e):
-                    raise ExecutorUnavailable(f"cancelling {key}/{seq}/{launch}: {e}") from e
-                raise
+            except BackendUnavailable as e:  # the world's: the cancel is tried again later
+                raise ExecutorUnavailable(f"cancelling {key}/{seq}/{launch}: {e}") from e
             klog.event("cancel_sent", ws=key, seq=seq, launch=launch, tasks=len(stopped))

@@ -19,7 +19,7 @@ from fakes.fake_slurm import FakeSlurm
 
 from channel.lifecycle import next_task_state
 from kernel.backends import jobscript
-from kernel.backends.base import JobSpec, Recovered, TaskExit
+from kernel.backends.base import BackendUnavailable, JobSpec, Recovered, TaskExit
 from kernel.backends.slurm import Resolution, SbatchJob, SbatchPolicy, render_sbatch_argv
 from kernel.backends.slurm import backend as S
 from kernel.core.config import ConfigError, SlurmConfig, parse
@@ -226,7 +226,7 @@ def test_refusals_and_exhausted_retries_raise(w: World) -> None:
         run(lambda: b.submit(down))
     assert w.jobs() == {}
     assert b.open_tasks(bad.key) == b.open_tasks(down.key) == []
-    with pytest.raises(FileNotFoundError, match=r"job\.sh is missing"):
+    with pytest.raises(BackendUnavailable, match=r"job\.sh is missing"):
         run(lambda: b.submit(w.spec("nojob", write=False)))
 
 

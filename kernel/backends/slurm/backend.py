@@ -4,8 +4,9 @@ Submission. `submit` records the JobSpec in `<launch dir>/slurm.json` first, the
 Whenever a job may already exist (a retry, or a launch recorded before a restart) it first looks the launch's
 unique job name up with one `squeue` (a job submitted before a crash, or by an `sbatch` that timed out after
 creating it, is adopted, never duplicated). Transient failures (a timeout, an unreachable or busy
-controller) are retried with backoff, each retry looking by name first; other refusals raise `SlurmSubmitError`.
-The job id lands atomically in `<launch dir>/slurm-job.json`, so `recover` needs no scheduler call for it.
+controller) are retried with backoff, each retry looking by name first; a permanent refusal raises
+`SlurmRefused` (a `BackendRefused`: the agent's), retries running out `SlurmSubmitError` (a `BackendUnavailable`:
+the world's). The job id lands atomically in `<launch dir>/slurm-job.json`, so `recover` needs no scheduler call for it.
 
 Tracking (the `run` service loop). The wrapper's `exit-code` is the ground truth for a task that ran: every
 file tick (`file_poll_s`, beside the polls so a hanging squeue never delays it) stats `exit-code` once per open
@@ -46,7 +47,16 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from channel.messages import TaskState
 from kernel.backends import jobscript
-from kernel.backends.base import Backend, JobSpec, Recovered, TaskExit, TaskRef
+from kernel.backends.base import (
+    Backend,
+    BackendError,
+    BackendRefused,
+    BackendUnavailable,
+    JobSpec,
+    Recovered,
+    TaskExit,
+    TaskRef,
+)
 from kernel.backends.slurm import (
     Resolution,
     SacctResult,
@@ -104,19 +114,18 @@ TERMINATED_WAIT_S: Final = 120.0
 OUTSIDE_HINT: Final = "stopped from outside the kernel (scancel, the scheduler or an administrator)"
 
 
-class SlurmSubmitError(RuntimeError):
-    """The job could not be submitted: the scheduler stayed unreachable through every retry (the world's fault;
-    the kernel tries again later), or, as `SlurmRefused`, Slurm refused it for good."""
+class SlurmSubmitError(BackendUnavailable):
+    """The job could not be submitted: the scheduler stayed unreachable or busy through every retry (the world's
+    fault; the kernel tries again later)."""
 
 
-class SlurmRefused(SlurmSubmitError):
+class SlurmRefused(BackendRefused):
     """sbatch refused the job permanently (invalid partition, account, QOS, GRES, node configuration): the same
     request fails the same way every time, so it is answered, never retried. `detail` is Slurm's own reason."""
 
     def __init__(self, name: str, detail: str) -> None:
-        super().__init__(f"sbatch refused {name}: {detail}")
+        super().__init__(f"sbatch refused {name}: {detail}", detail)
         self.name = name
-        self.detail = detail
 
 
 class JobRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -417,6 +426,12 @@ class SlurmBackend:
     # --- submission ------------------------------------------------------------------------------------------
 
     async def submit(self, spec: JobSpec) -> list[TaskRef]:
+        try:
+            return await self._submit(spec)
+        except OSError as e:  # the run directory cannot be read or written: the world's, tried again later
+            raise BackendUnavailable(f"submitting {spec.key}: {e}") from e
+
+    async def _submit(self, spec: JobSpec) -> list[TaskRef]:
         if spec.key in self._launches:
             la = self._launches[spec.key]
             return [la.ref(t) for t in range(spec.array)]
@@ -548,6 +563,12 @@ class SlurmBackend:
     # --- cancel ----------------------------------------------------------------------------------------------
 
     async def cancel(self, key: str, tasks: Sequence[int] | None = None) -> list[TaskRef]:
+        try:
+            return await self._cancel(key, tasks)
+        except OSError as e:  # an exit record cannot be written: the world's, tried again later
+            raise BackendUnavailable(f"cancelling {key}: {e}") from e
+
+    async def _cancel(self, key: str, tasks: Sequence[int] | None) -> list[TaskRef]:
         la = self._launches.get(key)
         if la is None:
             return []
@@ -908,7 +929,7 @@ class SlurmBackend:
         async def go() -> None:
             try:
                 await self._submit_launch(la)
-            except (SlurmSubmitError, OSError, ValueError) as e:
+            except (BackendError, OSError, ValueError) as e:
                 for t in sorted(la.open):
                     rec = jobscript.ExitRecord(
                         jobscript.EXIT_WRAPPER_ERROR, KIND_SUBMIT_FAILED, detail=f"resubmission failed: {e}"
