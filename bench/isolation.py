@@ -9,10 +9,12 @@ the bench prints B's latency (request renamed -> `answers/<id>.json` present), p
 - (b) `snapshot`: A's workspace holds 20,000 directories (one small file each) and A sleeps (`true`): the
   snapshot walks them; measured from A's sleep to A's `accepted` answer.
 - (c) `temps`: A's `requests/` holds 100,000 temp names (`.<x>.tmp`, in flight), 50 of them touched every
-  20 ms, for 10 s.
+  20 ms, for 10 s (with `--rescan-seconds 5`, the default, two full listings of A's `requests/` fall in it).
+- `idle`: the floor, measured in the same run: B's latency for 10 s while A does nothing.
 
 Target: max <= 200 ms in each case. Usage:
-    .venv/bin/python bench/isolation.py [--cases artifacts,snapshot,temps] [--dirs 20000] [--temps 100000]
+    .venv/bin/python bench/isolation.py [--cases idle,artifacts,snapshot,temps] [--dirs 20000] [--temps 100000]
+                                        [--rescan-seconds 5]
 """
 
 from __future__ import annotations
@@ -85,12 +87,13 @@ class Prober(threading.Thread):
 
 
 class Kernel:
-    def __init__(self, top: Path) -> None:
+    def __init__(self, top: Path, rescan_seconds: float) -> None:
         self.top = top
         self.config = top / "config.toml"
         self.config.write_text(
             ("allow_root = true\n" if os.geteuid() == 0 else "")
-            + f'state_dir = "{top}/state"\njail = "none"\nbackend = "local"\n[local]\nmax_parallel = 8\n'
+            + f'state_dir = "{top}/state"\njail = "none"\nbackend = "local"\n'
+            + f"rescan_seconds = {rescan_seconds}\n[local]\nmax_parallel = 8\n"
         )
         self.log = top / "kernel.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -177,6 +180,10 @@ def case_snapshot(a: Path, b: Path, dirs: int) -> dict[str, object]:
     return row
 
 
+def case_idle(b: Path) -> dict[str, object]:
+    return measure("idle: A does nothing (the floor)", b, lambda: time.sleep(10))
+
+
 def case_temps(a: Path, b: Path, temps: int) -> dict[str, object]:
     rq = a / ".syscall" / "requests"
     names = [rq / f".t{i:06d}.tmp" for i in range(temps)]
@@ -200,13 +207,14 @@ def case_temps(a: Path, b: Path, temps: int) -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="artifacts,snapshot,temps")
+    ap.add_argument("--cases", default="idle,artifacts,snapshot,temps")
+    ap.add_argument("--rescan-seconds", type=float, default=5.0)
     ap.add_argument("--dirs", type=int, default=20_000)
     ap.add_argument("--temps", type=int, default=100_000)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     top = Path(tempfile.mkdtemp(prefix="bench-iso-"))
-    kernel = Kernel(top)
+    kernel = Kernel(top, args.rescan_seconds)
     try:
         cases = args.cases.split(",")
         a = workspace(top / "a", args.dirs if "snapshot" in cases else 0)
@@ -215,7 +223,9 @@ def main() -> None:
             kernel.cli("enroll", str(ws), "--launches", "1000", "--sleeps", "1000", "--gpu-hours", "100")
         kernel.start()
         for case in cases:
-            if case == "artifacts":
+            if case == "idle":
+                row = case_idle(b)
+            elif case == "artifacts":
                 row = case_artifacts(a, b)
             elif case == "snapshot":
                 row = case_snapshot(a, b, args.dirs)

@@ -189,8 +189,11 @@ class Config(_Strict, frozen=True, kw_only=True):
     # A client's `requests/.<id>.tmp` untouched for this long is abandoned and removed (spec 3.1); younger ones
     # may be writes in progress and are never touched.
     temp_grace_minutes: Annotated[float, Meta(ge=1, le=7 * 24 * 60)] = 10.0
-    # A pass running longer than this marks the service unhealthy (systemd's watchdog then restarts it).
+    # A store step running longer than this marks the service unhealthy (systemd's watchdog then restarts it).
     stall_seconds: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+    # A workspace whose channel I/O (listing, reading, writing answers) has not returned after this long gets a
+    # problem in `status`; nothing more is started for it until the I/O returns, and other workspaces go on.
+    channel_io_deadline_seconds: Annotated[float, Meta(gt=0, le=3600)] = 10.0
     # The operator's hook for submit verdicts: a command (split like a shell would, run without one) that gets
     # each verdict and its report as JSON on stdin, in state_dir with a clean environment (kernel.service.submitexec).
     on_verdict: str = ""

@@ -1,4 +1,4 @@
-"""TEST ONLY crash injection: every point where a test may SIGKILL the kernel, in one place.
+"""TEST ONLY crash and fault injection: every point where a test may SIGKILL the kernel or hang its I/O, in one place.
 
 `SYSCALL_KERNEL_CRASH_AT=<step>` makes the kernel kill itself with SIGKILL (as a power cut or the OOM killer
 would) when it reaches that step, so the fault tests prove that a restart finishes the work exactly once.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
+from pathlib import Path
 from typing import Final
 
 from kernel.io import log as klog
@@ -31,3 +33,32 @@ def crash_point(step: str) -> None:
         for h in logging.getLogger().handlers:
             h.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# A file holding "<step> <workspace path>": while it exists, that workspace's channel I/O hangs at that step.
+HANG_ENV: Final = "SYSCALL_KERNEL_HANG_CHANNEL"
+# channel: any channel I/O of the request path starts (open, read, write answers); listing: a full listing of
+# `requests/` was made and has not returned (a huge or slow directory).
+HANG_STEPS: Final = ("channel", "listing")
+
+
+def hang_point(step: str, workspace: str) -> None:
+    """TEST ONLY: the channel of `workspace` on a filesystem that stopped answering. When SYSCALL_KERNEL_HANG_CHANNEL
+    names a file that exists and holds "<step> <workspace path>", the calling thread blocks here (as a hung NFS
+    call would) until the file is removed or names something else."""
+    assert step in HANG_STEPS, step
+    flag = os.environ.get(HANG_ENV)
+    if not flag:
+        return
+    logged = False
+    while True:
+        try:
+            held = Path(flag).read_text().strip()
+        except FileNotFoundError:
+            return
+        if held != f"{step} {workspace}":
+            return
+        if not logged:
+            logged = True
+            klog.event("hang_injected", logging.WARNING, step=step, path=workspace)
+        time.sleep(0.05)

@@ -2,11 +2,13 @@
 
 Start: enroll the config's `workspaces` globs, refresh every enrolled channel (tool, kernel.json, budget.json,
 leftover temp files), watch each channel (inotify, or polling on network filesystems), let the executor recover,
-resume interrupted requests, then tell systemd READY=1. Serve: wait for an event, a poll tick or the periodic
-rescan, then run one bounded, fair pipeline pass, and repeat. WATCHDOG=1 is sent only while the watcher thread is
-alive and no pass has run longer than `stall_seconds` (the ping task itself runs on the loop, so a stuck loop stops
-it too). SIGTERM/SIGINT: STOPPING=1, finish the pass in progress (no new one starts), stop the watcher, close the
-store; unhandled requests stay on disk for the next start.
+resume interrupted requests, then tell systemd READY=1. Serve: wait for an event, a poll tick, the periodic
+rescan or the end of a workspace's turn, then start one bounded, fair pipeline pass (its turns run as tasks: the
+loop never waits for a workspace's channel I/O), and repeat. WATCHDOG=1 is sent only while the watcher thread is
+alive and no store step has run longer than `stall_seconds` (the ping task itself runs on the loop, so a stuck
+loop stops it too). SIGTERM/SIGINT: STOPPING=1, finish the turns in flight (no new one starts; one whose channel
+I/O is past `channel_io_deadline_seconds` is abandoned to its thread), stop the watcher, close the store;
+unhandled requests stay on disk for the next start.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class Service:
             return
         self.stopping = True
         log.event("stopping", reason=why)
-        self.notifier.stopping(f"draining ({why}): finishing the pass in progress")
+        self.notifier.stopping(f"draining ({why}): finishing the turns in flight")
         if self._wait_scope is not None:
             self._wait_scope.cancel()
 
@@ -290,6 +292,8 @@ class Service:
         """At every rescan: drop the channels another store has taken over. The new rows when any changed."""
         changed = False
         for row in list(self.pipeline.workspaces.values()):
+            if row.key in self.pipeline.chanio.overdue:
+                continue  # its channel I/O has not returned: not touched from the store worker
             try:
                 with safefs.open_channel(row.path, row.identity) as ch:
                     enrollment.check_owner(self.store, ch, row.path)
@@ -436,10 +440,16 @@ class Service:
                 tg.start_soon(self.executor.run)
                 self._send = send
                 self.pipeline.on_idle = self._wake
-                # Leaving this group waits for the sleeps and cancels still at the executor: the drain.
-                async with anyio.create_task_group() as work:
+                self.pipeline.on_turn_done = lambda: self._wake("")
+                # Leaving `work` waits for the sleeps and cancels still at the executor (the drain); leaving
+                # `turns` waits for the workspaces' turns in flight, but one whose channel I/O is overdue is
+                # abandoned (`ChannelIO.stop`), so a hung filesystem cannot hold the stop.
+                async with anyio.create_task_group() as work, anyio.create_task_group() as turns:
                     with recv:
-                        await self._loop(recv, lambda c: work.start_soon(self.pipeline.advance, c))
+                        await self._loop(
+                            recv, lambda c: work.start_soon(self.pipeline.advance, c), turns.start_soon
+                        )
+                    self.pipeline.chanio.stop()
             finally:
                 tg.cancel_scope.cancel()
                 send.close()
@@ -463,12 +473,14 @@ class Service:
             with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
                 self._send.send_nowait(key)
 
-    async def _loop(self, recv: MemoryObjectReceiveStream[str], spawn: Spawn) -> None:
+    async def _loop(
+        self, recv: MemoryObjectReceiveStream[str], spawn: Spawn, start: Callable[..., object]
+    ) -> None:
         """Serve until stopped; while the store cannot be written, retry every STORE_RETRY_S (the requests of a
         failed step stay in their channels, unanswered, and are listed again by the sweep that follows)."""
         while not self.stopping:
             try:
-                await self._serve(recv, spawn)
+                await self._serve(recv, spawn, start)
             except StoreUnavailable:
                 self._publish_status()
                 await anyio.sleep(STORE_RETRY_S)
@@ -490,7 +502,12 @@ class Service:
         self.notifier.status(line)
         self.publish(line)
 
-    async def _serve(self, recv: MemoryObjectReceiveStream[str], spawn: Spawn) -> None:
+    async def _serve(
+        self, recv: MemoryObjectReceiveStream[str], spawn: Spawn, start: Callable[..., object]
+    ) -> None:
+        """The service loop. It never waits for a workspace's channel I/O: each pass starts its workspaces'
+        turns as tasks (`start`) and goes on; a turn that ends wakes it. Only its own steps on the store worker
+        (reloads, the rescan's look at the workspaces, recovery) are awaited here."""
         now = self.clock()
         next_rescan = now + self.cfg.rescan_seconds
         next_tick = now + self.cfg.poll_seconds
@@ -518,7 +535,13 @@ class Service:
                     self.pipeline.sweep()
                 lost = self.watcher.take_lost()
                 if lost:
-                    await self.worker.call(self._watch_all, list(self.pipeline.workspaces.values()), lost)
+                    # Not a channel whose I/O is overdue (the store worker must not wait for it): the rescan
+                    # watches it again once its I/O has returned.
+                    await self.worker.call(
+                        self._watch_all,
+                        list(self.pipeline.workspaces.values()),
+                        lost - set(self.pipeline.chanio.overdue),
+                    )
                     for key in lost:
                         self.pipeline.mark(key)
             now = self.clock()
@@ -534,6 +557,7 @@ class Service:
                 unwatched = {
                     k for k in self.pipeline.workspaces if k not in self.polled and self.watcher is not None
                 } - {k for k in self.pipeline.workspaces if self.watcher and self.watcher.watching(k)}
+                unwatched -= set(self.pipeline.chanio.overdue)
                 if unwatched:
                     await self.worker.call(
                         self._watch_all, list(self.pipeline.workspaces.values()), unwatched
@@ -551,7 +575,10 @@ class Service:
                     await self.worker.call(metrics.refresh, self.store, self.degraded() is not None)
             if self.is_stopping():
                 break
-            await self.pipeline.run_pass(spawn)
+            if self.pipeline.store_failed is not None:
+                failed, self.pipeline.store_failed = self.pipeline.store_failed, None
+                raise failed
+            self.pipeline.start_pass(start, spawn)
             await anyio.lowlevel.checkpoint()
 
     async def _pinger(self) -> None:
@@ -593,6 +620,7 @@ class Service:
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
         self.cfg = self.pipeline.cfg = cfg
+        self.pipeline.chanio.deadline = cfg.channel_io_deadline_seconds
         rows = await self.worker.call(self._reapply)
         await self.worker.call(self._apply_rows, rows)
         log.event(

@@ -17,6 +17,14 @@ Work is bounded: each pass serves at most `batch_per_workspace` requests of one 
 is drained, so a channel holding 10,000 requests costs one listing per 10,000 answers and never starves others.
 Temp files a client abandoned (`.<id>.tmp` unchanged for `temp_grace_minutes`) are aged out the same bounded
 way, a few hundred per listing, resuming where the previous listing stopped.
+
+Who runs what: a pass starts one *turn* per planned workspace, as a task, and does not wait for it. A turn's
+channel I/O (open and check the channel, list or read the named requests, read them; later write the answers and
+the budget, remove the requests) runs in the channel I/O pool (`kernel.service.chanio`: bounded, one call per
+workspace at a time, fair, with a deadline); only its sqlite steps (look-ups, the pure decision in
+`kernel.core.rules`, the recording transaction) run on the store worker, the one writer. So a workspace whose
+channel is slow or hung delays nobody else: past `channel_io_deadline_seconds` its problem shows in
+`syscall-kernel status`, nothing more is started for it until the I/O returns, and other workspaces are served.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
+
+import anyio
 
 from channel import limits as L
 from channel import safefs
@@ -57,15 +67,17 @@ from kernel.core import rules
 from kernel.core.budget import Balance, refund_sleep
 from kernel.core.config import Config
 from kernel.core.records import RequestRow, SleepRow, WorkspaceRow
-from kernel.io import metrics
+from kernel.io import crash, metrics
 from kernel.io.enroll import kernel_ref, write_budget
 from kernel.io.log import event
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.service import gather
+from kernel.service.chanio import ChannelIO, ChannelIOAbandoned
 from kernel.service.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
 
-# Channels listed per pass by a rescan or poll tick (on top of the channels with news).
-SWEEP_PER_PASS: Final = 16
+# Listings of a rescan or poll tick in flight at once (on top of the channels with news), so that a sweep of
+# 1,000 quiet channels never fills the channel I/O queue in front of a request an event announced.
+SWEEP_IN_FLIGHT: Final = 4
 # Junk names (not `<id>.json`, not a temp file) removed per listing; the rest go at the next listing.
 JUNK_PER_LISTING: Final = 256
 # Temp names examined (lstat, and removed if stale) per listing; the rest go at the next listing.
@@ -85,6 +97,66 @@ class _Backoff:
 
 
 Spawn = Callable[["Continuation"], object]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """What one turn does for a workspace: list in full, take the names events gave, or go on with its
+    backlog; then read up to `n` requests."""
+
+    key: str
+    n: int
+    full: bool
+    names: set[str] | None
+    swept: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """One request as read from the channel (or why it could not be read)."""
+
+    rid: str
+    received: float
+    data: bytes = b""
+    inode: safefs.Inode | None = None
+    refused: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    ch: safefs.Channel
+    reads: list[_Read]
+    relist: bool  # more junk or stale temps left than one listing takes: list again at once
+
+
+@dataclass(frozen=True, slots=True)
+class _Delivery:
+    """A recorded answer to write, and the request file (the inode read) to remove once it is in place."""
+
+    rid: str
+    answer: bytes
+    outcome: str
+    received: float
+    only: safefs.Inode | None
+
+
+@dataclass(slots=True)
+class _Recorded:
+    """What a turn's store step decided: answers to deliver, a new budget to publish, the continuation that
+    goes on to the executor, and the ids read after it (read again once the executor is done)."""
+
+    deliveries: list[_Delivery] = field(default_factory=list)
+    budget: tuple[Balance, str] | None = None
+    cont: Continuation | None = None
+    left: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Answered:
+    ws: WorkspaceRow
+    answer: bytes
+    outcome: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +205,17 @@ class Pipeline:
         self._temp_cursor: dict[str, str] = {}
         self._after: str | None = None
         self._problems: dict[str, str] = {}
+        # Workspaces with a turn in flight (one at a time each), and how many of those the sweep started.
+        self.inflight: set[str] = set()
+        self._sweeping = 0
+        self.on_turn_done: Callable[[], None] = lambda: None
+        # A turn's store step failed (the disk): raised to the service loop, which waits and sweeps again.
+        self.store_failed: StoreUnavailable | None = None
+        self.chanio = ChannelIO(
+            cfg.channel_io_deadline_seconds, on_overdue=self._io_overdue, on_returned=self._io_returned
+        )
+        self._overdue: dict[str, str] = {}  # workspace -> the problem its overdue channel I/O shows
+        # When the store step now running started (the watchdog: a step that never ends stops the pings).
         self.pass_started: float | None = None
         self.answered = 0
         self.last_pass_ms = 0.0
@@ -177,50 +260,84 @@ class Pipeline:
                 self._sweep.append(key)
 
     def has_work(self) -> bool:
-        return bool(self._sweep) or bool(self._pending())
+        """Whether a pass would start anything now (workspaces with a turn in flight wait for it to end)."""
+        sweepable = bool(self._sweep) and self._sweeping < SWEEP_IN_FLIGHT
+        return sweepable or bool(self._pending())
 
     def _pending(self) -> dict[str, int]:
-        # A workspace with a sleep or cancel at the executor waits (its next request may depend on it); the
-        # others go on.
-        pending = {k: len(q) for k, q in self.backlog.items() if q and k not in self.busy}
+        # A workspace with a sleep or cancel at the executor waits (its next request may depend on it), as does
+        # one whose turn is still in flight (its channel I/O may not have returned); the others go on.
+        waiting = self.busy | self.inflight
+        pending = {k: len(q) for k, q in self.backlog.items() if q and k not in waiting}
         for k in (*self.dirty, *self.named):
-            if k not in self.busy:
+            if k not in waiting:
                 pending.setdefault(k, self.cfg.batch_per_workspace)
         return pending
 
+    def _plan(self) -> list[_Turn]:
+        """The turns of one bounded, fair pass (rules.plan_pass round-robin), plus a few channels of the sweep
+        (at most SWEEP_IN_FLIGHT listings of the sweep in flight, so a sweep of 1,000 quiet channels never
+        fills the channel I/O queue in front of a request an event announced)."""
+        plan, self._after = rules.plan_pass(
+            self._pending(), self._after, self.cfg.batch_per_workspace, self.cfg.batch_per_pass
+        )
+        turns: list[_Turn] = []
+        for key, n in plan:
+            turns.append(self._turn_of(key, n, swept=False))
+        planned = {k for k, _ in plan}
+        while self._sweep and self._sweeping < SWEEP_IN_FLIGHT:
+            key = self._sweep.popleft()
+            self._swept.discard(key)
+            if key not in self.workspaces or key in planned or key in self.busy or self.backlog.get(key):
+                continue
+            if key in self.inflight:
+                self.dirty.add(key)  # listed in full once its turn in flight ends
+                continue
+            self.dirty.add(key)
+            turns.append(self._turn_of(key, self.cfg.batch_per_workspace, swept=True))
+            self._sweeping += 1
+        return turns
+
+    def _turn_of(self, key: str, n: int, *, swept: bool) -> _Turn:
+        # Decided here, on the event loop (where `mark` runs), so an event that arrives while the turn's
+        # channel I/O runs is kept for the next turn, never lost.
+        self.inflight.add(key)
+        queue = self.backlog.get(key)
+        if not queue and key in self.dirty:
+            self.dirty.discard(key)
+            self.named.pop(key, None)  # the full listing sees them too
+            return _Turn(key, n, True, None, swept)
+        if not queue and key in self.named:
+            return _Turn(key, n, False, self.named.pop(key), swept)
+        return _Turn(key, n, False, None, swept)
+
+    def start_pass(self, start: Callable[..., object], spawn: Spawn | None = None) -> int:
+        """Start one pass's turns as tasks (`start` is a task group's `start_soon`) and return at once: the
+        service loop never waits for a workspace's channel I/O. Each turn ends with `on_turn_done()`."""
+        turns = self._plan()
+        for t in turns:
+            start(self._run_turn, t, spawn)
+        return len(turns)
+
     async def run_pass(self, spawn: Spawn | None = None) -> int:
-        """Serve one bounded, fair pass; return how many requests were handled.
+        """Serve one bounded, fair pass and wait for all of its turns; return how many requests were handled.
 
         Sleeps and cancels recorded in the pass continue at the executor through `spawn` (a task in the
         service's task group), so a slow snapshot or submission never holds up other workspaces; without
         `spawn` they are awaited here.
         """
-        plan, self._after = rules.plan_pass(
-            self._pending(), self._after, self.cfg.batch_per_workspace, self.cfg.batch_per_pass
-        )
-        planned = {k for k, _ in plan}
-        for _ in range(min(SWEEP_PER_PASS, len(self._sweep))):
-            key = self._sweep.popleft()
-            self._swept.discard(key)
-            if (
-                key in self.workspaces
-                and key not in planned
-                and key not in self.busy
-                and not self.backlog.get(key)
-            ):
-                self.dirty.add(key)
-                plan.append((key, self.cfg.batch_per_workspace))
-        if not plan:
-            return 0
-        started = self.pass_started = self.clock()
-        try:
-            handled, conts = await self.worker.call(self._pass_sync, plan)
-        finally:
-            self.pass_started = None
-            self.last_pass_ms = (self.clock() - started) * 1000
-            metrics.PASS_SECONDS.observe(self.last_pass_ms / 1000)
-        for c in conts:
-            await self._start(c, spawn)
+        handled = 0
+
+        async def one(t: _Turn) -> None:
+            nonlocal handled
+            handled += await self._run_turn(t, spawn)
+
+        async with anyio.create_task_group() as tg:
+            for t in self._plan():
+                tg.start_soon(one, t)
+        if self.store_failed is not None:
+            failed, self.store_failed = self.store_failed, None
+            raise failed
         return handled
 
     async def _start(self, c: Continuation, spawn: Spawn | None) -> None:
@@ -230,68 +347,139 @@ class Pipeline:
         else:
             spawn(c)
 
-    # --- the synchronous part of a pass (worker thread) ---------------------------------------------------
+    # --- a workspace's turn: channel I/O (pool), decisions and records (store worker), answers (pool) -------
 
-    def _pass_sync(self, plan: list[tuple[str, int]]) -> tuple[int, list[Continuation]]:
-        conts: list[Continuation] = []
-        handled = 0
-        for key, n in plan:
-            ws = self.workspaces.get(key)
-            if ws is None:
-                self.dirty.discard(key)
-                continue
-            queue = self.backlog.setdefault(key, deque())
-            try:
-                with safefs.open_channel(ws.path, ws.identity) as ch:
-                    # A replaced subdirectory (spec 2.3) stops this workspace only: nothing is read from it or
-                    # written into it, its requests stay where they are, until `enroll` adopts it.
-                    ch.check_subdirs()
-                    if not queue and key in self.dirty:
-                        self.dirty.discard(key)
-                        self.named.pop(key, None)  # the full listing sees them too
-                        self._list(ws, ch, queue)
-                    elif not queue and key in self.named:
-                        self._take_named(ws, queue)
-                    self._clear_problem(ws)
-                    for _ in range(n):
-                        if not queue:
-                            break
-                        c = self._one(ws, ch, queue.popleft())
-                        handled += 1
-                        if c is not None:
-                            # The workspace's later requests wait until the executor is done with this one.
-                            conts.append(c)
-                            break
-            except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
-                queue.clear()
-                self.dirty.discard(key)
-                self.named.pop(key, None)
-                self._set_problem(ws, f"{type(exc).__name__}: {exc}")
-        return handled, conts
+    async def _run_turn(self, t: _Turn, spawn: Spawn | None) -> int:
+        started = self.clock()
+        try:
+            return await self._turn(t, spawn)
+        except ChannelIOAbandoned:
+            return 0  # stopping; its requests stay in the channel for the next start
+        except StoreUnavailable as exc:
+            # Logged by the worker. What was committed is replayed from the store at the next listing; the
+            # service loop waits and sweeps again (the requests stay in their channel).
+            self.backlog.pop(t.key, None)
+            self.store_failed = exc
+            return 0
+        finally:
+            self.inflight.discard(t.key)
+            if t.swept:
+                self._sweeping -= 1
+            self.last_pass_ms = (self.clock() - started) * 1000
+            metrics.PASS_SECONDS.observe(self.last_pass_ms / 1000)
+            self.on_turn_done()
 
-    def _take_named(self, ws: WorkspaceRow, queue: deque[str]) -> None:
+    async def _turn(self, t: _Turn, spawn: Spawn | None) -> int:
+        """Read (channel I/O pool) -> decide and record (store worker) -> write the answers, remove the
+        requests (channel I/O pool). Every answer is committed before its file is written and its request
+        removed, so a kill anywhere in between replays the stored answer (exactly once)."""
+        ws = self.workspaces.get(t.key)
+        if ws is None:
+            self.dirty.discard(t.key)
+            return 0
+        taken: _Taken | None = None
+        try:
+            taken = await self.chanio.run(t.key, self._take, ws, t)
+            if taken.relist:
+                self.dirty.add(t.key)
+            if not taken.reads and t.key not in self._problems:
+                return 0
+            rec = await self.worker.call(self._timed, self._record, ws, taken.reads)
+            if rec.left:
+                self.backlog.setdefault(t.key, deque()).extendleft(reversed(rec.left))
+            if rec.deliveries or rec.budget is not None:
+                self.answered += await self.chanio.run(t.key, self._deliver_all, ws, taken.ch, rec)
+        except ChannelIOAbandoned:
+            # Stopping: the abandoned call's thread may still use the channel's fd; closing it here could
+            # hand the number to another open while that thread writes through it.
+            taken = None
+            raise
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+            self.backlog.pop(t.key, None)
+            self.dirty.discard(t.key)
+            self.named.pop(t.key, None)
+            await self.worker.call(self._set_problem, ws, f"{type(exc).__name__}: {exc}")
+            return 0
+        finally:
+            if taken is not None:
+                taken.ch.close()
+        if rec.cont is not None:
+            # The workspace's later requests wait until the executor is done with this one.
+            await self._start(rec.cont, spawn)
+        return len(taken.reads) - len(rec.left)
+
+    def _timed(self, fn: Callable[..., T], *args: object) -> T:
+        # On the store worker (one step at a time): the watchdog's view of a store step that does not end.
+        self.pass_started = self.clock()
+        try:
+            return fn(*args)
+        finally:
+            self.pass_started = None
+
+    # --- channel I/O (pool threads; one call per workspace at a time, so a workspace's backlog, temp cursor,
+    # blocked and stuck sets are touched by one thread at a time) --------------------------------------------
+
+    def _take(self, ws: WorkspaceRow, t: _Turn) -> _Taken:
+        """Open and check the channel, list it (in full, or the names events gave) when its backlog is empty,
+        and read up to `t.n` requests of the backlog."""
+        crash.hang_point("channel", ws.path)
+        ch = safefs.open_channel(ws.path, ws.identity)
+        try:
+            # A replaced subdirectory (spec 2.3) stops this workspace only: nothing is read from it or written
+            # into it, its requests stay where they are, until `enroll` adopts it.
+            ch.check_subdirs()
+            queue = self.backlog.setdefault(ws.key, deque())
+            relist = False
+            if t.full:
+                relist = self._list(ws, ch, queue)
+            elif t.names is not None:
+                relist = self._take_named(ws, t.names, queue)
+            reads = []
+            for _ in range(t.n):
+                if not queue:
+                    break
+                reads.append(self._read(ch, queue.popleft()))
+        except BaseException:
+            ch.close()
+            raise
+        return _Taken(ch, reads, relist)
+
+    def _read(self, ch: safefs.Channel, rid: str) -> _Read:
+        received = self.clock()
+        try:
+            data, inode = ch.read_request_entry(rid)
+        except safefs.Refused as exc:
+            return _Read(rid, received, refused=exc.reason)
+        return _Read(rid, received, data, inode)
+
+    def _take_named(self, ws: WorkspaceRow, names: set[str], queue: deque[str]) -> bool:
         """Queue the committed requests events named (in name order, as a listing would); a junk name (not
-        `<id>.json`) asks for a full listing, which removes it."""
-        names = self.named.pop(ws.key, set())
+        `<id>.json`) asks for a full listing (True), which removes it."""
         stuck = self._stuck.get(ws.key, set())
         ids = []
+        relist = False
         for name in sorted(names):
             rid = ChannelPaths.committed_request_id(name)
             if rid is None:
                 if not ChannelPaths.is_temp(name):
-                    self.dirty.add(ws.key)
+                    relist = True
             elif rid not in stuck:
                 ids.append(rid)
         queue.extend(ids)
+        return relist
 
-    def _list(self, ws: WorkspaceRow, ch: safefs.Channel, queue: deque[str]) -> None:
+    def _list(self, ws: WorkspaceRow, ch: safefs.Channel, queue: deque[str]) -> bool:
+        """A full listing: queue the committed requests, remove junk and age temps (a bounded number each);
+        True when more is left than one listing takes (list again at once)."""
         listing = ch.scan_requests()
+        crash.hang_point("listing", ws.path)
         ids, junk = listing.ids, listing.junk
         stuck = self._stuck.get(ws.key)
         if stuck:
             stuck &= set(ids)
             ids = [i for i in ids if i not in stuck]
         queue.extend(ids)
+        relist = False
         if junk:
             removed = 0
             for name in junk[:JUNK_PER_LISTING]:
@@ -301,16 +489,17 @@ class Pipeline:
                 except (safefs.Refused, OSError):
                     pass
             event("junk_removed", ws=ws.key, count=removed, first=junk[0])
-            if len(junk) > JUNK_PER_LISTING:
-                self.dirty.add(ws.key)
+            relist = len(junk) > JUNK_PER_LISTING
         if listing.temps:
-            self._age_out_temps(ws, ch, listing.temps)
+            relist = self._age_out_temps(ws, ch, listing.temps) or relist
+        return relist
 
-    def _age_out_temps(self, ws: WorkspaceRow, ch: safefs.Channel, temps: list[str]) -> None:
+    def _age_out_temps(self, ws: WorkspaceRow, ch: safefs.Channel, temps: list[str]) -> bool:
         """Remove up to TEMPS_PER_LISTING abandoned temps, starting after the last name examined.
 
-        The channel is listed again at once only while stale temps are being found; a batch of young ones
-        waits for the next event or rescan, so a channel full of writes in progress is not re-listed every pass.
+        The channel is listed again at once (True) only while stale temps are being found; a batch of young
+        ones waits for the next event or rescan, so a channel full of writes in progress is not re-listed every
+        pass.
         """
         start = bisect.bisect_right(temps, self._temp_cursor.get(ws.key, ""))
         batch = (temps[start:] + temps[:start])[:TEMPS_PER_LISTING]
@@ -319,8 +508,40 @@ class Pipeline:
         swept = ch.remove_stale_temps(batch, cutoff_ns)
         if swept.removed:
             event("temps_removed", ws=ws.key, count=swept.removed, young=swept.young, left=swept.kept)
-            if len(temps) > len(batch):
-                self.dirty.add(ws.key)
+            return len(temps) > len(batch)
+        return False
+
+    def _deliver_all(self, ws: WorkspaceRow, ch: safefs.Channel, rec: _Recorded) -> int:
+        """Write the recorded answers (in order), then the new budget of a recorded sleep or cancel; how many
+        requests were answered."""
+        answered = sum(self._deliver(ch, ws, d) for d in rec.deliveries)
+        if rec.budget is not None:
+            write_budget(ch, *rec.budget)
+        return answered
+
+    def _deliver_recorded(
+        self, ws: WorkspaceRow, rid: str, answer: bytes, outcome: str, received: float
+    ) -> int:
+        """A continuation's answer (recorded): the budget as recorded, then the answer."""
+        crash.hang_point("channel", ws.path)
+        with safefs.open_channel(ws.path, ws.identity) as ch:
+            write_budget(ch, ws.balance, timestamp(self.clock()), only_if_changed=True)
+            only = self._read_as.pop((ws.key, rid), None)
+            return self._deliver(ch, ws, _Delivery(rid, answer, outcome, received, only))
+
+    # --- the store part of a turn (store worker) ------------------------------------------------------------
+
+    def _record(self, ws: WorkspaceRow, reads: list[_Read]) -> _Recorded:
+        """Decide and record each request read, in order, up to the first that goes on to the executor (the
+        rest are read again after it)."""
+        rec = _Recorded()
+        self._clear_problem(ws)
+        for i, r in enumerate(reads):
+            self._decide(ws, r, rec)
+            if rec.cont is not None:
+                rec.left = [x.rid for x in reads[i + 1 :]]
+                break
+        return rec
 
     def _set_problem(self, ws: WorkspaceRow, problem: str) -> None:
         if self._problems.get(ws.key) != problem:
@@ -335,56 +556,79 @@ class Pipeline:
             with self.store.transaction():
                 self.store.set_problem(ws.key, None)
 
-    def _deliver(
-        self, ch: safefs.Channel, ws: WorkspaceRow, rid: str, answer: bytes, outcome: str, received: float
-    ) -> None:
-        """Write the (recorded) answer, then remove the request. The request is removed only once its answer
-        file is in place (spec 3.4): a write that fails or is refused keeps it, and the next listing of the
-        channel (an event, the poll or the rescan) replays the recorded answer, so no answer is ever lost."""
+    async def _io_overdue(self, key: str, since: float) -> None:
+        ws = self.workspaces.get(key)
+        if ws is None:
+            return
+        problem = (
+            f"channel I/O has not returned since {timestamp(since)} (over "
+            f"{self.chanio.deadline:g} s: a hung filesystem?); nothing more is started for this workspace until "
+            "it returns; other workspaces are served meanwhile"
+        )
+        self._overdue[key] = problem
+        await self.worker.call(self._set_problem, ws, problem)
+
+    async def _io_returned(self, key: str) -> None:
+        problem = self._overdue.pop(key, None)
+        event("channel_io_returned", ws=key)
+        ws = self.workspaces.get(key)
+        if ws is not None and problem is not None and self._problems.get(key) == problem:
+            await self.worker.call(self._clear_problem, ws)
+
+    def _deliver(self, ch: safefs.Channel, ws: WorkspaceRow, d: _Delivery) -> int:
+        """Write the (recorded) answer, then remove the request; 1 when answered. The request is removed only
+        once its answer file is in place (spec 3.4): a write that fails or is refused keeps it, and the next
+        listing of the channel (an event, the poll or the rescan) replays the recorded answer, so no answer is
+        ever lost."""
+        rid = d.rid
         try:
-            ch.write_file(ChannelPaths.ANSWERS, ChannelPaths.answer(rid), answer)
+            ch.write_file(ChannelPaths.ANSWERS, ChannelPaths.answer(rid), d.answer)
         except safefs.Refused as exc:
             # The agent blocked its own answer (`answers/` a symlink, a directory in the way): logged once.
             if rid not in self._blocked.setdefault(ws.key, set()):
                 self._blocked[ws.key].add(rid)
                 event("answer_blocked", logging.WARNING, ws=ws.key, id=rid, reason=exc.reason)
-            return
+            return 0
         except OSError as exc:
             event("answer_failed", logging.ERROR, ws=ws.key, id=rid, error=exc.strerror or str(exc))
-            return
+            return 0
         blocked = self._blocked.get(ws.key)
         if blocked and rid in blocked:
             blocked.discard(rid)
             event("answer_unblocked", ws=ws.key, id=rid)
         try:
             # Only the file that was read: a new request renamed over the name since then is kept.
-            ch.remove_request(ChannelPaths.request(rid), only=self._read_as.pop((ws.key, rid), None))
+            ch.remove_request(ChannelPaths.request(rid), only=d.only)
         except safefs.Refused:
             self._stuck.setdefault(ws.key, set()).add(rid)
         except OSError as exc:
             event("request_not_removed", logging.WARNING, ws=ws.key, id=rid, error=exc.strerror)
-        self.answered += 1
-        ms = (self.clock() - received) * 1000
-        metrics.answered(outcome, ms / 1000)
-        event("answered", ws=ws.key, id=rid, outcome=outcome, ms=f"{ms:.2f}")
+        ms = (self.clock() - d.received) * 1000
+        metrics.answered(d.outcome, ms / 1000)
+        event("answered", ws=ws.key, id=rid, outcome=d.outcome, ms=f"{ms:.2f}")
+        return 1
 
-    def _one(self, ws: WorkspaceRow, ch: safefs.Channel, rid: str) -> Continuation | None:
-        received = self.clock()
-        try:
-            data, inode = ch.read_request_entry(rid)
-        except safefs.Refused as exc:
-            if exc.reason == "vanished":
-                return None
-            code = "request.too_large" if exc.reason.startswith("larger than") else "request.unreadable"
+    def _answer(self, rec: _Recorded, ws: WorkspaceRow, r: _Read, answer: bytes, outcome: str) -> None:
+        only = self._read_as.pop((ws.key, r.rid), None)
+        rec.deliveries.append(_Delivery(r.rid, answer, outcome, r.received, only))
+
+    def _decide(self, ws: WorkspaceRow, r: _Read, rec: _Recorded) -> None:
+        rid, received = r.rid, r.received
+        if r.refused is not None:
+            if r.refused == "vanished":
+                return
+            code = "request.too_large" if r.refused.startswith("larger than") else "request.unreadable"
             err = RequestError(
                 code,
-                f"requests/{rid}.json is {exc.reason}; write a regular file of at most "
+                f"requests/{rid}.json is {r.refused}; write a regular file of at most "
                 f"{L.REQUEST_MAX_BYTES} bytes and rename it into requests/ (the tool does this)",
             )
             self._read_as.pop((ws.key, rid), None)
-            self._deliver(ch, ws, rid, encode(rejected(rid, err)), f"rejected:{code}", received)
-            return None
-        self._read_as[(ws.key, rid)] = inode
+            self._answer(rec, ws, r, encode(rejected(rid, err)), f"rejected:{code}")
+            return
+        data = r.data
+        assert r.inode is not None  # read
+        self._read_as[(ws.key, rid)] = r.inode
         digest = hashlib.sha256(data).hexdigest()
         known = self.store.request(ws.key, rid)
         if known is not None:
@@ -395,33 +639,34 @@ class Pipeline:
                     "use a new id for a new request",
                     "$.id",
                 )
-                self._deliver(ch, ws, rid, encode(rejected(rid, err)), "rejected:request.id.reused", received)
-                return None
+                self._answer(rec, ws, r, encode(rejected(rid, err)), "rejected:request.id.reused")
+                return
             if known.answer is None:
                 # Being resumed already (busy), backing off after a failure (retried when `due_retries` says
                 # so), or interrupted by a crash: resume it.
                 if ws.key in self.busy or self._backing_off(ws.key):
-                    return None
-                return self._resume(known)
-            self._deliver(ch, ws, rid, known.answer, "replayed", received)
-            return None
+                    return
+                rec.cont = self._resume(known)
+                return
+            self._answer(rec, ws, r, known.answer, "replayed")
+            return
         now = timestamp(received)
         decoded = decode_request(data, rid)
         match decoded:
             case Rejected():
                 answer = encode(decoded)
-                self._record(ws.key, rid, digest, "invalid", now, answer)
-                self._deliver(ch, ws, rid, answer, f"rejected:{decoded.error.code}", received)
-                return None
+                self._record_answer(ws.key, rid, digest, "invalid", now, answer)
+                self._answer(rec, ws, r, answer, f"rejected:{decoded.error.code}")
+                return
             case StatusRequest() | QueueRequest() | HistoryRequest() | TailRequest():
                 try:
                     # read-only verbs obey the policy's `verbs` too (an operator may withhold `queue`)
                     check_policy(decoded, ws.policy)
                 except RequestError as err:
                     answer = encode(rejected(rid, err))
-                    self._record(ws.key, rid, digest, _verb(decoded), now, answer)
-                    self._deliver(ch, ws, rid, answer, f"rejected:{err.code}", received)
-                    return None
+                    self._record_answer(ws.key, rid, digest, _verb(decoded), now, answer)
+                    self._answer(rec, ws, r, answer, f"rejected:{err.code}")
+                    return
                 outcome = _verb(decoded)
                 with self.store.transaction():
                     try:
@@ -431,15 +676,17 @@ class Pipeline:
                     self.store.insert_request(
                         RequestRow(ws.key, rid, digest, _verb(decoded), now, None, None, answer, now)
                     )
-                self._deliver(ch, ws, rid, answer, outcome, received)
-                return None
+                self._answer(rec, ws, r, answer, outcome)
+                return
             case SleepRequest():
-                return self._sleep(ws, ch, rid, digest, data, decoded, now, received)
+                self._sleep(ws, rec, r, digest, decoded, now)
+                return
             case CancelRequest():
-                return self._cancel(ws, ch, rid, digest, data, decoded, now, received)
+                self._cancel(ws, rec, r, digest, decoded, now)
+                return
         raise AssertionError(f"unhandled request type {type(decoded).__name__}")  # pragma: no cover
 
-    def _record(self, key: str, rid: str, digest: str, kind: str, now: str, answer: bytes) -> None:
+    def _record_answer(self, key: str, rid: str, digest: str, kind: str, now: str, answer: bytes) -> None:
         with self.store.transaction():
             self.store.insert_request(RequestRow(key, rid, digest, kind, now, None, None, answer, now))
 
@@ -491,16 +738,9 @@ class Pipeline:
         )
 
     def _sleep(
-        self,
-        ws: WorkspaceRow,
-        ch: safefs.Channel,
-        rid: str,
-        digest: str,
-        data: bytes,
-        req: SleepRequest,
-        now: str,
-        received: float,
-    ) -> Continuation | None:
+        self, ws: WorkspaceRow, rec: _Recorded, r: _Read, digest: str, req: SleepRequest, now: str
+    ) -> None:
+        rid, data = r.rid, r.data
         refusal: tuple[str, bytes] | None = None  # (code, answer)
         with self.store.transaction():
             row = self.store.workspace(ws.key)
@@ -533,23 +773,16 @@ class Pipeline:
                     RequestRow(ws.key, rid, digest, "sleep", now, seq, data, None, None)
                 )
         if refusal is not None:  # the answer delivered is the bytes recorded
-            self._deliver(ch, ws, rid, refusal[1], f"rejected:{refusal[0]}", received)
-            return None
-        write_budget(ch, acc.balance, now)
+            self._answer(rec, ws, r, refusal[1], f"rejected:{refusal[0]}")
+            return
+        rec.budget = (acc.balance, now)
         event("sleep_recorded", ws=ws.key, id=rid, seq=seq, launches=len(req.launches), tasks=len(acc.jobs))
-        return Continuation("sleep", ws.key, rid, seq, received=received)
+        rec.cont = Continuation("sleep", ws.key, rid, seq, received=r.received)
 
     def _cancel(
-        self,
-        ws: WorkspaceRow,
-        ch: safefs.Channel,
-        rid: str,
-        digest: str,
-        data: bytes,
-        req: CancelRequest,
-        now: str,
-        received: float,
-    ) -> Continuation | None:
+        self, ws: WorkspaceRow, rec: _Recorded, r: _Read, digest: str, req: CancelRequest, now: str
+    ) -> None:
+        rid, data = r.rid, r.data
         refusal: tuple[str, bytes] | None = None  # (code, answer)
         with self.store.transaction():
             row = self.store.workspace(ws.key)
@@ -571,11 +804,11 @@ class Pipeline:
                     RequestRow(ws.key, rid, digest, "cancel", now, plan.sleep.seq, data, None, None)
                 )
         if refusal is not None:  # the answer delivered is the bytes recorded
-            self._deliver(ch, ws, rid, refusal[1], f"rejected:{refusal[0]}", received)
-            return None
-        write_budget(ch, plan.balance, now)
+            self._answer(rec, ws, r, refusal[1], f"rejected:{refusal[0]}")
+            return
+        rec.budget = (plan.balance, now)
         event("cancel_recorded", ws=ws.key, id=rid, seq=plan.sleep.seq, tasks=len(plan.targets))
-        return Continuation("cancel", ws.key, rid, plan.sleep.seq, req.launches, received=received)
+        rec.cont = Continuation("cancel", ws.key, rid, plan.sleep.seq, req.launches, received=r.received)
 
     def _resume(self, row: RequestRow) -> Continuation:
         assert row.sleep_seq is not None, row
@@ -611,6 +844,8 @@ class Pipeline:
             # Logged by the worker. Nothing of the failed step was committed; the request stays recorded and
             # unanswered, and the next rescan's recover resumes it.
             pass
+        except ChannelIOAbandoned:
+            pass  # stopping with this channel's I/O overdue: the recorded answer is replayed at the next start
         finally:
             self.busy.discard(c.key)
             self.dirty.add(c.key)
@@ -624,16 +859,27 @@ class Pipeline:
                     refs = await self.executor.dispatch(order)
                 except DispatchRefused as refusal:
                     self._recovered(c.key)  # the executor answered: a refusal is not the world's fault
-                    await self.worker.call(self._refuse_sleep, c, order, refusal.error)
-                    return
-                await self.worker.call(self._finish_sleep, c, refs)
+                    done = await self.worker.call(self._refuse_sleep, c, order, refusal.error)
+                else:
+                    done = await self.worker.call(self._finish_sleep, c, refs)
+                    self._recovered(c.key)
             else:
                 await self.executor.cancel(order, c.names)
-                await self.worker.call(self._finish_cancel, c, order)
+                done = await self.worker.call(self._finish_cancel, c, order)
+                self._recovered(c.key)
         except ExecutorUnavailable as exc:
             self._failed(c, str(exc))
-        else:
-            self._recovered(c.key)
+            return
+        await self._deliver_answered(c, done)
+
+    async def _deliver_answered(self, c: Continuation, done: _Answered) -> None:
+        """A continuation's recorded answer, delivered through the channel I/O pool."""
+        try:
+            self.answered += await self.chanio.run(
+                c.key, self._deliver_recorded, done.ws, c.request_id, done.answer, done.outcome, c.received
+            )
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+            await self.worker.call(self._set_problem, done.ws, f"{type(exc).__name__}: {exc}")
 
     # --- backoff after the executor failed for the world's reasons ------------------------------------------
 
@@ -676,7 +922,9 @@ class Pipeline:
 
     def _answer_and_deliver(
         self, c: Continuation, make: Callable[[WorkspaceRow], bytes], outcome: str
-    ) -> None:
+    ) -> _Answered:
+        """Record the continuation's answer (unless one is recorded already); it is delivered after this step
+        (`_advance`: channel I/O never runs on the store worker)."""
         with self.store.transaction():
             ws = self.store.workspace(c.key)
             known = self.store.request(c.key, c.request_id)
@@ -685,14 +933,9 @@ class Pipeline:
             answer = known.answer if known.answer is not None else make(ws)
             if known.answer is None:
                 self.store.set_answer(c.key, c.request_id, answer, timestamp(self.clock()))
-        try:
-            with safefs.open_channel(ws.path, ws.identity) as ch:
-                write_budget(ch, ws.balance, timestamp(self.clock()), only_if_changed=True)
-                self._deliver(ch, ws, c.request_id, answer, outcome, c.received)
-        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
-            self._set_problem(ws, f"{type(exc).__name__}: {exc}")
+        return _Answered(ws, answer, outcome)
 
-    def _finish_sleep(self, c: Continuation, refs: tuple[JobRef, ...]) -> None:
+    def _finish_sleep(self, c: Continuation, refs: tuple[JobRef, ...]) -> _Answered:
         def make(ws: WorkspaceRow) -> bytes:
             return encode(
                 Accepted(
@@ -704,9 +947,9 @@ class Pipeline:
                 )
             )
 
-        self._answer_and_deliver(c, make, "accepted")
+        return self._answer_and_deliver(c, make, "accepted")
 
-    def _refuse_sleep(self, c: Continuation, order: SleepOrder, err: RequestError) -> None:
+    def _refuse_sleep(self, c: Continuation, order: SleepOrder, err: RequestError) -> _Answered:
         now = timestamp(self.clock())
         with self.store.transaction():
             ws = self.store.workspace(c.key)
@@ -727,9 +970,11 @@ class Pipeline:
                 self.store.set_balance(c.key, balance)
                 advanced = self.store.advance_sleep(c.key, c.seq, sleep.state, SleepEvent.REJECT)
                 assert advanced, (c.key, c.seq, sleep.state)  # read in this transaction
-        self._answer_and_deliver(c, lambda ws: encode(rejected(c.request_id, err)), f"rejected:{err.code}")
+        return self._answer_and_deliver(
+            c, lambda ws: encode(rejected(c.request_id, err)), f"rejected:{err.code}"
+        )
 
-    def _finish_cancel(self, c: Continuation, order: SleepOrder) -> None:
+    def _finish_cancel(self, c: Continuation, order: SleepOrder) -> _Answered:
         row = self.store.request(c.key, c.request_id)
         assert row is not None
         targets = rules.cancelled_by(order.jobs, c.names, row.received_at)
@@ -745,7 +990,7 @@ class Pipeline:
                 )
             )
 
-        self._answer_and_deliver(c, make, "cancelled")
+        return self._answer_and_deliver(c, make, "cancelled")
 
     # --- start-up -----------------------------------------------------------------------------------------
 

@@ -1,0 +1,192 @@
+"""Channel I/O off the store worker: bounded threads, one call at a time per workspace, fair, with a deadline.
+
+Every read or write of a workspace's channel that the request path makes (opening and checking it, listing and
+reading `requests/`, ageing temps, writing answers and `budget.json`, removing answered requests) runs here and
+never on the store worker, which keeps sqlite alone. So a workspace whose channel is slow (a listing of 100,000
+names) or hung (a network filesystem that stopped answering) delays that workspace only.
+
+Invariants, and why they hold:
+- A workspace has at most one call running: its lock is taken before a slot is asked for, and held until the call
+  returns (even past its deadline), so nothing more is started for a workspace whose I/O has not returned.
+- At most `size` calls hold a slot, and slots are granted first come first served (anyio's Semaphore wakes its
+  waiters in order); since a workspace holds at most one place in the slot queue, every workspace gets a turn.
+- A call still running `deadline` seconds after it started is *overdue*: `on_overdue(key, since)` is awaited once,
+  and the call gives its slot back (its thread stays blocked in the kernel until the filesystem answers), so the
+  other workspaces keep every slot. At most OVERDUE_MAX calls give their slot back; past that (a whole filesystem
+  hung) the slots stay held and the pool shrinks rather than growing threads without bound. When an overdue call
+  returns, `on_returned(key)` is awaited before its caller goes on.
+- Threads are daemon threads: a call that never returns cannot keep the process from exiting. While the pool is
+  stopping, an overdue call (and whatever waits behind it for the same workspace) is abandoned: its caller gets
+  ChannelIOAbandoned; exactly-once does not depend on it, since every answer is recorded before it is written and
+  a request is removed only after its answer is in place (the next start replays the stored answer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+T = TypeVar("T")
+
+CHANNEL_IO_SLOTS: Final = 8
+OVERDUE_MAX: Final = 64
+
+
+class ChannelIOAbandoned(Exception):
+    """The kernel is stopping and this workspace's channel I/O is overdue: the call was left to its thread."""
+
+
+async def _nothing(key: str, *args: object) -> None:
+    return None
+
+
+class ChannelIO:
+    def __init__(
+        self,
+        deadline: float,
+        *,
+        size: int = CHANNEL_IO_SLOTS,
+        on_overdue: Callable[[str, float], Awaitable[None]] = _nothing,
+        on_returned: Callable[[str], Awaitable[None]] = _nothing,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.deadline = deadline
+        self.on_overdue = on_overdue
+        self.on_returned = on_returned
+        self.clock = clock
+        self._slots = anyio.Semaphore(size)
+        self._locks: dict[str, anyio.Lock] = {}
+        self._users: dict[str, int] = {}
+        # key -> when its overdue call started (clock time)
+        self.overdue: dict[str, float] = {}
+        self._stopping = False
+        # The cancel scopes of callers (running or waiting for their workspace's lock), per workspace, so a
+        # stop can abandon those of an overdue workspace.
+        self._scopes: dict[str, set[anyio.CancelScope]] = {}
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0
+        self._threads = 0
+        self._mutex = threading.Lock()
+
+    @property
+    def workspaces(self) -> int:
+        """How many workspaces have channel I/O running or waiting."""
+        return len(self._locks)
+
+    def running(self, key: str) -> bool:
+        return key in self._locks
+
+    def stop(self) -> None:
+        """From now on an overdue call is abandoned (its caller gets ChannelIOAbandoned) instead of waited for."""
+        self._stopping = True
+        for key in list(self.overdue):
+            self._abandon(key)
+
+    def _abandon(self, key: str) -> None:
+        for scope in self._scopes.get(key, ()):
+            scope.cancel()
+
+    async def run(self, key: str, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on a pool thread, in `key`'s turn."""
+        if self._stopping and key in self.overdue:
+            raise ChannelIOAbandoned(key)
+        scope = anyio.CancelScope()
+        self._scopes.setdefault(key, set()).add(scope)
+        lock = self._locks.setdefault(key, anyio.Lock())
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            with scope:
+                async with lock:
+                    return await self._call(key, fn, *args)
+            raise ChannelIOAbandoned(key)
+        finally:
+            self._scopes[key].discard(scope)
+            if not self._scopes[key]:
+                del self._scopes[key]
+            self._users[key] -= 1
+            if not self._users[key]:  # nobody else waits on this workspace's lock: forget it
+                del self._users[key]
+                del self._locks[key]
+
+    async def _call(self, key: str, fn: Callable[..., T], *args: Any) -> T:
+        await self._slots.acquire()
+        held = True
+        done = anyio.Event()
+        box: list[tuple[bool, Any]] = []
+        token = anyio.lowlevel.current_token()
+        started = self.clock()
+
+        def finished() -> None:
+            nonlocal held
+            done.set()
+            if held and not box_taken:
+                # The caller was cancelled (stopping) before the call returned: the slot is given back here.
+                held = False
+                self._slots.release()
+
+        def job() -> None:
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as exc:
+                box.append((False, exc))
+            with contextlib.suppress(RuntimeError):  # the loop is gone (the process is exiting)
+                anyio.from_thread.run_sync(finished, token=token)
+
+        box_taken = False
+        self._submit(job)
+        was_overdue = False
+        try:
+            with anyio.move_on_after(self.deadline):
+                await done.wait()
+            if not done.is_set():
+                was_overdue = True
+                self.overdue[key] = started
+                if len(self.overdue) <= OVERDUE_MAX:
+                    held = False
+                    self._slots.release()
+                await self.on_overdue(key, started)
+                if self._stopping:
+                    self._abandon(key)
+                await done.wait()
+        finally:
+            if done.is_set():
+                box_taken = True
+                if held:
+                    held = False
+                    self._slots.release()
+        if was_overdue:
+            del self.overdue[key]
+            with anyio.CancelScope(shield=True):
+                await self.on_returned(key)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
+
+    # --- the threads (daemon: a call that never returns cannot hold the process at exit) ---------------------
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        with self._mutex:
+            start = self._idle == 0
+            if start:
+                self._threads += 1
+            else:
+                self._idle -= 1
+        self._jobs.put(job)
+        if start:
+            threading.Thread(target=self._work, name="channel-io", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            job()
+            with self._mutex:
+                self._idle += 1

@@ -1,0 +1,103 @@
+"""Issue 13: one workspace's channel I/O never holds another's answers (a real kernel process, real directories).
+
+A hung network filesystem cannot be mounted here, so the test-only hang point (`kernel.io.crash.hang_point`,
+driven by SYSCALL_KERNEL_HANG_CHANNEL) blocks workspace A's channel I/O where a hung filesystem would: at any
+channel call, or inside a full listing of `requests/` (a huge or slow directory, isolation case c). Meanwhile
+workspace B's `status` requests must be answered, A's problem must show in `syscall-kernel status` once its I/O
+is past `channel_io_deadline_seconds`, and once the I/O returns A's request is answered and the problem clears.
+On the old kernel every channel call ran on the one store worker, so B waited for A."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from kernelproc import Kernel, git_workspace, put_request, read_answer, status, wait_answer, wait_for
+
+from channel.paths import workspace_key
+
+OVERDUE = "channel I/O has not returned since"
+
+
+@pytest.mark.parametrize("step", ["channel", "listing"])
+def test_a_workspace_whose_channel_io_hangs_holds_no_other_workspace(tmp_path: Path, step: str) -> None:
+    k = Kernel(
+        tmp_path,
+        'backend = "none"\nchannel_io_deadline_seconds = 1\nrescan_seconds = 1\npoll_seconds = 0.2\n',
+    )
+    a = git_workspace(tmp_path / "a")
+    b = git_workspace(tmp_path / "b")
+    k.enroll(a)
+    k.enroll(b)
+    for i in range(3000):  # temps in flight: A's listing has something to list
+        (a / ".syscall" / "requests" / f".t{i:05d}.tmp").write_bytes(b"{")
+    hang = tmp_path / "hang"
+    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)})
+    try:
+        put_request(a, "before", status("before"))
+        wait_answer(a, "before")
+
+        hang.write_text(f"{step} {a.resolve()}")
+        if step == "channel":
+            put_request(a, "a1", status("a1"))  # its event starts A's next channel call: it hangs
+            k.wait_log(f"event=hang_injected step={step}", 15)
+        else:
+            put_request(a, "junk", b"")  # a junk name asks for a full listing: it hangs
+            k.wait_log(f"event=hang_injected step={step}", 15)
+            put_request(a, "a1", status("a1"))  # waits for the listing
+
+        # B is answered, again and again, while A's I/O does not return (the old kernel answered nothing).
+        for i in range(10):
+            t0 = time.monotonic()
+            put_request(b, f"b{i}", status(f"b{i}"))
+            assert wait_answer(b, f"b{i}", 5)["type"] == "status"
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.2)
+
+        key = workspace_key(str(a.resolve()))
+
+        def problem_shown() -> str | None:
+            out = k.cli("status").stdout
+            return out if OVERDUE in out else None
+
+        shown = wait_for(problem_shown, 15, "A's overdue channel I/O in syscall-kernel status")
+        assert key in shown
+        assert "other workspaces are served meanwhile" in shown
+        assert read_answer(a, "a1") is None, "A's I/O never returned, yet its request was answered"
+        assert k.log_text().count("problem='channel I/O has not returned") == 1, "logged once"
+
+        # The filesystem answers again: A's request is answered and its problem clears.
+        hang.unlink()
+        assert wait_answer(a, "a1", 15)["type"] == "status"
+        k.wait_log("event=channel_io_returned", 15)
+        wait_for(lambda: OVERDUE not in k.cli("status").stdout, 15, "the problem cleared")
+        put_request(a, "after", status("after"))
+        wait_answer(a, "after")
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
+
+
+def test_the_kernel_stops_while_a_channel_io_hangs(tmp_path: Path) -> None:
+    """SIGTERM while A's channel I/O does not return: the stop waits at most the deadline for it, then leaves
+    it to its (daemon) thread; the kernel exits 0 and A's request is answered after the next start."""
+    k = Kernel(tmp_path, 'backend = "none"\nchannel_io_deadline_seconds = 1\n')
+    a = git_workspace(tmp_path / "a")
+    k.enroll(a)
+    hang = tmp_path / "hang"
+    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)})
+    try:
+        hang.write_text(f"channel {a.resolve()}")
+        put_request(a, "a1", status("a1"))
+        k.wait_log("event=hang_injected", 15)
+        t0 = time.monotonic()
+        assert k.stop(timeout=20) == 0
+        assert time.monotonic() - t0 < 10
+        assert read_answer(a, "a1") is None
+        hang.unlink()
+        k.start()
+        assert wait_answer(a, "a1", 15)["type"] == "status"
+    finally:
+        hang.unlink(missing_ok=True)
+        k.ensure_stopped()
