@@ -7,6 +7,11 @@ a real kernel process (`syscall-kernel serve`) whose `workspaces` glob matches t
   bases_held_s     process start -> every pending base imported into the kernel's repository (after ready;
                    `submit_base_held` N times), or null when --no-bases
   restart_ready_s  process start -> `event=ready` on a second start with N enrolled (nothing new)
+  *_starting_to_ready_s  the same from the kernel's `event=starting` line (without the interpreter's start-up
+                   and imports), read from the log's timestamps
+  refreshed_s      restart's process start -> `event=channels_refreshed` (the kernel files checked, after ready)
+The kernel runs with bytecode caching allowed (as an installed kernel has its .pyc files; the caches are warmed
+first), whatever PYTHONDONTWRITEBYTECODE says here. The workspaces are synced to disk before the first start.
 Prints one JSON object per N. Usage:
     .venv/bin/python bench/startup.py [--workspaces 1000] [--keep DIR] [--no-bases]
 """
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +55,24 @@ def count(log: Path, needle: bytes) -> int:
     return log.read_bytes().count(needle)
 
 
+def stamp(line: bytes) -> float:
+    return datetime.fromisoformat(line.split()[0].decode()).timestamp()
+
+
+def starting_to_ready(log: Path, nth: int) -> float:
+    """Seconds from the nth (0-based) `event=starting` line to the `event=ready` after it."""
+    lines = log.read_bytes().splitlines()
+    starts = [i for i, line in enumerate(lines) if b"event=starting" in line]
+    i = starts[nth]
+    ready = next(line for line in lines[i:] if b"event=ready" in line)
+    return round(stamp(ready) - stamp(lines[i]), 2)
+
+
+def kernel_env() -> dict[str, str]:
+    drop = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "PYTHONDONTWRITEBYTECODE")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def start(root: Path, spaces: Path, log: Path) -> tuple[subprocess.Popen[bytes], float]:
     cfg = root / "config.toml"
     cfg.write_text(
@@ -63,7 +87,7 @@ def start(root: Path, spaces: Path, log: Path) -> tuple[subprocess.Popen[bytes],
         cwd=ROOT,
         stdout=out,
         stderr=out,
-        env={k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")},
+        env=kernel_env(),
     )
     deadline = time.monotonic() + 3600
     while count(log, b"event=ready") <= before:
@@ -89,6 +113,10 @@ def main() -> None:
     try:
         n = args.workspaces
         spaces = make_workspaces(root / f"n{n}", n)
+        os.sync()
+        subprocess.run(
+            [sys.executable, "-c", "import kernel.cli, kernel.service.factory"], cwd=ROOT, env=kernel_env()
+        )
         log = root / f"n{n}" / "kernel.log"
         proc, first = start(root / f"n{n}", spaces, log)
         enrolled = count(log, b"event=enrolled")
@@ -102,7 +130,14 @@ def main() -> None:
             bases = round(time.perf_counter() - t0, 2)
         held = count(log, b"event=submit_base_held")
         stop(proc)
+        done = count(log, b"event=channels_refreshed")  # the first start's
         proc, again = start(root / f"n{n}", spaces, log)
+        t0 = time.perf_counter() - again
+        while count(log, b"event=channels_refreshed") <= done:
+            if proc.poll() is not None:
+                raise SystemExit(f"the kernel exited; see {log}")
+            time.sleep(0.05)
+        refreshed = round(time.perf_counter() - t0, 2)
         stop(proc)
         print(
             json.dumps(
@@ -112,7 +147,10 @@ def main() -> None:
                     "enrolled": enrolled,
                     "bases_held_s": bases,
                     "bases_held": held,
+                    "first_starting_to_ready_s": starting_to_ready(log, 0),
                     "restart_ready_s": round(again, 2),
+                    "restart_starting_to_ready_s": starting_to_ready(log, 1),
+                    "refreshed_s": refreshed,
                     "enrolled_again": count(log, b"event=enrolled") - enrolled,
                     "cores": os.cpu_count(),
                     "loadavg_1m": round(os.getloadavg()[0], 2),

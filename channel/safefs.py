@@ -13,13 +13,14 @@ what it leads to against the identity recorded at enrollment.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import hashlib
 import os
 import secrets
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
@@ -402,14 +403,17 @@ class Channel:
         finally:
             os.close(dfd)
 
-    def write_file(self, subdir: str | None, name: str, data: bytes, mode: int = 0o644) -> None:
-        """Atomically make `<subdir>/<name>` (or `<name>` in the channel itself) hold `data`."""
+    def write_file(
+        self, subdir: str | None, name: str, data: bytes, mode: int = 0o644, *, durable: bool = True
+    ) -> None:
+        """Atomically make `<subdir>/<name>` (or `<name>` in the channel itself) hold `data` (`durable=False`:
+        see `write_atomic_at`)."""
         if subdir is None:
-            write_atomic_at(self.fd, name, data, mode)
+            write_atomic_at(self.fd, name, data, mode, durable=durable)
             return
         dfd = self.subdir(subdir)
         try:
-            write_atomic_at(dfd, name, data, mode)
+            write_atomic_at(dfd, name, data, mode, durable=durable)
         finally:
             os.close(dfd)
 
@@ -545,14 +549,15 @@ def _new_temp(dir_fd: int) -> tuple[str, int]:
     raise FileExistsError(errno.EEXIST, "could not create a unique temp file (16 random names taken)")
 
 
-def _commit(dir_fd: int, tmp: str, name: str) -> None:
+def _commit(dir_fd: int, tmp: str, name: str, durable: bool = True) -> None:
     try:
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
             raise Refused("a directory is in the way", name) from None
         raise
-    os.fsync(dir_fd)
+    if durable:
+        os.fsync(dir_fd)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -567,11 +572,12 @@ def _discard(dir_fd: int, tmp: str) -> None:
         os.unlink(tmp, dir_fd=dir_fd)
 
 
-def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
+def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, *, durable: bool = True) -> None:
     """Make `dir_fd/name` hold `data`: a random O_EXCL temp, fchmod, write, fsync, rename, fsync of the dir.
 
     Whatever was at `name` (a symlink, a hardlink to a victim) is replaced, never written through. On any failure
-    the temp file is removed and the old `name` is untouched.
+    the temp file is removed and the old `name` is untouched. `durable=False` leaves out both fsyncs: the caller
+    makes many writes durable at once with `sync_filesystem` before it relies on them.
     """
     check_name(name)
     tmp, fd = _new_temp(dir_fd)
@@ -579,10 +585,11 @@ def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> N
         try:
             os.fchmod(fd, mode)
             _write_all(fd, data)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
-        _commit(dir_fd, tmp, name)
+        _commit(dir_fd, tmp, name, durable)
     except BaseException:
         _discard(dir_fd, tmp)
         raise
@@ -629,6 +636,28 @@ def copy_atomic_at(
     return size, digest.hexdigest()
 
 
+def sync_filesystem(fd: int) -> None:
+    """Make every write to the filesystem holding `fd` durable, renames included (syncfs(2); os.sync where
+    syncfs is not available): one call for many `durable=False` writes instead of two fsyncs each."""
+    if _syncfs is None:
+        os.sync()
+        return
+    if _syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    try:
+        fn: Callable[[int], int] = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    return fn
+
+
+_syncfs: Final = _load_syncfs()
+
+
 def kernel_temps(names: Iterable[str]) -> list[str]:
     """The names among `names` that are this module's temp files (left behind only if the kernel was killed)."""
     return [
@@ -640,9 +669,19 @@ def kernel_temps(names: Iterable[str]) -> list[str]:
     ]
 
 
-def sweep_kernel_temps(dir_fd: int) -> int:
-    """Remove the kernel's own leftover temp files in `dir_fd` (call once at startup); return how many."""
+def sweep_kernel_temps(dir_fd: int, before_ns: int | None = None) -> int:
+    """Remove the kernel's own leftover temp files in `dir_fd` (call once at startup); return how many. With
+    `before_ns`, only those last modified before it (the start of this process: a temp of a write in progress
+    now is not a leftover)."""
     stale = kernel_temps(os.listdir(dir_fd))
+    removed = 0
     for tmp in stale:
+        if before_ns is not None:
+            try:
+                if os.stat(tmp, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns >= before_ns:
+                    continue
+            except OSError:
+                continue
         _discard(dir_fd, tmp)
-    return len(stale)
+        removed += 1
+    return removed

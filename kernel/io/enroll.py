@@ -18,7 +18,7 @@ import functools
 import glob
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
@@ -40,7 +40,7 @@ from kernel.io import submit as S
 from kernel.io.install import ToolSource, install
 from kernel.io.repo import KernelRepo
 from kernel.io.snapshot import SnapshotError, tracked_under
-from kernel.io.store import Store, timestamp
+from kernel.io.store import AdminRow, Store, timestamp
 
 KERNEL_NAME: Final = "syscall-kernel"
 
@@ -112,11 +112,12 @@ def tracked_channel_files(workspace: str) -> list[str]:
         raise EnrollError(str(exc)) from None
 
 
-def check_workspace(path: str) -> str:
-    """The resolved workspace path, or EnrollError saying why this kernel may not use it."""
+def check_workspace(path: str, *, resolved_already: bool = False) -> str:
+    """The resolved workspace path, or EnrollError saying why this kernel may not use it (`resolved_already`:
+    `path` is already resolved, e.g. by `expand_globs`)."""
     if not path:
         raise EnrollError("no workspace path given")
-    resolved = os.path.realpath(path)
+    resolved = path if resolved_already else os.path.realpath(path)
     try:
         st = os.stat(resolved)
     except FileNotFoundError:
@@ -183,9 +184,10 @@ def owner_of(ch: safefs.Channel) -> StoreRef | None:
         return None
 
 
-def check_owner(store: Store, ch: safefs.Channel, path: str) -> StoreRef:
-    """This store as the channel's owner, or OwnedElsewhere when kernel.json names another store."""
-    mine = store.store_id()
+def check_owner(store: Store, ch: safefs.Channel, path: str, *, mine: str | None = None) -> StoreRef:
+    """This store as the channel's owner, or OwnedElsewhere when kernel.json names another store. `mine`: the
+    store's id when the caller has read it already."""
+    mine = mine or store.store_id()
     if mine is None:
         raise EnrollError(f"{store.path}: the store has no id (open it read-write once)")
     found = owner_of(ch)
@@ -370,13 +372,7 @@ def enroll(
         # older kernel's base, recorded but held only in the agent's repository, is re-imported by its id).
         base_problem = hold_recorded_base(store, cfg, key, resolved) if hold_base else None
         # Side effects after the commit: the channel's kernel-written files.
-        ch.write_file(
-            None,
-            ChannelPaths.KERNEL_JSON,
-            kernel_json(row, tool, owner, jail=cfg.jail, limits=published_limits(cfg)),
-        )
-        ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
-        jobenv.write(ch, jobenv.for_workspace(cfg, key, row.policy, now))
+        write_kernel_files(ch, row, tool, owner, cfg, now)
     return Enrolled(
         row=row,
         created=existing is None,
@@ -386,6 +382,154 @@ def enroll(
         taken_from=taken_from,
         slurm_account=store.slurm_account(key),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class NewFacts:
+    """What the store knows that bears on enrolling paths it has no workspace row for, read once (on the store's
+    thread) for a whole batch: this store's owner reference, and the admin rows and own eval contracts by key
+    (normally none: they are written with a workspace's row)."""
+
+    owner: StoreRef
+    admins: Mapping[str, AdminRow]
+    contracts: Mapping[str, EvalContract]
+
+
+def new_facts(store: Store) -> NewFacts:
+    mine = store.store_id()
+    if mine is None:
+        raise EnrollError(f"{store.path}: the store has no id (open it read-write once)")
+    return NewFacts(
+        owner=StoreRef(store=mine, state_dir=str(store.path.parent)),
+        admins=store.admins(),
+        contracts=S.contracts(store),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A new workspace's channel, made and filled but not durable yet, and what its rows will record."""
+
+    row: WorkspaceRow
+    floor: int
+    head: str | None
+    admin: AdminRow
+    dev: int  # the channel's filesystem, synced before the rows commit
+
+
+def prepare_new(
+    facts: NewFacts,
+    cfg: Config,
+    path: str,
+    tool: ToolSource,
+    *,
+    mounts: list[tuple[str, str]],
+    claim: Callable[[str, safefs.Channel], str | None] | None = None,
+) -> Prepared:
+    """The channel half of the service's automatic enrollment of `path`, which the store has no row for:
+    `enroll(explicit=False, hold_base=False)` without touching the store, so many run at once in threads.
+    Every channel file is written with `durable=False`; `record_new` (on the store's thread) makes a batch of
+    them durable with one sync per filesystem and then commits their rows. EnrollError when refused. `path`
+    comes resolved from `expand_globs`."""
+    resolved = check_workspace(path, resolved_already=True)
+    key = workspace_key(resolved)
+    admin = facts.admins.get(key, AdminRow())
+    own = dict(admin.overrides)
+    wrong = overrides_problem(cfg.defaults.policy(), own)
+    if wrong is not None:
+        raise EnrollError(f"{path}: {wrong}")
+    chosen = facts.contracts.get(key) or cfg.defaults.submit
+    if chosen is not None:
+        problem = contract_problem(chosen) or score_data_problem(chosen, resolved)
+        if problem is not None:
+            raise EnrollError(f"{path}: the eval contract's {problem[0]}: {problem[1]}")
+    try:
+        ch = safefs.open_channel(resolved, create=True)
+    except safefs.ChannelMoved as exc:
+        raise EnrollError(f"{path}: the channel cannot be made: {exc}") from None
+    except safefs.Refused as exc:
+        raise EnrollError(f"{path}: {CHANNEL_DIR}/{exc}; remove it and enroll again") from None
+    with ch:
+        found = owner_of(ch)
+        if found is not None and found.store != facts.owner.store:
+            raise OwnedElsewhere(resolved, found)
+        if claim is not None:
+            held_elsewhere = claim(key, ch)
+            if held_elsewhere is not None:
+                raise HeldElsewhere(f"{path}: {held_elsewhere}")
+        try:
+            install(ch, tool, durable=False)
+        except safefs.Refused as exc:
+            raise EnrollError(f"{path}: cannot install the tool: {exc}") from None
+        now = timestamp()
+        row = WorkspaceRow(
+            key=key,
+            path=resolved,
+            identity=ch.identity,
+            balance=_balance_for(cfg, None, Grant()),
+            policy=msgspec.structs.replace(with_overrides(cfg.defaults.policy(), own), submit=chosen),
+            tool_sha256=tool.sha256,
+            watch=watch.choose_mode(cfg.watch, watch.fs_type_of(resolved, mounts)),
+            enrolled_at=now,
+            problem=None,
+        )
+        floor = seq_floor(ch)
+        write_kernel_files(ch, row, tool, facts.owner, cfg, now, durable=False)
+        dev = os.fstat(ch.fd).st_dev
+    return Prepared(row=row, floor=floor, head=S.head_of(resolved), admin=admin, dev=dev)
+
+
+def record_new(store: Store, batch: list[Prepared], sync: Callable[[str], None]) -> None:
+    """Record a batch of `prepare_new`d workspaces: `sync(path)` once per filesystem among them, then every row
+    in one transaction.
+
+    Invariant: a workspace row committed means its channel files are durable. Each file was renamed into place
+    without an fsync of its own; the sync (syncfs of its filesystem) returns only once all of them, data and
+    renames, are on disk, and the rows commit after it. A crash before the commit leaves channels without rows,
+    which the next start prepares again (the same files, the same lock; no row contradicts them)."""
+    synced: set[int] = set()
+    for p in batch:
+        if p.dev not in synced:
+            sync(p.row.path)
+            synced.add(p.dev)
+    with store.transaction():
+        for p in batch:
+            store.put_workspace(p.row)
+            store.raise_seq_floor(p.row.key, p.floor)
+            if p.admin.unenrolled_at is not None:
+                store.set_admin(p.row.key, replace(p.admin, unenrolled_at=None))
+            if p.head is not None:
+                S.set_pending_base(store, p.row.key, p.head)
+
+
+def sync_workspace_fs(path: str) -> None:
+    """`safefs.sync_filesystem` of the filesystem holding the workspace `path` (kernel-trusted)."""
+    fd = safefs.open_dir(path)
+    try:
+        safefs.sync_filesystem(fd)
+    finally:
+        os.close(fd)
+
+
+def write_kernel_files(
+    ch: safefs.Channel,
+    row: WorkspaceRow,
+    tool: ToolSource,
+    owner: StoreRef,
+    cfg: Config,
+    now: str,
+    *,
+    durable: bool = True,
+) -> None:
+    """The channel's kernel-written files of `row`: kernel.json, budget.json, jobenv.json."""
+    ch.write_file(
+        None,
+        ChannelPaths.KERNEL_JSON,
+        kernel_json(row, tool, owner, jail=cfg.jail, limits=published_limits(cfg)),
+        durable=durable,
+    )
+    ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now), durable=durable)
+    jobenv.write(ch, jobenv.for_workspace(cfg, row.key, row.policy, now), durable=durable)
 
 
 _wake_seq_decoder: Final = msgspec.json.Decoder(dict[str, object])
@@ -482,12 +626,40 @@ def policy_for(store: Store, key: str, cfg: Config) -> Policy:
     return S.effective_policy(store, key, with_overrides(cfg.defaults.policy(), store.admin(key).overrides))
 
 
+def policies_for(store: Store, cfg: Config, keys: Iterable[str]) -> dict[str, Policy]:
+    """`policy_for` each of `keys`, from two queries (not two per workspace: a start reads 10,000)."""
+    defaults = cfg.defaults.policy()
+    admins = store.admins()
+    own = S.contracts(store)
+    out = {}
+    for key in keys:
+        admin = admins.get(key)
+        policy = with_overrides(defaults, admin.overrides) if admin is not None else defaults
+        contract = own.get(key)
+        out[key] = policy if contract is None else msgspec.structs.replace(policy, submit=contract)
+    return out
+
+
 def expand_globs(patterns: tuple[str, ...]) -> list[str]:
-    """Directories matched by the config's `workspaces` globs, resolved and deduplicated, sorted."""
+    """Directories matched by the config's `workspaces` globs, resolved and deduplicated, sorted.
+
+    Each match's parent is resolved once (many matches share it) and the match itself is lstat'ed: a real
+    directory resolves to <resolved parent>/<name>; a symlink (or anything else) goes through realpath."""
     found: set[str] = set()
+    parents: dict[str, str] = {}
     for pattern in patterns:
         for match in glob.glob(pattern):
-            if os.path.isdir(match):
+            head, name = os.path.split(match)
+            try:
+                st = os.lstat(match)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and name not in ("", ".", ".."):
+                parent = parents.get(head)
+                if parent is None:
+                    parent = parents[head] = os.path.realpath(head or ".")
+                found.add(os.path.join(parent, name))
+            elif os.path.isdir(match):
                 found.add(os.path.realpath(match))
     return sorted(found)
 

@@ -8,6 +8,7 @@ The comparison is pure (`summarize`, `news`); the writes go through `channel.saf
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources
 import re
@@ -70,14 +71,19 @@ def summarize(src: bytes) -> ToolSummary:
     )
 
 
+@functools.lru_cache(maxsize=4)
+def _described(src: bytes) -> tuple[ToolSummary, str]:
+    """The kernel's own tool, summarized once (not once per channel: 10,000 enrollments install it)."""
+    return summarize(src), hashlib.sha256(src).hexdigest()
+
+
 def news(old: bytes | None, new: bytes) -> str:
     """A short markdown note on what `new` changes relative to `old` (None: no previous copy was readable).
 
     `new` is the kernel's own tool; `old` is whatever was in the channel, which the agent may have edited, so
     everything read from it (its version string, the verbs and options only it has) is shown inside a fence
     labelled as data, never as the kernel's words."""
-    n = summarize(new)
-    new_sha = hashlib.sha256(new).hexdigest()
+    n, new_sha = _described(new)
     version = f"version {n.version}" if n.version else "a copy that declares no version"
     lines = ["# The syscall tool was updated", "", f"Installed {version} (sha256 {new_sha[:16]})."]
     if old is not None:
@@ -104,19 +110,19 @@ def installed_copy(ch: safefs.Channel) -> bytes | None:
         return None
 
 
-def install(ch: safefs.Channel, tool: ToolSource) -> str | None:
+def install(ch: safefs.Channel, tool: ToolSource, *, durable: bool = True) -> str | None:
     """Make `.syscall/syscall` the kernel's copy (and `.gitignore` the kernel's). Returns the news note if the tool
-    was (re)installed, else None."""
+    was (re)installed, else None. `durable=False`: the caller syncs the channel's filesystem (safefs)."""
     try:
         ignore = safefs.read_capped_at(ch.fd, ChannelPaths.GITIGNORE, len(ChannelPaths.GITIGNORE_BYTES))
     except safefs.Refused:
         ignore = None
     if ignore != ChannelPaths.GITIGNORE_BYTES:
-        ch.write_file(None, ChannelPaths.GITIGNORE, ChannelPaths.GITIGNORE_BYTES)
+        ch.write_file(None, ChannelPaths.GITIGNORE, ChannelPaths.GITIGNORE_BYTES, durable=durable)
     current = installed_copy(ch)
     if current == tool.data:
         return None
     note = news(current, tool.data)
-    ch.write_file(None, ChannelPaths.TOOL, tool.data, TOOL_MODE)
-    ch.write_file(None, TOOL_NEWS, note.encode())
+    ch.write_file(None, ChannelPaths.TOOL, tool.data, TOOL_MODE, durable=durable)
+    ch.write_file(None, TOOL_NEWS, note.encode(), durable=durable)
     return note

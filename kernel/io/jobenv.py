@@ -132,8 +132,9 @@ def recall(run_dir: str, key: str) -> LockedEnvironment | None:
         return None
 
 
-def write(ch: safefs.Channel, doc: JobEnvFile) -> None:
-    """Write `jobenv.json` unless it already holds exactly this document (apart from its time)."""
+def write(ch: safefs.Channel, doc: JobEnvFile, *, durable: bool = True) -> None:
+    """Write `jobenv.json` unless it already holds exactly this document (apart from its time). `durable=False`:
+    the caller syncs the channel's filesystem (safefs.sync_filesystem)."""
     data = encode(doc)
     try:
         current = msgspec.json.decode(
@@ -143,4 +144,4 @@ def write(ch: safefs.Channel, doc: JobEnvFile) -> None:
             return
     except (safefs.Refused, msgspec.DecodeError, msgspec.ValidationError):
         pass
-    ch.write_file(None, ChannelPaths.JOBENV_JSON, data)
+    ch.write_file(None, ChannelPaths.JOBENV_JSON, data, durable=durable)

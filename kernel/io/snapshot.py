@@ -32,6 +32,7 @@ from typing import Final
 
 import anyio.to_thread
 
+from kernel.core.gitindex import surely_untracked
 from kernel.io import repo as R
 from kernel.io.repo import (
     DEFAULT_MAX_FILE_BYTES,
@@ -275,6 +276,16 @@ def tracked_under(workspace: str, prefix: str) -> list[str]:
     except UntrustedGit as e:
         raise SnapshotError(str(e)) from None
     try:
+        # Most indexes settle it from their bytes (kernel.core.gitindex); the rest ask git, as before. What the
+        # copy for git reads is read here too, so a planted link is refused the same way on either path.
+        where = os.path.join(workspace, ".git")
+        try:
+            index = R.read_file_at(git_fd, "index", where, MAX_INDEX_BYTES)
+            R.read_file_at(git_fd, "info/exclude", where, 16 * 1024 * 1024)
+        except UntrustedGit:
+            index = b""  # not settled here: the copy below refuses it, saying why
+        if surely_untracked(index, prefix):
+            return []
         with tempfile.TemporaryDirectory(prefix="syscall-ls-") as t:
             scratch = Path(t) / "gitdir"
             try:

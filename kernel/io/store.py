@@ -429,6 +429,11 @@ class Store:
             rows = self._all(f"SELECT {self._WS_COLS} FROM workspaces ORDER BY key")
         return [self._ws(r) for r in rows]
 
+    def workspace_paths(self) -> set[str]:
+        """The path of every workspace the store has a row for, unenrolled ones included (the glob enrolls a
+        path only when it has none: an unenrolled workspace is enrolled again only by an operator)."""
+        return {r[0] for r in self._all("SELECT path FROM workspaces")}
+
     # --- operator's controls (workspace_admin, budget_changes) ---------------------------------------------
 
     def admin(self, key: str) -> AdminRow:
@@ -442,6 +447,19 @@ class Store:
             return AdminRow()
         overrides = _overrides_decoder.decode(row[2]) if row[2] else {}
         return AdminRow(paused_at=row[0], unenrolled_at=row[1], overrides=overrides)
+
+    def admins(self) -> dict[str, AdminRow]:
+        """Every workspace's AdminRow that has one (`admin` of the rest is the default), in one query."""
+        try:
+            rows = self._all("SELECT workspace, paused_at, unenrolled_at, overrides FROM workspace_admin")
+        except sqlite3.OperationalError:
+            return {}
+        return {
+            r[0]: AdminRow(
+                paused_at=r[1], unenrolled_at=r[2], overrides=_overrides_decoder.decode(r[3]) if r[3] else {}
+            )
+            for r in rows
+        }
 
     def set_admin(self, key: str, a: AdminRow) -> None:
         self._conn.execute(
@@ -791,6 +809,11 @@ class Store:
     def eval_contract(self, workspace: str) -> bytes | None:
         row = self._one("SELECT contract FROM eval_workspaces WHERE workspace=?", (workspace,))
         return None if row is None or row[0] is None else bytes(row[0])
+
+    def eval_contracts(self) -> dict[str, bytes]:
+        """Every workspace's own eval contract (`eval_contract` of each, in one query)."""
+        rows = self._all("SELECT workspace, contract FROM eval_workspaces WHERE contract IS NOT NULL")
+        return {r[0]: bytes(r[1]) for r in rows}
 
     def set_eval_contract(self, workspace: str, contract: bytes) -> None:
         self._one(

@@ -141,6 +141,11 @@ def contract_of(store: Store, workspace: str) -> EvalContract | None:
     return None if blob is None else _contract_decoder.decode(blob)
 
 
+def contracts(store: Store) -> dict[str, EvalContract]:
+    """`contract_of` every workspace that has its own, in one query."""
+    return {key: _contract_decoder.decode(blob) for key, blob in store.eval_contracts().items()}
+
+
 def set_contract(store: Store, workspace: str, contract: EvalContract) -> None:
     store.set_eval_contract(workspace, msgspec.json.encode(contract))
 

@@ -49,9 +49,13 @@ from kernel.service.pipeline import Pipeline, Spawn
 EVENT_STREAM_SIZE = 4096
 STATUS_EVERY_S = 5.0
 STORE_RETRY_S = 2.0
-# Workspace checks (a git process each) run at a time during enrollment: enough to overlap process start-up
-# and I/O on a few cores without flooding the machine.
-ENROLL_CHECKERS = 4
+# New channels prepared at a time during enrollment (file I/O, and a git process for an index that cannot be
+# read directly): enough to overlap I/O on a few cores without flooding the machine.
+ENROLL_WORKERS = 4
+# New workspaces recorded per sync + transaction (a sync writes ~150 KB per channel, mostly the tool).
+ENROLL_BATCH = 256
+# Channels refreshed per store-worker call after `ready` (a few ms of work: requests are answered in between).
+REFRESH_CHUNK = 32
 T = TypeVar("T")
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
@@ -95,6 +99,10 @@ class Service:
         self._held_elsewhere: dict[str, str] = {}
         self._unlocked: set[str] = set()
         self._channel_problems: dict[str, str] = {}
+        # Channels admitted at start whose kernel-written files are refreshed after `ready`; temps older than
+        # this process are an earlier one's leftovers.
+        self._stale: set[str] = set()
+        self._started_ns = time.time_ns()
 
     # --- health -------------------------------------------------------------------------------------------
 
@@ -143,79 +151,156 @@ class Service:
         """Enroll the new directories the `workspaces` globs match (at start, every rescan and SIGHUP); a
         refusal is logged once per path and reason. Returns how many were enrolled.
 
-        The workspace checks (one git process each: is the channel tracked?) run ENROLL_CHECKERS at a time in
-        threads, touching no store; the enrollments themselves (channel, store row, kernel-written files) run
-        here, on the store worker, one at a time in glob order, so each workspace is enrolled exactly once and
-        store writes stay on the one writer. The submit base is left pending for the executor (after serving).
-        SIGTERM: no further enrollment starts; checks not yet begun are cancelled (each running one is a
-        single git process); the rest is enrolled at the next start."""
-        enrolled = 0
-        new = [
-            p for p in enrollment.expand_globs(self.cfg.workspaces) if self.store.workspace_by_path(p) is None
-        ]
+        Each new path's channel is prepared (checked, made, its files written without an fsync each, its lock
+        taken: `enrollment.prepare_new`, no store) ENROLL_WORKERS at a time in threads; here, on the store
+        worker, the prepared channels are recorded in glob order, ENROLL_BATCH at a time: one sync of their
+        filesystem, then one transaction for all their rows (`enrollment.record_new`: a committed row means
+        durable channel files). So each workspace is enrolled exactly once and store writes stay on the one
+        writer. The submit base is left pending for the executor (after serving).
+        SIGTERM: nothing more is recorded; preparations not begun are cancelled (one running is a few file
+        writes, or one git process when the index cannot be read directly); the channels prepared but not
+        recorded are prepared again, and recorded, at the next start."""
+        known = self.store.workspace_paths()
+        new = [p for p in enrollment.expand_globs(self.cfg.workspaces) if p not in known]
         if not new:
             return 0
+        try:
+            facts = enrollment.new_facts(self.store)
+        except enrollment.EnrollError as exc:
+            log.event("enroll_refused", logging.WARNING, path=",".join(new[:3]), reason=str(exc))
+            return 0
+        mounts = read_mounts()
 
-        def check(path: str) -> str | enrollment.EnrollError:
+        def prepare(path: str) -> enrollment.Prepared | enrollment.EnrollError | None:
             if self.stopping:
-                return enrollment.EnrollError(f"{path}: not checked (stopping)")
+                return None
             try:
-                return enrollment.check_workspace(path)
+                return enrollment.prepare_new(
+                    facts, self.cfg, path, self.tool, mounts=mounts, claim=self._claim
+                )
             except enrollment.EnrollError as exc:
                 return exc
 
-        pool = ThreadPoolExecutor(max_workers=ENROLL_CHECKERS, thread_name_prefix="enroll-check")
+        enrolled = 0
+        batch: list[enrollment.Prepared] = []
+        pool = ThreadPoolExecutor(max_workers=ENROLL_WORKERS, thread_name_prefix="enroll")
         try:
-            for path, checked in zip(new, pool.map(check, new), strict=True):
-                if self.stopping:  # SIGTERM during a long enrollment: the rest waits for the next start
+            for path, got in zip(new, pool.map(prepare, new), strict=True):
+                if self.stopping or got is None:  # SIGTERM: the rest waits for the next start
                     break
-                try:
-                    if isinstance(checked, enrollment.EnrollError):
-                        raise checked
-                    done = enrollment.enroll(
-                        self.store,
-                        self.cfg,
-                        path,
-                        self.tool,
-                        explicit=False,
-                        hold_base=False,
-                        checked=checked,
-                        claim=self._claim,
-                    )
-                    log.event("enrolled", ws=done.row.key, path=done.row.path, watch=done.row.watch)
-                    self._refused.pop(path, None)
-                    enrolled += 1
-                except enrollment.EnrollError as exc:
-                    if self._refused.get(path) != str(exc):
-                        self._refused[path] = str(exc)
-                        log.event("enroll_refused", logging.WARNING, path=path, reason=str(exc))
+                if isinstance(got, enrollment.EnrollError):
+                    if self._refused.get(path) != str(got):
+                        self._refused[path] = str(got)
+                        log.event("enroll_refused", logging.WARNING, path=path, reason=str(got))
+                    continue
+                batch.append(got)
+                if len(batch) >= ENROLL_BATCH:
+                    enrolled += self._record(batch)
+                    batch = []
+            if batch and not self.stopping:
+                enrolled += self._record(batch)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         return enrolled
 
+    def _record(self, batch: list[enrollment.Prepared]) -> int:
+        enrollment.record_new(self.store, batch, enrollment.sync_workspace_fs)
+        for p in batch:
+            log.event("enrolled", ws=p.row.key, path=p.row.path, watch=p.row.watch)
+            self._refused.pop(p.row.path, None)
+        return len(batch)
+
     def _startup(self) -> list[WorkspaceRow]:
+        """Enroll the globs' new matches, then admit every enrolled channel (`_admit`); the rows with this
+        start's watch mode and policy. Reads the store a few times in all, not per workspace."""
         self._enroll_globs()
+        self._paused = self.store.paused()
         mounts = read_mounts()
-        rows = []
-        for row in self.store.workspaces():
-            if self.stopping:  # SIGTERM during start-up: `run` stops before serving
-                break
+        mount_points = {point for point, _ in mounts}
+        fs_of_parent: dict[str, str] = {}
+        stored = self.store.workspaces()
+        policies = enrollment.policies_for(self.store, self.cfg, [r.key for r in stored])
+        rows, changed = [], []
+        for row in stored:
+            # The mount holding a workspace is its parent's unless the workspace is a mount point itself.
+            parent = os.path.dirname(row.path)
+            if row.path in mount_points:
+                fstype = fs_type_of(row.path, mounts)
+            else:
+                if parent not in fs_of_parent:
+                    fs_of_parent[parent] = fs_type_of(parent, mounts)
+                fstype = fs_of_parent[parent]
             # The watch mode follows the filesystem and the policy follows the config, at every start (but an
             # eval contract given at enrollment stays the workspace's own).
-            mode = choose_mode(self.cfg.watch, fs_type_of(row.path, mounts))
-            policy = enrollment.policy_for(self.store, row.key, self.cfg)
+            mode = choose_mode(self.cfg.watch, fstype)
+            policy = policies[row.key]
             if mode != row.watch or policy != row.policy:
-                with self.store.transaction():
-                    self.store.set_watch(row.key, mode)
-                    self.store.set_policy(row.key, policy)
                 row = dataclasses.replace(row, watch=mode, policy=policy)
+                changed.append(row)
             rows.append(row)
-            self._refresh(row)
+        if changed:
+            with self.store.transaction():
+                for row in changed:
+                    self.store.set_watch(row.key, row.watch)
+                    self.store.set_policy(row.key, row.policy)
+        mine = self.store.store_id()
+        for row in rows:
+            if self.stopping:  # SIGTERM during start-up: `run` stops before serving
+                break
+            self._admit(row, mine)
         self._data_version = self._read_data_version()
-        self._paused = self.store.paused()
         return rows
 
-    def _refresh(self, row: WorkspaceRow) -> None:
+    def _admit(self, row: WorkspaceRow, mine: str | None) -> None:
+        """At start, before `row`'s channel is served: it is still the enrolled directory (device, inode,
+        owner), its kernel.json names no other store, this kernel holds its lock; then its requests/ is watched.
+        That is all a restart does per workspace before `ready` (10,000 of them must be ready in 2 s): rewriting
+        the kernel-written files where stale (tool, kernel.json, budget.json, jobenv.json) and sweeping an
+        earlier process's temps wait for `_refresh_served`, after `ready` (nothing the kernel decides reads
+        those files, and the agent may rewrite them at any time anyway). A channel whose row the refresh
+        changes (a new tool; subdirectories not recorded yet) is refreshed here in full instead."""
+        if row.tool_sha256 != self.tool.sha256 or not row.identity.subdirs or mine is None:
+            self._refresh(row)
+            return  # watched by run()'s `_watch_all` pass
+        try:
+            with safefs.open_channel(row.path, row.identity) as ch:
+                try:
+                    enrollment.check_owner(self.store, ch, row.path, mine=mine)
+                    held_elsewhere = self._claim(row.key, ch)
+                    if held_elsewhere is not None:
+                        raise enrollment.HeldElsewhere(f"{row.path}: {held_elsewhere}")
+                except enrollment.OwnedElsewhere as exc:
+                    self._owned_elsewhere(row, exc)
+                    return
+                except enrollment.HeldElsewhere as exc:
+                    self._lock_held_elsewhere(row, str(exc))
+                    return
+                self._served_again(row)
+                self._stale.add(row.key)
+                if row.key not in self._paused:
+                    self._watch_one(row, ch)
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+            self._channel_problem(row, exc)
+            return
+        self._channel_problems.pop(row.key, None)
+
+    def _served_again(self, row: WorkspaceRow) -> None:
+        """The channel is ours and locked: forget that it was another store's or held elsewhere."""
+        self._foreign.discard(row.key)
+        if self._held_elsewhere.pop(row.key, None) is not None:
+            log.event("channel_lock_taken", ws=row.key)
+            with self.store.transaction():
+                self.store.set_problem(row.key, None)
+
+    def _channel_problem(self, row: WorkspaceRow, exc: Exception) -> None:
+        problem = f"{type(exc).__name__}: {exc}"
+        if self._channel_problems.get(row.key) != problem:  # retried at every rescan: logged once
+            self._channel_problems[row.key] = problem
+            log.event("channel_problem", logging.WARNING, ws=row.key, problem=problem)
+
+    def _refresh(self, row: WorkspaceRow, before_ns: int | None = None) -> None:
+        """Check `row`'s channel as `_admit` does and rewrite its kernel-written files where stale; remove
+        leftover kernel temps (with `before_ns`, only those older than it)."""
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 try:
@@ -228,26 +313,42 @@ class Service:
                 except enrollment.HeldElsewhere as exc:
                     self._lock_held_elsewhere(row, str(exc))
                     return
-                self._foreign.discard(row.key)
-                if self._held_elsewhere.pop(row.key, None) is not None:
-                    log.event("channel_lock_taken", ws=row.key)
-                    with self.store.transaction():
-                        self.store.set_problem(row.key, None)
+                self._served_again(row)
                 if note is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
-                safefs.sweep_kernel_temps(ch.fd)
+                safefs.sweep_kernel_temps(ch.fd, before_ns)
                 answers = ch.subdir(ChannelPaths.ANSWERS)
                 try:
-                    safefs.sweep_kernel_temps(answers)
+                    safefs.sweep_kernel_temps(answers, before_ns)
                 finally:
                     os.close(answers)
         except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-            if self._channel_problems.get(row.key) != problem:  # retried at every rescan: logged once
-                self._channel_problems[row.key] = problem
-                log.event("channel_problem", logging.WARNING, ws=row.key, problem=problem)
+            self._channel_problem(row, exc)
             return
         self._channel_problems.pop(row.key, None)
+
+    def _refresh_stale(self, keys: list[str]) -> None:
+        """`_refresh` the admitted channels `keys` that are still served, each from its row as it is now (the
+        pipeline may have charged it since start-up)."""
+        for key in keys:
+            if self.stopping:
+                return
+            if key not in self.pipeline.workspaces:
+                continue
+            row = self.store.workspace(key)
+            if row is not None:
+                self._refresh(row, self._started_ns)
+
+    async def _refresh_served(self) -> None:
+        """After `ready`: refresh what `_admit` left stale, REFRESH_CHUNK workspaces per store-worker call so
+        requests are answered in between; leftover temps older than this process are swept then."""
+        keys = sorted(self._stale)
+        self._stale.clear()
+        for i in range(0, len(keys), REFRESH_CHUNK):
+            if self.stopping:
+                return
+            await self.worker.call(self._refresh_stale, keys[i : i + REFRESH_CHUNK])
+        log.event("channels_refreshed", workspaces=len(keys))
 
     def _claim(self, key: str, ch: safefs.Channel) -> str | None:
         """Take (or keep) the channel's lock before anything is written to it; why not, or None."""
@@ -370,22 +471,36 @@ class Service:
                 continue
             try:
                 with safefs.open_channel(row.path, row.identity) as ch:
-                    fd = ch.subdir(ChannelPaths.REQUESTS)
-                    try:
-                        self.watcher.add(row.key, fd)
-                    finally:
-                        os.close(fd)
-                self.polled.discard(row.key)
-                self._watch_problems.pop(row.key, None)
+                    self._watch_one(row, ch)
             except (safefs.ChannelMoved, safefs.Refused) as exc:
-                # Left to the rescan, which reports it and re-watches once the channel is back; logged once.
-                if self._watch_problems.get(row.key) != str(exc):
-                    self._watch_problems[row.key] = str(exc)
-                    log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc))
-            except OSError as exc:
-                # E.g. the inotify watch limit: poll this channel instead of missing it.
-                self.polled.add(row.key)
-                log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc), fallback="poll")
+                self._watch_failed(row, exc)
+
+    def _watch_one(self, row: WorkspaceRow, ch: safefs.Channel) -> None:
+        """Watch the requests/ of `row`'s open channel (or poll it: its filesystem raises no events, or the
+        inotify watch cannot be added)."""
+        if row.watch == "poll" or self.watcher is None:
+            self.polled.add(row.key)
+            return
+        try:
+            fd = ch.subdir(ChannelPaths.REQUESTS)
+            try:
+                self.watcher.add(row.key, fd)
+            finally:
+                os.close(fd)
+            self.polled.discard(row.key)
+            self._watch_problems.pop(row.key, None)
+        except (safefs.ChannelMoved, safefs.Refused) as exc:
+            self._watch_failed(row, exc)
+        except OSError as exc:
+            # E.g. the inotify watch limit: poll this channel instead of missing it.
+            self.polled.add(row.key)
+            log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc), fallback="poll")
+
+    def _watch_failed(self, row: WorkspaceRow, exc: Exception) -> None:
+        # Left to the rescan, which reports it and re-watches once the channel is back; logged once.
+        if self._watch_problems.get(row.key) != str(exc):
+            self._watch_problems[row.key] = str(exc)
+            log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc))
 
     def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
         self.locks.keep_only({r.key for r in rows})  # an unenrolled channel's lock (and fd) is let go
@@ -413,16 +528,21 @@ class Service:
                 # Start-up steps run on the worker thread while this loop still receives signals: each step
                 # stops early once `stopping` is set, and nothing after it runs, so SIGTERM is honoured at
                 # any point of start-up within one step (one enrollment, one channel refresh).
+                if self.cfg.watch != "poll":  # `_admit` watches each channel while it has it open
+                    self.watcher = Watcher(send)
+                    self.watcher.start()
                 started = await self._retrying(lambda: self.worker.call(self._startup))
                 if started is None or self.stopping:
                     return
-                rows = started
-                if self.cfg.watch != "poll" or any(r.watch != "poll" for r in rows):
-                    self.watcher = Watcher(send)
-                    self.watcher.start()
-                rows = self.served(rows)
+                rows = self.served(started)
                 self.pipeline.set_workspaces(rows)
-                await self.worker.call(self._watch_all, rows)
+                watcher = self.watcher
+                unwatched = {
+                    r.key
+                    for r in rows
+                    if r.key not in self.polled and (watcher is None or not watcher.watching(r.key))
+                }
+                await self.worker.call(self._watch_all, rows, unwatched)
                 if self.halted():
                     return
                 await self._retrying(self.executor.recover)
@@ -438,6 +558,7 @@ class Service:
                     await self.worker.call(metrics.refresh, self.store, False)
                 tg.start_soon(self._pinger)
                 tg.start_soon(self.executor.run)
+                tg.start_soon(self._refresh_served)
                 self._send = send
                 self.pipeline.on_idle = self._wake
                 self.pipeline.on_turn_done = lambda: self._wake("")
@@ -685,6 +806,7 @@ async def serve(
         svc = Service(cfg, store, notifier, ToolSource.bundled(), executor_factory)
         if publish is not None:
             svc.publish = publish
+
         await svc.run()
     finally:
         notifier.close()

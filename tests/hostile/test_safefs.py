@@ -548,6 +548,22 @@ def test_sweep_removes_only_the_kernels_own_leftover_temps(ch: Channel, ws: Path
     assert sorted(os.listdir(answers)) == [".agent.tmp", "a.json"]
 
 
+def test_a_sweep_after_ready_leaves_the_temps_of_writes_in_progress(ch: Channel, ws: Path) -> None:
+    """The restart's sweep runs after `ready`, beside writes of this process: only temps older than it go."""
+    answers = chan(ws) / ChannelPaths.ANSWERS
+    old, young = (f"{KERNEL_TEMP_PREFIX}{c * 16}.tmp" for c in "01")
+    (answers / old).write_bytes(b"left by a killed kernel")
+    started = time.time_ns()
+    os.utime(answers / old, ns=(started - 10**9, started - 10**9))
+    (answers / young).write_bytes(b"being written now")
+    dfd = ch.subdir(ChannelPaths.ANSWERS)
+    try:
+        assert sweep_kernel_temps(dfd, before_ns=started) == 1
+    finally:
+        os.close(dfd)
+    assert os.listdir(answers) == [young]
+
+
 # --- delivery -----------------------------------------------------------------------------------------------
 
 

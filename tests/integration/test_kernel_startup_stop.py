@@ -1,6 +1,6 @@
 """SIGTERM is honoured at any point of start-up: a kernel enrolling many new workspaces from its `workspaces`
-glob stops within a step (one enrollment) instead of finishing them all first; the rest are enrolled at the next
-start. Real kernel process, real git workspaces."""
+glob stops within a step (one batch of enrollments) instead of finishing them all first; the rest are enrolled
+at the next start. Real kernel process, real git workspaces."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from kernelproc import Kernel
+from kernelproc import Kernel, put_request, read_answer, wait_for
 
-N = 100
+# More than two batches (kernel.service.loop.ENROLL_BATCH), so SIGTERM can come between two of them.
+N = 600
 
 
 def test_sigterm_during_first_enrollment_stops_within_a_step(tmp_path: Path) -> None:
@@ -27,7 +28,7 @@ def test_sigterm_during_first_enrollment_stops_within_a_step(tmp_path: Path) -> 
         shutil.copytree(first, root / f"w{i:04d}", symlinks=True)
     kernel = Kernel(tmp_path, f'workspaces = ["{root}/*"]')
     kernel.start(wait_ready=False)
-    kernel.wait_log("event=enrolled", 60, count=5)
+    kernel.wait_log("event=enrolled", 120)
     t0 = time.monotonic()
     rc = kernel.stop(timeout=60)
     took = time.monotonic() - t0
@@ -133,5 +134,44 @@ def test_concurrent_first_enrollment_enrolls_each_once_with_exact_budgets_and_th
         log = kernel.log_text()
         assert log.count("event=enrolled") == n
         assert log.count("event=submit_base_held") == n
+    finally:
+        kernel.ensure_stopped()
+
+
+def test_a_restart_checks_owners_before_ready_and_refreshes_the_kernel_files_after(tmp_path: Path) -> None:
+    """Before `ready` a restart only admits each channel (the enrolled directory, its owner, its lock, its
+    watch): a channel another store took over while the kernel was down is not served. After `ready` the
+    kernel-written files the agent damaged meanwhile are rewritten and an earlier process's temps are removed,
+    and `channels_refreshed` says when."""
+    root = tmp_path / "spaces"
+    root.mkdir()
+    spaces = _committed_workspaces(root, 3)
+    kernel = Kernel(tmp_path, f'workspaces = ["{root}/*"]')
+    try:
+        kernel.start()
+        assert kernel.stop() == 0
+        w0, w1, w2 = (ws / ".syscall" for ws in spaces)
+        (w0 / "budget.json").write_text("damaged")
+        (w1 / "syscall").unlink()
+        stale = w0 / "answers" / ".kernel-0123456789abcdef.tmp"
+        stale.write_text("left by a killed kernel")
+        os.utime(stale, (time.time() - 60, time.time() - 60))
+        info = json.loads((w2 / "kernel.json").read_text())
+        info["owner"] = {"store": "f" * 32, "state_dir": "/elsewhere"}
+        (w2 / "kernel.json").write_text(json.dumps(info))
+
+        kernel.start()
+        kernel.wait_log("event=channels_refreshed", 60, count=2)
+        log = kernel.log_text()
+        restart = log[log.rindex("event=starting") :]
+        assert restart.index("event=channel_owned_elsewhere") < restart.index("event=ready")
+        assert "event=ready workspaces=2" in restart
+        assert json.loads((w0 / "budget.json").read_text())["budget"]["launches"] > 0
+        assert (w1 / "syscall").is_file()
+        assert not stale.exists()
+        assert json.loads((w2 / "kernel.json").read_text())["owner"]["store"] == "f" * 32
+        put_request(spaces[0], "q1", {"protocol": 1, "id": "q1", "type": "status"})
+        wait_for(lambda: read_answer(spaces[0], "q1"), 30, "the status answer")
+        assert kernel.stop() == 0
     finally:
         kernel.ensure_stopped()

@@ -214,3 +214,54 @@ def test_a_workspace_account_is_kept_until_changed_and_a_bad_one_is_refused(
     assert store.slurm_account(key) == "proj-1"  # a refused enroll changes nothing
     assert enroll(store, cfg, str(ws), TOOL, slurm_account="").slurm_account is None  # '' drops it
     assert store.slurm_account(key) is None
+
+
+def test_automatic_enrollment_makes_the_channel_files_durable_before_its_rows_commit(
+    tmp_path: Path, cfg: Config, store: Store
+) -> None:
+    """`prepare_new` (threads, no store) writes the channel files without an fsync each; `record_new` syncs their
+    filesystem once and only then commits the rows: at the sync, every file is in place and no row exists."""
+    from kernel.io.enroll import new_facts, prepare_new, record_new
+    from kernel.io.watch import read_mounts
+
+    spaces = [git_repo(tmp_path / f"w{i}") for i in range(3)]
+    facts = new_facts(store)
+    batch = [prepare_new(facts, cfg, str(ws), TOOL, mounts=read_mounts()) for ws in spaces]
+    assert all(store.workspace(p.row.key) is None for p in batch)  # nothing recorded by the preparation
+    seen: list[str] = []
+
+    def sync(path: str) -> None:
+        for p in batch:
+            assert store.workspace(p.row.key) is None, "a row committed before its files were synced"
+            for name in (ChannelPaths.TOOL, ChannelPaths.KERNEL_JSON, ChannelPaths.BUDGET_JSON):
+                assert (Path(p.row.path) / ".syscall" / name).is_file()
+        seen.append(path)
+
+    record_new(store, batch, sync)
+    assert len(seen) == 1  # one filesystem: one sync for the whole batch
+    for p, ws in zip(batch, spaces, strict=True):
+        row = store.workspace(p.row.key)
+        assert row is not None
+        assert row.path == str(ws.resolve())
+        budget = msgspec.json.decode((ws / ".syscall" / "budget.json").read_bytes(), type=BudgetFile)
+        assert budget.budget.launches == 7
+        info = msgspec.json.decode((ws / ".syscall" / "kernel.json").read_bytes(), type=KernelInfo)
+        assert info.owner is not None
+        assert info.owner.store == store.store_id()
+
+
+def test_automatic_enrollment_of_a_prepared_channel_again_is_idempotent(
+    tmp_path: Path, cfg: Config, store: Store
+) -> None:
+    """A crash between the preparation and the commit leaves a channel without a row; preparing it again (the
+    next start) gives the same channel, recorded once."""
+    from kernel.io.enroll import new_facts, prepare_new, record_new
+    from kernel.io.watch import read_mounts
+
+    ws = git_repo(tmp_path / "w")
+    facts = new_facts(store)
+    first = prepare_new(facts, cfg, str(ws), TOOL, mounts=read_mounts())
+    again = prepare_new(facts, cfg, str(ws), TOOL, mounts=read_mounts())
+    assert again.row.identity == first.row.identity
+    record_new(store, [again], lambda path: None)
+    assert [r.key for r in store.workspaces()] == [first.row.key]
