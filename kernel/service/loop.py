@@ -55,7 +55,7 @@ ENROLL_WORKERS = 4
 # New workspaces recorded per sync + transaction (a sync writes ~150 KB per channel, mostly the tool).
 ENROLL_BATCH = 256
 # Channels refreshed per store-worker call after `ready` (a few ms of work: requests are answered in between).
-REFRESH_CHUNK = 32
+REFRESH_CHUNK = 8
 T = TypeVar("T")
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
