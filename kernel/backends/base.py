@@ -10,7 +10,9 @@ The contract (`Backend`), in the order the service uses it:
 2. `run()` in the service's task group for as long as the kernel serves (`RunnableBackend`);
 3. `submit(spec)` per launch (idempotent per `spec.key`), `cancel(key, tasks)` when asked;
 4. `wait_any_exit()` for each task's end (its `exit-code` record in place);
-5. `hint_of(task_dir)` reads a finished task's end: the backend's own explanation for the wake.
+5. `outcome_of(task_dir)` and `hint_of(task_dir)` read a finished task's end: its state, exit code and signal
+   (kernel.core.exits.outcome, the one table, with what the scheduler said where the backend has it) and the
+   backend's own explanation for the wake.
 `submit` and `cancel` raise only the typed errors below for a failure that is not a kernel bug: a
 `BackendRefused` is the agent's (the sleep is rejected `backend.refused` and refunded, never retried), a
 `BackendUnavailable` is the world's (the sleep stays unanswered and is retried later, backing off per
@@ -30,6 +32,7 @@ from msgspec import Meta
 from channel import limits as L
 from channel.paths import RunPaths
 from kernel.backends.slurm.submit import job_name as scheduler_job_name
+from kernel.core.exits import Outcome
 from kernel.node.jail import JailPolicy, JobEnvironment
 
 DEFAULT_ARTIFACT_MAX_BYTES: Final = 64 * 1024 * 1024
@@ -194,6 +197,12 @@ class Backend(Protocol):
 
     async def wait_any_exit(self) -> TaskExit:
         """The next task to finish (its exit-code file is in place)."""
+        ...
+
+    def outcome_of(self, task_dir: Path) -> Outcome | None:
+        """How a finished task ended (its lifecycle event, state, exit code, signal, hint), from its recorded exit
+        through kernel.core.exits.outcome; None while it has no exit record. Pure apart from reading the task's
+        kernel-owned files."""
         ...
 
     def hint_of(self, task_dir: Path) -> str | None:

@@ -35,6 +35,8 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from kernel.backends import jobscript
 from kernel.backends.base import Backend, BackendUnavailable, JobSpec, Recovered, TaskExit, TaskRef
+from kernel.core import exits
+from kernel.core.exits import Outcome
 
 SPEC_FILE: Final = "local.json"
 PID_FILE: Final = "local.pid"
@@ -353,6 +355,11 @@ class LocalBackend:
                 out.append(TaskRef(key=key, task=t, job_id=job_id(la.spec, t)))
         self._poke()
         return out
+
+    def outcome_of(self, task_dir: Path) -> Outcome | None:
+        """The exit record read through the one table (kernel.core.exits); no scheduler adds to it."""
+        rec = jobscript.read_exit(task_dir)
+        return None if rec is None else exits.outcome(rec.kind, rec.code, rec.signal)
 
     def hint_of(self, task_dir: Path) -> str | None:
         """The local backend adds nothing to what the exit record says."""

@@ -8,6 +8,12 @@ a task whose wrapper left none, by its backend (`lost`, `cancelled`; Slurm: `out
 the executor applies, the TaskState the wake shows, which of the record's exit code and signal are kept, and the
 hint; a kind not in the table (a newer wrapper, a corrupt record) is read as a wrapper failure, never as success.
 A unit test checks that every kind a wrapper or backend writes has its row here.
+
+A scheduler may know why a task ended where its wrapper could not see it (Slurm's own state: the walltime, the
+memory limit, a node failure, a preemption). `outcome(..., scheduler=STATE)` then applies the row of that end
+(`SCHEDULER_KINDS`): to a SIGTERM the wrapper recorded (`terminated`) for any of them, and to a failure for the
+first three (a preemption does not make a command fail). Each backend's `outcome_of`
+(kernel.backends.base.Backend) is this function on the task's recorded exit, so there is one mapping.
 """
 
 from __future__ import annotations
@@ -96,6 +102,16 @@ KINDS: Final[Mapping[str, End]] = {
 }
 _UNKNOWN: Final = KINDS["wrapper_error"]
 
+# A scheduler's state that explains an end -> the kind whose row then applies.
+SCHEDULER_KINDS: Final[Mapping[TaskState, str]] = {
+    "TIMEOUT": "timeout",
+    "OUT_OF_MEMORY": "out_of_memory",
+    "NODE_FAIL": "node_fail",
+    "PREEMPTED": "preempted",
+}
+# Those of them that explain a failure too (the command was killed because of them).
+_EXPLAIN_FAILURE: Final = frozenset({"TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"})
+
 
 def signum(name: str | None) -> int | None:
     """The number of a signal named like `SIGKILL`, or None for no or an unknown name."""
@@ -107,11 +123,19 @@ def signum(name: str | None) -> int | None:
         return None
 
 
-def outcome(kind: str, code: int | None, signal_name: str | None) -> Outcome:
-    """What an exit record (`kind`, exit `code`, `signal_name`) means, from `KINDS` alone."""
+def outcome(
+    kind: str, code: int | None, signal_name: str | None, scheduler: TaskState | None = None
+) -> Outcome:
+    """What an exit record (`kind`, exit `code`, `signal_name`) means, from `KINDS`; `scheduler` is the state
+    the scheduler gave the task, where it has one (see the module's note)."""
     if kind == "exited" and code == 0:
         return Outcome(TaskEvent.FINISH, "COMPLETED", 0, None, None)
     end = KINDS.get(kind, _UNKNOWN)
+    over = None if scheduler is None else SCHEDULER_KINDS.get(scheduler)
+    if over is not None and (
+        kind == "terminated" or (end.state == "FAILED" and scheduler in _EXPLAIN_FAILURE)
+    ):
+        end = KINDS[over]
     hint = end.hint
     if hint == HINT_SIGNALED:
         hint = hint.format(signal=signal_name or "a signal")

@@ -71,7 +71,7 @@ class RealExecutor:
         self.heavy = heavy if heavy is not None else HeavyPool()
         self.evaluation: Evaluation = evaluation if evaluation is not None else PlainSleeps()
         self.dispatcher = Dispatcher(cfg, worker, backend, self.heavy, self.evaluation)
-        self.tracker = Tracker(worker)
+        self.tracker = Tracker(worker, backend)
         self.waker = Waker(cfg, worker, backend, self.heavy, self.evaluation)
         self.upkeep = Upkeep(cfg, worker, self.heavy)
 

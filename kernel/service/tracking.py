@@ -2,8 +2,9 @@
 
 Step 2 of a sleep's life (kernel.service.execute): `backend.wait_any_exit` reports each task's end at once
 (`on_exit`); a sweep re-reads the exit files of every live task (the ground truth: events only make it faster)
-and marks tasks whose `started` file appeared RUNNING. Each end is recorded with its state, exit code, signal and
-times; the executor then offers the sleep to gathering (kernel.service.waking).
+and marks tasks whose `started` file appeared RUNNING. Each end is recorded with the state, exit code and signal
+the backend's `outcome_of` reads from it (kernel.core.exits, the one table), and its times; the executor then
+offers the sleep to gathering (kernel.service.waking).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 from channel.lifecycle import SleepEvent, TaskEvent, next_task_state
 from channel.messages import TERMINAL_TASK_STATES
 from kernel.backends import jobscript
-from kernel.backends.base import TaskExit
+from kernel.backends.base import RunnableBackend, TaskExit
 from kernel.core.records import JobRow
 from kernel.io import log as klog
 from kernel.io.crash import crash_point
@@ -36,19 +37,19 @@ def _split_key(key: str) -> tuple[str, int, str] | None:
 class Tracker:
     """Records task ends and starts (store worker for the `record_*`/`sweep_*` methods)."""
 
-    def __init__(self, worker: StoreWorker) -> None:
+    def __init__(self, worker: StoreWorker, backend: RunnableBackend) -> None:
         self.worker = worker
         self.store = worker.store
+        self.backend = backend
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.worker.call(fn, *args)
 
     def record_exit(self, key: str, seq: int, launch: str, task: int, task_dir: Path) -> bool:
         """Record a task's end from its exit record; True if this call recorded it."""
-        rec = jobscript.read_exit(task_dir)
-        if rec is None:
+        out = self.backend.outcome_of(task_dir)
+        if out is None:
             return False
-        out = gather.outcome(rec)
         started, ended = gather.task_times(task_dir)
         now = timestamp()
         with self.store.transaction():

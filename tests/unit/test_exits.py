@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from channel.lifecycle import TaskEvent
+from pathlib import Path
+
+import anyio
+import pytest
+
+from channel.lifecycle import TaskEvent, next_task_state
+from channel.messages import TaskState
 from kernel.backends import jobscript
+from kernel.backends.local import LocalBackend
 from kernel.backends.slurm import backend as slurm
 from kernel.core import exits
 from kernel.node import wrapper as W
@@ -32,3 +39,68 @@ def test_signal_names_become_numbers_only_where_kept() -> None:
     assert exits.outcome("signaled", 137, "SIGKILL").hint == "the command was killed by SIGKILL"
     assert exits.outcome("exited", 3, "SIGKILL").signal is None
     assert exits.outcome("lost", None, "SIGNOPE").signal is None
+
+
+def _record(tmp: Path, name: str, rec: jobscript.ExitRecord) -> Path:
+    tdir = tmp / name
+    tdir.mkdir()
+    jobscript.write_exit(tdir, rec)
+    return tdir
+
+
+def test_every_backend_reads_an_exit_record_through_the_one_table(tmp_path: Path) -> None:
+    """`Backend.outcome_of`: the local and the Slurm backend give what kernel.core.exits.outcome gives for every
+    kind (the Slurm backend adds only what Slurm itself recorded, and nothing is recorded here)."""
+
+    async def main() -> None:
+        local = LocalBackend()
+        async with anyio.create_task_group() as tg:
+            await tg.start(local.run)  # as the service runs it (its streams close when it stops)
+            check(local)
+            tg.cancel_scope.cancel()
+
+    def check(local: LocalBackend) -> None:
+        cases = [(kind, code) for kind in [*exits.KINDS, "from-a-newer-wrapper"] for code in (0, 1, 137)]
+        for i, (kind, code) in enumerate(cases):
+            tdir = _record(tmp_path, f"t{i}", jobscript.ExitRecord(code, kind, signal="SIGKILL"))
+            want = exits.outcome(kind, code, "SIGKILL")
+            assert local.outcome_of(tdir) == slurm.outcome_of(tdir) == want, (kind, code)
+        empty = tmp_path / "running"
+        empty.mkdir()
+        assert local.outcome_of(empty) is None
+        assert slurm.outcome_of(empty) is None
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize(
+    ("kind", "code", "scheduler", "state"),
+    [
+        # a SIGTERM the wrapper saw: Slurm says why
+        ("terminated", 143, "TIMEOUT", "TIMEOUT"),
+        ("terminated", 143, "PREEMPTED", "PREEMPTED"),
+        ("terminated", 143, "NODE_FAIL", "NODE_FAIL"),
+        ("terminated", 143, "OUT_OF_MEMORY", "OUT_OF_MEMORY"),
+        ("terminated", 143, "CANCELLED", "CANCELLED"),
+        # a failure Slurm caused
+        ("signaled", 137, "OUT_OF_MEMORY", "OUT_OF_MEMORY"),
+        ("exited", 1, "TIMEOUT", "TIMEOUT"),
+        ("exited", 1, "NODE_FAIL", "NODE_FAIL"),
+        # a preemption does not make a command fail, and nothing overrides a success or the wrapper's own kinds
+        ("signaled", 137, "PREEMPTED", "FAILED"),
+        ("exited", 0, "OUT_OF_MEMORY", "COMPLETED"),
+        ("timeout", 124, "CANCELLED", "TIMEOUT"),
+        ("cancelled", 143, "TIMEOUT", "CANCELLED"),
+        ("exited", 1, "FAILED", "FAILED"),
+    ],
+)
+def test_the_scheduler_state_applies_the_row_of_its_end(
+    tmp_path: Path, kind: str, code: int, scheduler: TaskState, state: str
+) -> None:
+    out = exits.outcome(kind, code, "SIGTERM", scheduler)
+    assert out.state == state
+    assert next_task_state("RUNNING", out.event, out.state) == state  # a move the lifecycle allows
+    # the Slurm backend reads it the same way from the task's files once it recorded Slurm's state there
+    tdir = _record(tmp_path, "t", jobscript.ExitRecord(code, kind, signal="SIGTERM"))
+    slurm._write_json(tdir, slurm.STATE_FILE, slurm.TaskSlurmState("5", scheduler))
+    assert slurm.outcome_of(tdir) == out

@@ -411,6 +411,12 @@ def test_a_pending_reason_that_never_clears_is_a_stuck_exit_and_healthy_waits_wa
     )
     assert w.fake.last_args("scancel") == [ids[1]]
     assert jobscript.read_exit(specs[0].task_dir(0)) is None
+    # slurm-state.json and the executor read the end the same way (it said PENDING while the kernel recorded
+    # CANCELLED: a second mapping)
+    out = b.outcome_of(specs[1].task_dir(0))
+    assert out is not None
+    assert state_of(specs[1]).state == out.state == "CANCELLED"
+    assert b.outcome_of(specs[0].task_dir(0)) is None
 
 
 # --- cancel and recover ------------------------------------------------------------------------------------
@@ -578,12 +584,12 @@ def test_policy_from_config_and_exit_state_mapping() -> None:
     assert b.env == {"PATH": "/x", "LANG": "C.UTF-8", "SLURM_CONF": "/c"}, "kernel env must not reach jobs"
     b.close()
     rec = jobscript.ExitRecord
-    assert S.task_state_of(rec(123, "timeout")) == "TIMEOUT"
-    assert S.task_state_of(rec(122, "terminated")) == "CANCELLED"
-    assert S.task_state_of(rec(0, "exited")) == "COMPLETED"
-    assert S.task_state_of(rec(137, "signaled")) == "FAILED"
-    assert S.task_state_of(rec(137, "signaled"), Resolution("done", "OUT_OF_MEMORY")) == "OUT_OF_MEMORY"
-    assert S.task_state_of(rec(125, "node_fail")) == "NODE_FAIL"
+    assert S.outcome_with(rec(123, "timeout"), None).state == "TIMEOUT"
+    assert S.outcome_with(rec(122, "terminated"), None).state == "CANCELLED"
+    assert S.outcome_with(rec(0, "exited"), None).state == "COMPLETED"
+    assert S.outcome_with(rec(137, "signaled"), None).state == "FAILED"
+    assert S.outcome_with(rec(137, "signaled"), "OUT_OF_MEMORY").state == "OUT_OF_MEMORY"
+    assert S.outcome_with(rec(125, "node_fail"), None).state == "NODE_FAIL"
 
 
 def test_jobs_on_a_named_cluster_are_polled_and_cancelled_with_M(tmp_path: Path) -> None:
@@ -654,9 +660,12 @@ def test_the_wake_reads_every_exit_record_the_backend_writes(
     out = gather.outcome(rec)
     assert out.state == state
     assert next_task_state("RUNNING", out.event, out.state) == state
-    S._write_json(tmp_path, S.STATE_FILE, S.TaskSlurmState("5", S.task_state_of(rec, res), res.hint))
+    S._write_json(
+        tmp_path, S.STATE_FILE, S.TaskSlurmState("5", S.outcome_with(rec, res.state).state, res.hint)
+    )
     jobscript.write_exit(tmp_path, rec)
     assert gather.backend_hint(tmp_path, S.hint_of) == res.hint
+    assert S.outcome_of(tmp_path) == out  # the backend's reading is the one the table gives
 
 
 def test_recover_before_run_as_the_service_calls_them_resubmits_once_run_starts(w: World) -> None:

@@ -81,6 +81,8 @@ from kernel.backends.slurm import (
 )
 from kernel.backends.slurm.classify import RUNNING_STATES
 from kernel.backends.slurm.query import parse_squeue
+from kernel.core import exits
+from kernel.core.exits import Outcome
 from kernel.io import log as klog
 from kernel.io import metrics
 from kernel.io.crash import crash_point
@@ -107,8 +109,6 @@ KIND_OF_STATE: Final[Mapping[str, tuple[int, str]]] = {
 }
 
 
-# States in which Slurm, not the job, ended a task whose wrapper recorded a SIGTERM.
-_SCHEDULER_ENDS: Final = ("TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED")
 # How long a SIGTERM'd task (not by the kernel) may stay RUNNING in squeue before it is reported anyway.
 TERMINATED_WAIT_S: Final = 120.0
 OUTSIDE_HINT: Final = "stopped from outside the kernel (scancel, the scheduler or an administrator)"
@@ -204,24 +204,20 @@ def exit_record_for(res: Resolution, stuck: bool = False) -> jobscript.ExitRecor
     return jobscript.ExitRecord(code, kind, detail=detail + "; the job wrapper wrote no exit-code")
 
 
-def task_state_of(rec: jobscript.ExitRecord, slurm: Resolution | None = None) -> TaskState:
-    """The TaskState a finished task reports: the wrapper's record first, Slurm's explanation of a failure next."""
-    if rec.kind == "timeout":
-        return "TIMEOUT"
-    if rec.kind == "terminated" and slurm is not None and slurm.state in _SCHEDULER_ENDS:
-        return slurm.state
-    if rec.kind in ("terminated", jobscript.KIND_CANCELLED):
-        return "CANCELLED"
-    if rec.kind == KIND_STUCK:
-        return "PENDING" if slurm is None else slurm.state or "PENDING"
-    for state, (_, kind) in KIND_OF_STATE.items():
-        if rec.kind == kind and state != "FAILED":
-            return state  # type: ignore[return-value]
-    if rec.code == 0:
-        return "COMPLETED"
-    if slurm is not None and slurm.state in ("TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"):
-        return slurm.state
-    return "FAILED"
+def outcome_with(rec: jobscript.ExitRecord, slurm: TaskState | None) -> Outcome:
+    """How a finished task ended: its exit record through the one table (kernel.core.exits), with Slurm's own
+    state (`slurm`) where Slurm explained the end (a SIGTERM at the walltime, a preemption, the memory limit)."""
+    return exits.outcome(rec.kind, rec.code, rec.signal, slurm)
+
+
+def outcome_of(task_dir: Path) -> Outcome | None:
+    """`Backend.outcome_of`: the exit record with the state the backend recorded in `slurm-state.json` (once it
+    classified the end; before that the exit record alone). None while there is no exit record."""
+    rec = jobscript.read_exit(task_dir)
+    if rec is None:
+        return None
+    st = read_task_state(task_dir)
+    return outcome_with(rec, None if st is None else st.state)
 
 
 def read_task_state(task_dir: Path) -> TaskSlurmState | None:
@@ -852,7 +848,7 @@ class SlurmBackend:
         if t not in la.open:
             return
         tdir = la.spec.task_dir(t)
-        state: TaskState = task_state_of(rec, res) if rec is not None else res.state or "VANISHED"
+        state: TaskState = outcome_with(rec, res.state).state if rec is not None else res.state or "VANISHED"
         hint = res.hint if rec is None or rec.code != 0 else None
         if rec is not None and rec.kind == "terminated" and t not in la.cancelled:
             hint = OUTSIDE_HINT
@@ -867,6 +863,10 @@ class SlurmBackend:
         la.pending_since.pop(t, None)
         self._last_change = self._clock()
         self._exits_in.send_nowait(TaskExit(key=la.spec.key, task=t, task_dir=os.fspath(tdir)))
+
+    def outcome_of(self, task_dir: Path) -> Outcome | None:
+        """`outcome_of` (the module function: it needs only the task's files)."""
+        return outcome_of(task_dir)
 
     def hint_of(self, task_dir: Path) -> str | None:
         """`hint_of` (the module function: it needs only the task's files)."""
