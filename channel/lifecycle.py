@@ -12,9 +12,10 @@ A task moves PENDING -> RUNNING -> a terminal state; `cancel` and scheduler verd
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Final
+from typing import Final, get_args
 
-from channel.messages import SleepState  # the one list of sleep states (the protocol's)
+# The one list of each kind of state (the protocol's Literals)
+from channel.messages import SleepState, TaskState
 
 
 class SleepEvent(StrEnum):
@@ -53,16 +54,31 @@ SLEEP_TRANSITIONS: Final[dict[tuple[SleepState, SleepEvent], SleepState]] = {
 
 SLEEP_TERMINAL: Final = frozenset({"woken", "rejected"})
 
-TASK_TRANSITIONS: Final[dict[tuple[str, TaskEvent], frozenset[str]]] = {
+_ENDED_ON_ITS_OWN: Final[frozenset[TaskState]] = frozenset(
+    {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}
+)
+_LOST: Final[frozenset[TaskState]] = frozenset({"NODE_FAIL", "PREEMPTED", "VANISHED"})
+
+TASK_TRANSITIONS: Final[dict[tuple[TaskState, TaskEvent], frozenset[TaskState]]] = {
     ("PENDING", TaskEvent.START): frozenset({"RUNNING"}),
     ("PENDING", TaskEvent.CANCEL): frozenset({"CANCELLED"}),
-    ("PENDING", TaskEvent.FINISH): frozenset({"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}),
-    ("PENDING", TaskEvent.LOSE): frozenset({"NODE_FAIL", "PREEMPTED", "VANISHED"}),
+    ("PENDING", TaskEvent.FINISH): _ENDED_ON_ITS_OWN,
+    ("PENDING", TaskEvent.LOSE): _LOST,
     ("PENDING", TaskEvent.SKIP): frozenset({"REUSED", "SKIPPED"}),
-    ("RUNNING", TaskEvent.FINISH): frozenset({"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}),
+    ("RUNNING", TaskEvent.FINISH): _ENDED_ON_ITS_OWN,
     ("RUNNING", TaskEvent.CANCEL): frozenset({"CANCELLED"}),
-    ("RUNNING", TaskEvent.LOSE): frozenset({"NODE_FAIL", "PREEMPTED", "VANISHED"}),
+    ("RUNNING", TaskEvent.LOSE): _LOST,
 }
+
+# Derived from the table, never kept by hand: a task is live while the table has a move out of its state, and
+# terminal once it reaches a state with none. Every protocol task state is one or the other
+# (tests/unit/test_lifecycle.py).
+LIVE_TASK_STATES: Final[frozenset[TaskState]] = frozenset(s for (s, _) in TASK_TRANSITIONS)
+TERMINAL_TASK_STATES: Final[frozenset[TaskState]] = frozenset(get_args(TaskState)) - LIVE_TASK_STATES
+# A submit's evaluation run the kernel decided not to run: REUSED (the base's measurement of an earlier submit
+# with the same seeds stands in for it) or SKIPPED (nothing to compare: the candidate's tree is the base's, or
+# there is no base). Neither was charged.
+NOT_RUN_TASK_STATES: Final[frozenset[TaskState]] = TASK_TRANSITIONS[("PENDING", TaskEvent.SKIP)]
 
 
 class IllegalTransition(RuntimeError):
@@ -76,7 +92,7 @@ def next_sleep_state(state: SleepState, event: SleepEvent) -> SleepState:
         raise IllegalTransition(f"sleep in state {state!r} cannot {event.value}") from None
 
 
-def next_task_state(state: str, event: TaskEvent, outcome: str | None = None) -> str:
+def next_task_state(state: TaskState, event: TaskEvent, outcome: TaskState | None = None) -> TaskState:
     """The task's next state. `outcome` picks among the event's allowed states (e.g. FINISH -> FAILED)."""
     allowed = TASK_TRANSITIONS.get((state, event))
     if allowed is None:

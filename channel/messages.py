@@ -36,25 +36,6 @@ TaskState = Literal[
     "REUSED",
     "SKIPPED",
 ]
-TERMINAL_TASK_STATES: Final[frozenset[str]] = frozenset(
-    {
-        "COMPLETED",
-        "FAILED",
-        "TIMEOUT",
-        "OUT_OF_MEMORY",
-        "CANCELLED",
-        "NODE_FAIL",
-        "PREEMPTED",
-        "VANISHED",
-        "REUSED",
-        "SKIPPED",
-    }
-)
-# A submit's evaluation run the kernel decided not to run: REUSED (the base's measurement of an earlier submit
-# with the same seeds stands in for it) or SKIPPED (nothing to compare: the candidate's tree is the base's, or
-# there is no base). Neither was charged.
-NOT_RUN_TASK_STATES: Final[frozenset[str]] = frozenset({"REUSED", "SKIPPED"})
-
 SleepState = Literal[
     "received", "validated", "snapshotted", "submitted", "running", "gathered", "woken", "rejected"
 ]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from channel.messages import NOT_RUN_TASK_STATES, Budget, LogFile, TaskResult, Verdict, Wake
+from channel.lifecycle import NOT_RUN_TASK_STATES
+from channel.messages import Budget, LogFile, TaskResult, Verdict, Wake
 from channel.paths import CHANNEL_DIR, ChannelPaths
 
 _RUN_RE: Final = re.compile(r"`+|~+")

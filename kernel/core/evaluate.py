@@ -13,7 +13,7 @@ likes); without one, from `command`'s stdout, and when the contract protects pat
 exactly once (a second one means something besides the protected eval printed it: an `atexit` hook, an import).
 
 Also here, pure: the evaluation job rows a sleep with a submit records at acceptance (`eval_jobs`: `repeats` tasks
-each of `EVAL_BASE` / `EVAL_CANDIDATE`, charged like launches by `charge_eval`), the operator's contract check
+each of `EVAL_BASE` / `EVAL_CANDIDATE`, reserved like launches by `ledger.reserve_eval`), the operator's contract check
 (`contract_problem`), whether a contract's verdict can be trusted (`is_trusted`), the seed commitment, and the
 hook's payload (`hook_payload`). The paired arithmetic is `kernel.core.paired`; the stateful side is
 `kernel.io.submit`.
@@ -34,8 +34,7 @@ import msgspec
 
 from channel.decode import RequestError
 from channel.messages import EvalContract, Pair, SleepRequest, Submit, Verdict, encode
-from kernel.core import paired
-from kernel.core.budget import Balance, gpu_hours
+from kernel.core import ledger, paired
 from kernel.core.records import JobRow
 
 Side = Literal["base", "candidate"]
@@ -338,7 +337,7 @@ def eval_jobs(
             gpus=contract.gpus,
             artifacts=(),
             why="",
-            reserved_gpu_s=contract.gpus * minutes * 60,
+            reserved_gpu_s=ledger.task_reservation(contract.gpus, minutes),
             state="PENDING",
             updated_at=now,
         )
@@ -359,24 +358,6 @@ def check_eval_names(req: SleepRequest) -> None:
                 "rename the launch",
                 f"$.launches[{i}].name",
             )
-
-
-def charge_eval(balance: Balance, jobs: tuple[JobRow, ...]) -> Balance:
-    """Reserve the evaluation runs' GPU time (refunded as measured, like a launch's); a submit costs no launch."""
-    cost = sum(j.reserved_gpu_s for j in jobs)
-    if cost > balance.gpu_s:
-        raise RequestError(
-            "budget.gpu_hours",
-            f"the submit's {len(jobs)} evaluation runs reserve {gpu_hours(cost):g} GPU-hours but only "
-            f"{gpu_hours(balance.gpu_s):g} are left after the launches",
-            "$.submit",
-        )
-    return Balance(
-        launches=balance.launches,
-        sleeps=balance.sleeps,
-        gpu_s=balance.gpu_s - cost,
-        reserved_gpu_s=balance.reserved_gpu_s + cost,
-    )
 
 
 def hook_payload(workspace: str, path: str, sleep_id: str, seq: int, verdict: Verdict, report: str) -> bytes:

@@ -7,13 +7,10 @@ The store (`kernel.io.store`) is the only code that reads or writes them in sqli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
-from channel.messages import Policy, SleepState
+from channel.messages import Policy, SleepState, TaskState
 from channel.safefs import Identity
 from kernel.core.budget import Balance
-
-LIVE_TASK_STATES: Final = ("PENDING", "RUNNING")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +67,7 @@ class JobRow:
     artifacts: tuple[str, ...]
     why: str
     reserved_gpu_s: int
-    state: str
+    state: TaskState
     backend: str | None = None
     job_id: str | None = None
     exit_code: int | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
@@ -20,7 +20,7 @@ import msgspec
 
 from channel import limits as L
 from channel.decode import RequestError, at_a_time, check_policy, clamp_note
-from channel.lifecycle import TaskEvent, next_task_state
+from channel.lifecycle import LIVE_TASK_STATES
 from channel.messages import (
     CancelRequest,
     HistoryAnswer,
@@ -38,9 +38,9 @@ from channel.messages import (
     TaskView,
 )
 from channel.paths import CHANNEL_DIR, ChannelPaths, RunPaths
-from kernel.core import budget
+from kernel.core import ledger
 from kernel.core.budget import Balance
-from kernel.core.evaluate import charge_eval, check_eval_names, eval_jobs
+from kernel.core.evaluate import check_eval_names, eval_jobs
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 
 
@@ -92,7 +92,7 @@ def accept_sleep(
             None,
         )
     check_eval_names(req)
-    charged = budget.charge_sleep(ws.balance, req.launches)
+    charged = ledger.reserve_sleep(ws.balance, req.launches)
     jobs = tuple(
         JobRow(
             workspace=ws.key,
@@ -106,7 +106,7 @@ def accept_sleep(
             gpus=launch.gpus,
             artifacts=launch.artifacts,
             why=launch.why,
-            reserved_gpu_s=budget.task_cost(launch),
+            reserved_gpu_s=ledger.task_reservation(launch.gpus, launch.minutes),
             state="PENDING",
             updated_at=now,
         )
@@ -116,7 +116,7 @@ def accept_sleep(
     if req.submit is not None and ws.policy.submit is not None:
         # The submit's two evaluation runs are job rows of the sleep, their GPU time reserved like a launch's.
         evals = eval_jobs(ws.policy.submit, req.submit, ws.key, seq, now)
-        charged = charge_eval(charged, evals)
+        charged = ledger.reserve_eval(charged, evals)
         jobs += evals
     return Acceptance(balance=charged, jobs=jobs)
 
@@ -126,13 +126,14 @@ class CancelPlan:
     sleep: SleepRow
     # Every live task the cancel names (the answer lists them).
     targets: tuple[JobRow, ...]
-    # Those never handed to a backend: cancelled now, reservation refunded in full.
+    # Those never handed to a backend, as read: the caller moves them PENDING -> CANCELLED (TaskEvent.CANCEL) in
+    # the transaction that records `balance`, which has their reservations refunded in full.
     now_cancelled: tuple[JobRow, ...]
     balance: Balance
 
 
 def plan_cancel(
-    ws: WorkspaceRow, current: SleepRow | None, jobs: Sequence[JobRow], req: CancelRequest, now: str
+    ws: WorkspaceRow, current: SleepRow | None, jobs: Sequence[JobRow], req: CancelRequest
 ) -> CancelPlan:
     check_policy(req, ws.policy)
     if current is None:
@@ -147,14 +148,13 @@ def plan_cancel(
                 f"$.launches[{i}]",
             )
     wanted = set(req.launches) or names
-    targets = tuple(j for j in jobs if j.launch in wanted and j.state in ("PENDING", "RUNNING"))
+    targets = tuple(j for j in jobs if j.launch in wanted and j.state in LIVE_TASK_STATES)
     balance = ws.balance
     cancelled: list[JobRow] = []
     for j in targets:
         if j.job_id is None and j.state == "PENDING":
-            balance = budget.release(balance, j.reserved_gpu_s, 0)
-            state = next_task_state(j.state, TaskEvent.CANCEL)
-            cancelled.append(replace(j, state=state, reserved_gpu_s=0, ended_at=now, updated_at=now))
+            balance = ledger.refund_unrun(balance, j)
+            cancelled.append(j)
     return CancelPlan(sleep=current, targets=targets, now_cancelled=tuple(cancelled), balance=balance)
 
 
@@ -173,7 +173,7 @@ def cancelled_by(jobs: Sequence[JobRow], names: Sequence[str], received_at: str)
         j
         for j in jobs
         if j.launch in wanted
-        and (j.state in ("PENDING", "RUNNING") or (j.state == "CANCELLED" and j.updated_at >= received_at))
+        and (j.state in LIVE_TASK_STATES or (j.state == "CANCELLED" and j.updated_at >= received_at))
     ]
 
 
@@ -251,7 +251,7 @@ def sleep_view(s: SleepRow, jobs: Sequence[JobRow], now: float, max_concurrent_g
             TaskView(
                 launch=j.launch,
                 task=j.task,
-                state=j.state,  # type: ignore[arg-type]
+                state=j.state,
                 job_id=j.job_id,
                 exit_code=j.exit_code,
                 elapsed_s=elapsed(j, now),
@@ -288,7 +288,7 @@ def queue_answer(request_id: str, ws_key: str, live: Sequence[JobRow], now: floa
                 workspace=j.workspace,
                 launch=j.launch,
                 task=j.task,
-                state=j.state,  # type: ignore[arg-type]
+                state=j.state,
                 minutes=j.minutes,
                 gpus=j.gpus,
                 why=j.why,
@@ -322,7 +322,7 @@ def history_answer(
                     HistoryLaunch(
                         name=name,
                         array=tasks[0].array_size,
-                        states=tuple(t.state for t in tasks),  # type: ignore[misc]
+                        states=tuple(t.state for t in tasks),
                         why=tasks[0].why,
                     )
                     for name, tasks in launches.items()

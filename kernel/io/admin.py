@@ -18,7 +18,8 @@ from typing import Final
 
 from channel import safefs
 from channel.paths import CHANNEL_DIR
-from kernel.core.budget import Balance, gpu_seconds
+from kernel.core import ledger
+from kernel.core.budget import GPU_SECONDS_PER_HOUR, Balance, gpu_seconds
 from kernel.core.records import WorkspaceRow
 from kernel.io.enroll import write_budget
 from kernel.io.store import Store, timestamp
@@ -107,18 +108,20 @@ class BudgetEdit:
 
 def edited(b: Balance, edit: BudgetEdit) -> Balance:
     """The balance after the edit; AdminError when a value would go below zero (or what is reserved)."""
-    values = {"launches": b.launches, "sleeps": b.sleeps, "gpu_s": b.gpu_s}
+    set_to: dict[str, int] = {}
     for kind, v in edit.set.items():
         if v < 0:
             raise AdminError(f"--set-{kind.replace('_', '-')} must be >= 0, got {v:g}")
-        values[_column(kind)] = gpu_seconds(v) if kind == "gpu_hours" else int(v)
+        set_to[_column(kind)] = gpu_seconds(v) if kind == "gpu_hours" else int(v)
+    add: dict[str, int] = {}
     for kind, v in edit.add.items():
-        delta = (round(v * 3600) if kind == "gpu_hours" else int(v)) if v == v else 0
-        values[_column(kind)] += delta
-    for col, v in values.items():
-        if v < 0:
-            raise AdminError(f"the change would leave {col.replace('_s', '-hours')} below zero")
-    return Balance(values["launches"], values["sleeps"], values["gpu_s"], b.reserved_gpu_s)
+        if v != v:  # NaN: no change
+            continue
+        add[_column(kind)] = round(v * GPU_SECONDS_PER_HOUR) if kind == "gpu_hours" else int(v)
+    try:
+        return ledger.edited(b, set_to, add)
+    except ledger.Overdrawn as e:
+        raise AdminError(f"the change would leave {e.column.replace('_s', '-hours')} below zero") from None
 
 
 def _column(kind: str) -> str:

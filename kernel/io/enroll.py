@@ -29,7 +29,7 @@ from channel import limits as L
 from channel import safefs
 from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Limits, Policy, StoreRef, encode
 from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
-from kernel.core import budget
+from kernel.core import budget, ledger
 from kernel.core.budget import Balance
 from kernel.core.config import Config, score_data_problem, slurm_account_ok
 from kernel.core.evaluate import EVAL_FLAGS, contract_problem, is_trusted
@@ -157,17 +157,15 @@ def _balance_for(cfg: Config, existing: WorkspaceRow | None, grant: Grant) -> Ba
     base = (
         existing.balance
         if existing is not None
-        else Balance(
-            launches=cfg.defaults.launches,
-            sleeps=cfg.defaults.sleeps,
-            gpu_s=budget.gpu_seconds(cfg.defaults.gpu_hours),
+        else ledger.opening(
+            cfg.defaults.launches, cfg.defaults.sleeps, budget.gpu_seconds(cfg.defaults.gpu_hours)
         )
     )
-    return Balance(
-        launches=base.launches if grant.launches is None else grant.launches,
-        sleeps=base.sleeps if grant.sleeps is None else grant.sleeps,
-        gpu_s=base.gpu_s if grant.gpu_hours is None else budget.gpu_seconds(grant.gpu_hours),
-        reserved_gpu_s=base.reserved_gpu_s,
+    return ledger.granted(
+        base,
+        launches=grant.launches,
+        sleeps=grant.sleeps,
+        gpu_s=None if grant.gpu_hours is None else budget.gpu_seconds(grant.gpu_hours),
     )
 
 

@@ -27,8 +27,8 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from channel.lifecycle import SleepEvent, next_sleep_state
-from channel.messages import Policy, SleepState
+from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
+from channel.messages import Policy, SleepState, TaskState
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import ExecSleepRow, JobRow, RequestRow, SleepRow, WorkspaceRow
@@ -942,28 +942,85 @@ class Store:
         )
         return [self._job(r) for r in rows]
 
-    def update_job(self, job: JobRow) -> None:
-        """Write a job's mutable columns (state, backend ids, outcome, times, run dir)."""
-        self._conn.execute(
-            "UPDATE jobs SET state=?, backend=?, job_id=?, exit_code=?, signal=?, started_at=?, ended_at=?, "
-            "run_dir=?, reserved_gpu_s=?, updated_at=? WHERE workspace=? AND seq=? AND launch=? AND task=?",
+    def advance_task(
+        self,
+        workspace: str,
+        seq: int,
+        launch: str,
+        task: int,
+        frm: TaskState,
+        event: TaskEvent,
+        outcome: TaskState | None = None,
+        *,
+        at: str,
+        started_at: str | None = None,
+        ended_at: str | None = None,
+        exit_code: int | None = None,
+        signal: int | None = None,
+        run_dir: str | None = None,
+        release: bool = False,
+    ) -> bool:
+        """Move the task from `frm` by `event` (into `outcome` where the event allows several), through the
+        lifecycle table only (compare-and-set): True when it was in `frm` and moved, False when it was not (someone
+        else moved it first; nothing changed). IllegalTransition (a kernel bug) when the table has no such move,
+        whatever the task's state. `at` is the kernel's record of the change (`updated_at`); the other fields are
+        written when given; `release` zeroes the task's reservation, which the caller's ledger decision has
+        refunded in the same transaction."""
+        to = next_task_state(frm, event, outcome)
+        cur = self._conn.execute(
+            "UPDATE jobs SET state=?, updated_at=?, started_at=coalesce(?, started_at), "
+            "ended_at=coalesce(?, ended_at), exit_code=coalesce(?, exit_code), signal=coalesce(?, signal), "
+            "run_dir=coalesce(?, run_dir), reserved_gpu_s=CASE WHEN ? THEN 0 ELSE reserved_gpu_s END "
+            "WHERE workspace=? AND seq=? AND launch=? AND task=? AND state=?",
             (
-                job.state,
-                job.backend,
-                job.job_id,
-                job.exit_code,
-                job.signal,
-                job.started_at,
-                job.ended_at,
-                job.run_dir,
-                job.reserved_gpu_s,
-                job.updated_at,
-                job.workspace,
-                job.seq,
-                job.launch,
-                job.task,
+                to,
+                at,
+                started_at,
+                ended_at,
+                exit_code,
+                signal,
+                run_dir,
+                release,
+                workspace,
+                seq,
+                launch,
+                task,
+                frm,
             ),
         )
+        return cur.rowcount == 1
+
+    def place_job(
+        self,
+        workspace: str,
+        seq: int,
+        launch: str,
+        task: int,
+        *,
+        backend: str,
+        job_id: str,
+        run_dir: str,
+        at: str,
+    ) -> bool:
+        """Record where a task was handed (its backend, job id and run directory); its state is left alone. Only a
+        task not placed yet is placed (compare-and-set on the job id): False when it already was."""
+        cur = self._conn.execute(
+            "UPDATE jobs SET backend=?, job_id=?, run_dir=?, updated_at=? "
+            "WHERE workspace=? AND seq=? AND launch=? AND task=? AND job_id IS NULL",
+            (backend, job_id, run_dir, at, workspace, seq, launch, task),
+        )
+        return cur.rowcount == 1
+
+    def release_job(self, workspace: str, seq: int, launch: str, task: int) -> bool:
+        """Zero a task's reservation at its sleep's gather (the caller's `ledger.settle_task` released it in the
+        same transaction); its state and `updated_at` (the kernel's record of its last state change) are left
+        alone. False when it held nothing."""
+        cur = self._conn.execute(
+            "UPDATE jobs SET reserved_gpu_s=0 WHERE workspace=? AND seq=? AND launch=? AND task=? "
+            "AND reserved_gpu_s > 0",
+            (workspace, seq, launch, task),
+        )
+        return cur.rowcount == 1
 
     def state_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """(sleeps by state, tasks by state) for the metrics."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -29,7 +28,7 @@ import msgspec
 
 from channel import safefs
 from channel.decode import RequestError, at_a_time
-from channel.lifecycle import SleepEvent
+from channel.lifecycle import LIVE_TASK_STATES, SleepEvent
 from channel.messages import JobRef, LockedEnvironment
 from kernel.backends import jobscript
 from kernel.backends.base import BackendRefused, BackendUnavailable, JobSpec, RunnableBackend
@@ -101,8 +100,15 @@ class Dispatcher:
                 job_id = ids.get((j.launch, j.task))
                 if job_id is not None and j.job_id is None:
                     tdir = str(specs[j.launch].task_dir(j.task))
-                    self.store.update_job(
-                        replace(j, backend=self.backend.name, job_id=job_id, run_dir=tdir, updated_at=now)
+                    self.store.place_job(
+                        key,
+                        seq,
+                        j.launch,
+                        j.task,
+                        backend=self.backend.name,
+                        job_id=job_id,
+                        run_dir=tdir,
+                        at=now,
                     )
 
     # --- launches --------------------------------------------------------------------------------------
@@ -361,7 +367,7 @@ class Dispatcher:
         wanted = set(launches) or {j.launch for j in jobs}
         tasks: dict[str, list[int]] = {}
         for j in jobs:
-            if j.launch in wanted and j.job_id is not None and j.state in ("PENDING", "RUNNING"):
+            if j.launch in wanted and j.job_id is not None and j.state in LIVE_TASK_STATES:
                 tasks.setdefault(j.launch, []).append(j.task)
         for launch, ts in tasks.items():
             try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import stat
 from collections.abc import Callable
@@ -68,10 +67,6 @@ def task_times(task_dir: Path) -> tuple[float | None, float | None]:
         with contextlib.suppress(FileNotFoundError):
             ended = (task_dir / RunPaths.EXIT_CODE).stat().st_mtime
     return started, ended
-
-
-def gpu_seconds_used(gpus: int, elapsed_s: float | None) -> int:
-    return 0 if elapsed_s is None or gpus == 0 else math.ceil(gpus * max(0.0, elapsed_s))
 
 
 def cut_tail(body: bytes, max_lines: int) -> bytes:
@@ -352,7 +347,7 @@ def task_result(
     return TaskResult(
         launch=job.launch,
         task=job.task,
-        state=job.state,  # type: ignore[arg-type]  # the store holds lifecycle states only
+        state=job.state,
         job_id=job.job_id,
         exit_code=job.exit_code,
         signal=job.signal,

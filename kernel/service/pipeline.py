@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, TypeVar
 
@@ -44,7 +44,7 @@ import anyio
 from channel import limits as L
 from channel import safefs
 from channel.decode import RequestError, check_policy, decode_request, parse_request, rejected
-from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
+from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state
 from channel.messages import (
     Accepted,
     Cancelled,
@@ -63,8 +63,8 @@ from channel.messages import (
     encode,
 )
 from channel.paths import ChannelPaths, RunPaths
-from kernel.core import rules
-from kernel.core.budget import Balance, refund_sleep
+from kernel.core import ledger, rules
+from kernel.core.budget import Balance
 from kernel.core.config import Config
 from kernel.core.records import RequestRow, SleepRow, WorkspaceRow
 from kernel.io import crash, metrics
@@ -728,7 +728,7 @@ class Pipeline:
             sleep=sleep.id,
             launch=job.launch,
             task=job.task,
-            state=state,  # type: ignore[arg-type]  # the store holds lifecycle states only
+            state=state,
             stream="stderr" if req.stderr else "stdout",
             text=live.text,
             lines=live.lines,
@@ -790,15 +790,26 @@ class Pipeline:
             current = self.store.current_sleep(ws.key)
             jobs = self.store.jobs_of(ws.key, current.seq) if current else []
             try:
-                plan = rules.plan_cancel(row, current, jobs, req, now)
+                plan = rules.plan_cancel(row, current, jobs, req)
             except RequestError as err:
                 refusal = (err.code, encode(rejected(rid, err)))
                 self.store.insert_request(
                     RequestRow(ws.key, rid, digest, "cancel", now, None, None, refusal[1], now)
                 )
             else:
-                for job in plan.now_cancelled:
-                    self.store.update_job(job)
+                for j in plan.now_cancelled:
+                    moved = self.store.advance_task(
+                        ws.key,
+                        j.seq,
+                        j.launch,
+                        j.task,
+                        j.state,
+                        TaskEvent.CANCEL,
+                        at=now,
+                        ended_at=now,
+                        release=True,
+                    )
+                    assert moved, (ws.key, j.seq, j.launch, j.task, j.state)  # read in this transaction
                 self.store.set_balance(ws.key, plan.balance)
                 self.store.insert_request(
                     RequestRow(ws.key, rid, digest, "cancel", now, plan.sleep.seq, data, None, None)
@@ -958,15 +969,21 @@ class Pipeline:
             assert sleep is not None
             if sleep.state != "rejected":
                 jobs = self.store.jobs_of(c.key, c.seq)
-                balance: Balance = refund_sleep(
-                    ws.balance, len(order.request.launches), sum(j.reserved_gpu_s for j in jobs)
-                )
+                balance = ledger.refund_rejected_sleep(ws.balance, len(order.request.launches), jobs)
                 for j in jobs:
                     if j.state == "PENDING":
-                        state = next_task_state(j.state, TaskEvent.CANCEL)
-                        self.store.update_job(
-                            replace(j, state=state, reserved_gpu_s=0, ended_at=now, updated_at=now)
+                        moved = self.store.advance_task(
+                            c.key,
+                            c.seq,
+                            j.launch,
+                            j.task,
+                            "PENDING",
+                            TaskEvent.CANCEL,
+                            at=now,
+                            ended_at=now,
+                            release=True,
                         )
+                        assert moved, (c.key, c.seq, j.launch, j.task)  # read in this transaction
                 self.store.set_balance(c.key, balance)
                 advanced = self.store.advance_sleep(c.key, c.seq, sleep.state, SleepEvent.REJECT)
                 assert advanced, (c.key, c.seq, sleep.state)  # read in this transaction

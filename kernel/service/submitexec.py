@@ -34,7 +34,6 @@ import os
 import shlex
 import subprocess
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -42,13 +41,13 @@ from typing import Any, Final, TypeVar
 import anyio.to_thread
 import msgspec
 
-from channel.lifecycle import TaskEvent, next_task_state
-from channel.messages import NOT_RUN_TASK_STATES, EvalContract, Submit, TaskResult, Verdict
+from channel.lifecycle import NOT_RUN_TASK_STATES, TaskEvent
+from channel.messages import EvalContract, Submit, TaskResult, TaskState, Verdict
 from channel.paths import RunPaths
 from kernel.backends.base import DEFAULT_OUTPUT_MAX_BYTES, BaseFiles, JobSpec, ScoreStage
 from kernel.backends.jobscript import read_exit
 from kernel.core import evaluate as E
-from kernel.core.budget import release
+from kernel.core import ledger
 from kernel.core.config import Config
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.io import log as klog
@@ -295,13 +294,23 @@ class SubmitEvaluation:
         jobs = self.store.jobs_of(key, seq)
         for j in jobs:
             if j.launch in unrun and j.state == "PENDING" and j.job_id is None:
-                balance = release(balance, j.reserved_gpu_s, 0)
-                state = next_task_state(
-                    j.state, TaskEvent.SKIP, "REUSED" if j.launch == reused else "SKIPPED"
+                outcome: TaskState = "REUSED" if j.launch == reused else "SKIPPED"
+                moved = self.store.advance_task(
+                    key,
+                    seq,
+                    j.launch,
+                    j.task,
+                    "PENDING",
+                    TaskEvent.SKIP,
+                    outcome,
+                    at=now,
+                    ended_at=now,
+                    release=True,
                 )
-                self.store.update_job(replace(j, state=state, reserved_gpu_s=0, ended_at=now, updated_at=now))
+                assert moved, (key, seq, j.launch, j.task)  # read in the caller's transaction
+                balance = ledger.refund_unrun(balance, j)
         if decision == "unchanged" and all(j.launch in E.EVAL_LAUNCHES for j in jobs):
-            balance = replace(balance, sleeps=balance.sleeps + 1)
+            balance = ledger.refund_sleep_count(balance)
         self.store.set_balance(key, balance)
 
     def specs(self, order: SleepOrder, specs: dict[str, JobSpec]) -> dict[str, JobSpec]:

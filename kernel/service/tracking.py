@@ -10,12 +10,10 @@ offers the sleep to gathering (kernel.service.waking).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from channel.lifecycle import SleepEvent, TaskEvent, next_task_state
-from channel.messages import TERMINAL_TASK_STATES
+from channel.lifecycle import LIVE_TASK_STATES, TERMINAL_TASK_STATES, SleepEvent, TaskEvent
 from kernel.backends import jobscript
 from kernel.backends.base import RunnableBackend, TaskExit
 from kernel.core.records import JobRow
@@ -58,19 +56,22 @@ class Tracker:
             )
             if job is None or job.state in TERMINAL_TASK_STATES:
                 return False
-            state = next_task_state(job.state, out.event, out.state)
-            self.store.update_job(
-                replace(
-                    job,
-                    state=state,
-                    exit_code=out.exit_code,
-                    signal=out.signal,
-                    started_at=timestamp(started) if started is not None else job.started_at,
-                    ended_at=timestamp(ended) if ended is not None else now,
-                    run_dir=str(task_dir),
-                    updated_at=now,
-                )
-            )
+            if not self.store.advance_task(
+                key,
+                seq,
+                launch,
+                task,
+                job.state,
+                out.event,
+                out.state,
+                at=now,
+                exit_code=out.exit_code,
+                signal=out.signal,
+                started_at=timestamp(started) if started is not None else None,
+                ended_at=timestamp(ended) if ended is not None else now,
+                run_dir=str(task_dir),
+            ):
+                return False
         klog.event(
             "task_ended",
             ws=key,
@@ -78,7 +79,7 @@ class Tracker:
             launch=launch,
             task=task,
             job=job.job_id,
-            state=state,
+            state=out.state,
             code=out.exit_code,
         )
         return True
@@ -87,7 +88,7 @@ class Tracker:
         """Ground truth for one sleep: record ends whose exit file is there; mark started tasks RUNNING."""
         changed = []
         for j in self.store.jobs_of(key, seq):
-            if j.state not in ("PENDING", "RUNNING") or j.run_dir is None:
+            if j.state not in LIVE_TASK_STATES or j.run_dir is None:
                 continue
             tdir = Path(j.run_dir)
             if self.record_exit(key, seq, j.launch, j.task, tdir):
@@ -108,16 +109,17 @@ class Tracker:
                 ),
                 None,
             )
-            if fresh is None or fresh.state != "PENDING":
+            if fresh is None or not self.store.advance_task(
+                fresh.workspace,
+                fresh.seq,
+                fresh.launch,
+                fresh.task,
+                "PENDING",
+                TaskEvent.START,
+                at=now,
+                started_at=timestamp(started) if started is not None else now,
+            ):
                 return
-            self.store.update_job(
-                replace(
-                    fresh,
-                    state=next_task_state("PENDING", TaskEvent.START),
-                    started_at=timestamp(started) if started is not None else now,
-                    updated_at=now,
-                )
-            )
             # The first task seen running moves the sleep on; a later one finds it moved already.
             self.store.advance_sleep(job.workspace, job.seq, "submitted", SleepEvent.START)
 
@@ -144,6 +146,6 @@ class Tracker:
         recorded = await self._call(self.record_exit, key, seq, launch, ex.task, Path(ex.task_dir))
         if recorded:
             live = await self._call(self.store.jobs_of, key, seq)
-            if any(j.state in ("PENDING", "RUNNING") for j in live):
+            if any(j.state in LIVE_TASK_STATES for j in live):
                 crash_point("task_end")
         return key, seq

@@ -14,20 +14,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import msgspec
 
 from channel import safefs
-from channel.lifecycle import SleepEvent
-from channel.messages import TERMINAL_TASK_STATES, SkippedArtifact, Wake, encode
+from channel.lifecycle import TERMINAL_TASK_STATES, SleepEvent
+from channel.messages import SkippedArtifact, Wake, encode
 from channel.paths import ChannelPaths
 from channel.render import render_wake
 from kernel.backends import jobscript
 from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, RunnableBackend
-from kernel.core.budget import release
+from kernel.core import ledger
 from kernel.core.config import Config
 from kernel.core.records import JobRow, WorkspaceRow
 from kernel.io import log as klog
@@ -133,13 +132,11 @@ class Waker:
             fresh = {(j.launch, j.task): j for j in self.store.jobs_of(key, seq)}
             for j, tdir, elapsed, files in results:
                 cur = fresh[(j.launch, j.task)]
-                cost = cur.gpus * cur.minutes * 60
-                used = min(gather.gpu_seconds_used(cur.gpus, elapsed), cost)
-                if cur.reserved_gpu_s > 0:
-                    balance = release(balance, cur.reserved_gpu_s, used)
-                    # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
-                    self.store.update_job(replace(cur, reserved_gpu_s=0))
-                refunded += cost - used
+                settled = ledger.settle_task(balance, cur, elapsed)
+                balance = settled.balance
+                refunded += settled.refunded_gpu_s
+                # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
+                self.store.release_job(key, seq, cur.launch, cur.task)
                 tasks.append(gather.task_result(cur, tdir, elapsed, files, self.backend.hint_of))
             shown, verdict = self.evaluation.judge(sleep, tuple(tasks))
             exec_row = self.store.exec_sleep(key, seq)

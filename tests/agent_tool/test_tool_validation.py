@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from channel import limits as L
 from channel.decode import RequestError, artifact_path_problem, check_policy, decode_request
 from channel.errors import CODES
-from channel.messages import TERMINAL_TASK_STATES, VERBS, Limits, Policy, Rejected
+from channel.lifecycle import TERMINAL_TASK_STATES
+from channel.messages import VERBS, Limits, Policy, Rejected
 from tool import syscall as tool
 
 VECTOR_DIR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "v1"

@@ -112,9 +112,3 @@ def test_deliver_log_copies_the_whole_log_or_its_end_from_a_line_start(tmp_path:
         assert end.delivered_from == len(data) - 90  # 95 bytes back is mid-line: from the next line start
         assert (ws / ".syscall/results/3/sweep/1/stdout").read_bytes() == data[-90:]
         assert end.sha256 == hashlib.sha256(data[-90:]).hexdigest()
-
-
-def test_gpu_seconds_used_rounds_up_and_ignores_cpu_jobs() -> None:
-    assert gather.gpu_seconds_used(2, 1.2) == 3
-    assert gather.gpu_seconds_used(0, 100.0) == 0
-    assert gather.gpu_seconds_used(1, None) == 0

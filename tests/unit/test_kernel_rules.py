@@ -83,13 +83,14 @@ def job(
 def test_cancel_refunds_unsubmitted_tasks_and_leaves_submitted_ones_to_the_executor() -> None:
     jobs = [job("a", 0), job("a", 1, "RUNNING", "42_1"), job("b", 0), job("b", 1, "COMPLETED")]
     w = ws(Balance(5, 4, 1000, 2400))
-    plan = plan_cancel(w, sleep_row(), jobs, CancelRequest(protocol=1, id="c", launches=("a",)), NOW)
+    plan = plan_cancel(w, sleep_row(), jobs, CancelRequest(protocol=1, id="c", launches=("a",)))
     assert [(j.launch, j.task) for j in plan.targets] == [("a", 0), ("a", 1)]
+    # as read: the pipeline moves them PENDING -> CANCELLED by compare-and-set in the cancel's transaction
     assert [(j.launch, j.task, j.state, j.reserved_gpu_s) for j in plan.now_cancelled] == [
-        ("a", 0, "CANCELLED", 0)
+        ("a", 0, "PENDING", 600)
     ]
     assert plan.balance == Balance(5, 4, 1600, 1800)
-    everything = plan_cancel(w, sleep_row(), jobs, CancelRequest(protocol=1, id="c"), NOW)
+    everything = plan_cancel(w, sleep_row(), jobs, CancelRequest(protocol=1, id="c"))
     assert len(everything.targets) == 3
 
 
@@ -130,18 +131,16 @@ def test_a_cancel_answer_does_not_trust_the_node_clock() -> None:
 
 def test_cancel_refusals() -> None:
     with pytest.raises(RequestError) as info:
-        plan_cancel(ws(), None, [], CancelRequest(protocol=1, id="c"), NOW)
+        plan_cancel(ws(), None, [], CancelRequest(protocol=1, id="c"))
     assert info.value.code == "cancel.no_sleep"
     with pytest.raises(RequestError) as info:
-        plan_cancel(
-            ws(), sleep_row(), [job("a", 0)], CancelRequest(protocol=1, id="c", launches=("a", "zz")), NOW
-        )
+        plan_cancel(ws(), sleep_row(), [job("a", 0)], CancelRequest(protocol=1, id="c", launches=("a", "zz")))
     assert info.value.code == "cancel.unknown_launch"
     assert info.value.path == "$.launches[1]"
     # a workspace whose policy withholds `cancel` is refused before its state is looked at
     no_cancel = Policy(verbs=("sleep", "status"))
     with pytest.raises(RequestError) as info:
-        plan_cancel(ws(policy=no_cancel), sleep_row(), [job("a", 0)], CancelRequest(protocol=1, id="c"), NOW)
+        plan_cancel(ws(policy=no_cancel), sleep_row(), [job("a", 0)], CancelRequest(protocol=1, id="c"))
     assert (info.value.code, info.value.path) == ("policy.verb_disabled", "$.type")
 
 

@@ -177,6 +177,67 @@ def test_a_sleep_advances_only_through_the_lifecycle_table_and_only_from_the_sta
     assert (got.state, got.woken_at) == ("woken", NOW)
 
 
+def test_a_task_advances_only_through_the_lifecycle_table_and_only_from_the_state_named(
+    tmp_path: Path,
+) -> None:
+    from channel.lifecycle import IllegalTransition, TaskEvent
+    from kernel.core.records import JobRow, SleepRow
+
+    later = timestamp(1796040001.0)
+    s = Store.open(tmp_path / "db.sqlite")
+    with s.transaction():
+        s.put_workspace(row())
+        s.insert_sleep(SleepRow("w-1", 1, "s1", "validated", "", None, NOW, None, None))
+        s.insert_jobs(
+            [
+                JobRow("w-1", 1, "a", t, 2, 0, "x", 10, 1, (), "", 600, "PENDING", updated_at=NOW)
+                for t in range(2)
+            ]
+        )
+
+    def job(t: int) -> JobRow:
+        return next(j for j in s.jobs_of("w-1", 1) if j.task == t)
+
+    with s.transaction():
+        # compare-and-set: the task is not RUNNING, so nothing moves
+        assert not s.advance_task("w-1", 1, "a", 0, "RUNNING", TaskEvent.FINISH, "COMPLETED", at=later)
+        assert s.advance_task("w-1", 1, "a", 0, "PENDING", TaskEvent.START, at=later, started_at=later)
+        # a second writer that read PENDING earlier loses: a cancel does not overwrite the start
+        assert not s.advance_task("w-1", 1, "a", 0, "PENDING", TaskEvent.CANCEL, at=later, release=True)
+    assert (job(0).state, job(0).started_at, job(0).updated_at, job(0).reserved_gpu_s) == (
+        "RUNNING",
+        later,
+        later,
+        600,
+    )
+    # a move the table does not have raises, even from the task's actual state; nothing is written
+    with pytest.raises(IllegalTransition, match="'RUNNING' cannot skip"), s.transaction():
+        s.advance_task("w-1", 1, "a", 0, "RUNNING", TaskEvent.SKIP, "SKIPPED", at=later)
+    with pytest.raises(IllegalTransition, match="into 'CANCELLED'"), s.transaction():
+        s.advance_task("w-1", 1, "a", 0, "RUNNING", TaskEvent.FINISH, "CANCELLED", at=later)
+    with pytest.raises(IllegalTransition), s.transaction():
+        s.advance_task("w-1", 1, "a", 1, "COMPLETED", TaskEvent.FINISH, "FAILED", at=later)
+    assert job(0).state == "RUNNING"
+    with s.transaction():
+        assert s.advance_task(
+            "w-1", 1, "a", 0, "RUNNING", TaskEvent.FINISH, "FAILED", at=later, exit_code=3, ended_at=later
+        )
+        # a cancel that raced the end loses, and a terminal task never moves again
+        assert not s.advance_task("w-1", 1, "a", 0, "RUNNING", TaskEvent.CANCEL, at=later)
+        # the other task: cancelled before dispatch, its reservation released with it
+        assert s.advance_task(
+            "w-1", 1, "a", 1, "PENDING", TaskEvent.CANCEL, at=later, ended_at=later, release=True
+        )
+        # placement is compare-and-set on the job id; the gather's release zeroes a reservation once
+        assert s.place_job("w-1", 1, "a", 0, backend="local", job_id="7", run_dir="/r/7", at=later)
+        assert not s.place_job("w-1", 1, "a", 0, backend="local", job_id="8", run_dir="/r/8", at=later)
+        assert s.release_job("w-1", 1, "a", 0)
+        assert not s.release_job("w-1", 1, "a", 1)
+    j0, j1 = job(0), job(1)
+    assert (j0.state, j0.exit_code, j0.ended_at, j0.job_id, j0.reserved_gpu_s) == ("FAILED", 3, later, "7", 0)
+    assert (j1.state, j1.ended_at, j1.reserved_gpu_s) == ("CANCELLED", later, 0)
+
+
 def test_subdirectory_identities_round_trip_and_an_older_store_gains_the_column(tmp_path: Path) -> None:
     """Spec 2.3: each channel subdirectory's (device, inode) is recorded; a store made before the column
     existed is migrated additively (its rows read with none recorded, everything else kept)."""

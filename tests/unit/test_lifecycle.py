@@ -10,6 +10,7 @@ from channel.lifecycle import (
     SLEEP_TERMINAL,
     SLEEP_TRANSITIONS,
     TASK_TRANSITIONS,
+    TERMINAL_TASK_STATES,
     IllegalTransition,
     SleepEvent,
     TaskEvent,
@@ -18,7 +19,6 @@ from channel.lifecycle import (
     render_tables,
     sleep_states,
 )
-from channel.messages import TERMINAL_TASK_STATES
 
 SLEEP_STATES = sleep_states()
 TASK_STATES = ["PENDING", "RUNNING", *sorted(TERMINAL_TASK_STATES)]

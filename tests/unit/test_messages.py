@@ -11,7 +11,14 @@ import pytest
 
 from channel import limits as L
 from channel import messages as M
-from channel.lifecycle import SLEEP_TRANSITIONS, TASK_TRANSITIONS, sleep_states
+from channel.lifecycle import (
+    LIVE_TASK_STATES,
+    NOT_RUN_TASK_STATES,
+    SLEEP_TRANSITIONS,
+    TASK_TRANSITIONS,
+    TERMINAL_TASK_STATES,
+    sleep_states,
+)
 from channel.render import HINTS
 
 STRUCTS = [
@@ -186,10 +193,12 @@ def test_launch_defaults_are_the_documented_ones() -> None:
 def test_task_states_agree_with_the_lifecycle_and_the_hints() -> None:
     states = set(typing.get_args(M.TaskState))
     targets = set().union(*TASK_TRANSITIONS.values())
-    assert targets == M.TERMINAL_TASK_STATES | {"RUNNING"}
-    assert states == M.TERMINAL_TASK_STATES | {"PENDING", "RUNNING"}
-    assert set(HINTS) <= M.TERMINAL_TASK_STATES
-    assert {s for (s, _) in TASK_TRANSITIONS} == {"PENDING", "RUNNING"}
+    assert targets == TERMINAL_TASK_STATES | {"RUNNING"}
+    assert states == TERMINAL_TASK_STATES | {"PENDING", "RUNNING"}
+    assert set(HINTS) <= TERMINAL_TASK_STATES
+    assert {s for (s, _) in TASK_TRANSITIONS} == LIVE_TASK_STATES == {"PENDING", "RUNNING"}
+    assert {"PENDING", "RUNNING"}.isdisjoint(TERMINAL_TASK_STATES)
+    assert {"REUSED", "SKIPPED"} == NOT_RUN_TASK_STATES
 
 
 def test_sleep_states_agree_with_the_lifecycle() -> None:
