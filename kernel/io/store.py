@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -297,6 +298,9 @@ class Store:
     def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         self._conn = conn
         self.path = path
+        # Held around every COMMIT: whoever holds it knows no commit is half-way (the service's forced stop takes
+        # it, and keeps it, before the process exits).
+        self.commit_lock = threading.Lock()
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, readonly: bool = False) -> Store:
@@ -381,7 +385,8 @@ class Store:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
             raise
-        self._conn.execute("COMMIT")
+        with self.commit_lock:
+            self._conn.execute("COMMIT")
 
     def _one(self, sql: str, args: Sequence[Any] = ()) -> Any:
         return self._conn.execute(sql, args).fetchone()

@@ -1,14 +1,16 @@
 """`syscall-kernel serve`: the long-running service, one anyio task group.
 
-Start: enroll the config's `workspaces` globs, refresh every enrolled channel (tool, kernel.json, budget.json,
-leftover temp files), watch each channel (inotify, or polling on network filesystems), let the executor recover,
-resume interrupted requests, then tell systemd READY=1. Serve: wait for an event, a poll tick, the periodic
+Start: enroll the config's `workspaces` globs, admit every enrolled channel (the enrolled directory, its owner,
+its lock) and watch it (inotify, or polling on network filesystems), let the executor recover, resume interrupted
+requests, then tell systemd READY=1; the kernel-written files (tool, kernel.json, budget.json) and leftover temp
+files are refreshed after that, in the background. Serve: wait for an event, a poll tick, the periodic
 rescan or the end of a workspace's turn, then start one bounded, fair pipeline pass (its turns run as tasks: the
 loop never waits for a workspace's channel I/O), and repeat. WATCHDOG=1 is sent only while the watcher thread is
 alive and no store step has run longer than `stall_seconds` (the ping task itself runs on the loop, so a stuck
 loop stops it too). SIGTERM/SIGINT: STOPPING=1, finish the turns in flight (no new one starts; one whose channel
 I/O is past `channel_io_deadline_seconds` is abandoned to its thread), stop the watcher, close the store;
-unhandled requests stay on disk for the next start.
+unhandled requests stay on disk for the next start. Whatever still runs STOP_DEADLINE_S after the signal is
+abandoned (`arm_stop_deadline`): the process is gone within a second at any point.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import resource
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +57,10 @@ STORE_RETRY_S = 2.0
 ENROLL_WORKERS = 4
 # New workspaces recorded per sync + transaction (a sync writes ~150 KB per channel, mostly the tool).
 ENROLL_BATCH = 256
+# SIGTERM is honoured within a second at any point: past STOP_DEADLINE_S the process exits whatever is still
+# running (arm_stop_deadline), after waiting at most COMMIT_WAIT_S for a COMMIT in progress.
+STOP_DEADLINE_S = 0.6
+COMMIT_WAIT_S = 0.25
 # Channels refreshed per store-worker call after `ready` (a few ms of work: requests are answered in between).
 REFRESH_CHUNK = 8
 T = TypeVar("T")
@@ -81,6 +88,8 @@ class Service:
         self.clock = clock
         # Where the status line also goes (the state dir lock's note, read by `syscall-kernel status`).
         self.publish: Callable[[str], None] = lambda line: None
+        # Called once when the service is asked to stop (`serve` arms the stop deadline there).
+        self.on_stop: Callable[[], None] = lambda: None
         self.watcher: Watcher | None = None
         self.polled: set[str] = set()
         self.stopping = False
@@ -142,6 +151,7 @@ class Service:
         self.stopping = True
         log.event("stopping", reason=why)
         self.notifier.stopping(f"draining ({why}): finishing the turns in flight")
+        self.on_stop()
         if self._wait_scope is not None:
             self._wait_scope.cancel()
 
@@ -761,6 +771,60 @@ class Service:
         return self.store.workspaces()
 
 
+def helper_children() -> list[int]:
+    """This process's children in its own process group: its helpers (git), not its jobs (each job's wrapper
+    starts a session of its own, kernel.backends.local)."""
+    me, group = os.getpid(), os.getpgrp()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # After "pid (comm)": state ppid pgrp ...
+        if len(fields) > 2 and int(fields[1]) == me and int(fields[2]) == group:
+            found.append(int(entry))
+    return found
+
+
+def arm_stop_deadline(store: Store, deadline_s: float = STOP_DEADLINE_S) -> threading.Timer:
+    """After SIGTERM, the process is gone within `deadline_s` whatever it was doing (the orderly stop: start-up
+    steps end at the next workspace, a pass finishes, the drain waits for the sleeps in progress; a snapshot of
+    a huge tree, an artifact copy or a hung network filesystem can make that take minutes).
+
+    Past the deadline the work still in progress is abandoned, exactly as a SIGKILL would abandon it, which
+    every step already survives (tests/fault: SIGKILL at every step, each request answered and each task run
+    exactly once): a transaction not committed is rolled back when the store is opened next, and the step is
+    redone from the store at the next start. Only a COMMIT in progress is waited for (it is short: the WAL's
+    fsync), and no other starts after it (the store's `commit_lock` is kept). The kernel's own helper
+    processes (`helper_children`: a snapshot's git) are killed with it, so none goes on writing into a
+    kernel-owned repository under the next kernel; jobs run in sessions of their own and go on."""
+
+    def force() -> None:
+        committing = not store.commit_lock.acquire(timeout=COMMIT_WAIT_S)
+        log.event(
+            "stop_forced",
+            logging.WARNING,
+            after_s=deadline_s,
+            detail="work in progress abandoned; it is redone at the next start",
+            committing=committing or None,
+        )
+        for pid in helper_children():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for handler in logging.getLogger("syscall-kernel").handlers:
+            handler.flush()
+        os._exit(0)
+
+    timer = threading.Timer(deadline_s, force)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 async def _open_store(cfg: Config, notifier: Notifier) -> Store:
     """The store, opened again every STORE_RETRY_S while the disk refuses (full: the WAL cannot be made)."""
     failing = None
@@ -807,6 +871,10 @@ async def serve(
         if publish is not None:
             svc.publish = publish
 
+        def deadline() -> None:
+            arm_stop_deadline(store)
+
+        svc.on_stop = deadline
         await svc.run()
     finally:
         notifier.close()
