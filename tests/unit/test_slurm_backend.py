@@ -366,12 +366,21 @@ def test_a_sigterm_from_the_walltime_reads_timeout_once_slurm_says_so(w: World) 
         assert await b.check_files() == 0
         await b.poll_once()
         assert drain(b) == []
+        # the executor reading the record now learns nothing yet (it would record CANCELLED, the table's reading)
+        assert b.outcome_of(specs[0].task_dir(0)) is None
         w.fake.set_state(ids[0], None, "TIMEOUT", exit_code="0:15")
         await b.poll_once()
 
     run(go)
     assert [e.key for e in drain(b)] == [specs[0].key]
     assert state_of(specs[0]).state == "TIMEOUT"
+    out = b.outcome_of(specs[0].task_dir(0))
+    assert out is not None
+    assert out.state == "TIMEOUT"  # what slurm-state.json says is what the kernel records
+    # a backend that does not track the task (a restarted kernel adopts finished tasks as finished) reads the
+    # record with whatever the backend recorded, never waits
+    other = w.backend()
+    assert other.outcome_of(specs[0].task_dir(0)) == out
     assert exit_of(specs[0]).kind == "terminated"  # the wrapper's own record is never rewritten
 
 
