@@ -74,6 +74,8 @@ TASK_TRANSITIONS: Final[dict[tuple[TaskState, TaskEvent], frozenset[TaskState]]]
 # terminal once it reaches a state with none. Every protocol task state is one or the other
 # (tests/unit/test_lifecycle.py).
 LIVE_TASK_STATES: Final[frozenset[TaskState]] = frozenset(s for (s, _) in TASK_TRANSITIONS)
+# Where every task starts: the one live state no move leads into.
+(FIRST_TASK_STATE,) = LIVE_TASK_STATES - frozenset().union(*TASK_TRANSITIONS.values())
 TERMINAL_TASK_STATES: Final[frozenset[TaskState]] = frozenset(get_args(TaskState)) - LIVE_TASK_STATES
 # A submit's evaluation run the kernel decided not to run: REUSED (the base's measurement of an earlier submit
 # with the same seeds stands in for it) or SKIPPED (nothing to compare: the candidate's tree is the base's, or

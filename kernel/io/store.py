@@ -28,7 +28,14 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state, next_task_state
+from channel.lifecycle import (
+    FIRST_TASK_STATE,
+    IllegalTransition,
+    SleepEvent,
+    TaskEvent,
+    next_sleep_state,
+    next_task_state,
+)
 from channel.messages import Policy, SleepState, TaskState
 from channel.safefs import Identity
 from kernel.core.budget import Balance
@@ -904,6 +911,13 @@ class Store:
         return JobRow(*values)
 
     def insert_jobs(self, jobs: Sequence[JobRow]) -> None:
+        """Record a sleep's tasks. Every task starts in the lifecycle's first state (PENDING); any other state
+        is IllegalTransition (a kernel bug: a state is reached only through `advance_task`)."""
+        for j in jobs:
+            if j.state != FIRST_TASK_STATE:
+                raise IllegalTransition(
+                    f"task {j.launch}[{j.task}] of sleep {j.seq} recorded as {j.state!r}, not {FIRST_TASK_STATE!r}"
+                )
         self._conn.executemany(
             f"INSERT INTO jobs ({self._JOB_COLS}) VALUES ({','.join('?' * 21)})",
             [

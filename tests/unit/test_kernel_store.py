@@ -236,6 +236,34 @@ def test_a_task_advances_only_through_the_lifecycle_table_and_only_from_the_stat
     j0, j1 = job(0), job(1)
     assert (j0.state, j0.exit_code, j0.ended_at, j0.job_id, j0.reserved_gpu_s) == ("FAILED", 3, later, "7", 0)
     assert (j1.state, j1.ended_at, j1.reserved_gpu_s) == ("CANCELLED", later, 0)
+    # a task is born PENDING; any other state is reached only through advance_task
+    with pytest.raises(IllegalTransition, match="recorded as 'RUNNING'"), s.transaction():
+        s.insert_jobs([replace(j0, task=5, state="RUNNING")])
+    assert len(s.jobs_of("w-1", 1)) == 2
+
+
+def test_only_the_compare_and_set_methods_write_a_state() -> None:
+    """Every SQL statement of the store that sets a sleep's or a task's `state` is in advance_sleep /
+    advance_task and is conditional on the state read (`AND state=?`), so no writer moves a state past the
+    lifecycle table (the old `update_job` wrote whatever state its caller computed)."""
+    import ast
+    import inspect
+    import re
+
+    from kernel.io import store as store_module
+
+    writers: dict[str, list[str]] = {}
+    for fn in ast.walk(ast.parse(inspect.getsource(store_module))):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                # adjacent literals are one constant in the AST: a statement split over lines is seen whole
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    sql = " ".join(node.value.split())
+                    m = re.match(r"UPDATE \w+ SET (.*?) WHERE (.*)", sql)
+                    if m and re.search(r"\bstate\s*=", m.group(1)):
+                        writers.setdefault(fn.name, []).append(m.group(2))
+    assert set(writers) == {"advance_sleep", "advance_task"}, writers
+    assert all(w.endswith("AND state=?") for ws in writers.values() for w in ws), writers
 
 
 def test_subdirectory_identities_round_trip_and_an_older_store_gains_the_column(tmp_path: Path) -> None:
