@@ -268,7 +268,9 @@ class Pipeline:
         # A workspace with a sleep or cancel at the executor waits (its next request may depend on it), as does
         # one whose turn is still in flight (its channel I/O may not have returned); the others go on.
         waiting = self.busy | self.inflight
-        pending = {k: len(q) for k, q in self.backlog.items() if q and k not in waiting}
+        # A copy first: channel I/O threads add keys to `backlog` (`_take`) while this runs on the loop, and a
+        # dict that grows during iteration raises (seen at 10,000 workspaces); list() copies it in one C call.
+        pending = {k: len(q) for k, q in list(self.backlog.items()) if q and k not in waiting}
         for k in (*self.dirty, *self.named):
             if k not in waiting:
                 pending.setdefault(k, self.cfg.batch_per_workspace)
