@@ -177,6 +177,9 @@ def case_snapshot(a: Path, b: Path, dirs: int) -> dict[str, object]:
 
     row = measure(f"b: snapshot of {dirs:,} directories", b, during)
     row["a_answer"] = got.get("type")  # accepted, or rejected (snapshot.failed) when the walk ran out of fds
+    error = got.get("error")
+    if isinstance(error, dict):
+        row["a_error"] = f"{error.get('code')}: {error.get('message')}"
     return row
 
 

@@ -211,7 +211,8 @@ def open_channel(
 
 @dataclass(frozen=True, slots=True)
 class RequestListing:
-    """What `requests/` holds: committed ids, junk names (to remove), and temp names (`.<x>.tmp`)."""
+    """What `requests/` holds: committed ids, junk names (to remove), both sorted, and temp names (`.<x>.tmp`,
+    unsorted)."""
 
     ids: list[str]
     junk: list[str]
@@ -306,24 +307,27 @@ class Channel:
         return listing.ids, listing.junk
 
     def scan_requests(self) -> RequestListing:
-        """One listing of `requests/`: committed ids, junk names and temp names (`.<x>.tmp`), each sorted."""
+        """One listing of `requests/`: committed ids and junk names, each sorted, and temp names (`.<x>.tmp`) in
+        directory order. Temps are split off first in one comprehension and never sorted: a channel holding
+        100,000 of them must cost the kernel as little CPU (and GIL) as possible."""
         dfd = self.subdir(ChannelPaths.REQUESTS)
         try:
             names = os.listdir(dfd)
         finally:
             os.close(dfd)
+        temps = [n for n in names if n.startswith(".") and n.endswith(".tmp")]
         ids: list[str] = []
         junk: list[str] = []
-        temps: list[str] = []
-        for name in names:
-            request_id = ChannelPaths.committed_request_id(name)
-            if request_id is not None:
-                ids.append(request_id)
-            elif ChannelPaths.is_temp(name):
-                temps.append(name)
-            else:
-                junk.append(name)
-        return RequestListing(sorted(ids), sorted(junk), sorted(temps))
+        if len(temps) != len(names):
+            for name in names:
+                if name.startswith(".") and name.endswith(".tmp"):
+                    continue
+                request_id = ChannelPaths.committed_request_id(name)
+                if request_id is not None:
+                    ids.append(request_id)
+                else:
+                    junk.append(name)
+        return RequestListing(sorted(ids), sorted(junk), temps)
 
     def remove_stale_temps(self, names: Iterable[str], cutoff_ns: int) -> TempSweep:
         """Remove each temp name in `requests/` whose own mtime is at or before `cutoff_ns` (ns since the epoch).

@@ -21,6 +21,7 @@ import logging
 import os
 import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -63,6 +64,7 @@ STOP_DEADLINE_S = 0.6
 COMMIT_WAIT_S = 0.25
 # Channels refreshed per store-worker call after `ready` (a few ms of work: requests are answered in between).
 REFRESH_CHUNK = 8
+GIL_SWITCH_S = 0.001
 T = TypeVar("T")
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
@@ -399,20 +401,18 @@ class Service:
                     f"(state_dir {exc.owner.state_dir}); not served here",
                 )
 
+    async def _taken_over(self, row: WorkspaceRow, exc: enrollment.OwnedElsewhere) -> None:
+        """A served channel's kernel.json names another store (the rescan's owner check, made in the
+        pipeline's channel I/O pool): stop serving it."""
+        await self.worker.call(self._owned_elsewhere, row, exc)
+        rows = await self.worker.call(self.store.workspaces)
+        await self.worker.call(self._apply_rows, rows)
+
     def _check_owners(self) -> list[WorkspaceRow] | None:
-        """At every rescan: drop the channels another store has taken over. The new rows when any changed."""
+        """At every rescan: serve the channels that became ours. The new rows when any changed. (Whether a
+        served channel was taken over by another store is checked by its next turn in the pipeline, off the
+        store worker: `Pipeline.sweep(owners=True)`, `_taken_over`.)"""
         changed = False
-        for row in list(self.pipeline.workspaces.values()):
-            if row.key in self.pipeline.chanio.overdue:
-                continue  # its channel I/O has not returned: not touched from the store worker
-            try:
-                with safefs.open_channel(row.path, row.identity) as ch:
-                    enrollment.check_owner(self.store, ch, row.path)
-            except enrollment.OwnedElsewhere as exc:
-                self._owned_elsewhere(row, exc)
-                changed = True
-            except (safefs.ChannelMoved, safefs.Refused, OSError, enrollment.EnrollError):
-                continue  # the pipeline reports an unusable channel itself
         # Channels not locked yet (another process held the lock, the channel could not be opened, or its
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
         for row in self.store.workspaces():
@@ -572,6 +572,8 @@ class Service:
                 self._send = send
                 self.pipeline.on_idle = self._wake
                 self.pipeline.on_turn_done = lambda: self._wake("")
+                self.pipeline.on_owned_elsewhere = self._taken_over
+                self.pipeline.store_id = await self.worker.call(self.store.store_id)
                 # Leaving `work` waits for the sleeps and cancels still at the executor (the drain); leaving
                 # `turns` waits for the workspaces' turns in flight, but one whose channel I/O is overdue is
                 # abandoned (`ChannelIO.stop`), so a hung filesystem cannot hold the stop.
@@ -684,7 +686,7 @@ class Service:
                     await self.worker.call(self._apply_rows, rows)
             if now >= next_rescan:
                 next_rescan = now + self.cfg.rescan_seconds
-                self.pipeline.sweep()
+                self.pipeline.sweep(owners=True)
                 unwatched = {
                     k for k in self.pipeline.workspaces if k not in self.polled and self.watcher is not None
                 } - {k for k in self.pipeline.workspaces if self.watcher and self.watcher.watching(k)}
@@ -854,6 +856,10 @@ async def serve(
 
         executor_factory = configured(cfg)
     notifier = Notifier.from_env()
+    # The hot path hops between the event loop, the store worker and the channel I/O pool, each hop needing the
+    # GIL; while another thread computes (a listing of 100,000 names, an artifact's sha256), each hop could wait
+    # a whole switch interval (5 ms by default). 1 ms bounds that wait for a small cost in throughput.
+    sys.setswitchinterval(GIL_SWITCH_S)
     # One fd per served channel (its lock, kernel.io.chanlock): the soft limit up to the hard one (LimitNOFILE=).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:

@@ -29,12 +29,12 @@ channel is slow or hung delays nobody else: past `channel_io_deadline_seconds` i
 
 from __future__ import annotations
 
-import bisect
 import hashlib
+import heapq
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, TypeVar
@@ -68,7 +68,7 @@ from kernel.core.budget import Balance
 from kernel.core.config import Config
 from kernel.core.records import RequestRow, SleepRow, WorkspaceRow
 from kernel.io import crash, metrics
-from kernel.io.enroll import kernel_ref, write_budget
+from kernel.io.enroll import OwnedElsewhere, kernel_ref, owner_of, write_budget
 from kernel.io.log import event
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.service import gather
@@ -110,6 +110,7 @@ class _Turn:
     full: bool
     names: set[str] | None
     swept: bool
+    check_owner: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +172,10 @@ class Continuation:
     received: float = 0.0
 
 
+async def _ignore_owner(ws: WorkspaceRow, exc: OwnedElsewhere) -> None:
+    return None
+
+
 class Pipeline:
     def __init__(
         self,
@@ -215,6 +220,11 @@ class Pipeline:
             cfg.channel_io_deadline_seconds, on_overdue=self._io_overdue, on_returned=self._io_returned
         )
         self._overdue: dict[str, str] = {}  # workspace -> the problem its overdue channel I/O shows
+        # The rescan's owner check (kernel.json may name another kernel's store: a take-over), made by the next
+        # turn of each workspace in the channel I/O pool; `on_owned_elsewhere` tells the service.
+        self.store_id: str | None = None
+        self._owner_due: set[str] = set()
+        self.on_owned_elsewhere: Callable[[WorkspaceRow, OwnedElsewhere], Awaitable[None]] = _ignore_owner
         # When the store step now running started (the watchdog: a step that never ends stops the pings).
         self.pass_started: float | None = None
         self.answered = 0
@@ -251,9 +261,12 @@ class Pipeline:
         else:
             self.named.setdefault(key, set()).update(names)
 
-    def sweep(self, keys: Iterable[str] | None = None) -> None:
+    def sweep(self, keys: Iterable[str] | None = None, *, owners: bool = False) -> None:
         """Rescan (all keys) or poll tick: list these channels, a few per pass, behind the channels with news,
-        so that a sweep of 1,000 quiet channels never sits in front of one request that an event announced."""
+        so that a sweep of 1,000 quiet channels never sits in front of one request that an event announced.
+        With `owners` (the rescan) each channel's next turn also checks the owner its kernel.json names."""
+        if owners and self.store_id is not None:
+            self._owner_due.update(self.workspaces if keys is None else keys)
         for key in self.workspaces if keys is None else keys:
             if key in self.workspaces and key not in self._swept:
                 self._swept.add(key)
@@ -304,14 +317,16 @@ class Pipeline:
         # Decided here, on the event loop (where `mark` runs), so an event that arrives while the turn's
         # channel I/O runs is kept for the next turn, never lost.
         self.inflight.add(key)
+        owner = key in self._owner_due
+        self._owner_due.discard(key)
         queue = self.backlog.get(key)
         if not queue and key in self.dirty:
             self.dirty.discard(key)
             self.named.pop(key, None)  # the full listing sees them too
-            return _Turn(key, n, True, None, swept)
+            return _Turn(key, n, True, None, swept, owner)
         if not queue and key in self.named:
-            return _Turn(key, n, False, self.named.pop(key), swept)
-        return _Turn(key, n, False, None, swept)
+            return _Turn(key, n, False, self.named.pop(key), swept, owner)
+        return _Turn(key, n, False, None, swept, owner)
 
     def start_pass(self, start: Callable[..., object], spawn: Spawn | None = None) -> int:
         """Start one pass's turns as tasks (`start` is a task group's `start_soon`) and return at once: the
@@ -396,6 +411,11 @@ class Pipeline:
             # hand the number to another open while that thread writes through it.
             taken = None
             raise
+        except OwnedElsewhere as exc:
+            # Taken over by another kernel's store: its requests are that kernel's; nothing read is answered.
+            self.backlog.pop(t.key, None)
+            await self.on_owned_elsewhere(ws, exc)
+            return 0
         except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
             self.backlog.pop(t.key, None)
             self.dirty.discard(t.key)
@@ -430,6 +450,10 @@ class Pipeline:
             # A replaced subdirectory (spec 2.3) stops this workspace only: nothing is read from it or written
             # into it, its requests stay where they are, until `enroll` adopts it.
             ch.check_subdirs()
+            if t.check_owner:
+                found = owner_of(ch)
+                if found is not None and found.store != self.store_id:
+                    raise OwnedElsewhere(ws.path, found)
             queue = self.backlog.setdefault(ws.key, deque())
             relist = False
             if t.full:
@@ -503,8 +527,12 @@ class Pipeline:
         ones waits for the next event or rescan, so a channel full of writes in progress is not re-listed every
         pass.
         """
-        start = bisect.bisect_right(temps, self._temp_cursor.get(ws.key, ""))
-        batch = (temps[start:] + temps[:start])[:TEMPS_PER_LISTING]
+        # The next TEMPS_PER_LISTING names after the cursor, in name order, wrapping around (selected, not
+        # sorted: the listing leaves 100,000 temps unsorted).
+        cursor = self._temp_cursor.get(ws.key, "")
+        batch = heapq.nsmallest(TEMPS_PER_LISTING, [n for n in temps if n > cursor])
+        if len(batch) < TEMPS_PER_LISTING:
+            batch += heapq.nsmallest(TEMPS_PER_LISTING - len(batch), [n for n in temps if n <= cursor])
         self._temp_cursor[ws.key] = batch[-1]
         cutoff_ns = int((self.clock() - self.cfg.temp_grace_minutes * 60) * 1e9)
         swept = ch.remove_stale_temps(batch, cutoff_ns)
