@@ -165,6 +165,19 @@ def _open_channel_fd(workspace: str) -> int:
         os.close(ws_fd)
 
 
+def _open_enrolled_fd(workspace: str) -> int:
+    """`_open_channel_fd` in one open of `<workspace>/.syscall` (not followed if a symlink), for a caller that
+    then checks the directory against the identity enrollment recorded: whatever path led to it, a directory
+    with that (device, inode, owner) is the enrolled channel. Any failure takes the two-step path, for its
+    precise error."""
+    if os.path.isabs(workspace):
+        try:
+            return os.open(os.path.join(workspace, CHANNEL_DIR), _DIR_FLAGS)
+        except OSError:
+            pass
+    return _open_channel_fd(workspace)
+
+
 def open_channel(
     workspace: str | os.PathLike[str], expected: Identity | None = None, *, create: bool = False
 ) -> Channel:
@@ -183,7 +196,7 @@ def open_channel(
                 os.mkdir(CHANNEL_DIR, 0o755, dir_fd=ws_fd)
         finally:
             os.close(ws_fd)
-    fd = _open_channel_fd(ws)
+    fd = _open_channel_fd(ws) if expected is None or create else _open_enrolled_fd(ws)
     try:
         identity = Identity.of_fd(fd)
         if expected is not None and not identity.same_directory(expected):

@@ -169,15 +169,22 @@ def _balance_for(cfg: Config, existing: WorkspaceRow | None, grant: Grant) -> Ba
     )
 
 
-_owner_decoder: Final = msgspec.json.Decoder(dict[str, object])
+class _OwnerOnly(msgspec.Struct):
+    """kernel.json read for its `owner` alone (the other fields are ignored, not checked)."""
+
+    owner: StoreRef | None = None
+
+
+_owner_decoder: Final = msgspec.json.Decoder(_OwnerOnly)
 
 
 def owner_of(ch: safefs.Channel) -> StoreRef | None:
     """The store kernel.json names as the channel's owner; None when it names none or cannot be read (a channel
     from before owners were recorded, or one the agent damaged: the next write restores it)."""
     try:
-        raw = _owner_decoder.decode(safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024))
-        return msgspec.convert(raw.get("owner"), StoreRef | None)
+        return _owner_decoder.decode(
+            safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024)
+        ).owner
     except (safefs.Refused, msgspec.DecodeError, msgspec.ValidationError):
         return None
 

@@ -409,13 +409,20 @@ class Store:
     )
 
     @staticmethod
-    def _ws(row: Any) -> WorkspaceRow:
+    def _ws(row: Any, policies: dict[bytes, Policy] | None = None) -> WorkspaceRow:
+        # `policies`: decoded policies by their bytes, shared by the rows of one read (most workspaces have the
+        # config's policy: 10,000 rows, a handful of decodes). Policy is frozen, so sharing one is safe.
+        policy = None if policies is None else policies.get(row[9])
+        if policy is None:
+            policy = _policy_decoder.decode(row[9])
+            if policies is not None:
+                policies[row[9]] = policy
         return WorkspaceRow(
             key=row[0],
             path=row[1],
             identity=Identity(dev=row[2], ino=row[3], uid=row[4], subdirs=_subdirs_of(row[14])),
             balance=Balance(launches=row[5], sleeps=row[6], gpu_s=row[7], reserved_gpu_s=row[8]),
-            policy=_policy_decoder.decode(row[9]),
+            policy=policy,
             tool_sha256=row[10],
             watch=row[11],
             enrolled_at=row[12],
@@ -439,7 +446,8 @@ class Store:
             )
         except sqlite3.OperationalError:  # a read-only store no kernel of this version has opened yet
             rows = self._all(f"SELECT {self._WS_COLS} FROM workspaces ORDER BY key")
-        return [self._ws(r) for r in rows]
+        policies: dict[bytes, Policy] = {}
+        return [self._ws(r, policies) for r in rows]
 
     def workspace_paths(self) -> set[str]:
         """The path of every workspace the store has a row for, unenrolled ones included (the glob enrolls a
