@@ -46,8 +46,9 @@ from kernel.core.exits import HINT_CANCELLED_EARLY, Outcome
 from kernel.core.records import JobRow
 from kernel.node import wrapper as W
 
-# The backend's explanation of a task's end (`Backend.hint_of`).
+# The backend's explanation of a task's end (`Backend.hint_of`), and its reading of the end (`Backend.outcome_of`).
 HintOf = Callable[[Path], str | None]
+OutcomeOf = Callable[[Path], Outcome | None]
 
 
 def outcome(rec: jobscript.ExitRecord) -> Outcome:
@@ -335,13 +336,21 @@ def deliver_task(
 
 
 def task_result(
-    job: JobRow, task_dir: Path | None, elapsed_s: float | None, files: TaskFiles, hint_of: HintOf
+    job: JobRow,
+    task_dir: Path | None,
+    elapsed_s: float | None,
+    files: TaskFiles,
+    hint_of: HintOf,
+    outcome_of: OutcomeOf | None = None,
 ) -> TaskResult:
+    """The task as the wake shows it; its hint is the backend's own explanation, else the hint of the end the
+    backend reads (`outcome_of`: the row of the state the task was recorded with), else the exit record's row."""
     hint: str | None = None
     if task_dir is not None:
         rec = jobscript.read_exit(task_dir)
         if rec is not None:
-            hint = backend_hint(task_dir, hint_of) or outcome(rec).hint
+            read = None if outcome_of is None else outcome_of(task_dir)
+            hint = backend_hint(task_dir, hint_of) or (read if read is not None else outcome(rec)).hint
     elif job.state == "CANCELLED":
         hint = HINT_CANCELLED_EARLY
     return TaskResult(

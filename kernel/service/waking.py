@@ -137,7 +137,11 @@ class Waker:
                 refunded += settled.refunded_gpu_s
                 # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
                 self.store.release_job(key, seq, cur.launch, cur.task)
-                tasks.append(gather.task_result(cur, tdir, elapsed, files, self.backend.hint_of))
+                tasks.append(
+                    gather.task_result(
+                        cur, tdir, elapsed, files, self.backend.hint_of, self.backend.outcome_of
+                    )
+                )
             shown, verdict = self.evaluation.judge(sleep, tuple(tasks))
             exec_row = self.store.exec_sleep(key, seq)
             wake = gather.build_wake(

@@ -10,7 +10,10 @@ import pytest
 from channel import limits as L
 from channel import safefs
 from channel.lifecycle import TaskEvent, next_task_state
+from kernel.backends import jobscript
 from kernel.backends.jobscript import ExitRecord
+from kernel.backends.slurm import backend as S
+from kernel.core import exits
 from kernel.core.records import JobRow
 from kernel.service import gather
 
@@ -112,3 +115,21 @@ def test_deliver_log_copies_the_whole_log_or_its_end_from_a_line_start(tmp_path:
         assert end.delivered_from == len(data) - 90  # 95 bytes back is mid-line: from the next line start
         assert (ws / ".syscall/results/3/sweep/1/stdout").read_bytes() == data[-90:]
         assert end.sha256 == hashlib.sha256(data[-90:]).hexdigest()
+
+
+def test_the_wake_hint_follows_the_end_the_backend_reads(tmp_path: Path) -> None:
+    """A command SIGKILLed by Slurm's memory limit: the wrapper recorded `signaled`, Slurm's state (recorded by the
+    backend, with no reason text of its own) says OUT_OF_MEMORY, and the task was recorded OUT_OF_MEMORY through
+    the backend's `outcome_of`. The wake's hint is that state's ("went over its memory limit"), not the record's
+    ("killed by SIGKILL", which the old code showed beside the OUT_OF_MEMORY state)."""
+    jobscript.write_exit(tmp_path, ExitRecord(137, "signaled", signal="SIGKILL"))
+    S._write_json(tmp_path, S.STATE_FILE, S.TaskSlurmState("5", "OUT_OF_MEMORY"))
+    out = S.outcome_of(tmp_path)
+    assert out is not None
+    assert out.state == "OUT_OF_MEMORY"
+    job = JobRow("w-1", 3, "train", 0, 1, 0, "x", 10, 0, (), "", 0, out.state, exit_code=137, signal=9)
+    got = gather.task_result(job, tmp_path, 1.0, gather.TaskFiles(), S.hint_of, S.outcome_of)
+    assert (got.state, got.hint) == ("OUT_OF_MEMORY", exits.HINT_OOM)
+    assert gather.task_result(job, tmp_path, 1.0, gather.TaskFiles(), S.hint_of).hint == (
+        "the command was killed by SIGKILL"
+    )  # the exit record's row alone
