@@ -87,6 +87,12 @@ class IllegalTransition(RuntimeError):
     """A state change the lifecycle does not allow: a kernel bug."""
 
 
+def sleep_can(state: SleepState, event: SleepEvent) -> bool:
+    """Whether the table has a move for `event` out of `state`: the guard a step asks before it does its work
+    (the write that follows is still a compare-and-set from `state`)."""
+    return (state, event) in SLEEP_TRANSITIONS
+
+
 def next_sleep_state(state: SleepState, event: SleepEvent) -> SleepState:
     try:
         return SLEEP_TRANSITIONS[(state, event)]

@@ -28,7 +28,7 @@ import msgspec
 
 from channel import safefs
 from channel.decode import RequestError, at_a_time
-from channel.lifecycle import LIVE_TASK_STATES, SleepEvent
+from channel.lifecycle import LIVE_TASK_STATES, SleepEvent, sleep_can
 from channel.messages import JobRef, LockedEnvironment
 from kernel.backends import jobscript
 from kernel.backends.base import BackendRefused, BackendUnavailable, JobSpec, RunnableBackend
@@ -262,7 +262,7 @@ class Dispatcher:
         key, seq = order.workspace.key, order.sleep.seq
         sleep = await self._call(self.store.sleep, key, seq)
         assert sleep is not None
-        if sleep.state == "validated":
+        if sleep_can(sleep.state, SleepEvent.SNAPSHOT):
             crash_point("recorded")
             try:
                 await self.evaluation.precheck(order)
@@ -292,7 +292,7 @@ class Dispatcher:
             crash_point("snapshot")
             sleep = await self._call(self.store.sleep, key, seq)
             assert sleep is not None
-        if sleep.state == "snapshotted":
+        if sleep_can(sleep.state, SleepEvent.SUBMIT):
             row = await self._call(self.store.exec_sleep, key, seq)
             assert row is not None, (key, seq)
             if not await self.heavy.run(key, self.repo_of(key).has_tree, row.tree):

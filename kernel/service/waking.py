@@ -20,7 +20,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 
 from channel import safefs
-from channel.lifecycle import TERMINAL_TASK_STATES, SleepEvent
+from channel.lifecycle import TERMINAL_TASK_STATES, SleepEvent, sleep_can
 from channel.messages import SkippedArtifact, Wake, encode
 from channel.paths import ChannelPaths
 from channel.render import render_wake
@@ -75,7 +75,7 @@ class Waker:
         """(store worker) What gathering needs, once every task has ended; True if already gathered, False if
         not ready."""
         sleep = self.store.sleep(key, seq)
-        if sleep is None or sleep.state not in ("submitted", "running"):
+        if sleep is None or not sleep_can(sleep.state, SleepEvent.GATHER):
             return sleep is not None and sleep.state == "gathered"
         jobs = self.store.jobs_of(key, seq)
         if any(j.state not in TERMINAL_TASK_STATES for j in jobs):
@@ -124,7 +124,7 @@ class Waker:
             ws = self.store.workspace(key)
             assert sleep is not None
             assert ws is not None
-            if sleep.state not in ("submitted", "running"):
+            if not sleep_can(sleep.state, SleepEvent.GATHER):
                 return sleep.state == "gathered"
             balance = ws.balance
             refunded = 0
@@ -171,7 +171,7 @@ class Waker:
         sleep = self.store.sleep(key, seq)
         row = self.store.exec_sleep(key, seq)
         ws = self.store.workspace(key)
-        if sleep is None or ws is None or row is None or sleep.state != "gathered":
+        if sleep is None or ws is None or row is None or not sleep_can(sleep.state, SleepEvent.WAKE):
             return None
         wake_json, wake_md = row.wake_json, row.wake_md
         assert wake_json is not None

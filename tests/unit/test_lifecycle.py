@@ -17,6 +17,7 @@ from channel.lifecycle import (
     next_sleep_state,
     next_task_state,
     render_tables,
+    sleep_can,
     sleep_states,
 )
 
@@ -63,6 +64,18 @@ def test_every_legal_sleep_transition(key: tuple[str, SleepEvent], target: str) 
 def test_every_illegal_sleep_transition_raises(state: str, event: SleepEvent) -> None:
     with pytest.raises(IllegalTransition, match=state):
         next_sleep_state(state, event)
+
+
+def test_a_guard_asks_the_table() -> None:
+    """`sleep_can` is true exactly where `next_sleep_state` has a move (the guards in dispatch and waking use it
+    instead of naming states)."""
+    for state, event in itertools.product(SLEEP_STATES, SleepEvent):
+        legal = (state, event) in SLEEP_TRANSITIONS
+        assert sleep_can(state, event) == legal
+        if not legal:
+            with pytest.raises(IllegalTransition):
+                next_sleep_state(state, event)
+    assert [s for s in SLEEP_STATES if sleep_can(s, SleepEvent.GATHER)] == ["submitted", "running"]
 
 
 def test_rejection_only_before_any_job_is_submitted() -> None:
