@@ -113,6 +113,8 @@ class Service:
         # Channels admitted at start whose kernel-written files are refreshed after `ready`; temps older than
         # this process are an earlier one's leftovers.
         self._stale: set[str] = set()
+        # Channels enrolled by this start's `_enroll_globs` (recorded, locked): `_startup` only watches them.
+        self._fresh: set[str] = set()
         self._started_ns = time.time_ns()
 
     # --- health -------------------------------------------------------------------------------------------
@@ -217,6 +219,7 @@ class Service:
 
     def _record(self, batch: list[enrollment.Prepared]) -> int:
         enrollment.record_new(self.store, batch, enrollment.sync_workspace_fs)
+        self._fresh.update(p.row.key for p in batch)
         for p in batch:
             log.event("enrolled", ws=p.row.key, path=p.row.path, watch=p.row.watch)
             self._refused.pop(p.row.path, None)
@@ -226,6 +229,7 @@ class Service:
         """Enroll the globs' new matches, then admit every enrolled channel (`_admit`); the rows with this
         start's watch mode and policy. Reads the store a few times in all, not per workspace."""
         self._enroll_globs()
+        fresh, self._fresh = self._fresh, set()
         self._paused = self.store.paused()
         mounts = read_mounts()
         mount_points = {point for point, _ in mounts}
@@ -259,7 +263,10 @@ class Service:
         for row in rows:
             if self.stopping:  # SIGTERM during start-up: `run` stops before serving
                 break
-            self._admit(row, mine)
+            if row.key in fresh and self.locks.holds(row.key):
+                self._watch_fresh(row)
+            else:
+                self._admit(row, mine)
         self._data_version = self._read_data_version()
         return rows
 
@@ -295,6 +302,17 @@ class Service:
             self._channel_problem(row, exc)
             return
         self._channel_problems.pop(row.key, None)
+
+    def _watch_fresh(self, row: WorkspaceRow) -> None:
+        """A channel enrolled by this very start needs no admission (`prepare_new` checked its owner, took its
+        lock and wrote its files moments ago): only its watch."""
+        if row.key in self._paused:
+            return
+        try:
+            with safefs.open_channel(row.path, row.identity) as ch:
+                self._watch_one(row, ch)
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+            self._channel_problem(row, exc)
 
     def _served_again(self, row: WorkspaceRow) -> None:
         """The channel is ours and locked: forget that it was another store's or held elsewhere."""
@@ -425,6 +443,7 @@ class Service:
         """The rescan's look at the workspaces: new glob matches enrolled, channels taken over dropped. The rows
         to serve when anything changed."""
         enrolled = self._enroll_globs()
+        self._fresh.clear()  # refreshed in full below, as any channel new to the running kernel
         if enrolled:
             for row in self.store.workspaces():
                 if row.key not in self.pipeline.workspaces:
@@ -764,6 +783,7 @@ class Service:
     def _reapply(self) -> list[WorkspaceRow]:
         """After a reload: enroll new glob matches, give every workspace the policy of the new defaults."""
         self._enroll_globs()
+        self._fresh.clear()
         for row in self.store.workspaces():
             policy = enrollment.policy_for(self.store, row.key, self.cfg)
             if policy != row.policy:
