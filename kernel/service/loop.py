@@ -328,9 +328,11 @@ class Service:
             self._channel_problems[row.key] = problem
             log.event("channel_problem", logging.WARNING, ws=row.key, problem=problem)
 
-    def _refresh(self, row: WorkspaceRow, before_ns: int | None = None) -> None:
+    def _refresh(self, row: WorkspaceRow) -> None:
         """Check `row`'s channel as `_admit` does and rewrite its kernel-written files where stale; remove
-        leftover kernel temps (with `before_ns`, only those older than it)."""
+        leftover kernel temps. A leftover is a temp older than this process: a younger one may be a write in
+        flight (this kernel's channel I/O pool writing an answer or budget.json, or `syscall-kernel budget`
+        writing budget.json), whose rename would fail if its temp were removed under it."""
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 try:
@@ -346,10 +348,10 @@ class Service:
                 self._served_again(row)
                 if note is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
-                safefs.sweep_kernel_temps(ch.fd, before_ns)
+                safefs.sweep_kernel_temps(ch.fd, self._started_ns)
                 answers = ch.subdir(ChannelPaths.ANSWERS)
                 try:
-                    safefs.sweep_kernel_temps(answers, before_ns)
+                    safefs.sweep_kernel_temps(answers, self._started_ns)
                 finally:
                     os.close(answers)
         except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
@@ -367,7 +369,7 @@ class Service:
                 continue
             row = self.store.workspace(key)
             if row is not None:
-                self._refresh(row, self._started_ns)
+                self._refresh(row)
 
     async def _refresh_served(self) -> None:
         """After `ready`: refresh what `_admit` left stale, REFRESH_CHUNK workspaces per store-worker call so

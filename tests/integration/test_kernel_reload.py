@@ -88,3 +88,37 @@ def test_log_format_json_writes_one_object_per_line(tmp_path: Path) -> None:
     assert all(re.match(r"^\d{4}-\d\d-\d\dT.*[+-]\d\d:\d\d$", o["time"]) for o in lines)
     [answered] = [o for o in lines if o["event"] == "answered"]
     assert (answered["level"], answered["id"], answered["outcome"]) == ("info", "s1", "status")
+
+
+def test_a_refresh_while_serving_removes_only_temps_older_than_the_kernel(tmp_path: Path) -> None:
+    """A channel refreshed while the kernel serves (a reload that changes its policy; a new glob match; a channel
+    taken back) sweeps leftover kernel temps. It used to remove every `.kernel-*.tmp`, also one that another writer
+    had in flight at that moment (`syscall-kernel budget`/`enroll` writing budget.json; since channel I/O left the
+    store worker, the kernel's own answer and budget.json writes too), whose rename then failed: the write was
+    lost. Only a temp older than this kernel process is a leftover."""
+    import os
+    import time
+
+    ws = git_workspace(tmp_path / "one" / "a")
+    k = Kernel(
+        tmp_path, f'backend = "none"\nworkspaces = ["{tmp_path / "one"}/*"]\n[defaults]\nmax_minutes = 60\n'
+    )
+    k.start()
+    try:
+        assert k.proc is not None
+        channel = ws / ".syscall"
+        leftover = channel / ".kernel-00000000000000aa.tmp"
+        in_flight = channel / ".kernel-00000000000000bb.tmp"
+        answers_in_flight = channel / "answers" / ".kernel-00000000000000cc.tmp"
+        for p in (leftover, in_flight, answers_in_flight):
+            p.write_bytes(b"{}")
+        long_ago = time.time() - 3600
+        os.utime(leftover, (long_ago, long_ago))
+        k.config.write_text(k.config.read_text().replace("max_minutes = 60", "max_minutes = 30"))
+        k.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: kernel_json(ws).get("policy", {}).get("max_minutes") == 30, 10, "the new policy")  # type: ignore[union-attr]
+        wait_for(lambda: not leftover.exists(), 10, "the leftover temp swept")
+        assert in_flight.exists() and answers_in_flight.exists()
+        assert k.stop() == 0
+    finally:
+        k.ensure_stopped()
