@@ -118,7 +118,8 @@ def test_a_refresh_while_serving_removes_only_temps_older_than_the_kernel(tmp_pa
         k.proc.send_signal(signal.SIGHUP)
         wait_for(lambda: kernel_json(ws).get("policy", {}).get("max_minutes") == 30, 10, "the new policy")  # type: ignore[union-attr]
         wait_for(lambda: not leftover.exists(), 10, "the leftover temp swept")
-        assert in_flight.exists() and answers_in_flight.exists()
+        assert in_flight.exists()
+        assert answers_in_flight.exists()
         assert k.stop() == 0
     finally:
         k.ensure_stopped()
