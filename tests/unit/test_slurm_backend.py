@@ -384,6 +384,30 @@ def test_a_sigterm_from_the_walltime_reads_timeout_once_slurm_says_so(w: World) 
     assert exit_of(specs[0]).kind == "terminated"  # the wrapper's own record is never rewritten
 
 
+def test_a_failure_slurm_explains_is_read_with_slurms_state_never_before_it(w: World) -> None:
+    """The command was SIGKILLed at the memory limit: the wrapper records `signaled`. Until the backend has
+    classified the end, its `outcome_of` says nothing (the executor's sweep would otherwise record FAILED, the
+    record's row, racing the backend); once Slurm says OUT_OF_MEMORY, that is what both slurm-state.json and the
+    kernel read."""
+    b, specs, ids = adopt_many(w, 1)
+    tdir = specs[0].task_dir(0)
+
+    async def go() -> None:
+        await b.recover(w.run_dir)
+        w.fake.set_state(ids[0], None, "RUNNING")
+        await b.poll_once()
+        jobscript.write_exit(tdir, jobscript.ExitRecord(137, "signaled", signal="SIGKILL"))
+        assert b.outcome_of(tdir) is None
+        w.fake.set_state(ids[0], None, "OUT_OF_MEMORY", exit_code="0:9")
+        await b.poll_once()
+
+    run(go)
+    assert [e.key for e in drain(b)] == [specs[0].key]
+    out = b.outcome_of(tdir)
+    assert out is not None
+    assert state_of(specs[0]).state == out.state == "OUT_OF_MEMORY"
+
+
 def test_exit_grace_waits_for_a_late_exit_file(w: World) -> None:
     b, specs, ids = adopt_many(w, 1)
     b.exit_grace_s = 3600.0

@@ -865,22 +865,19 @@ class SlurmBackend:
         self._exits_in.send_nowait(TaskExit(key=la.spec.key, task=t, task_dir=os.fspath(tdir)))
 
     def outcome_of(self, task_dir: Path) -> Outcome | None:
-        """`outcome_of` (the module function), except for a SIGTERM the kernel did not send, on a task this
-        backend still tracks and has not classified: that end is not known yet (None), because Slurm says which it
-        was (the walltime, a preemption, scancel) and the poll reports it with Slurm's state, through
-        `wait_any_exit`, within TERMINATED_WAIT_S of the record. So the state the kernel records is the state in
-        `slurm-state.json`. Called from the store worker's thread: it only reads the launch table."""
+        """`outcome_of` (the module function), except that an end other than success on a task this backend still
+        tracks is not known (None) until the backend has classified it (`slurm-state.json`): Slurm may say why it
+        ended (the walltime, the memory limit, a preemption, scancel), and the backend reports it through
+        `wait_any_exit` at its next file tick or poll (a SIGTERM the kernel did not send: once Slurm says which,
+        within TERMINATED_WAIT_S while Slurm shows the job running). So the state the kernel records is the state
+        in `slurm-state.json`. Called from the store worker's thread: it only reads the launch table."""
         out = outcome_of(task_dir)
-        if out is None or out.state != "CANCELLED" or (task_dir / STATE_FILE).exists():
+        if out is None or out.state == "COMPLETED" or (task_dir / STATE_FILE).exists():
             return out
-        rec = jobscript.read_exit(task_dir)
         launch_dir, t = _launch_of(task_dir)
         for la in list(self._launches.values()):
             if la.spec.paths.launch_dir == launch_dir:
-                waiting = (
-                    rec is not None and rec.kind == "terminated" and t in la.open and t not in la.cancelled
-                )
-                return None if waiting else out
+                return None if t in la.open else out
         return out
 
     def hint_of(self, task_dir: Path) -> str | None:
