@@ -164,7 +164,17 @@ def case_artifacts(a: Path, b: Path) -> dict[str, object]:
         put(a, "art", {"type": "sleep", "launches": launches})
         wait_until((a / ".syscall" / "wakes" / "art.json").exists, 600)
 
-    return measure("a: 1 GiB of artifacts gathered", b, during)
+    row = measure("a: 1 GiB of artifacts gathered", b, during)
+    # The wake file is written before the store records the sleep woken: wait for that, so that the next case's
+    # sleep is not refused sleep.in_progress.
+    for i in range(6000):
+        answer = put(a, f"woken{i}", {"type": "status"})
+        wait_until(answer.exists, 60)
+        sleep = json.loads(answer.read_text()).get("sleep") or {}
+        if sleep.get("state") == "woken":
+            break
+        time.sleep(0.01)
+    return row
 
 
 def case_snapshot(a: Path, b: Path, dirs: int) -> dict[str, object]:

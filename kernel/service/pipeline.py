@@ -379,6 +379,10 @@ class Pipeline:
             self.store_failed = exc
             return 0
         finally:
+            if not self.backlog.get(t.key):
+                # Only workspaces with a backlog stay in it: planning a pass (`_pending`) walks it on the loop,
+                # and at 10,000 workspaces an entry for every channel ever listed made each loop turn O(N).
+                self.backlog.pop(t.key, None)
             self.inflight.discard(t.key)
             if t.swept:
                 self._sweeping -= 1
