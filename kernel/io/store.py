@@ -1090,12 +1090,21 @@ class StoreWorker:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._limiter = anyio.CapacityLimiter(1)
+        # Held by every store step, whichever thread runs it: sqlite has one writer at a time.
+        self._mutex = threading.Lock()
         self.failing: str | None = None
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the worker; it may use `self.store` and channel files. Not abandoned on cancel, so a
-        started step always finishes (and commits or rolls back) before shutdown proceeds."""
-        return await anyio.to_thread.run_sync(self._guarded, fn, *args, limiter=self._limiter)
+        """`fn(*args)` on the worker; it may use `self.store`. Not abandoned on cancel, so a started step always
+        finishes (and commits or rolls back) before shutdown proceeds."""
+        return await anyio.to_thread.run_sync(self.run_here, fn, *args, limiter=self._limiter)
+
+    def run_here(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the calling thread (a worker thread, never the event loop), serialised with every
+        other store step by the worker's lock: a channel I/O thread's store step without two hops through the
+        event loop."""
+        with self._mutex:
+            return self._guarded(fn, *args)
 
     def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
         before = self.store.changes()

@@ -10,7 +10,8 @@ Invariants, and why they hold:
   returns (even past its deadline), so nothing more is started for a workspace whose I/O has not returned.
 - At most `size` calls hold a slot, and slots are granted first come first served (anyio's Semaphore wakes its
   waiters in order); since a workspace holds at most one place in the slot queue, every workspace gets a turn.
-- A call still running `deadline` seconds after it started is *overdue*: `on_overdue(key, since)` is awaited once,
+- A call still in channel I/O `deadline` seconds after it started (time inside `store_step()` does not count: a
+  busy store is not a hung channel) is *overdue*: `on_overdue(key, since)` is awaited once,
   and the call gives its slot back (its thread stays blocked in the kernel until the filesystem answers), so the
   other workspaces keep every slot. At most OVERDUE_MAX calls give their slot back; past that (a whole filesystem
   hung) the slots stay held and the pool shrinks rather than growing threads without bound. When an overdue call
@@ -27,7 +28,8 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import anyio
@@ -38,6 +40,33 @@ T = TypeVar("T")
 
 CHANNEL_IO_SLOTS: Final = 8
 OVERDUE_MAX: Final = 64
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Where a call is: in channel I/O since `io_since`, or waiting for (or in) a store step."""
+
+    io_since: float
+    in_store: bool = False
+
+
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def store_step() -> Iterator[None]:
+    """Around a store step made inside a pool call: the deadline does not run meanwhile (a busy store is not a
+    hung channel), and the channel I/O after it is timed afresh."""
+    progress: _Progress | None = getattr(_current, "progress", None)
+    if progress is None:
+        yield
+        return
+    progress.in_store = True
+    try:
+        yield
+    finally:
+        progress.io_since = time.time()
+        progress.in_store = False
 
 
 class ChannelIOAbandoned(Exception):
@@ -123,6 +152,7 @@ class ChannelIO:
         box: list[tuple[bool, Any]] = []
         token = anyio.lowlevel.current_token()
         started = self.clock()
+        progress = _Progress(started)
 
         def finished() -> None:
             nonlocal held
@@ -133,10 +163,13 @@ class ChannelIO:
                 self._slots.release()
 
         def job() -> None:
+            _current.progress = progress
             try:
                 box.append((True, fn(*args)))
             except BaseException as exc:
                 box.append((False, exc))
+            finally:
+                _current.progress = None
             with contextlib.suppress(RuntimeError):  # the loop is gone (the process is exiting)
                 anyio.from_thread.run_sync(finished, token=token)
 
@@ -144,10 +177,21 @@ class ChannelIO:
         self._submit(job)
         was_overdue = False
         try:
-            with anyio.move_on_after(self.deadline):
-                await done.wait()
+            wait = self.deadline
+            while True:
+                with anyio.move_on_after(wait):
+                    await done.wait()
+                if done.is_set():
+                    break
+                # Past the deadline only in channel I/O: time spent on a store step does not count.
+                out_for = self.clock() - progress.io_since
+                if progress.in_store or out_for < self.deadline:
+                    wait = self.deadline if progress.in_store else self.deadline - out_for
+                    continue
+                break
             if not done.is_set():
                 was_overdue = True
+                started = progress.io_since
                 self.overdue[key] = started
                 if len(self.overdue) <= OVERDUE_MAX:
                     held = False

@@ -18,13 +18,15 @@ is drained, so a channel holding 10,000 requests costs one listing per 10,000 an
 Temp files a client abandoned (`.<id>.tmp` unchanged for `temp_grace_minutes`) are aged out the same bounded
 way, a few hundred per listing, resuming where the previous listing stopped.
 
-Who runs what: a pass starts one *turn* per planned workspace, as a task, and does not wait for it. A turn's
-channel I/O (open and check the channel, list or read the named requests, read them; later write the answers and
-the budget, remove the requests) runs in the channel I/O pool (`kernel.service.chanio`: bounded, one call per
-workspace at a time, fair, with a deadline); only its sqlite steps (look-ups, the pure decision in
-`kernel.core.rules`, the recording transaction) run on the store worker, the one writer. So a workspace whose
-channel is slow or hung delays nobody else: past `channel_io_deadline_seconds` its problem shows in
-`syscall-kernel status`, nothing more is started for it until the I/O returns, and other workspaces are served.
+Who runs what: a pass starts one *turn* per planned workspace, as a task, and does not wait for it. A turn is
+one call in the channel I/O pool (`kernel.service.chanio`: bounded, one call per workspace at a time, fair, with a
+deadline): open and check the channel, list it or take the names events gave, read the requests; then its sqlite
+step (look-ups, the pure decision in `kernel.core.rules`, the recording transaction) under the store worker's lock
+(`StoreWorker.run_here`: one writer at a time, and no extra hops through the event loop); then write the answers
+and the budget and remove the requests. No channel I/O ever runs on the store worker or under its lock, so a
+workspace whose channel is slow or hung delays nobody else: past `channel_io_deadline_seconds` of channel I/O
+(time spent waiting for the store does not count) its problem shows in `syscall-kernel status`, nothing more is
+started for it until the I/O returns, and other workspaces are served.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ from kernel.io.enroll import OwnedElsewhere, kernel_ref, owner_of, write_budget
 from kernel.io.log import event
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.service import gather
-from kernel.service.chanio import ChannelIO, ChannelIOAbandoned
+from kernel.service.chanio import ChannelIO, ChannelIOAbandoned, store_step
 from kernel.service.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
 
 # Listings of a rescan or poll tick in flight at once (on top of the channels with news), so that a sweep of
@@ -149,6 +151,15 @@ class _Recorded:
 
     deliveries: list[_Delivery] = field(default_factory=list)
     budget: tuple[Balance, str] | None = None
+    cont: Continuation | None = None
+    left: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _TurnDone:
+    relist: bool
+    handled: int = 0
+    answered: int = 0
     cont: Continuation | None = None
     left: list[str] = field(default_factory=list)
 
@@ -391,30 +402,14 @@ class Pipeline:
             self.on_turn_done()
 
     async def _turn(self, t: _Turn, spawn: Spawn | None) -> int:
-        """Read (channel I/O pool) -> decide and record (store worker) -> write the answers, remove the
-        requests (channel I/O pool). Every answer is committed before its file is written and its request
-        removed, so a kill anywhere in between replays the stored answer (exactly once)."""
+        """The workspace's turn, one call in the channel I/O pool (`_whole_turn`); what it found is applied here,
+        on the loop (relisting, the ids left for later, the continuation)."""
         ws = self.workspaces.get(t.key)
         if ws is None:
             self.dirty.discard(t.key)
             return 0
-        taken: _Taken | None = None
         try:
-            taken = await self.chanio.run(t.key, self._take, ws, t)
-            if taken.relist:
-                self.dirty.add(t.key)
-            if not taken.reads and t.key not in self._problems:
-                return 0
-            rec = await self.worker.call(self._timed, self._record, ws, taken.reads)
-            if rec.left:
-                self.backlog.setdefault(t.key, deque()).extendleft(reversed(rec.left))
-            if rec.deliveries or rec.budget is not None:
-                self.answered += await self.chanio.run(t.key, self._deliver_all, ws, taken.ch, rec)
-        except ChannelIOAbandoned:
-            # Stopping: the abandoned call's thread may still use the channel's fd; closing it here could
-            # hand the number to another open while that thread writes through it.
-            taken = None
-            raise
+            done = await self.chanio.run(t.key, self._whole_turn, ws, t)
         except OwnedElsewhere as exc:
             # Taken over by another kernel's store: its requests are that kernel's; nothing read is answered.
             self.backlog.pop(t.key, None)
@@ -426,13 +421,33 @@ class Pipeline:
             self.named.pop(t.key, None)
             await self.worker.call(self._set_problem, ws, f"{type(exc).__name__}: {exc}")
             return 0
-        finally:
-            if taken is not None:
-                taken.ch.close()
-        if rec.cont is not None:
+        if done.relist:
+            self.dirty.add(t.key)
+        if done.left:
+            self.backlog.setdefault(t.key, deque()).extendleft(reversed(done.left))
+        self.answered += done.answered
+        if done.cont is not None:
             # The workspace's later requests wait until the executor is done with this one.
-            await self._start(rec.cont, spawn)
-        return len(taken.reads) - len(rec.left)
+            await self._start(done.cont, spawn)
+        return done.handled
+
+    def _whole_turn(self, ws: WorkspaceRow, t: _Turn) -> _TurnDone:
+        """One pool call (two thread hops, as when the store worker did it all): read, then the store step
+        under the store worker's lock (`run_here`; the deadline pauses meanwhile), then deliver. Every answer is
+        committed before its file is written and its request removed, so a kill anywhere in between replays
+        the stored answer (exactly once)."""
+        taken = self._take(ws, t)
+        try:
+            if not taken.reads and ws.key not in self._problems:
+                return _TurnDone(taken.relist)
+            with store_step():
+                rec = self.worker.run_here(self._timed, self._record, ws, taken.reads)
+            answered = 0
+            if rec.deliveries or rec.budget is not None:
+                answered = self._deliver_all(ws, taken.ch, rec)
+            return _TurnDone(taken.relist, len(taken.reads) - len(rec.left), answered, rec.cont, rec.left)
+        finally:
+            taken.ch.close()
 
     def _timed(self, fn: Callable[..., T], *args: object) -> T:
         # On the store worker (one step at a time): the watchdog's view of a store step that does not end.

@@ -119,3 +119,43 @@ def test_a_stop_abandons_an_overdue_call_and_what_waits_behind_it() -> None:
     anyio.run(main)
     release.set()
     assert sorted(outcomes) == ["first: abandoned", "second: abandoned"]
+
+
+def test_time_in_a_store_step_is_not_channel_io() -> None:
+    """A turn that waits for the store (held by another step) past the deadline is not a hung channel; channel
+    I/O after the store step is timed afresh."""
+    from kernel.service.chanio import store_step
+
+    seen: list[str] = []
+
+    async def overdue(key: str, since: float) -> None:
+        seen.append(key)
+
+    pool = ChannelIO(0.2, on_overdue=overdue)
+    store = threading.Lock()
+
+    def turn() -> str:
+        time.sleep(0.1)  # channel I/O, within the deadline
+        with store_step(), store:
+            pass
+        time.sleep(0.1)  # and again, timed from the end of the store step
+        return "done"
+
+    async def main() -> None:
+        store.acquire()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run, "a", turn)
+            await anyio.sleep(0.6)  # the turn waits for the store three deadlines long
+            store.release()
+        assert seen == []
+        hung = threading.Event()
+
+        def hangs() -> None:
+            with store_step():
+                pass
+            hung.wait(0.5)  # channel I/O past the deadline after the store step: overdue
+
+        await pool.run("b", hangs)
+        assert seen == ["b"]
+
+    anyio.run(main)
