@@ -1,7 +1,7 @@
 """SIGTERM -> process gone, at several points of a real kernel's life (`syscall-kernel serve`, local backend,
 jail none). Scenarios:
   enrolling   first start with N new workspaces from a glob; SIGTERM at the first `event=enrolled`
-  starting    restart with N enrolled; SIGTERM 0.3 s after the process started (imports, admission)
+  starting    restart with N enrolled; SIGTERM 50 ms after `event=starting` (admitting the channels)
   idle        serving N workspaces, nothing in flight
   snapshot    serving, a sleep's snapshot of 750 MB (three sparse 250 MB files) in flight
 Each prints one JSON object: seconds from the signal to the exit (`took_s`), the exit status, and whether the
@@ -92,19 +92,21 @@ def main() -> None:
         wait(log, b"event=ready", 1, proc)
         term(proc, log, "idle", n)
         for _ in range(args.repeat):
+            starts = count(log, b"event=starting")
             proc = launch(root, spaces, log)
-            time.sleep(0.3)
+            wait(log, b"event=starting", starts + 1, proc)
+            time.sleep(0.05)
             term(proc, log, "starting", n)
         for _ in range(args.repeat):
             ready = count(log, b"event=ready")
             proc = launch(root, spaces, log)
             wait(log, b"event=ready", ready + 1, proc)
             term(proc, log, "idle", n)
-        ws = spaces / "ws00000"
-        for i in range(3):
-            with open(ws / f"data{i}.bin", "wb") as f:
-                f.truncate(250 * 1024 * 1024)
         for i in range(args.repeat):
+            ws = spaces / f"ws{i:05d}"  # a workspace of its own each time: the last one's sleep is resumed
+            for k in range(3):
+                with open(ws / f"data{k}.bin", "wb") as f:
+                    f.truncate(250 * 1024 * 1024)
             ready, recorded = count(log, b"event=ready"), count(log, b"event=sleep_recorded")
             proc = launch(root, spaces, log)
             wait(log, b"event=ready", ready + 1, proc)
