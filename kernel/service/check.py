@@ -8,6 +8,7 @@ read, not taken; Slurm is asked only read-only questions (`scontrol show partiti
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ def run_checks(cfg: Config, env: dict[str, str] | None = None) -> list[Finding]:
     out += _lock(cfg)
     out += _globs(cfg)
     out += _workspaces(cfg)
+    out += _capacity(cfg)
     out += _jail(cfg)
     if cfg.backend == "slurm":
         out += _slurm(cfg, env)
@@ -110,6 +112,63 @@ def _workspaces(cfg: Config) -> list[Finding]:
         store.close()
     out = [Finding("ok", "store", f"{len(rows)} workspaces enrolled ({len(paused)} paused)")]
     out += [Finding("warn", f"workspace {r.key}", f"{r.path}: {r.problem}") for r in rows if r.problem]
+    return out
+
+
+# Fds the kernel needs besides one per served channel (its lock): the store, inotify, pipes to git, threads.
+FD_MARGIN = 256
+MAX_USER_WATCHES = "/proc/sys/fs/inotify/max_user_watches"
+
+
+def _capacity(cfg: Config) -> list[Finding]:
+    """Whether this machine's limits hold every workspace the kernel would serve (the globs' matches and those
+    enrolled): one open fd per channel (its lock; `serve` raises the soft limit to the hard one) and one inotify
+    watch per channel not polled."""
+    paths = set(expand_globs(cfg.workspaces))
+    if cfg.db_path.exists():
+        try:
+            store = Store.open(cfg.db_path, readonly=True)
+        except StoreError:
+            store = None  # reported by _workspaces
+        if store is not None:
+            try:
+                paths |= {r.path for r in store.workspaces()}
+            finally:
+                store.close()
+    n = len(paths)
+    if not n:
+        return []
+    out = []
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < n + FD_MARGIN:
+        out.append(
+            Finding(
+                "error",
+                "fds",
+                f"{n} workspaces need about {n + FD_MARGIN} open files (one per channel's lock), but the hard "
+                f"limit here is {hard}: the channels past it are not served. Raise LimitNOFILE= in the unit "
+                "(deploy/systemd sets 65536) or the hard `ulimit -n`",
+            )
+        )
+    else:
+        out.append(Finding("ok", "fds", f"{n} workspaces; open files hard limit {hard}"))
+    if cfg.watch != "poll":
+        try:
+            watches = int(Path(MAX_USER_WATCHES).read_text().strip())
+        except (OSError, ValueError):
+            watches = None
+        if watches is not None and watches < n:
+            out.append(
+                Finding(
+                    "warn",
+                    "inotify",
+                    f"{n} workspaces but fs.inotify.max_user_watches is {watches} (shared by all of this user's "
+                    "processes): the channels past it are polled every poll_seconds instead of watched. Raise it "
+                    "(sysctl fs.inotify.max_user_watches)",
+                )
+            )
+        elif watches is not None:
+            out.append(Finding("ok", "inotify", f"{n} workspaces; fs.inotify.max_user_watches {watches}"))
     return out
 
 

@@ -62,6 +62,39 @@ def test_check_passes_a_good_config_and_names_what_is_wrong_with_a_broken_one(tm
         k.ensure_stopped()
 
 
+def test_check_says_when_the_open_file_limit_cannot_hold_every_workspace(tmp_path: Path) -> None:
+    """One fd per served channel (its lock): a hard limit below the workspaces' count is an error, named with the
+    fix; the inotify watch limit is reported beside it."""
+    import resource
+
+    agents = tmp_path / "agents"
+    for i in range(60):
+        git_workspace(agents / f"w{i:02d}")
+    k = Kernel(tmp_path, f'workspaces = ["{agents}/*"]\njail = "none"\n')
+    rc, found = check(k.config)
+    assert rc == 0, found
+    assert levels(found)["fds"] == "ok"
+    assert levels(found)["inotify"] in ("ok", "warn")
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))  # < 60 + FD_MARGIN
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kernel.cli", "check", "--json", "--config", str(k.config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=low_limit,
+    )
+    found = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 1
+    fds = next(f for f in found if f["what"] == "fds")
+    assert fds["level"] == "error"
+    assert "60 workspaces" in fds["detail"]
+    assert "LimitNOFILE" in fds["detail"]
+
+
 @pytest.mark.slurm
 def test_check_asks_slurm_about_the_partition(tmp_path: Path, slurm_conf: Path) -> None:
     k = Kernel(tmp_path, 'backend = "slurm"\njail = "none"\n[slurm]\npartition = "gpu-typo"\n')
