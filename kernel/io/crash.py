@@ -39,7 +39,7 @@ def crash_point(step: str) -> None:
 HANG_ENV: Final = "SYSCALL_KERNEL_HANG_CHANNEL"
 # channel: any channel I/O of the request path starts (open, read, write answers); listing: a full listing of
 # `requests/` was made and has not returned (a huge or slow directory).
-HANG_STEPS: Final = ("channel", "listing")
+HANG_STEPS: Final = ("channel", "listing", "refresh")
 
 
 def hang_point(step: str, workspace: str) -> None:

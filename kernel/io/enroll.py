@@ -713,6 +713,21 @@ def refresh(
             identity = replace(identity, subdirs=ch.found_subdirs())
         with store.transaction():
             store.put_workspace(replace(row, tool_sha256=tool.sha256, identity=identity))
+    return rewrite_kernel_files(ch, row, tool, owner, jail=jail, cfg=cfg)
+
+
+def rewrite_kernel_files(
+    ch: safefs.Channel,
+    row: WorkspaceRow,
+    tool: ToolSource,
+    owner: StoreRef,
+    *,
+    jail: str,
+    cfg: Config | None = None,
+) -> str | None:
+    """Channel I/O only (no store access): reinstall the tool if it changed, and rewrite `kernel.json`,
+    `budget.json` (from `row.balance`) and with `cfg` `jobenv.json` where they differ from `row`. The tool
+    note."""
     note = install(ch, tool)
     wanted = kernel_json(row, tool, owner, jail=jail, limits=published_limits(cfg))
     try:

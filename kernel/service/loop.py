@@ -38,12 +38,13 @@ from channel.paths import ChannelPaths
 from kernel.core.config import Config, ConfigError
 from kernel.core.config import load as load_config
 from kernel.core.records import WorkspaceRow
-from kernel.io import chanlock, log, metrics
+from kernel.io import chanlock, crash, log, metrics
 from kernel.io import enroll as enrollment
 from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreUnavailable, StoreWorker, disk_failure
 from kernel.io.watch import Watcher, choose_mode, fs_type_of, read_mounts
 from kernel.service import reload
+from kernel.service.chanio import ChannelIOAbandoned, store_step
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
 from kernel.service.pipeline import Pipeline, Spawn
@@ -62,8 +63,9 @@ ENROLL_BATCH = 256
 # running (arm_stop_deadline), after waiting at most COMMIT_WAIT_S for a COMMIT in progress.
 STOP_DEADLINE_S = 0.6
 COMMIT_WAIT_S = 0.25
-# Channels refreshed per store-worker call after `ready` (a few ms of work: requests are answered in between).
-REFRESH_CHUNK = 8
+# After `ready`, stale channels are refreshed in the channel I/O pool, at most this many at a time (fewer than the
+# pool's slots, so the request path always has slots).
+REFRESH_CALLS = 2
 GIL_SWITCH_S = 0.001
 T = TypeVar("T")
 
@@ -359,28 +361,73 @@ class Service:
             return
         self._channel_problems.pop(row.key, None)
 
-    def _refresh_stale(self, keys: list[str]) -> None:
-        """`_refresh` the admitted channels `keys` that are still served, each from its row as it is now (the
-        pipeline may have charged it since start-up)."""
-        for key in keys:
-            if self.stopping:
-                return
-            if key not in self.pipeline.workspaces:
-                continue
-            row = self.store.workspace(key)
-            if row is not None:
-                self._refresh(row)
+    def _rewrite_stale(self, key: str, mine: str) -> str | None:
+        """(channel I/O pool, in `key`'s turn) Rewrite an admitted channel's kernel-written files where stale and
+        sweep temps older than this process; the tool note. The row is read under the store worker's lock at
+        the start of this very call (`run_here`), so the budget.json written here is never older than one the
+        pipeline wrote before: every other budget.json write of the request path happens inside a pool call of
+        the same workspace (the pool runs one call per workspace at a time), either wholly before this one (its
+        balance was committed before our read) or wholly after (it writes its own newer balance)."""
+        with store_step():
+            row = self.worker.run_here(self.store.workspace, key)
+        if row is None:
+            return None
+        crash.hang_point("refresh", row.path)
+        with safefs.open_channel(row.path, row.identity) as ch:
+            # Another store may have taken the channel over since `_admit`: nothing is written then.
+            owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
+            note = enrollment.rewrite_kernel_files(
+                ch, row, self.tool, owner, jail=self.cfg.jail, cfg=self.cfg
+            )
+            safefs.sweep_kernel_temps(ch.fd, self._started_ns)
+            answers = ch.subdir(ChannelPaths.ANSWERS)
+            try:
+                safefs.sweep_kernel_temps(answers, self._started_ns)
+            finally:
+                os.close(answers)
+        return note
+
+    async def _refresh_one(self, key: str, mine: str) -> None:
+        row = self.pipeline.workspaces.get(key)
+        if row is None or self.stopping:  # no longer served
+            return
+        try:
+            note = await self.pipeline.chanio.run(key, self._rewrite_stale, key, mine)
+        except enrollment.OwnedElsewhere as exc:
+            await self._taken_over(row, exc)
+            return
+        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+            self._channel_problem(row, exc)
+            return
+        except ChannelIOAbandoned:
+            return
+        if note is not None:
+            log.event("tool_updated", ws=key, sha256=self.tool.sha256[:16])
 
     async def _refresh_served(self) -> None:
-        """After `ready`: refresh what `_admit` left stale, REFRESH_CHUNK workspaces per store-worker call so
-        requests are answered in between; leftover temps older than this process are swept then."""
+        """After `ready`: refresh what `_admit` left stale (`_rewrite_stale`), in the channel I/O pool, never on
+        the store worker: a channel that hangs there holds only its own workspace (the pool's deadline marks it
+        overdue), and the store worker stays free for every other workspace's requests. At most REFRESH_CALLS
+        refreshes are in the pool at once, so a request's turn waits behind at most that many of them for a
+        slot."""
         keys = sorted(self._stale)
         self._stale.clear()
-        for i in range(0, len(keys), REFRESH_CHUNK):
-            if self.stopping:
-                return
-            await self.worker.call(self._refresh_stale, keys[i : i + REFRESH_CHUNK])
-        log.event("channels_refreshed", workspaces=len(keys))
+        mine = await self.worker.call(self.store.store_id)
+        if mine is None:
+            return
+        pending = iter(keys)
+
+        async def refresher() -> None:
+            for key in pending:
+                if self.stopping:
+                    return
+                await self._refresh_one(key, mine)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(REFRESH_CALLS):
+                tg.start_soon(refresher)
+        if not self.stopping:
+            log.event("channels_refreshed", workspaces=len(keys))
 
     def _claim(self, key: str, ch: safefs.Channel) -> str | None:
         """Take (or keep) the channel's lock before anything is written to it; why not, or None."""

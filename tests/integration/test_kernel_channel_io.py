@@ -9,6 +9,7 @@ On the old kernel every channel call ran on the one store worker, so B waited fo
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -101,3 +102,47 @@ def test_the_kernel_stops_while_a_channel_io_hangs(tmp_path: Path) -> None:
     finally:
         hang.unlink(missing_ok=True)
         k.ensure_stopped()
+
+
+def test_a_channel_that_hangs_in_the_after_ready_refresh_holds_no_other_workspace(tmp_path: Path) -> None:
+    """Issue 13: after a restart's `ready`, the kernel-written files of every admitted channel are refreshed in
+    the background. A's channel hangs in that refresh (the test-only hang point `refresh`); B's `status` must
+    still be answered, again and again, and A's refresh completes once its channel answers. On the old kernel the
+    refresh ran on the store worker, so every workspace's answer waited behind A's hung channel."""
+    k = Kernel(
+        tmp_path,
+        'backend = "none"\nchannel_io_deadline_seconds = 1\nrescan_seconds = 1\npoll_seconds = 0.2\n',
+    )
+    a = git_workspace(tmp_path / "a")
+    b = git_workspace(tmp_path / "b")
+    k.enroll(a)
+    k.enroll(b)
+    hang = tmp_path / "hang"
+    k.start()
+    assert k.stop() == 0
+    (a / ".syscall" / "budget.json").write_text("damaged")  # rewritten by the refresh once A answers
+    hang.write_text(f"refresh {a.resolve()}")
+    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)})
+    try:
+        k.wait_log("event=hang_injected step=refresh", 15)
+        for i in range(10):
+            t0 = time.monotonic()
+            put_request(b, f"b{i}", status(f"b{i}"))
+            assert wait_answer(b, f"b{i}", 5)["type"] == "status"
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.2)
+        assert "event=channels_refreshed" not in k.log_text().rsplit("event=starting", 1)[1]
+        assert (a / ".syscall" / "budget.json").read_text() == "damaged"
+
+        hang.unlink()
+        wait_for(
+            lambda: "event=channels_refreshed workspaces=2" in k.log_text().rsplit("event=starting", 1)[1],
+            15,
+            "the restart's refresh",
+        )
+        assert json.loads((a / ".syscall" / "budget.json").read_text())["budget"]["launches"] > 0
+        put_request(a, "a1", status("a1"))
+        assert wait_answer(a, "a1", 15)["type"] == "status"
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
