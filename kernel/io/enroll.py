@@ -18,6 +18,7 @@ import functools
 import glob
 import os
 import stat
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -187,6 +188,52 @@ def owner_of(ch: safefs.Channel) -> StoreRef | None:
         ).owner
     except (safefs.Refused, msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+# (dev, ino, size, mtime_ns, ctime_ns) of a channel's kernel.json.
+Fingerprint = tuple[int, int, int, int, int]
+# A fingerprint is recorded only for a kernel.json unchanged for this long before it was stat'ed (ctime is kept
+# by the filesystem with a coarse clock: a few ms).
+QUIET_NS: Final = 1_000_000_000
+
+
+def _fingerprint(st: os.stat_result) -> Fingerprint:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def owner_unchanged(ch: safefs.Channel, seen: Fingerprint | None) -> bool:
+    """True when kernel.json is the very file, unchanged, that `owner_fingerprint` saw name this store: one lstat.
+    Nobody can set a ctime: a write, a chmod, a rename onto the name (a new inode) all give it a ctime past the
+    recorded one, which was over QUIET_NS old when recorded, so any change since makes this False."""
+    if seen is None:
+        return False
+    try:
+        st = os.stat(ChannelPaths.KERNEL_JSON, dir_fd=ch.fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and _fingerprint(st) == seen
+
+
+def owner_fingerprint(ch: safefs.Channel, path: str, *, mine: str) -> Fingerprint | None:
+    """`check_owner` (OwnedElsewhere when kernel.json names another store), and the stat of the kernel.json it
+    read, taken BEFORE the read: the fingerprint `owner_unchanged` accepts later. None (nothing to record) when
+    the file changed within QUIET_NS of that stat or cannot be read: a change after the stat then cannot share
+    its ctime, since ctimes only move forward and the recorded one is over QUIET_NS behind the stat."""
+    now = time.time_ns()
+    try:
+        st = os.stat(ChannelPaths.KERNEL_JSON, dir_fd=ch.fd, follow_symlinks=False)
+    except OSError:
+        st = None
+    try:
+        data, inode = safefs.read_capped_entry_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024)
+        found = _owner_decoder.decode(data).owner
+    except (safefs.Refused, msgspec.DecodeError, msgspec.ValidationError):
+        found, inode = None, None
+    if found is not None and found.store != mine:
+        raise OwnedElsewhere(path, found)
+    if st is None or inode != (st.st_dev, st.st_ino) or st.st_ctime_ns > now - QUIET_NS:
+        return None
+    return _fingerprint(st)
 
 
 def check_owner(store: Store, ch: safefs.Channel, path: str, *, mine: str | None = None) -> StoreRef:

@@ -123,6 +123,18 @@ CREATE INDEX jobs_live ON jobs(state) WHERE state IN ('PENDING', 'RUNNING');
 # the kernel keeps is made here, the executor's (exec_sleeps) and submit's (eval_*) included: no other module
 # creates or alters one.
 _ADMIN_SCHEMA: Final = """
+-- The stat of each channel's kernel.json when it was last read and found to name this store (or none), taken
+-- before that read and only when its ctime was over a second old (kernel.io.enroll.owner_fingerprint): a
+-- restart accepts the owner check from one lstat that matches it.
+CREATE TABLE IF NOT EXISTS owner_seen (
+    workspace       TEXT PRIMARY KEY,
+    dev             INTEGER NOT NULL,
+    ino             INTEGER NOT NULL,
+    size            INTEGER NOT NULL,
+    mtime_ns        INTEGER NOT NULL,
+    ctime_ns        INTEGER NOT NULL
+) STRICT;
+
 CREATE TABLE IF NOT EXISTS store_meta (
     name            TEXT PRIMARY KEY,
     value           TEXT NOT NULL
@@ -611,6 +623,21 @@ class Store:
         self._conn.execute(
             "UPDATE workspaces SET launches=?, sleeps=?, gpu_s=?, reserved_gpu_s=? WHERE key=?",
             (b.launches, b.sleeps, b.gpu_s, b.reserved_gpu_s, key),
+        )
+
+    def owners_seen(self) -> dict[str, tuple[int, int, int, int, int]]:
+        """Every workspace's recorded kernel.json fingerprint (dev, ino, size, mtime_ns, ctime_ns)."""
+        try:
+            rows = self._all("SELECT workspace, dev, ino, size, mtime_ns, ctime_ns FROM owner_seen")
+        except sqlite3.OperationalError:  # a read-only store no kernel of this version has opened yet
+            return {}
+        return {r[0]: (r[1], r[2], r[3], r[4], r[5]) for r in rows}
+
+    def set_owners_seen(self, seen: dict[str, tuple[int, int, int, int, int]]) -> None:
+        self._conn.executemany(
+            "INSERT OR REPLACE INTO owner_seen (workspace, dev, ino, size, mtime_ns, ctime_ns) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            [(k, *v) for k, v in seen.items()],
         )
 
     def set_problem(self, key: str, problem: str | None) -> None:

@@ -42,7 +42,7 @@ from kernel.io import chanlock, crash, log, metrics
 from kernel.io import enroll as enrollment
 from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreUnavailable, StoreWorker, disk_failure
-from kernel.io.watch import Watcher, choose_mode, fs_type_of, read_mounts
+from kernel.io.watch import Watcher, choose_mode, fs_type_of, is_network_fs, read_mounts
 from kernel.service import reload
 from kernel.service.chanio import ChannelIOAbandoned, store_step
 from kernel.service.executor import Executor, PendingExecutor
@@ -117,6 +117,8 @@ class Service:
         self._stale: set[str] = set()
         # Channels enrolled by this start's `_enroll_globs` (recorded, locked): `_startup` only watches them.
         self._fresh: set[str] = set()
+        # kernel.json fingerprints taken by this start's owner checks, recorded at the end of `_startup`.
+        self._seen_now: dict[str, enrollment.Fingerprint] = {}
         self._started_ns = time.time_ns()
 
     # --- health -------------------------------------------------------------------------------------------
@@ -239,6 +241,9 @@ class Service:
         stored = self.store.workspaces()
         policies = enrollment.policies_for(self.store, self.cfg, [r.key for r in stored])
         rows, changed = [], []
+        # Workspaces on a network filesystem: kernel.json's ctime comes from the server's clock, which the
+        # fingerprint's QUIET_NS rule cannot rely on (enrollment.owner_fingerprint): their owner is always read.
+        network: set[str] = set()
         for row in stored:
             # The mount holding a workspace is its parent's unless the workspace is a mount point itself.
             parent = os.path.dirname(row.path)
@@ -250,6 +255,8 @@ class Service:
                 fstype = fs_of_parent[parent]
             # The watch mode follows the filesystem and the policy follows the config, at every start (but an
             # eval contract given at enrollment stays the workspace's own).
+            if is_network_fs(fstype):
+                network.add(row.key)
             mode = choose_mode(self.cfg.watch, fstype)
             policy = policies[row.key]
             if mode != row.watch or policy != row.policy:
@@ -262,31 +269,46 @@ class Service:
                     self.store.set_watch(row.key, row.watch)
                     self.store.set_policy(row.key, row.policy)
         mine = self.store.store_id()
+        seen = self.store.owners_seen()
         for row in rows:
             if self.stopping:  # SIGTERM during start-up: `run` stops before serving
                 break
             if row.key in fresh and self.locks.holds(row.key):
                 self._watch_fresh(row)
             else:
-                self._admit(row, mine)
+                self._admit(row, mine, None if row.key in network else seen)
+        if self._seen_now:
+            with self.store.transaction():
+                self.store.set_owners_seen(self._seen_now)
+            self._seen_now = {}
         self._data_version = self._read_data_version()
         return rows
 
-    def _admit(self, row: WorkspaceRow, mine: str | None) -> None:
+    def _admit(
+        self, row: WorkspaceRow, mine: str | None, seen: dict[str, enrollment.Fingerprint] | None
+    ) -> None:
         """At start, before `row`'s channel is served: it is still the enrolled directory (device, inode,
         owner), its kernel.json names no other store, this kernel holds its lock; then its requests/ is watched.
         That is all a restart does per workspace before `ready` (10,000 of them must be ready in 2 s): rewriting
         the kernel-written files where stale (tool, kernel.json, budget.json, jobenv.json) and sweeping an
         earlier process's temps wait for `_refresh_served`, after `ready` (nothing the kernel decides reads
         those files, and the agent may rewrite them at any time anyway). A channel whose row the refresh
-        changes (a new tool; subdirectories not recorded yet) is refreshed here in full instead."""
+        changes (a new tool; subdirectories not recorded yet) is refreshed here in full instead. The owner
+        check is one lstat when kernel.json is, unchanged, the file an earlier check read (`seen`:
+        enrollment.owner_unchanged), else a full read whose fingerprint is recorded for the next start (`seen` None:
+        a network filesystem, always read)."""
         if row.tool_sha256 != self.tool.sha256 or not row.identity.subdirs or mine is None:
             self._refresh(row)
             return  # watched by run()'s `_watch_all` pass
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 try:
-                    enrollment.check_owner(self.store, ch, row.path, mine=mine)
+                    if seen is None:
+                        enrollment.check_owner(self.store, ch, row.path, mine=mine)
+                    elif not enrollment.owner_unchanged(ch, seen.get(row.key)):
+                        found = enrollment.owner_fingerprint(ch, row.path, mine=mine)
+                        if found is not None:
+                            self._seen_now[row.key] = found
                     held_elsewhere = self._claim(row.key, ch)
                     if held_elsewhere is not None:
                         raise enrollment.HeldElsewhere(f"{row.path}: {held_elsewhere}")
@@ -412,8 +434,9 @@ class Service:
         slot."""
         keys = sorted(self._stale)
         self._stale.clear()
-        mine = await self.worker.call(self.store.store_id)
+        mine = await self.worker.call(self.store.store_id) if keys else None
         if mine is None:
+            log.event("channels_refreshed", workspaces=0)
             return
         pending = iter(keys)
 

@@ -122,8 +122,9 @@ def test_a_channel_that_hangs_in_the_after_ready_refresh_holds_no_other_workspac
     assert k.stop() == 0
     (a / ".syscall" / "budget.json").write_text("damaged")  # rewritten by the refresh once A answers
     hang.write_text(f"refresh {a.resolve()}")
-    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)})
+    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)}, wait_ready=False)
     try:
+        k.wait_log("event=ready", 60, count=2)
         k.wait_log("event=hang_injected step=refresh", 15)
         for i in range(10):
             t0 = time.monotonic()

@@ -5,15 +5,25 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from channel import safefs
 from channel.messages import BudgetFile, KernelInfo
 from channel.paths import ChannelPaths
 from kernel.core.config import Config, parse
-from kernel.io.enroll import EnrollError, Grant, enroll
+from kernel.io.enroll import (
+    QUIET_NS,
+    EnrollError,
+    Grant,
+    OwnedElsewhere,
+    enroll,
+    owner_fingerprint,
+    owner_unchanged,
+)
 from kernel.io.install import ToolSource
 from kernel.io.store import Store
 
@@ -265,3 +275,53 @@ def test_automatic_enrollment_of_a_prepared_channel_again_is_idempotent(
     assert again.row.identity == first.row.identity
     record_new(store, [again], lambda path: None)
     assert [r.key for r in store.workspaces()] == [first.row.key]
+
+
+def test_the_owner_fingerprint_accepts_only_the_very_file_unchanged(tmp_path: Path) -> None:
+    """Issue 13 (restart ready in 2 s): a restart accepts the owner check from one lstat matching the
+    fingerprint recorded when kernel.json was last read naming this store. Every change since (a rewrite in
+    place keeping size and mtime, a rename onto the name, a chmod, a link) fails the match, and the full read
+    then finds another store's owner; a file changed within QUIET_NS of the stat gets no fingerprint."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    mine, theirs = "a" * 32, "b" * 32
+
+    def info(store: str) -> bytes:
+        return msgspec.json.encode({"owner": {"store": store, "state_dir": "/s"}})
+
+    with safefs.open_channel(ws, create=True) as ch:
+        kj = ws / ".syscall" / ChannelPaths.KERNEL_JSON
+        kj.write_bytes(info(mine))
+        assert owner_fingerprint(ch, str(ws), mine=mine) is None, "changed just now: no fingerprint"
+        time.sleep(QUIET_NS / 1e9 + 0.1)
+        seen = owner_fingerprint(ch, str(ws), mine=mine)
+        assert seen is not None
+        assert owner_unchanged(ch, seen)
+        assert owner_unchanged(ch, seen), "a read changes nothing"
+
+        st = kj.stat()
+        kj.write_bytes(info(theirs))  # in place, same size, mtime put back: only ctime tells
+        os.utime(kj, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert kj.stat().st_size == st.st_size
+        assert not owner_unchanged(ch, seen)
+        with pytest.raises(OwnedElsewhere):
+            owner_fingerprint(ch, str(ws), mine=mine)
+
+        for change in ("rename", "chmod", "link"):
+            kj.write_bytes(info(mine))
+            time.sleep(QUIET_NS / 1e9 + 0.1)
+            seen = owner_fingerprint(ch, str(ws), mine=mine)
+            assert seen is not None
+            assert owner_unchanged(ch, seen)
+            if change == "rename":
+                (ws / ".syscall" / "other").write_bytes(info(mine))
+                os.replace(ws / ".syscall" / "other", kj)
+            elif change == "chmod":
+                kj.chmod(0o600)
+            else:
+                os.link(kj, tmp_path / "elsewhere")
+            assert not owner_unchanged(ch, seen), change
+            (tmp_path / "elsewhere").unlink(missing_ok=True)
+        assert not owner_unchanged(ch, None)
+        kj.unlink()
+        assert not owner_unchanged(ch, seen)
