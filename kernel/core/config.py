@@ -194,6 +194,9 @@ class Config(_Strict, frozen=True, kw_only=True):
     # A workspace whose channel I/O (listing, reading, writing answers) has not returned after this long gets a
     # problem in `status`; nothing more is started for it until the I/O returns, and other workspaces go on.
     channel_io_deadline_seconds: Annotated[float, Meta(gt=0, le=3600)] = 10.0
+    # The same for a workspace's heavy work (snapshot, artifact copies, wake writes, base imports), which is
+    # legitimately long: past this it shows in `status`, gives its slot back, and nothing more heavy starts for it.
+    heavy_io_deadline_seconds: Annotated[float, Meta(gt=0, le=86400)] = 300.0
     # The operator's hook for submit verdicts: a command (split like a shell would, run without one) that gets
     # each verdict and its report as JSON on stdin, in state_dir with a clean environment (kernel.service.submitexec).
     on_verdict: str = ""

@@ -16,6 +16,8 @@ Invariants, and why they hold:
   other workspaces keep every slot. At most OVERDUE_MAX calls give their slot back; past that (a whole filesystem
   hung) the slots stay held and the pool shrinks rather than growing threads without bound. When an overdue call
   returns, `on_returned(key)` is awaited before its caller goes on.
+- With `finish_started` (the heavy pool: a started copy finishes), a caller cancelled while its call runs waits
+  for it to return, as `anyio.to_thread.run_sync` does; a call past its deadline is still given up by `stop()`.
 - Threads are daemon threads: a call that never returns cannot keep the process from exiting. While the pool is
   stopping, an overdue call (and whatever waits behind it for the same workspace) is abandoned: its caller gets
   ChannelIOAbandoned; exactly-once does not depend on it, since every answer is recorded before it is written and
@@ -86,8 +88,12 @@ class ChannelIO:
         on_overdue: Callable[[str, float], Awaitable[None]] = _nothing,
         on_returned: Callable[[str], Awaitable[None]] = _nothing,
         clock: Callable[[], float] = time.time,
+        finish_started: bool = False,
+        thread_name: str = "channel-io",
     ) -> None:
         self.deadline = deadline
+        self.finish_started = finish_started
+        self.thread_name = thread_name
         self.on_overdue = on_overdue
         self.on_returned = on_returned
         self.clock = clock
@@ -176,36 +182,45 @@ class ChannelIO:
         box_taken = False
         self._submit(job)
         was_overdue = False
+        # With `finish_started` the wait is shielded from the caller's cancellation; it is registered with the
+        # caller's scopes so that `stop()` can still give up an overdue call.
+        waiting = anyio.CancelScope(shield=self.finish_started)
+        if self.finish_started:
+            self._scopes[key].add(waiting)
         try:
-            wait = self.deadline
-            while True:
-                with anyio.move_on_after(wait):
-                    await done.wait()
-                if done.is_set():
+            with waiting:
+                wait = self.deadline
+                while True:
+                    with anyio.move_on_after(wait):
+                        await done.wait()
+                    if done.is_set():
+                        break
+                    # Past the deadline only in channel I/O: time spent on a store step does not count.
+                    out_for = self.clock() - progress.io_since
+                    if progress.in_store or out_for < self.deadline:
+                        wait = self.deadline if progress.in_store else self.deadline - out_for
+                        continue
                     break
-                # Past the deadline only in channel I/O: time spent on a store step does not count.
-                out_for = self.clock() - progress.io_since
-                if progress.in_store or out_for < self.deadline:
-                    wait = self.deadline if progress.in_store else self.deadline - out_for
-                    continue
-                break
-            if not done.is_set():
-                was_overdue = True
-                started = progress.io_since
-                self.overdue[key] = started
-                if len(self.overdue) <= OVERDUE_MAX:
-                    held = False
-                    self._slots.release()
-                await self.on_overdue(key, started)
-                if self._stopping:
-                    self._abandon(key)
-                await done.wait()
+                if not done.is_set():
+                    was_overdue = True
+                    started = progress.io_since
+                    self.overdue[key] = started
+                    if len(self.overdue) <= OVERDUE_MAX:
+                        held = False
+                        self._slots.release()
+                    await self.on_overdue(key, started)
+                    if self._stopping:
+                        self._abandon(key)
+                    await done.wait()
         finally:
+            self._scopes[key].discard(waiting)
             if done.is_set():
                 box_taken = True
                 if held:
                     held = False
                     self._slots.release()
+        if not done.is_set():  # `stop()` gave up this overdue call (its shielded wait was cancelled)
+            raise ChannelIOAbandoned(key)
         if was_overdue:
             del self.overdue[key]
             with anyio.CancelScope(shield=True):
@@ -226,7 +241,7 @@ class ChannelIO:
                 self._idle -= 1
         self._jobs.put(job)
         if start:
-            threading.Thread(target=self._work, name="channel-io", daemon=True).start()
+            threading.Thread(target=self._work, name=self.thread_name, daemon=True).start()
 
     def _work(self) -> None:
         while True:

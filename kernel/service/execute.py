@@ -68,12 +68,15 @@ class RealExecutor:
         self.store = worker.store
         self.backend = backend
         # Snapshots, artifact copies and wake writes: never on the store worker (see kernel.service.heavy).
-        self.heavy = heavy if heavy is not None else HeavyPool()
+        self.heavy = heavy if heavy is not None else HeavyPool(cfg.heavy_io_deadline_seconds)
         self.evaluation: Evaluation = evaluation if evaluation is not None else PlainSleeps()
         self.dispatcher = Dispatcher(cfg, worker, backend, self.heavy, self.evaluation)
         self.tracker = Tracker(worker, backend)
         self.waker = Waker(cfg, worker, backend, self.heavy, self.evaluation)
         self.upkeep = Upkeep(cfg, worker, self.heavy)
+
+    def degraded(self) -> str | None:
+        return self.heavy.degraded()
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.worker.call(fn, *args)

@@ -68,6 +68,10 @@ class Executor(Protocol):
         """Track work until cancelled (the service cancels it at shutdown). May return at once."""
         ...
 
+    def degraded(self) -> str | None:
+        """Why part of the executor's work is stalled now (the others' goes on), for the status line; or None."""
+        ...
+
 
 class PendingExecutor:
     """Execution is not built yet: tasks stay PENDING and `accepted` carries no backend job ids."""
@@ -85,4 +89,7 @@ class PendingExecutor:
         return None
 
     async def run(self) -> None:
+        return None
+
+    def degraded(self) -> str | None:
         return None

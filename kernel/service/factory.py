@@ -53,7 +53,7 @@ def executor_factory(cfg: Config) -> Callable[[StoreWorker], Executor]:
     backend = make_backend(cfg)
 
     def build(worker: StoreWorker) -> Executor:
-        heavy = HeavyPool()
+        heavy = HeavyPool(cfg.heavy_io_deadline_seconds)
         return RealExecutor(
             cfg, worker, backend, evaluation=SubmitEvaluation(cfg, worker, heavy), heavy=heavy
         )

@@ -1,22 +1,34 @@
-"""Heavy work off the hot path: bounded threads, one job at a time per workspace, first come first served.
+"""Heavy work off the hot path: bounded threads, one job at a time per workspace, first come first served, and a
+deadline.
 
 The store worker (`StoreWorker`, one thread) runs every sqlite step and the pipeline's passes, so whatever runs
 on it delays every workspace's answers. Heavy work (copying up to gigabytes of artifacts, writing a wake, a
 snapshot's git processes) therefore runs here instead, and only its bookkeeping goes back to the store worker.
 
-Invariants: at most `size` heavy jobs run at once (threads and processes are bounded); a workspace runs at most
-one at a time (its per-workspace lock is taken BEFORE a slot is asked for, so a workspace with a queue of heavy
-jobs holds at most one place in the slot queue); slots are granted first come first served (anyio's
-CapacityLimiter is FIFO), so every workspace gets a turn.
+The pool is the channel I/O pool's mechanism (kernel.service.chanio.ChannelIO) with a longer deadline, so the same
+invariants hold, for the same reasons:
+- at most `size` heavy jobs hold a slot; a workspace runs at most one at a time (its lock is taken BEFORE a slot
+  is asked for and held until the job returns, even past its deadline), and slots are granted first come first
+  served, so every workspace gets a turn;
+- a job still running `deadline` seconds after it started (a workspace on a hung network filesystem) is overdue:
+  it is logged once (`event=heavy_overdue`), shows in `syscall-kernel status` (the kernel's status line, through
+  `degraded()`), and gives its slot back, so other workspaces' snapshots and wakes go on while nothing more starts
+  for that workspace; at most chanio.OVERDUE_MAX jobs give their slot back. When it returns: `event=heavy_returned`
+  and the problem clears;
+- a started job is not abandoned when its caller is cancelled: a started copy finishes (`finish_started`). The stop
+  does not wait for a hung one: SIGTERM's deadline (kernel.service.loop.arm_stop_deadline) ends the process, and
+  the threads are daemon threads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
-import anyio
-import anyio.to_thread
+from kernel.io.log import event
+from kernel.io.store import timestamp
+from kernel.service.chanio import ChannelIO
 
 T = TypeVar("T")
 
@@ -24,41 +36,49 @@ HEAVY_SLOTS: Final = 4
 
 
 class HeavyPool:
-    def __init__(self, size: int = HEAVY_SLOTS) -> None:
-        self._slots = anyio.CapacityLimiter(size)
-        self._locks: dict[str, anyio.Lock] = {}
-        self._users: dict[str, int] = {}
+    def __init__(self, deadline: float, *, size: int = HEAVY_SLOTS) -> None:
+        self._pool = ChannelIO(
+            deadline,
+            size=size,
+            on_overdue=self._overdue,
+            on_returned=self._returned,
+            finish_started=True,
+            thread_name="heavy",
+        )
 
     @property
     def workspaces(self) -> int:
         """How many workspaces have heavy work running or waiting."""
-        return len(self._locks)
+        return self._pool.workspaces
+
+    @property
+    def overdue(self) -> dict[str, float]:
+        """Workspace -> when its overdue heavy job started (time.time())."""
+        return self._pool.overdue
 
     async def run(self, key: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on a pool thread, in `key`'s turn. Not abandoned on cancel: a started copy finishes."""
+        return await self._pool.run(key, fn, *args)
 
-        async def call() -> T:
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self._slots)
+    def degraded(self) -> str | None:
+        """The overdue workspaces, as `syscall-kernel status` shows them; None when there are none."""
+        if not self._pool.overdue:
+            return None
+        since = ", ".join(f"{k} since {timestamp(t)}" for k, t in sorted(self._pool.overdue.items()))
+        return (
+            f"heavy work (snapshot, artifact copy, wake) has not returned after {self._pool.deadline:g} s "
+            f"(a hung filesystem?) in {since}; nothing more heavy starts for those workspaces until it returns, "
+            "other workspaces go on"
+        )
 
-        return await self._turn(key, call)
+    async def _overdue(self, key: str, since: float) -> None:
+        event(
+            "heavy_overdue",
+            logging.WARNING,
+            ws=key,
+            since=timestamp(since),
+            deadline_s=self._pool.deadline,
+        )
 
-    async def run_async(self, key: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """`await fn(*args)` (subprocesses, say) holding a slot, in `key`'s turn."""
-
-        async def call() -> T:
-            async with self._slots:
-                return await fn(*args)
-
-        return await self._turn(key, call)
-
-    async def _turn(self, key: str, call: Callable[[], Awaitable[T]]) -> T:
-        lock = self._locks.setdefault(key, anyio.Lock())
-        self._users[key] = self._users.get(key, 0) + 1
-        try:
-            async with lock:
-                return await call()
-        finally:
-            self._users[key] -= 1
-            if not self._users[key]:  # nobody else waits on this workspace's lock: forget it
-                del self._users[key]
-                del self._locks[key]
+    async def _returned(self, key: str) -> None:
+        event("heavy_returned", ws=key)

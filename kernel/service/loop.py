@@ -135,7 +135,7 @@ class Service:
         """Why the kernel cannot do all of its work now (it keeps doing the rest), or None."""
         if self.worker.failing is not None:
             return f"store writes failing: {self.worker.failing}"
-        return None
+        return self.executor.degraded()
 
     def status_line(self) -> str:
         n = len(self.pipeline.workspaces)
