@@ -165,6 +165,17 @@ def render_argv(
     return out
 
 
+def jail_program(name: str, path: str | None) -> str:
+    """The jail program (`bwrap`, `apptainer`) found on the wrapper's own PATH, the one the kernel's start-up
+    check searched (local backend: the kernel's PATH; Slurm: the node's), not on the job's PATH inside the jail
+    (a Popen with `env` searches that one): a bwrap installed outside the standard directories is found."""
+    if os.sep in name:
+        return name
+    import shutil
+
+    return shutil.which(name, path=path) or name
+
+
 def fill_env(env: dict[str, str], **paths: str) -> dict[str, str]:
     """Env values that are path tokens, filled with the node's paths (`tree=`, `home=`, `scorer=`, `data=`)."""
     tokens = {
@@ -954,6 +965,7 @@ def run_score(
         scorer,
         score_data=data_at,
     )
+    argv[0] = jail_program(argv[0], os.environ.get("PATH"))
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
     out_fd = os.open(os.path.join(tdir, "score-stdout"), flags, 0o644)
     err_fd = os.open(os.path.join(tdir, "score-stderr"), flags, 0o644)
@@ -1048,6 +1060,7 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
                 environ.get("CUDA_VISIBLE_DEVICES"), dev_listing(), bool(gpu.get("constrained"))
             )
         argv = render_argv(config["jail"]["argv"], kind, tree, home, work, env, command, venv=venv, gpus=gpus)
+        argv[0] = jail_program(argv[0], environ.get("PATH"))
         import subprocess
 
         limits = dict(config.get("limits") or {}, gpus=gpu.get("count", 0))

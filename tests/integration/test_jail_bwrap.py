@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import shutil
 import socket
 import subprocess
 import threading
@@ -262,3 +263,23 @@ def test_a_smudge_filter_does_not_run_when_the_job_materialises(
     assert text(spec, "stdout") == "raw\n"
     assert not marker.exists()
     assert result(spec).code == 0
+
+
+def test_bwrap_is_found_on_the_kernels_path_not_only_in_the_standard_directories(
+    jailed: tuple[World, JailPolicy], tmp_path: Path
+) -> None:
+    """Found on a GPU node: the start-up check finds bwrap on the kernel's PATH (here a directory outside the
+    jail's standard PATH), so every job must find it there too, not fail with 'the jail could not be started'."""
+    w, policy = jailed
+    real = shutil.which("bwrap")
+    assert real is not None
+    bindir = tmp_path / "opt-bwrap" / "bin"
+    bindir.mkdir(parents=True)
+    used = tmp_path / "shim-used"
+    shim = bindir / "bwrap"
+    shim.write_text(f'#!/bin/sh\necho used > {used}\nexec {real} "$@"\n')
+    shim.chmod(0o755)
+    spec = w.spec("found", "echo in the jail", jail=policy)
+    run([spec], base_env={"PATH": f"{bindir}:/usr/bin:/bin"})
+    assert (result(spec).code, result(spec).kind) == (0, "exited"), text(spec, "stderr")
+    assert used.exists(), "the jail was started from the standard directories, not from the kernel's PATH"
