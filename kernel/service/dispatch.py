@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn
 
 import anyio
 import anyio.to_thread
@@ -45,8 +45,6 @@ from kernel.service.evaluation import Evaluation
 from kernel.service.executor import DispatchRefused, ExecutorUnavailable, SleepOrder
 from kernel.service.gather import job_order
 from kernel.service.heavy import HeavyPool
-
-T = TypeVar("T")
 
 
 def _write_launches(specs: list[JobSpec]) -> None:
@@ -73,9 +71,6 @@ class Dispatcher:
         self.evaluation = evaluation
         self.tmp_dir = Path(cfg.state_dir) / "tmp"
         self.envs = envcache.EnvCache(cfg.environment, cfg.run_dir) if cfg.environment.mode == "uv" else None
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self.worker.call(fn, *args)
 
     def repo_of(self, key: str) -> KernelRepo:
         """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""
@@ -260,7 +255,7 @@ class Dispatcher:
 
     async def dispatch(self, order: SleepOrder) -> tuple[JobRef, ...]:
         key, seq = order.workspace.key, order.sleep.seq
-        sleep = await self._call(self.store.sleep, key, seq)
+        sleep = await self.worker.call(self.store.sleep, key, seq)
         assert sleep is not None
         if sleep_can(sleep.state, SleepEvent.SNAPSHOT):
             crash_point("recorded")
@@ -287,13 +282,13 @@ class Dispatcher:
                 ) from None
             except (OSError, RepoError) as e:
                 raise ExecutorUnavailable(f"snapshot of {order.workspace.path}: {e}") from e
-            await self._call(self._record_snapshot, key, seq, snap)
+            await self.worker.call(self._record_snapshot, key, seq, snap)
             klog.event("snapshotted", ws=key, seq=seq, commit=snap.commit[:12], files=snap.files)
             crash_point("snapshot")
-            sleep = await self._call(self.store.sleep, key, seq)
+            sleep = await self.worker.call(self.store.sleep, key, seq)
             assert sleep is not None
         if sleep_can(sleep.state, SleepEvent.SUBMIT):
-            row = await self._call(self.store.exec_sleep, key, seq)
+            row = await self.worker.call(self.store.exec_sleep, key, seq)
             assert row is not None, (key, seq)
             if not await self.heavy.run(key, self.repo_of(key).has_tree, row.tree):
                 # Only an older kernel (snapshots in the agent's .git) stopped between snapshot and submit leaves
@@ -306,12 +301,12 @@ class Dispatcher:
                         None,
                     )
                 )
-            await self._call(self.evaluation.prepare, order, row.commit, row.tree)
-            jobs = await self._call(self.store.jobs_of, key, seq)
+            await self.worker.call(self.evaluation.prepare, order, row.commit, row.tree)
+            jobs = await self.worker.call(self.store.jobs_of, key, seq)
             pending = [j for j in jobs if j.state == "PENDING"]
             specs = self.evaluation.specs(order, self.specs_of(order, row.commit, row.tree, pending))
             specs = await self._with_environments(order, row.tree, specs)
-            account = await self._call(self.store.slurm_account, key)
+            account = await self.worker.call(self.store.slurm_account, key)
             if account is not None:
                 specs = {n: msgspec.structs.replace(s, account=account) for n, s in specs.items()}
             ids: dict[tuple[str, int], str] = {}
@@ -332,7 +327,7 @@ class Dispatcher:
                 for r in refs:
                     ids[(spec.launch, r.task)] = r.job_id
             crash_point("submit")
-            await self._call(self._record_submitted, key, seq, specs, ids)
+            await self.worker.call(self._record_submitted, key, seq, specs, ids)
             klog.event(
                 "submitted",
                 ws=key,
@@ -341,7 +336,7 @@ class Dispatcher:
                 tasks=len(ids),
                 jobs=",".join(sorted({i for i in ids.values() if i}, key=job_order)),
             )
-        jobs = await self._call(self.store.jobs_of, key, seq)
+        jobs = await self.worker.call(self.store.jobs_of, key, seq)
         return tuple(JobRef(launch=j.launch, task=j.task, job_id=j.job_id) for j in jobs)
 
     async def _refuse_partial(self, done: list[JobSpec], spec: JobSpec, e: BackendRefused) -> NoReturn:
@@ -363,7 +358,7 @@ class Dispatcher:
 
     async def cancel(self, order: SleepOrder, launches: tuple[str, ...]) -> None:
         key, seq = order.workspace.key, order.sleep.seq
-        jobs = await self._call(self.store.jobs_of, key, seq)
+        jobs = await self.worker.call(self.store.jobs_of, key, seq)
         wanted = set(launches) or {j.launch for j in jobs}
         tasks: dict[str, list[int]] = {}
         for j in jobs:

@@ -26,9 +26,8 @@ fault tests.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Final
 
 import anyio
 
@@ -44,8 +43,6 @@ from kernel.service.heavy import HeavyPool
 from kernel.service.tracking import Tracker
 from kernel.service.upkeep import Upkeep
 from kernel.service.waking import Waker
-
-T = TypeVar("T")
 
 TICK_S: Final = 1.0
 
@@ -78,9 +75,6 @@ class RealExecutor:
     def degraded(self) -> str | None:
         return self.heavy.degraded()
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self.worker.call(fn, *args)
-
     def _setup(self) -> None:
         (Path(self.cfg.state_dir) / "tmp").mkdir(mode=0o700, parents=True, exist_ok=True)
         Path(self.cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -88,7 +82,7 @@ class RealExecutor:
     # --- the Executor protocol ------------------------------------------------------------------------
 
     async def recover(self) -> None:
-        await self._call(self._setup)
+        await self.worker.call(self._setup)
         found = await self.backend.recover(self.cfg.run_path)
         klog.event(
             "backend_recovered",
@@ -105,7 +99,7 @@ class RealExecutor:
         try:
             refs = await self.dispatcher.dispatch(order)
             # Tasks that ended while the kernel was down (or before their ids were recorded), and a checkpoint.
-            await self._call(self.tracker.sweep_sleep, key, seq)
+            await self.worker.call(self.tracker.sweep_sleep, key, seq)
             await self._gather(key, seq)
             return refs
         finally:
@@ -139,9 +133,9 @@ class RealExecutor:
         await self.evaluation.settle()
 
     async def _tick(self) -> None:
-        for key, seq in await self._call(self.tracker.sweep_all):
+        for key, seq in await self.worker.call(self.tracker.sweep_all):
             await self._gather(key, seq)
-        for key, seq in await self._call(self.waker.unreleased):
+        for key, seq in await self.worker.call(self.waker.unreleased):
             await self.waker.release(key, seq)
         await self.evaluation.settle()
 

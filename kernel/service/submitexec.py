@@ -33,10 +33,10 @@ import logging
 import os
 import shlex
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Final
 
 import anyio.to_thread
 import msgspec
@@ -57,8 +57,6 @@ from kernel.io.snapshot import SnapshotError
 from kernel.io.store import StoreWorker, timestamp
 from kernel.service.executor import SleepOrder
 from kernel.service.heavy import HeavyPool
-
-T = TypeVar("T")
 
 _submit_decoder: Final = msgspec.json.Decoder(Submit)
 # Workspaces whose base the start's upgrade checks at a time (each check is a git process on a thread).
@@ -120,9 +118,6 @@ class SubmitEvaluation:
         self._holding: dict[str, anyio.Lock] = {}
         self.hook_argv: tuple[str, ...] = tuple(shlex.split(cfg.on_verdict)) if cfg.on_verdict else ()
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self.worker.call(fn, *args)
-
     def repo_of(self, key: str) -> R.KernelRepo:
         """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""
         return R.KernelRepo.at(self.cfg.run_dir, key)
@@ -167,7 +162,7 @@ class SubmitEvaluation:
         (refused at enrollment, or left by an older kernel in the agent's repository) is imported now through
         the verified path; when the agent's `.git` cannot give it intact the sleep is refused (`snapshot.failed`,
         the path named, nothing charged)."""
-        sleep = await self._call(self.store.sleep, order.workspace.key, order.sleep.seq)
+        sleep = await self.worker.call(self.store.sleep, order.workspace.key, order.sleep.seq)
         if sleep is None or sleep.submit is None:
             return
         try:
@@ -193,13 +188,13 @@ class SubmitEvaluation:
             await self._hold_base(key, path)
 
     async def _hold_base(self, key: str, path: str) -> None:
-        base, rev = await self._call(self._base_to_hold, key)
+        base, rev = await self.worker.call(self._base_to_hold, key)
         repo = self.repo_of(key)
         if rev is None or (base is not None and await anyio.to_thread.run_sync(R.held, repo, base[1])):
             return
         got = await self.heavy.run(key, S.take_base, repo, path, rev, self.tmp_dir)
         if got is not None:
-            await self._call(self._record_held, key, base, got)
+            await self.worker.call(self._record_held, key, base, got)
             klog.event("submit_base_held", ws=key, commit=got.commit[:12], tree=got.tree[:12])
 
     async def run(self) -> None:
@@ -213,7 +208,7 @@ class SubmitEvaluation:
         """Once per start: refs an older kernel left under `refs/syscall/` of an agent's repository are reported
         (once per workspace, ever) and never followed; each recorded base is held in the kernel's repository.
         UPGRADE_WORKERS workspaces at a time (the imports themselves go through the bounded heavy pool)."""
-        todo = list(await self._call(self.store.workspaces))
+        todo = list(await self.worker.call(self.store.workspaces))
         todo.reverse()
 
         async def worker() -> None:
@@ -487,7 +482,7 @@ class SubmitEvaluation:
             return
         self._hooking = True
         try:
-            for key, seq, payload in await self._call(self._pending_hooks):
+            for key, seq, payload in await self.worker.call(self._pending_hooks):
                 status = await anyio.to_thread.run_sync(
                     run_hook, self.hook_argv, payload, self.cfg.state_dir, self.cfg.on_verdict_timeout_seconds
                 )
@@ -495,7 +490,7 @@ class SubmitEvaluation:
                     klog.event("on_verdict_failed", logging.WARNING, ws=key, seq=seq, problem=status)
                 else:
                     klog.event("on_verdict_ran", ws=key, seq=seq)
-                await self._call(S.set_hook_status, self.store, key, seq, status)
+                await self.worker.call(S.set_hook_status, self.store, key, seq, status)
         finally:
             self._hooking = False
 

@@ -9,9 +9,7 @@ offers the sleep to gathering (kernel.service.waking).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 from channel.lifecycle import LIVE_TASK_STATES, TERMINAL_TASK_STATES, SleepEvent, TaskEvent
 from kernel.backends import jobscript
@@ -21,8 +19,6 @@ from kernel.io import log as klog
 from kernel.io.crash import crash_point
 from kernel.io.store import StoreWorker, timestamp
 from kernel.service import gather
-
-T = TypeVar("T")
 
 
 def _split_key(key: str) -> tuple[str, int, str] | None:
@@ -39,9 +35,6 @@ class Tracker:
         self.worker = worker
         self.store = worker.store
         self.backend = backend
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self.worker.call(fn, *args)
 
     def record_exit(self, key: str, seq: int, launch: str, task: int, task_dir: Path) -> bool:
         """Record a task's end from its exit record; True if this call recorded it."""
@@ -143,9 +136,9 @@ class Tracker:
         if parsed is None:
             return None
         key, seq, launch = parsed
-        recorded = await self._call(self.record_exit, key, seq, launch, ex.task, Path(ex.task_dir))
+        recorded = await self.worker.call(self.record_exit, key, seq, launch, ex.task, Path(ex.task_dir))
         if recorded:
-            live = await self._call(self.store.jobs_of, key, seq)
+            live = await self.worker.call(self.store.jobs_of, key, seq)
             if any(j.state in LIVE_TASK_STATES for j in live):
                 crash_point("task_end")
         return key, seq

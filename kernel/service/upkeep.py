@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final, TypeVar
+from typing import Final
 
 import anyio
 
@@ -23,8 +22,6 @@ from kernel.io import retention as rfiles
 from kernel.io.repo import KernelRepo, RepoError
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.service.heavy import HeavyPool
-
-T = TypeVar("T")
 
 GC_LOOK_S: Final = 60.0  # how often the kernel looks for a repository due for gc
 RETENTION_LOOK_S: Final = 600.0  # how often retention looks for evidence to prune (and once at start)
@@ -39,9 +36,6 @@ class Upkeep:
         self.store = worker.store
         self.heavy = heavy
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self.worker.call(fn, *args)
-
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.gc_loop)
@@ -53,7 +47,7 @@ class Upkeep:
         hot path (held bases and unreleased snapshots are refs, so they stay)."""
         while True:
             await anyio.sleep(GC_LOOK_S)
-            for ws in await self._call(self.store.workspaces):
+            for ws in await self.worker.call(self.store.workspaces):
                 repo = KernelRepo.at(self.cfg.run_dir, ws.key)
                 if not repo.gc_due(self.cfg.repo_gc_hours * 3600):
                     continue
@@ -75,8 +69,8 @@ class Upkeep:
         less to remove."""
         now = datetime.now(UTC)
         pruned = 0
-        for ws in await self._call(self.store.workspaces):
-            ages = await self._call(self.store.sleep_ages, ws.key)
+        for ws in await self.worker.call(self.store.workspaces):
+            ages = await self.worker.call(self.store.sleep_ages, ws.key)
             seqs = retention.to_prune(
                 [retention.SleepAge(seq, state, _when(woken or made)) for seq, state, made, woken in ages],
                 keep_sleeps=self.cfg.retention_sleeps,
@@ -90,12 +84,12 @@ class Upkeep:
                 except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
                     klog.event("prune_failed", logging.WARNING, ws=ws.key, seq=seq, problem=str(e)[:300])
                     break  # this workspace waits for the next look; the others go on
-                await self._call(self._record_pruned, ws.key, seq, run_b, res_b)
+                await self.worker.call(self._record_pruned, ws.key, seq, run_b, res_b)
                 klog.event("pruned", ws=ws.key, seq=seq, run_bytes=run_b, result_bytes=res_b)
                 pruned += 1
             if self.cfg.retention_days > 0:
                 cutoff = timestamp((now - timedelta(days=self.cfg.retention_days)).timestamp())
-                gone = await self._call(self._prune_requests, ws.key, cutoff)
+                gone = await self.worker.call(self._prune_requests, ws.key, cutoff)
                 if gone:
                     klog.event("requests_pruned", ws=ws.key, count=gone)
         return pruned

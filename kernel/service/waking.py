@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Final
 
 import msgspec
 
@@ -39,8 +38,6 @@ from kernel.service import gather
 from kernel.service.evaluation import Evaluation
 from kernel.service.gather import job_order
 from kernel.service.heavy import HeavyPool
-
-T = TypeVar("T")
 
 _wake_decoder: Final = msgspec.json.Decoder(Wake)
 
@@ -67,9 +64,6 @@ class Waker:
         self.evaluation = evaluation
         self._gathering: set[tuple[str, int]] = set()
         self._problems: dict[tuple[str, int], str] = {}
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self.worker.call(fn, *args)
 
     def _gather_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, list[JobRow]] | bool:
         """(store worker) What gathering needs, once every task has ended; True if already gathered, False if
@@ -214,7 +208,7 @@ class Waker:
 
     async def _write_wake(self, key: str, seq: int) -> bool:
         """Write the recorded wake and budget.json, then move the sleep to woken (idempotent)."""
-        got = await self._call(self._wake_inputs, key, seq)
+        got = await self.worker.call(self._wake_inputs, key, seq)
         if got is None:
             return False
         ws, sleep_id, wake_json, wake_md, woken_at = got
@@ -222,7 +216,7 @@ class Waker:
             key, self._write_wake_files, ws, seq, sleep_id, wake_json, wake_md, woken_at
         ):
             return False
-        return await self._call(self._record_woken, key, seq, sleep_id, woken_at)
+        return await self.worker.call(self._record_woken, key, seq, sleep_id, woken_at)
 
     def _problem(self, name: str, key: str, seq: int, problem: str) -> None:
         if self._problems.get((key, seq)) != problem:
@@ -238,14 +232,14 @@ class Waker:
 
     async def release(self, key: str, seq: int) -> None:
         """Release a woken sleep's snapshot ref in the kernel's repository, then record that it was."""
-        ws = await self._call(self.store.workspace, key)
+        ws = await self.worker.call(self.store.workspace, key)
         if ws is None:
             return
         try:
             await release_snapshot(KernelRepo.at(self.cfg.run_dir, key), seq)
         except (RepoError, OSError) as e:
             klog.event("snapshot_release_failed", logging.WARNING, ws=key, seq=seq, problem=str(e))
-        await self._call(self._mark_released, key, seq)
+        await self.worker.call(self._mark_released, key, seq)
 
     async def maybe_gather(self, key: str, seq: int) -> None:
         """Gather the sleep if its last task has ended, then write its wake (both skipped when done already)."""
@@ -253,13 +247,13 @@ class Waker:
             return
         self._gathering.add((key, seq))
         try:
-            got = await self._call(self._gather_inputs, key, seq)
+            got = await self.worker.call(self._gather_inputs, key, seq)
             if got is False:
                 return
             if got is not True:
                 ws, jobs = got
                 results = await self.heavy.run(key, self._collect, ws, seq, jobs)
-                if results is None or not await self._call(self._record_gather, key, seq, results):
+                if results is None or not await self.worker.call(self._record_gather, key, seq, results):
                     return
             crash_point("gathered")
             if await self._write_wake(key, seq):
