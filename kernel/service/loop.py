@@ -68,6 +68,10 @@ COMMIT_WAIT_S = 0.25
 REFRESH_CALLS = 2
 GIL_SWITCH_S = 0.001
 T = TypeVar("T")
+# A channel that cannot be opened or read (retried at every rescan, logged once: `_channel_problem`).
+CHANNEL_ERRORS = (safefs.ChannelMoved, safefs.Refused, OSError)
+# Why a start-up or rescan check (`_admit`, `_refresh`) does not serve a channel: `_not_served` says what each means.
+NOT_SERVED = (enrollment.OwnedElsewhere, enrollment.HeldElsewhere, *CHANNEL_ERRORS)
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
 
@@ -302,28 +306,21 @@ class Service:
             return  # watched by run()'s `_watch_all` pass
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
-                try:
-                    if seen is None:
-                        enrollment.check_owner(self.store, ch, row.path, mine=mine)
-                    elif not enrollment.owner_unchanged(ch, seen.get(row.key)):
-                        found = enrollment.owner_fingerprint(ch, row.path, mine=mine)
-                        if found is not None:
-                            self._seen_now[row.key] = found
-                    held_elsewhere = self._claim(row.key, ch)
-                    if held_elsewhere is not None:
-                        raise enrollment.HeldElsewhere(f"{row.path}: {held_elsewhere}")
-                except enrollment.OwnedElsewhere as exc:
-                    self._owned_elsewhere(row, exc)
-                    return
-                except enrollment.HeldElsewhere as exc:
-                    self._lock_held_elsewhere(row, str(exc))
-                    return
+                if seen is None:
+                    enrollment.check_owner(self.store, ch, row.path, mine=mine)
+                elif not enrollment.owner_unchanged(ch, seen.get(row.key)):
+                    found = enrollment.owner_fingerprint(ch, row.path, mine=mine)
+                    if found is not None:
+                        self._seen_now[row.key] = found
+                held_elsewhere = self._claim(row.key, ch)
+                if held_elsewhere is not None:
+                    raise enrollment.HeldElsewhere(f"{row.path}: {held_elsewhere}")
                 self._served_again(row)
                 self._stale.add(row.key)
                 if row.key not in self._paused:
                     self._watch_one(row, ch)
-        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
-            self._channel_problem(row, exc)
+        except NOT_SERVED as exc:
+            self._not_served(row, exc)
             return
         self._channel_problems.pop(row.key, None)
 
@@ -335,7 +332,7 @@ class Service:
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 self._watch_one(row, ch)
-        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+        except CHANNEL_ERRORS as exc:
             self._channel_problem(row, exc)
 
     def _served_again(self, row: WorkspaceRow) -> None:
@@ -345,6 +342,17 @@ class Service:
             log.event("channel_lock_taken", ws=row.key)
             with self.store.transaction():
                 self.store.set_problem(row.key, None)
+
+    def _not_served(self, row: WorkspaceRow, exc: Exception) -> None:
+        """The one place that decides what a failed start-up or rescan check of `row`'s channel (`_admit`,
+        `_refresh`) means: another kernel's store owns it, another process holds its lock, or it cannot be
+        opened or read. Nothing was written to the channel."""
+        if isinstance(exc, enrollment.OwnedElsewhere):
+            self._owned_elsewhere(row, exc)
+        elif isinstance(exc, enrollment.HeldElsewhere):
+            self._lock_held_elsewhere(row, str(exc))
+        else:
+            self._channel_problem(row, exc)
 
     def _channel_problem(self, row: WorkspaceRow, exc: Exception) -> None:
         problem = f"{type(exc).__name__}: {exc}"
@@ -359,16 +367,9 @@ class Service:
         writing budget.json), whose rename would fail if its temp were removed under it."""
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
-                try:
-                    note = enrollment.refresh(
-                        self.store, ch, row, self.tool, jail=self.cfg.jail, cfg=self.cfg, claim=self._claim
-                    )
-                except enrollment.OwnedElsewhere as exc:
-                    self._owned_elsewhere(row, exc)
-                    return
-                except enrollment.HeldElsewhere as exc:
-                    self._lock_held_elsewhere(row, str(exc))
-                    return
+                note = enrollment.refresh(
+                    self.store, ch, row, self.tool, jail=self.cfg.jail, cfg=self.cfg, claim=self._claim
+                )
                 self._served_again(row)
                 if note is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
@@ -378,8 +379,8 @@ class Service:
                     safefs.sweep_kernel_temps(answers, self._started_ns)
                 finally:
                     os.close(answers)
-        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
-            self._channel_problem(row, exc)
+        except NOT_SERVED as exc:
+            self._not_served(row, exc)
             return
         self._channel_problems.pop(row.key, None)
 
@@ -418,7 +419,7 @@ class Service:
         except enrollment.OwnedElsewhere as exc:
             await self._taken_over(row, exc)
             return
-        except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
+        except CHANNEL_ERRORS as exc:
             self._channel_problem(row, exc)
             return
         except ChannelIOAbandoned:
