@@ -371,6 +371,8 @@ class LocalBackend:
     async def recover(self, run_dir: Path) -> Recovered:
         """Adopt the launches recorded under `run_dir` that this backend does not know yet."""
         found: dict[str, list[TaskRef]] = {"running": [], "finished": [], "requeued": [], "lost": []}
+        # A plain thread: the kernel's own run_dir on the kernel's disk (not agent-controlled; a hang there is
+        # the kernel's own outage), read once at start-up.
         for spec_path in sorted(
             await anyio.to_thread.run_sync(lambda: list(run_dir.glob(f"*/*/*/{SPEC_FILE}")))
         ):

@@ -34,7 +34,7 @@ from kernel.backends import jobscript
 from kernel.backends.base import BackendRefused, BackendUnavailable, JobSpec, RunnableBackend
 from kernel.core.config import Config
 from kernel.core.records import JobRow, WorkspaceRow
-from kernel.io import envcache, jobenv
+from kernel.io import crash, envcache, jobenv
 from kernel.io import log as klog
 from kernel.io.crash import crash_point
 from kernel.io.repo import KernelRepo, RepoError
@@ -49,6 +49,7 @@ from kernel.service.heavy import HeavyPool
 
 def _write_launches(specs: list[JobSpec]) -> None:
     for spec in specs:
+        crash.hang_point("launches", spec.workspace_path)
         jobscript.write_launch(spec)
 
 
@@ -166,7 +167,7 @@ class Dispatcher:
         own = by_tree.get(tree)
         locked = None if own is None else jobenv.locked_of(own[0], timestamp())
         if self.envs is not None and specs:  # a checkpoint (no launch) says nothing about the environment
-            await anyio.to_thread.run_sync(self._publish_jobenv, ws, locked)
+            await self.heavy.run(ws.key, self._publish_jobenv, ws, locked)  # the workspace's channel
         out = {}
         for name, spec in specs.items():
             found = by_tree[spec.tree]
@@ -194,7 +195,7 @@ class Dispatcher:
             return None
         ws = order.workspace
         try:
-            files = await anyio.to_thread.run_sync(self._project_files, ws.key, tree)
+            files = await self.heavy.run(ws.key, self._project_files, ws.key, tree)
         except RepoError as e:
             raise DispatchRefused(
                 RequestError("environment.failed", f"the locked environment: {e}", None)
@@ -236,6 +237,8 @@ class Dispatcher:
             warm_s=ready.warm_seconds if built else 0.0,
         )
         if built:
+            # A plain thread: the environment cache is the kernel's own (no workspace's files, nothing the agent
+            # controls), so a hang there is the kernel's own outage, not one workspace's.
             removed = await anyio.to_thread.run_sync(self.envs.prune)
             if removed:
                 klog.event("environment_pruned", caches=len(removed))
@@ -312,7 +315,7 @@ class Dispatcher:
             ids: dict[tuple[str, int], str] = {}
             try:
                 # Every run directory first, then every submit back to back: the launches start together.
-                await anyio.to_thread.run_sync(_write_launches, list(specs.values()))
+                await self.heavy.run(key, _write_launches, list(specs.values()))
             except OSError as e:
                 raise ExecutorUnavailable(f"writing the run directories of {key}/{seq}: {e}") from e
             done: list[JobSpec] = []

@@ -190,7 +190,7 @@ class SubmitEvaluation:
     async def _hold_base(self, key: str, path: str) -> None:
         base, rev = await self.worker.call(self._base_to_hold, key)
         repo = self.repo_of(key)
-        if rev is None or (base is not None and await anyio.to_thread.run_sync(R.held, repo, base[1])):
+        if rev is None or (base is not None and await self.heavy.run(key, R.held, repo, base[1])):
             return
         got = await self.heavy.run(key, S.take_base, repo, path, rev, self.tmp_dir)
         if got is not None:
@@ -222,7 +222,7 @@ class SubmitEvaluation:
     async def _upgrade_one(self, ws: WorkspaceRow) -> None:
         repo = self.repo_of(ws.key)
         try:
-            found = await anyio.to_thread.run_sync(_legacy_refs_once, repo, ws.path)
+            found = await self.heavy.run(ws.key, _legacy_refs_once, repo, ws.path)  # reads the agent's .git
             if found:
                 klog.event("legacy_refs_ignored", logging.WARNING, ws=ws.key, path=ws.path, refs=found[:20])
             await self.hold_base(ws.key, ws.path)
@@ -483,6 +483,8 @@ class SubmitEvaluation:
         self._hooking = True
         try:
             for key, seq, payload in await self.worker.call(self._pending_hooks):
+                # A plain thread: the operator's hook (kernel's own, run in state_dir, killed after
+                # on_verdict_timeout_seconds), one at a time; no workspace's files are touched.
                 status = await anyio.to_thread.run_sync(
                     run_hook, self.hook_argv, payload, self.cfg.state_dir, self.cfg.on_verdict_timeout_seconds
                 )

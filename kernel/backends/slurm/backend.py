@@ -22,6 +22,11 @@ pending for a reason that never clears (the task is then cancelled), the backend
 is reported the same way: a `TaskExit` from `wait_any_exit`, its `exit-code` in place, and `slurm-state.json`
 beside it with Slurm's view (`read_task_state`). Healthy waits wake nothing.
 
+File I/O (exit records, `slurm.json`, the recovery glob) is on plain threads, not a workspace's bounded pool:
+every file is under the kernel's own `run_dir`, written by the kernel and its wrapper only (no jail binds any of
+it), and one batch covers every workspace's tasks; a hang there is the shared filesystem's outage, which stalls
+every workspace alike and which no per-workspace deadline could isolate.
+
 Every client runs with a timeout (`squeue` alone takes 9-18 s to fail while slurmctld is down) inside the
 service loop, never on the request path; `cancel` asks `scancel` once and, if the controller does not answer,
 the loop asks again each cycle until the tasks end.
@@ -581,6 +586,7 @@ class SlurmBackend:
                     jobscript.KIND_CANCELLED,
                     detail="cancelled before it was submitted",
                 )
+                # the kernel's own run_dir: a plain thread (see File I/O above)
                 await anyio.to_thread.run_sync(jobscript.write_exit, la.spec.task_dir(t), rec)
                 self._report(la, t, Resolution("done", "CANCELLED"))
             return refs
@@ -678,6 +684,7 @@ class SlurmBackend:
         ]
         if not todo:
             return 0
+        # the kernel's own run_dir: a plain thread (see File I/O above)
         found = await anyio.to_thread.run_sync(self._read_exits, todo)
         reported = 0
         for (la, t), rec in zip(todo, found, strict=True):
@@ -734,6 +741,7 @@ class SlurmBackend:
                     continue
                 la.pending_since.pop(t, None)
                 to_read.append((la, t))
+        # the kernel's own run_dir: a plain thread (see File I/O above)
         exits = await anyio.to_thread.run_sync(self._read_exits, to_read)
         exit_of = {(id(la), t): rec for (la, t), rec in zip(to_read, exits, strict=True)}
         decisions: list[tuple[_Launch, int, Resolution]] = []
@@ -838,9 +846,11 @@ class SlurmBackend:
     async def _finish_without_exit(self, la: _Launch, t: int, res: Resolution, *, stuck: bool) -> None:
         tdir = la.spec.task_dir(t)
         # The wrapper may have written its record at the last moment: never overwrite one.
+        # the kernel's own run_dir: a plain thread (see File I/O above)
         rec = await anyio.to_thread.run_sync(jobscript.read_exit, tdir)
         if rec is None:
             rec = exit_record_for(res, stuck=stuck)
+            # the kernel's own run_dir: a plain thread (see File I/O above)
             await anyio.to_thread.run_sync(jobscript.write_exit, tdir, rec)
         self._report(la, t, res, rec)
 
@@ -896,6 +906,7 @@ class SlurmBackend:
         recorded an id are looked up by name with ONE squeue, and resubmitted (`requeued`) only when Slurm has
         no job of that name. The loop then reports whatever ended meanwhile, through `wait_any_exit`.
         """
+        # the kernel's own run_dir: a plain thread (see File I/O above)
         specs = await anyio.to_thread.run_sync(lambda: sorted(run_dir.glob(f"*/*/*/{SPEC_FILE}")))
         found: dict[str, list[TaskRef]] = {"running": [], "finished": [], "requeued": [], "lost": []}
         unrecorded: list[_Launch] = []
@@ -946,6 +957,7 @@ class SlurmBackend:
                     rec = jobscript.ExitRecord(
                         jobscript.EXIT_WRAPPER_ERROR, KIND_SUBMIT_FAILED, detail=f"resubmission failed: {e}"
                     )
+                    # the kernel's own run_dir: a plain thread (see File I/O above)
                     await anyio.to_thread.run_sync(jobscript.write_exit, la.spec.task_dir(t), rec)
                     self._report(la, t, Resolution("done", "FAILED", str(e)), rec)
             self._poke()

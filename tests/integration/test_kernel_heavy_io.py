@@ -1,0 +1,73 @@
+"""Issue 13: one workspace's heavy work that does not return (a hung filesystem) stalls that workspace only, and
+shows in `syscall-kernel status` (a real kernel process, real directories, real jobs).
+
+The test-only hang point `launches` (kernel.io.crash.hang_point, driven by SYSCALL_KERNEL_HANG_CHANNEL) blocks the
+writing of workspace A's run directories where a hung filesystem would. Meanwhile workspace B's sleep must be
+dispatched and woken, A's hung work must show in `status` once past `heavy_io_deadline_seconds`, and once it
+returns A's sleep is woken and the problem clears. On the old kernel that write ran on a plain thread: outside the
+heavy pool, with no deadline, so nothing ever said why A stalled (and nothing kept A to one heavy job at a time).
+
+`jail = "none"`: the jobs only write a file (the jail has its own tests).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kernelproc import Kernel, git_workspace, put_request, wait_for
+
+from channel.paths import workspace_key
+
+OVERDUE = "heavy work (snapshot, artifact copy, wake) has not returned"
+
+
+def sleep_request(rid: str, command: str) -> dict[str, Any]:
+    launch = {"name": "make", "command": command, "artifacts": ["out.txt"], "minutes": 10}
+    return {"protocol": 1, "id": rid, "type": "sleep", "launches": [launch]}
+
+
+def test_a_workspace_whose_heavy_work_hangs_holds_no_other_workspace(tmp_path: Path) -> None:
+    k = Kernel(
+        tmp_path,
+        'jail = "none"\nheavy_io_deadline_seconds = 1\nrescan_seconds = 1\npoll_seconds = 0.2\n',
+    )
+    a = git_workspace(tmp_path / "a")
+    b = git_workspace(tmp_path / "b")
+    k.enroll(a)
+    k.enroll(b)
+    key_a = workspace_key(str(a.resolve()))
+    hang = tmp_path / "hang"
+    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)})
+    try:
+        hang.write_text(f"launches {a.resolve()}")
+        put_request(a, "sa", sleep_request("sa", "echo a > out.txt"))
+        k.wait_log("event=hang_injected step=launches", 30)
+
+        # B's sleep is dispatched and woken while A's run directories do not return.
+        put_request(b, "sb", sleep_request("sb", "echo b > out.txt"))
+        wake_b = b / ".syscall" / "wakes" / "sb.json"
+        wait_for(wake_b.exists, 30, "B's wake while A's heavy work hangs")
+        assert json.loads(wake_b.read_text())["tasks"][0]["state"] == "COMPLETED"
+
+        def problem_shown() -> str | None:
+            out = k.cli("status").stdout
+            return out if OVERDUE in out else None
+
+        shown = wait_for(problem_shown, 15, "A's overdue heavy work in syscall-kernel status")
+        assert key_a in shown
+        assert f"event=heavy_overdue ws={key_a} " in k.log_text()
+        assert not (a / ".syscall" / "wakes" / "sa.json").exists()
+
+        # The filesystem answers again: A's sleep goes on to its wake and the problem clears.
+        hang.unlink()
+        wake_a = a / ".syscall" / "wakes" / "sa.json"
+        wait_for(wake_a.exists, 30, "A's wake once its filesystem answers")
+        assert json.loads(wake_a.read_text())["tasks"][0]["state"] == "COMPLETED"
+        k.wait_log(f"event=heavy_returned ws={key_a}", 15)
+        wait_for(lambda: OVERDUE not in k.cli("status").stdout, 15, "the problem cleared")
+        assert k.log_text().count(f"event=heavy_overdue ws={key_a} ") == 1, "logged once"
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
