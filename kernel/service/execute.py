@@ -75,6 +75,10 @@ class RealExecutor:
     def degraded(self) -> str | None:
         return self.heavy.degraded()
 
+    def reload(self, cfg: Config) -> None:
+        """SIGHUP: the heavy deadline is live (the rest of the executor's keys chose resources at start)."""
+        self.heavy.deadline = cfg.heavy_io_deadline_seconds
+
     def _setup(self) -> None:
         (Path(self.cfg.state_dir) / "tmp").mkdir(mode=0o700, parents=True, exist_ok=True)
         Path(self.cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)

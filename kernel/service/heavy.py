@@ -47,6 +47,17 @@ class HeavyPool:
         )
 
     @property
+    def deadline(self) -> float:
+        """Seconds a heavy job may run before it is overdue; live on SIGHUP (kernel.service.reload): a job that
+        starts after the change gets the new deadline, one already waiting is held to it at its next check (at
+        the latest when its old deadline passes)."""
+        return self._pool.deadline
+
+    @deadline.setter
+    def deadline(self, seconds: float) -> None:
+        self._pool.deadline = seconds
+
+    @property
     def workspaces(self) -> int:
         """How many workspaces have heavy work running or waiting."""
         return self._pool.workspaces

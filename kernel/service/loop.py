@@ -846,6 +846,7 @@ class Service:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
         self.cfg = self.pipeline.cfg = cfg
         self.pipeline.chanio.deadline = cfg.channel_io_deadline_seconds
+        self.executor.reload(cfg)
         rows = await self.worker.call(self._reapply)
         await self.worker.call(self._apply_rows, rows)
         log.event(

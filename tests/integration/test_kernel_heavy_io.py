@@ -13,6 +13,7 @@ heavy pool, with no deadline, so nothing ever said why A stalled (and nothing ke
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,42 @@ def test_a_workspace_whose_heavy_work_hangs_holds_no_other_workspace(tmp_path: P
         k.wait_log(f"event=heavy_returned ws={key_a}", 15)
         wait_for(lambda: OVERDUE not in k.cli("status").stdout, 15, "the problem cleared")
         assert k.log_text().count(f"event=heavy_overdue ws={key_a} ") == 1, "logged once"
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
+
+
+def test_the_heavy_deadline_is_live_on_sighup(tmp_path: Path) -> None:
+    """`heavy_io_deadline_seconds` changes on SIGHUP (the old kernel kept it until a restart: `reload_kept`): a
+    kernel started with the default 300 s, told 1 s by a reload, shows A's hung heavy work within seconds."""
+    k = Kernel(tmp_path, 'jail = "none"\nrescan_seconds = 1\npoll_seconds = 0.2\n')
+    a = git_workspace(tmp_path / "a")
+    k.enroll(a)
+    key_a = workspace_key(str(a.resolve()))
+    hang = tmp_path / "hang"
+    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)})
+    try:
+        assert k.proc is not None
+        k.config.write_text(k.config.read_text() + "heavy_io_deadline_seconds = 1\n")
+        k.proc.send_signal(signal.SIGHUP)
+        k.wait_log("event=reloaded", 10)
+        log = k.log_text()
+        assert "event=reload_kept key=heavy_io_deadline_seconds" not in log
+        assert "changed=heavy_io_deadline_seconds" in log
+
+        hang.write_text(f"launches {a.resolve()}")
+        put_request(a, "sa", sleep_request("sa", "echo a > out.txt"))
+        k.wait_log("event=hang_injected step=launches", 30)
+        shown = wait_for(
+            lambda: out if OVERDUE in (out := k.cli("status").stdout) else None,
+            15,
+            "A's heavy work overdue after the reloaded deadline",
+        )
+        assert key_a in shown
+        assert "has not returned after 1 s" in shown
+        k.wait_log(f"event=heavy_overdue ws={key_a} ", 5)
+        hang.unlink()
+        wait_for((a / ".syscall" / "wakes" / "sa.json").exists, 30, "A's wake once its filesystem answers")
     finally:
         hang.unlink(missing_ok=True)
         k.stop()
