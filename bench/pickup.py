@@ -5,11 +5,14 @@ git workspaces; one request at a time goes to a random workspace. The clock star
 stops when this process's own inotify reports the answer's rename (no busy polling, so the bench does not steal
 the kernel's CPU). In the same run, a 2-second polling loop (the design of the best existing system) answers the
 same kind of request through the same harness, as the baseline. Also measured: the floor set by one durable
-atomic write on this disk, and the kernel's RSS, peak RSS and thread count.
+atomic write on this disk, and the kernel's RSS, peak RSS and thread count. Sampling starts once the start-up
+work that runs after `ready` is over (`event=channels_refreshed`, `event=bases_checked`: an automatic enrollment's
+bases are imported then, a git process per workspace); `settled_s` says how long that took, and `--no-settle`
+samples at once.
 
 Prints one JSON object per scenario. Usage:
     .venv/bin/python bench/pickup.py [--workspaces 1,100,1000] [--samples 500] [--poll-samples 150]
-                                     [--baseline-samples 30] [--modes inotify,poll]
+                                     [--baseline-samples 30] [--modes inotify,poll] [--no-settle]
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ import shutil
 import signal
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernelproc import Kernel, make_workspaces, warm_imports, write_config
+
 IN_MOVED_TO = 0x80
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -73,21 +77,6 @@ class Inotify:
 
     def close(self) -> None:
         os.close(self.fd)
-
-
-def make_workspaces(root: Path, n: int) -> list[Path]:
-    template = root / "template"
-    if not template.exists():
-        template.mkdir(parents=True)
-        subprocess.run(["git", "init", "-q", str(template)], check=True)
-    spaces = []
-    for i in range(n):
-        ws = root / "agents" / f"ws{i:04d}"
-        if not ws.exists():
-            ws.mkdir(parents=True)
-            shutil.copytree(template / ".git", ws / ".git")
-        spaces.append(ws)
-    return spaces
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -144,36 +133,6 @@ def proc_status(pid: int) -> dict[str, float]:
     return fields
 
 
-def run_kernel(
-    root: Path, spaces_root: Path, mode: str, poll_seconds: float
-) -> tuple[subprocess.Popen[bytes], float]:
-    cfg = root / f"config-{mode}.toml"
-    cfg.write_text(
-        f'state_dir = "{root / "state"}"\nwatch = "{mode}"\npoll_seconds = {poll_seconds}\n'
-        f'workspaces = ["{spaces_root}/*"]\n' + ("allow_root = true\n" if os.geteuid() == 0 else "")
-    )
-    log = open(root / f"kernel-{mode}.log", "ab")  # noqa: SIM115 - lives as long as the process
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kernel.cli", "serve", "--config", str(cfg)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=log,
-        env={k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")},
-    )
-    deadline = time.monotonic() + 600
-    while b"event=ready" not in (root / f"kernel-{mode}.log").read_bytes():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the kernel did not become ready; see {root}/kernel-{mode}.log")
-        time.sleep(0.05)
-    return proc, time.perf_counter() - t0
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(60)
-
-
 class Baseline2s:
     """The anchor's design: every 2 s, list every channel and answer what is there."""
 
@@ -224,6 +183,11 @@ def main() -> None:
     ap.add_argument("--baseline-samples", type=int, default=30)
     ap.add_argument("--poll-seconds", type=float, default=0.5)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument(
+        "--no-settle",
+        action="store_true",
+        help="sample right after `ready` (with the start-up work after it)",
+    )
     args = ap.parse_args()
 
     def terminated(signum: int, frame: object) -> None:
@@ -232,6 +196,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, terminated)
     top = Path(tempfile.mkdtemp(prefix="syscall-pickup-"))
     try:
+        warm_imports()
         floor = fsync_floor(top)
         print(
             json.dumps(
@@ -240,18 +205,33 @@ def main() -> None:
         )
         for n in (int(x) for x in args.workspaces.split(",")):
             root = top / f"n{n}"
-            spaces = make_workspaces(root, n)
+            spaces = make_workspaces(root / "agents", n)
             kernel_p50: dict[str, float] = {}
             for mode in args.modes.split(","):
-                proc, ready_s = run_kernel(root, root / "agents", mode, args.poll_seconds)
+                extra = f'watch = "{mode}"\npoll_seconds = {args.poll_seconds}\n'
+                k = Kernel(
+                    write_config(root / f"config-{mode}.toml", root / "state", root / "agents", extra),
+                    root / f"kernel-{mode}.log",
+                )
+                ready_s = k.start_ready()
+                assert k.proc is not None
                 try:
+                    settled_s = None
+                    if not args.no_settle:
+                        # Sample the steady state: the start-up work that runs after `ready` (kernel files
+                        # refreshed, an automatic enrollment's bases imported: a git process per workspace)
+                        # is over. bench/startup.py measures that work.
+                        t0 = time.perf_counter()
+                        k.wait(b"event=channels_refreshed", 1, every=0.1)
+                        k.wait(b"event=bases_checked", 1, every=0.1)
+                        settled_s = round(time.perf_counter() - t0, 2)
                     samples = args.samples if mode == "inotify" else args.poll_samples
                     measure(spaces, 20, 10, seed=1)  # warm-up
                     arrival = 0.01 if mode == "inotify" else args.poll_seconds
                     lat = measure(spaces, samples, 10, seed=n, arrival_s=arrival)
-                    ps = proc_status(proc.pid)
+                    ps = proc_status(k.proc.pid)
                 finally:
-                    stop(proc)
+                    k.stop()
                 stats = percentiles(lat)
                 kernel_p50[mode] = stats["p50_ms"]
                 print(
@@ -265,6 +245,8 @@ def main() -> None:
                             "peak_rss_mb": ps.get("VmHWM"),
                             "threads": ps.get("Threads"),
                             "ready_s": round(ready_s, 2),
+                            "settled_s": settled_s,
+                            "loadavg_1m": round(os.getloadavg()[0], 2),
                             **({"poll_seconds": args.poll_seconds} if mode == "poll" else {}),
                         }
                     ),

@@ -421,16 +421,23 @@ class Channel:
             os.close(dfd)
 
     def write_file(
-        self, subdir: str | None, name: str, data: bytes, mode: int = 0o644, *, durable: bool = True
+        self,
+        subdir: str | None,
+        name: str,
+        data: bytes,
+        mode: int = 0o644,
+        *,
+        durable: bool = True,
+        shown_first: bool = False,
     ) -> None:
-        """Atomically make `<subdir>/<name>` (or `<name>` in the channel itself) hold `data` (`durable=False`:
-        see `write_atomic_at`)."""
+        """Atomically make `<subdir>/<name>` (or `<name>` in the channel itself) hold `data` (`durable=False`,
+        `shown_first`: see `write_atomic_at`)."""
         if subdir is None:
-            write_atomic_at(self.fd, name, data, mode, durable=durable)
+            write_atomic_at(self.fd, name, data, mode, durable=durable, shown_first=shown_first)
             return
         dfd = self.subdir(subdir)
         try:
-            write_atomic_at(dfd, name, data, mode, durable=durable)
+            write_atomic_at(dfd, name, data, mode, durable=durable, shown_first=shown_first)
         finally:
             os.close(dfd)
 
@@ -589,12 +596,19 @@ def _discard(dir_fd: int, tmp: str) -> None:
         os.unlink(tmp, dir_fd=dir_fd)
 
 
-def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, *, durable: bool = True) -> None:
+def write_atomic_at(
+    dir_fd: int, name: str, data: bytes, mode: int = 0o644, *, durable: bool = True, shown_first: bool = False
+) -> None:
     """Make `dir_fd/name` hold `data`: a random O_EXCL temp, fchmod, write, fsync, rename, fsync of the dir.
 
     Whatever was at `name` (a symlink, a hardlink to a victim) is replaced, never written through. On any failure
     the temp file is removed and the old `name` is untouched. `durable=False` leaves out both fsyncs: the caller
     makes many writes durable at once with `sync_filesystem` before it relies on them.
+
+    `shown_first=True` renames before the two fsyncs (made on the still open file, then on the directory), so a
+    reader sees the file a disk flush sooner; it is durable when the call returns, as without it. Only for a file
+    the kernel can write again from its own durable record should a power cut leave it torn (an answer: its
+    request is removed only after this returns, and the next start replays the recorded answer over it).
     """
     check_name(name)
     tmp, fd = _new_temp(dir_fd)
@@ -602,11 +616,17 @@ def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, *, d
         try:
             os.fchmod(fd, mode)
             _write_all(fd, data)
+            if shown_first:
+                _commit(dir_fd, tmp, name, durable=False)
             if durable:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        _commit(dir_fd, tmp, name, durable)
+        if shown_first:
+            if durable:
+                os.fsync(dir_fd)
+        else:
+            _commit(dir_fd, tmp, name, durable)
     except BaseException:
         _discard(dir_fd, tmp)
         raise

@@ -631,7 +631,10 @@ class Pipeline:
         ever lost."""
         rid = d.rid
         try:
-            ch.write_file(ChannelPaths.ANSWERS, ChannelPaths.answer(rid), d.answer)
+            # Shown before its fsyncs (the agent reads it a disk flush sooner) and durable before the request is
+            # removed (spec 3.4): the answer is recorded already, so a power cut that tears the file leaves its
+            # request in place, and the next start replays the recorded answer over it.
+            ch.write_file(ChannelPaths.ANSWERS, ChannelPaths.answer(rid), d.answer, shown_first=True)
         except safefs.Refused as exc:
             # The agent blocked its own answer (`answers/` a symlink, a directory in the way): logged once.
             if rid not in self._blocked.setdefault(ws.key, set()):

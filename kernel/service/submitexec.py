@@ -33,6 +33,7 @@ import logging
 import os
 import shlex
 import subprocess
+import time
 from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
@@ -210,6 +211,7 @@ class SubmitEvaluation:
         UPGRADE_WORKERS workspaces at a time (the imports themselves go through the bounded heavy pool)."""
         todo = list(await self.worker.call(self.store.workspaces))
         todo.reverse()
+        count, started = len(todo), time.monotonic()
 
         async def worker() -> None:
             while todo:
@@ -218,6 +220,7 @@ class SubmitEvaluation:
         async with anyio.create_task_group() as tg:
             for _ in range(UPGRADE_WORKERS):
                 tg.start_soon(worker)
+        klog.event("bases_checked", workspaces=count, seconds=f"{time.monotonic() - started:.1f}")
 
     async def _upgrade_one(self, ws: WorkspaceRow) -> None:
         repo = self.repo_of(ws.key)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kernelproc import Kernel, git_workspace, put_request, status, wait_for
+from kernelproc import Kernel, answer_path, git_workspace, put_request, status, wait_for
 
 WORKSPACES = 4
 PER_WORKSPACE = 150
@@ -84,3 +84,35 @@ def test_sigkill_mid_burst_then_restart_answers_each_request_once(kernel: Kernel
         budget = json.loads((ws / ".syscall" / "budget.json").read_bytes())["budget"]
         assert budget == {"launches": 9, "sleeps": 4, "gpu_hours": 1.0, "reserved_gpu_hours": 2.0}
     db.close()
+
+
+@pytest.mark.parametrize("verb", ["status", "sleep"])
+def test_an_answer_torn_by_a_power_cut_is_replaced_by_the_recorded_one(
+    kernel: Kernel, tmp_path: Path, verb: str
+) -> None:
+    """An answer is shown before its fsyncs and its request is removed only after them: a power cut in between
+    can leave the file torn (empty) with its request still in place. The next start replays the recorded answer
+    over it, byte for byte, and only then removes the request. The power cut is staged: the request put back
+    with the same bytes, the answer file emptied."""
+    ws = git_workspace(tmp_path / "ws")
+    kernel.enroll(ws, "--launches", "10", "--sleeps", "5", "--gpu-hours", "3")
+    rid = "torn1"
+    body = (
+        status(rid)
+        if verb == "status"
+        else {"protocol": 1, "id": rid, "type": "sleep", "launches": [{"name": "t", "command": "true"}]}
+    )
+    data = json.dumps(body).encode()
+    kernel.start()
+    put_request(ws, rid, data)
+    wait_for(lambda: not (ws / ".syscall" / "requests" / f"{rid}.json").exists(), 30, "the request removed")
+    first = answer_path(ws, rid).read_bytes()
+    assert kernel.stop() == 0
+
+    put_request(ws, rid, data)
+    answer_path(ws, rid).write_bytes(b"")
+    kernel.start()
+    wait_for(lambda: not (ws / ".syscall" / "requests" / f"{rid}.json").exists(), 30, "the request removed")
+    assert answer_path(ws, rid).read_bytes() == first
+    assert kernel.stop() == 0
+    assert "outcome=replayed" in kernel.log_text()

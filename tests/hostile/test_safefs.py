@@ -578,6 +578,53 @@ def test_delivery_dir_creates_the_tree_under_results(ch: Channel, ws: Path) -> N
     os.close(ch.delivery_dir(components))  # opening an existing tree again is fine
 
 
+@pytest.mark.parametrize("shown_first", [False, True])
+def test_an_atomic_write_is_durable_when_it_returns_and_shown_first_renames_before_the_fsyncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shown_first: bool
+) -> None:
+    """The order of the steps, recorded: with `shown_first` the name is in place before either fsync (a reader
+    sees it a disk flush sooner), and both fsyncs (the file, then its directory) still come before the return,
+    so a caller that removes a request after the call removes it only once its answer is durable."""
+    d = tmp_path / "answers"
+    d.mkdir()
+    steps: list[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        steps.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def rename(*args: object, **kw: object) -> None:
+        steps.append("rename")
+        real_rename(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        write_atomic_at(dfd, "a.json", b"answer", shown_first=shown_first)
+    finally:
+        os.close(dfd)
+    want = ["rename", "fsync file", "fsync dir"] if shown_first else ["fsync file", "rename", "fsync dir"]
+    assert steps == want
+    assert (d / "a.json").read_bytes() == b"answer"
+    assert os.listdir(d) == ["a.json"], "the temp file was left behind"
+
+
+def test_shown_first_is_refused_by_a_directory_in_the_way_and_leaves_nothing(tmp_path: Path) -> None:
+    d = tmp_path / "answers"
+    (d / "a.json").mkdir(parents=True)
+    (d / "a.json" / "inside").write_text("kept")
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(Refused):
+            write_atomic_at(dfd, "a.json", b"answer", shown_first=True)
+    finally:
+        os.close(dfd)
+    assert os.listdir(d) == ["a.json"]
+    assert (d / "a.json" / "inside").read_text() == "kept"
+
+
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_delivery_through_a_planted_symlink_is_refused(
     ch: Channel, ws: Path, outside: Path, depth: int

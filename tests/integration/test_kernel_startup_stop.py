@@ -198,7 +198,10 @@ def test_concurrent_first_enrollment_enrolls_each_once_with_exact_budgets_and_th
             },
         )
         kernel.wait_log("event=submit_base_held", 120, count=n)
+        kernel.wait_log("event=bases_checked", 60)  # the background import says when it is over
         log = kernel.log_text()
+        assert f"event=bases_checked workspaces={n} " in log
+        assert log.rindex("event=submit_base_held") < log.index("event=bases_checked")
         for ws in spaces:
             assert log.count(f"path={ws}\n") + log.count(f"path={ws} ") == 1, f"{ws.name} not enrolled once"
             budget = json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]

@@ -1,0 +1,117 @@
+"""A real kernel process for the benchmarks: git workspaces copied from one template, a config, a start that
+waits for log events, a SIGTERM stop. Shared by bench/pickup.py, bench/startup.py and bench/stop.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_workspaces(spaces: Path, n: int) -> list[Path]:
+    """`n` git workspaces `spaces/ws00000`... with one commit (train.py), copied from a template beside
+    `spaces`; ones that exist already are kept."""
+    template = spaces.parent / "template"
+    if not template.exists():
+        template.mkdir(parents=True)
+        env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b"}
+        env["GIT_COMMITTER_EMAIL"] = "b@b"
+        subprocess.run(["git", "init", "-q", str(template)], check=True)
+        (template / "train.py").write_text("print('hello')\n")
+        subprocess.run(["git", "-C", str(template), "add", "train.py"], check=True)
+        subprocess.run(["git", "-C", str(template), "commit", "-qm", "start"], check=True, env=env)
+    out = []
+    for i in range(n):
+        ws = spaces / f"ws{i:05d}"
+        if not ws.exists():
+            ws.mkdir(parents=True)
+            shutil.copytree(template / ".git", ws / ".git")
+            shutil.copy2(template / "train.py", ws / "train.py")
+        out.append(ws)
+    return out
+
+
+def kernel_env() -> dict[str, str]:
+    drop = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "PYTHONDONTWRITEBYTECODE")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def warm_imports() -> None:
+    """Import the kernel once, so the first start does not pay for compiling its bytecode."""
+    subprocess.run(
+        [sys.executable, "-c", "import kernel.cli, kernel.service.factory"], cwd=ROOT, env=kernel_env()
+    )
+
+
+def write_config(path: Path, state_dir: Path, spaces: Path, extra: str = "") -> Path:
+    path.write_text(
+        f'state_dir = "{state_dir}"\nworkspaces = ["{spaces}/*"]\n{extra}'
+        + ("allow_root = true\n" if os.geteuid() == 0 else "")
+    )
+    return path
+
+
+def stamp(line: bytes) -> float:
+    return datetime.fromisoformat(line.split()[0].decode()).timestamp()
+
+
+class Kernel:
+    """`syscall-kernel serve --config CONFIG`, its output appended to LOG (kept across starts)."""
+
+    def __init__(self, config: Path, log: Path) -> None:
+        self.config = config
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def count(self, needle: bytes) -> int:
+        return self.log.read_bytes().count(needle) if self.log.exists() else 0
+
+    def start(self) -> None:
+        out = open(self.log, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kernel.cli", "serve", "--config", str(self.config)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=out,
+            env=kernel_env(),
+        )
+
+    def wait(self, needle: bytes, n: int, limit: float = 3600, every: float = 0.02) -> None:
+        """Until the log holds `needle` `n` times (SystemExit if the kernel exits or `limit` s pass)."""
+        deadline = time.monotonic() + limit
+        while self.count(needle) < n:
+            if self.proc is None or self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    f"waiting for {needle!r}: the kernel exited or took too long; see {self.log}"
+                )
+            time.sleep(every)
+
+    def start_ready(self) -> float:
+        """Start and wait for `event=ready`; seconds from the process start."""
+        before = self.count(b"event=ready")
+        t0 = time.perf_counter()
+        self.start()
+        self.wait(b"event=ready", before + 1)
+        return time.perf_counter() - t0
+
+    def starting_to_ready(self, nth: int) -> float:
+        """Seconds from the nth (0-based) `event=starting` line to the `event=ready` after it."""
+        lines = self.log.read_bytes().splitlines()
+        i = [k for k, line in enumerate(lines) if b"event=starting" in line][nth]
+        ready = next(line for line in lines[i:] if b"event=ready" in line)
+        return round(stamp(ready) - stamp(lines[i]), 2)
+
+    def stop(self) -> tuple[int, float]:
+        """SIGTERM; (exit code, seconds until the process was gone)."""
+        assert self.proc is not None
+        t0 = time.perf_counter()
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(120)
+        return rc, time.perf_counter() - t0
