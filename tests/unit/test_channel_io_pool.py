@@ -8,45 +8,17 @@ import time
 
 import anyio
 import pytest
+from _pools import Hang, assert_one_at_a_time_per_workspace_bounded_and_fair
 
 from kernel.service.chanio import ChannelIO, ChannelIOAbandoned
 
 
 def test_one_call_at_a_time_per_workspace_bounded_overall_and_fair() -> None:
-    pool = ChannelIO(30.0, size=2)
-    running: dict[str, int] = {}
-    peak_total = 0
-    order: list[str] = []
-    lock = threading.Lock()
-
-    def job(key: str) -> None:
-        nonlocal peak_total
-        with lock:
-            running[key] = running.get(key, 0) + 1
-            assert running[key] == 1, f"{key} ran two channel calls at once"
-            peak_total = max(peak_total, sum(running.values()))
-        time.sleep(0.05)
-        with lock:
-            running[key] -= 1
-            order.append(key)
-
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            for _ in range(6):  # a flooding workspace queues six calls first
-                tg.start_soon(pool.run, "flood", job, "flood")
-            await anyio.sleep(0.01)
-            for k in ("b", "c"):
-                tg.start_soon(pool.run, k, job, k)
-
-    anyio.run(main)
-    assert peak_total <= 2
-    assert order.count("flood") == 6
-    assert max(order.index("b"), order.index("c")) <= 3, order
-    assert pool.workspaces == 0, "locks of idle workspaces are forgotten"
+    assert_one_at_a_time_per_workspace_bounded_and_fair(ChannelIO(30.0, size=2), "channel calls")
 
 
 def test_an_overdue_call_gives_its_slot_back_and_nothing_more_starts_for_its_workspace() -> None:
-    release = threading.Event()
+    hung = Hang()
     seen: list[tuple[str, str]] = []
     ran: list[str] = []
 
@@ -60,7 +32,7 @@ def test_an_overdue_call_gives_its_slot_back_and_nothing_more_starts_for_its_wor
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.run, "hung", release.wait, 30.0)
+            tg.start_soon(pool.run, "hung", hung)
             await anyio.sleep(0.01)
             tg.start_soon(pool.run, "hung", ran.append, "hung again")  # waits for the hung call
             # One slot only, held by the hung call until its deadline: then the other workspace gets it.
@@ -72,7 +44,7 @@ def test_an_overdue_call_gives_its_slot_back_and_nothing_more_starts_for_its_wor
                 with anyio.fail_after(5):
                     await pool.run(f"w{i}", ran.append, f"w{i}")
             assert "hung again" not in ran, "a second call started while the workspace's I/O was out"
-            release.set()
+            hung.release()
         assert seen == [("overdue", "hung"), ("returned", "hung")]
         assert ran[-1] == "hung again"
         assert pool.overdue == {}
@@ -95,13 +67,13 @@ def test_errors_come_back_to_the_caller() -> None:
 
 
 def test_a_stop_abandons_an_overdue_call_and_what_waits_behind_it() -> None:
-    release = threading.Event()
+    hung = Hang()
     pool = ChannelIO(0.1, size=2)
     outcomes: list[str] = []
 
     async def call(what: str) -> None:
         try:
-            await pool.run("hung", release.wait, 30.0)
+            await pool.run("hung", hung)
             outcomes.append(f"{what}: returned")
         except ChannelIOAbandoned:
             outcomes.append(f"{what}: abandoned")
@@ -117,7 +89,7 @@ def test_a_stop_abandons_an_overdue_call_and_what_waits_behind_it() -> None:
             assert await pool.run("other", lambda: "served") == "served"
 
     anyio.run(main)
-    release.set()
+    hung.release()
     assert sorted(outcomes) == ["first: abandoned", "second: abandoned"]
 
 

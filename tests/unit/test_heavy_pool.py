@@ -3,61 +3,31 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import anyio
 import pytest
+from _pools import Hang, assert_one_at_a_time_per_workspace_bounded_and_fair
 
 from kernel.service.heavy import HeavyPool
 
 
 def test_one_at_a_time_per_workspace_bounded_overall_and_fair() -> None:
-    pool = HeavyPool(60.0, size=2)
-    running: dict[str, int] = {}
-    peak_total = 0
-    order: list[str] = []
-    lock = threading.Lock()
-
-    def job(key: str) -> None:
-        nonlocal peak_total
-        with lock:
-            running[key] = running.get(key, 0) + 1
-            assert running[key] == 1, f"{key} ran two heavy jobs at once"
-            peak_total = max(peak_total, sum(running.values()))
-        time.sleep(0.05)
-        with lock:
-            running[key] -= 1
-            order.append(key)
-
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            for _ in range(6):  # a flooding workspace queues six jobs first
-                tg.start_soon(pool.run, "flood", job, "flood")
-            await anyio.sleep(0.01)
-            for k in ("b", "c"):
-                tg.start_soon(pool.run, k, job, k)
-
-    anyio.run(main)
-    assert peak_total <= 2
-    assert order.count("flood") == 6
-    # b and c queued behind at most one of flood's jobs each, never behind all six
-    assert max(order.index("b"), order.index("c")) <= 3, order
-    assert pool.workspaces == 0, "locks of idle workspaces are forgotten"
+    assert_one_at_a_time_per_workspace_bounded_and_fair(HeavyPool(60.0, size=2), "heavy jobs")
 
 
 def test_a_hung_heavy_job_does_not_hold_other_workspaces() -> None:
     pool = HeavyPool(60.0, size=2)
-    release = threading.Event()
+    stuck = Hang()
     done: list[str] = []
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.run, "stuck", release.wait, 30.0)
+            tg.start_soon(pool.run, "stuck", stuck)
             await anyio.sleep(0.01)
             with anyio.fail_after(10):
                 await pool.run("other", done.append, "other")
-            release.set()
+            stuck.release()
 
     anyio.run(main)
     assert done == ["other"]
@@ -70,7 +40,7 @@ def test_a_hung_job_past_the_deadline_gives_its_slot_back_and_only_its_workspace
     snapshots or wakes ran. Past the deadline a hung job gives its slot back; its workspace still waits."""
     caplog.set_level(logging.INFO)
     pool = HeavyPool(0.2, size=4)
-    release = {k: threading.Event() for k in ("a", "c", "d", "e")}
+    hangs = {k: Hang() for k in ("a", "c", "d", "e")}
     ran: list[str] = []
     a_done = anyio.Event()
 
@@ -80,8 +50,8 @@ def test_a_hung_job_past_the_deadline_gives_its_slot_back_and_only_its_workspace
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            for k, hung in release.items():
-                tg.start_soon(pool.run, k, hung.wait, 30.0)
+            for k, hung in hangs.items():
+                tg.start_soon(pool.run, k, hung)
             await anyio.sleep(0.01)
             tg.start_soon(a_later)  # waits for a's hung job
             with anyio.fail_after(5):
@@ -96,13 +66,13 @@ def test_a_hung_job_past_the_deadline_gives_its_slot_back_and_only_its_workspace
             assert "a since" in why
             assert "hung filesystem" in why
             assert caplog.text.count("event=heavy_overdue ws=a ") == 1
-            release["a"].set()
+            hangs["a"].release()
             with anyio.fail_after(5):
                 await a_done.wait()
             assert "a" not in pool.overdue
             assert caplog.text.count("event=heavy_returned ws=a") == 1
             for k in ("c", "d", "e"):
-                release[k].set()
+                hangs[k].release()
         assert pool.overdue == {}
         assert pool.degraded() is None
         assert pool.workspaces == 0
