@@ -320,6 +320,9 @@ class Store:
         # Held around every COMMIT: whoever holds it knows no commit is half-way (the service's forced stop takes
         # it, and keeps it, before the process exits).
         self.commit_lock = threading.Lock()
+        # The WAL, open for `sync_wal` (any thread); reopened if sqlite made a new one.
+        self._wal_lock = threading.Lock()
+        self._wal_fd: int | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, readonly: bool = False) -> Store:
@@ -378,6 +381,33 @@ class Store:
 
     def close(self) -> None:
         self._conn.close()
+        with self._wal_lock:
+            if self._wal_fd is not None:
+                os.close(self._wal_fd)
+                self._wal_fd = None
+
+    def sync_wal(self) -> None:
+        """Make every transaction committed so far durable, `transaction(durable=False)` ones included: one fsync
+        of the WAL. Safe from any thread (it touches only its own descriptor).
+
+        Why it is enough: a commit has written its frames into the WAL before it returns, so the fsync puts them
+        on disk with their commit frame; frames that a checkpoint has moved on were synced into the database file
+        by that checkpoint before the WAL was reused (at FULL and NORMAL, sqlite syncs the database after every
+        completed checkpoint); no WAL at all means the last connection checkpointed it and removed it."""
+        wal = f"{self.path}-wal"
+        with self._wal_lock:
+            try:
+                now = os.stat(wal)
+            except FileNotFoundError:
+                return
+            if self._wal_fd is not None:
+                st = os.fstat(self._wal_fd)
+                if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+                    os.close(self._wal_fd)
+                    self._wal_fd = None
+            if self._wal_fd is None:
+                self._wal_fd = os.open(wal, os.O_RDONLY | os.O_CLOEXEC)
+            os.fsync(self._wal_fd)
 
     def changes(self) -> int:
         """Rows changed by this connection's committed and current statements since it opened."""
@@ -393,19 +423,29 @@ class Store:
         return None if row is None else str(row[0])
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[None]:
-        """BEGIN IMMEDIATE ... COMMIT (durable on return), ROLLBACK on any exception."""
-        self._conn.execute("BEGIN IMMEDIATE")
+    def transaction(self, *, durable: bool = True) -> Iterator[None]:
+        """BEGIN IMMEDIATE ... COMMIT (durable on return), ROLLBACK on any exception.
+
+        `durable=False` commits without the WAL's fsync (synchronous=NORMAL for this one transaction): the commit
+        survives the process being killed, and becomes durable at the next durable commit or `sync_wal`, which
+        the caller makes before any side effect that depends on it being durable."""
+        if not durable:
+            self._conn.execute("PRAGMA synchronous = NORMAL")
         try:
-            yield
-        except BaseException:
-            # sqlite has already rolled back after some errors (SQLITE_FULL): a second ROLLBACK would raise and
-            # hide the real error.
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            raise
-        with self.commit_lock:
-            self._conn.execute("COMMIT")
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                # sqlite has already rolled back after some errors (SQLITE_FULL): a second ROLLBACK would raise
+                # and hide the real error.
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+            with self.commit_lock:
+                self._conn.execute("COMMIT")
+        finally:
+            if not durable:
+                self._conn.execute("PRAGMA synchronous = FULL")
 
     def _one(self, sql: str, args: Sequence[Any] = ()) -> Any:
         return self._conn.execute(sql, args).fetchone()

@@ -150,6 +150,8 @@ class _Recorded:
     goes on to the executor, and the ids read after it (read again once the executor is done)."""
 
     deliveries: list[_Delivery] = field(default_factory=list)
+    # A read-only answer was recorded without the WAL's fsync: the store is synced before any request is removed.
+    unsynced: bool = False
     budget: tuple[Balance, str] | None = None
     cont: Continuation | None = None
     left: list[str] = field(default_factory=list)
@@ -561,12 +563,18 @@ class Pipeline:
         return False
 
     def _deliver_all(self, ws: WorkspaceRow, ch: safefs.Channel, rec: _Recorded) -> int:
-        """Write the recorded answers (in order), then the new budget of a recorded sleep or cancel; how many
-        requests were answered."""
-        answered = sum(self._deliver(ch, ws, d) for d in rec.deliveries)
+        """Write the recorded answers (in order), make the records of read-only answers durable, remove the
+        answered requests, then write the new budget of a recorded sleep or cancel; how many requests were
+        answered."""
+        shown = [d for d in rec.deliveries if self._show(ch, ws, d)]
+        if shown and rec.unsynced:
+            with store_step():  # the kernel's own disk, not this channel: outside the channel I/O deadline
+                self.store.sync_wal()
+        for d in shown:
+            self._remove(ch, ws, d)
         if rec.budget is not None:
             write_budget(ch, *rec.budget)
-        return answered
+        return len(shown)
 
     def _deliver_recorded(
         self, ws: WorkspaceRow, rid: str, answer: bytes, outcome: str, received: float
@@ -625,10 +633,16 @@ class Pipeline:
             await self.worker.call(self._clear_problem, ws)
 
     def _deliver(self, ch: safefs.Channel, ws: WorkspaceRow, d: _Delivery) -> int:
-        """Write the (recorded) answer, then remove the request; 1 when answered. The request is removed only
-        once its answer file is in place (spec 3.4): a write that fails or is refused keeps it, and the next
-        listing of the channel (an event, the poll or the rescan) replays the recorded answer, so no answer is
-        ever lost."""
+        """Write the (recorded, durable) answer, then remove the request; 1 when answered."""
+        if not self._show(ch, ws, d):
+            return 0
+        self._remove(ch, ws, d)
+        return 1
+
+    def _show(self, ch: safefs.Channel, ws: WorkspaceRow, d: _Delivery) -> bool:
+        """Write the recorded answer; True once it is in place and durable. The request is removed only after
+        that (spec 3.4): a write that fails or is refused keeps it, and the next listing of the channel (an
+        event, the poll or the rescan) replays the recorded answer, so no answer is ever lost."""
         rid = d.rid
         try:
             # Shown before its fsyncs (the agent reads it a disk flush sooner) and durable before the request is
@@ -640,14 +654,19 @@ class Pipeline:
             if rid not in self._blocked.setdefault(ws.key, set()):
                 self._blocked[ws.key].add(rid)
                 event("answer_blocked", logging.WARNING, ws=ws.key, id=rid, reason=exc.reason)
-            return 0
+            return False
         except OSError as exc:
             event("answer_failed", logging.ERROR, ws=ws.key, id=rid, error=exc.strerror or str(exc))
-            return 0
+            return False
         blocked = self._blocked.get(ws.key)
         if blocked and rid in blocked:
             blocked.discard(rid)
             event("answer_unblocked", ws=ws.key, id=rid)
+        return True
+
+    def _remove(self, ch: safefs.Channel, ws: WorkspaceRow, d: _Delivery) -> None:
+        """Remove an answered request (its answer and record are durable) and count it."""
+        rid = d.rid
         try:
             # Only the file that was read: a new request renamed over the name since then is kept.
             ch.remove_request(ChannelPaths.request(rid), only=d.only)
@@ -658,7 +677,6 @@ class Pipeline:
         ms = (self.clock() - d.received) * 1000
         metrics.answered(d.outcome, ms / 1000)
         event("answered", ws=ws.key, id=rid, outcome=d.outcome, ms=f"{ms:.2f}")
-        return 1
 
     def _answer(self, rec: _Recorded, ws: WorkspaceRow, r: _Read, answer: bytes, outcome: str) -> None:
         only = self._read_as.pop((ws.key, r.rid), None)
@@ -720,7 +738,11 @@ class Pipeline:
                     self._answer(rec, ws, r, answer, f"rejected:{err.code}")
                     return
                 outcome = _verb(decoded)
-                with self.store.transaction():
+                # Recorded without the WAL's fsync, so the answer is shown a disk flush sooner; `_deliver_all`
+                # syncs the store before the request is removed. A power cut before that leaves the request in
+                # place with no record, and it is answered afresh (read-only: nothing is done twice).
+                rec.unsynced = True
+                with self.store.transaction(durable=False):
                     try:
                         answer = encode(self._read_only(ws.key, decoded, received))
                     except RequestError as err:  # a tail of a task the sleep does not have

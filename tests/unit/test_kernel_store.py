@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from dataclasses import replace
 from pathlib import Path
@@ -290,3 +291,33 @@ def test_subdirectory_identities_round_trip_and_an_older_store_gains_the_column(
     assert old.identity.subdirs == ()
     assert old.balance == row("w-old").balance
     s.close()
+
+
+def test_a_transaction_without_the_fsync_commits_and_sync_wal_makes_it_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`transaction(durable=False)` commits (another connection sees it) with synchronous=NORMAL for that one
+    transaction only, FULL again afterwards, even when it fails; `sync_wal` fsyncs the WAL file itself."""
+    s = Store.open(tmp_path / "s.sqlite")
+    try:
+        full = s._conn.execute("PRAGMA synchronous").fetchone()[0]
+        assert full == 2
+        with s.transaction(durable=False):
+            assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 1
+            s._conn.execute("INSERT INTO store_meta (name, value) VALUES ('probe', 'x')")
+        assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+        other = sqlite3.connect(tmp_path / "s.sqlite")
+        assert other.execute("SELECT value FROM store_meta WHERE name = 'probe'").fetchone() == ("x",)
+        other.close()
+        with pytest.raises(RuntimeError), s.transaction(durable=False):
+            raise RuntimeError("boom")
+        assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+
+        synced: list[int] = []
+        real = os.fsync
+        monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real(fd))[1])
+        s.sync_wal()
+        s.sync_wal()
+        assert synced == [os.stat(f"{tmp_path / 's.sqlite'}-wal").st_ino] * 2
+    finally:
+        s.close()

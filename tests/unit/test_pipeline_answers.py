@@ -128,3 +128,44 @@ def test_an_event_that_names_its_request_reads_only_that_request(
     anyio.run(pipeline.run_pass)
     assert listings == 2
     assert (ch / "answers" / "r9.json").exists()
+
+
+def test_a_read_only_answer_is_shown_before_its_record_is_synced_and_its_request_removed_after(
+    tmp_path: Path, cfg: Config, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A status answer is recorded without the WAL's fsync and shown at once; the store is synced (once per
+    turn) before any of the turn's requests is removed, so a removed request always has a durable record."""
+    ws = tmp_path / "ws"
+    subprocess.run(["git", "init", "-q", str(ws)], check=True)
+    row = enroll(store, cfg, str(ws), TOOL).row
+    ch = ws / ".syscall"
+    worker = StoreWorker(store)
+    pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
+    pipeline.set_workspaces([row])
+    seen: list[tuple[bool, bool, bool, bool]] = []
+    real_sync = store.sync_wal
+
+    def sync_wal() -> None:
+        # At the sync: both answers shown, both requests still there.
+        seen.append(
+            (
+                (ch / "answers" / "s1.json").exists(),
+                (ch / "answers" / "s2.json").exists(),
+                (ch / "requests" / "s1.json").exists(),
+                (ch / "requests" / "s2.json").exists(),
+            )
+        )
+        real_sync()
+
+    monkeypatch.setattr(store, "sync_wal", sync_wal)
+    put(ch, "s1")
+    put(ch, "s2")
+    pipeline.mark(row.key)
+    anyio.run(pipeline.run_pass)
+    assert seen == [(True, True, True, True)], "one sync per turn, after the answers, before the removals"
+    assert not (ch / "requests" / "s1.json").exists()
+    assert not (ch / "requests" / "s2.json").exists()
+    assert pipeline.answered == 2
+    recorded = store.request(row.key, "s1")
+    assert recorded is not None
+    assert recorded.answer == (ch / "answers" / "s1.json").read_bytes()
