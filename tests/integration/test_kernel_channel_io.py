@@ -19,22 +19,40 @@ from kernelproc import Kernel, git_workspace, put_request, read_answer, status, 
 from channel.paths import workspace_key
 
 OVERDUE = "channel I/O has not returned since"
+FAST = 'backend = "none"\nchannel_io_deadline_seconds = 1\nrescan_seconds = 1\npoll_seconds = 0.2\n'
+
+
+def kernel_with(tmp_path: Path, *names: str, config: str = FAST) -> tuple[Kernel, list[Path], Path]:
+    """A kernel (not started) with a git workspace enrolled for each name, and the hang file to name in
+    SYSCALL_KERNEL_HANG_CHANNEL (`hang_env`): while it holds "STEP PATH", that workspace's channel I/O hangs at
+    STEP."""
+    k = Kernel(tmp_path, config)
+    workspaces = [git_workspace(tmp_path / name) for name in names]
+    for ws in workspaces:
+        k.enroll(ws)
+    return k, workspaces, tmp_path / "hang"
+
+
+def hang_env(hang: Path) -> dict[str, str]:
+    return {"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)}
+
+
+def assert_served_meanwhile(b: Path) -> None:
+    """B is answered, again and again, each within 5 s (the old kernel answered nothing while A's I/O hung)."""
+    for i in range(10):
+        t0 = time.monotonic()
+        put_request(b, f"b{i}", status(f"b{i}"))
+        assert wait_answer(b, f"b{i}", 5)["type"] == "status"
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("step", ["channel", "listing"])
 def test_a_workspace_whose_channel_io_hangs_holds_no_other_workspace(tmp_path: Path, step: str) -> None:
-    k = Kernel(
-        tmp_path,
-        'backend = "none"\nchannel_io_deadline_seconds = 1\nrescan_seconds = 1\npoll_seconds = 0.2\n',
-    )
-    a = git_workspace(tmp_path / "a")
-    b = git_workspace(tmp_path / "b")
-    k.enroll(a)
-    k.enroll(b)
+    k, (a, b), hang = kernel_with(tmp_path, "a", "b")
     for i in range(3000):  # temps in flight: A's listing has something to list
         (a / ".syscall" / "requests" / f".t{i:05d}.tmp").write_bytes(b"{")
-    hang = tmp_path / "hang"
-    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)})
+    k.start(env=hang_env(hang))
     try:
         put_request(a, "before", status("before"))
         wait_answer(a, "before")
@@ -48,13 +66,7 @@ def test_a_workspace_whose_channel_io_hangs_holds_no_other_workspace(tmp_path: P
             k.wait_log(f"event=hang_injected step={step}", 15)
             put_request(a, "a1", status("a1"))  # waits for the listing
 
-        # B is answered, again and again, while A's I/O does not return (the old kernel answered nothing).
-        for i in range(10):
-            t0 = time.monotonic()
-            put_request(b, f"b{i}", status(f"b{i}"))
-            assert wait_answer(b, f"b{i}", 5)["type"] == "status"
-            assert time.monotonic() - t0 < 5
-            time.sleep(0.2)
+        assert_served_meanwhile(b)
 
         key = workspace_key(str(a.resolve()))
 
@@ -83,11 +95,8 @@ def test_a_workspace_whose_channel_io_hangs_holds_no_other_workspace(tmp_path: P
 def test_the_kernel_stops_while_a_channel_io_hangs(tmp_path: Path) -> None:
     """SIGTERM while A's channel I/O does not return: the stop waits at most the deadline for it, then leaves
     it to its (daemon) thread; the kernel exits 0 and A's request is answered after the next start."""
-    k = Kernel(tmp_path, 'backend = "none"\nchannel_io_deadline_seconds = 1\n')
-    a = git_workspace(tmp_path / "a")
-    k.enroll(a)
-    hang = tmp_path / "hang"
-    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)})
+    k, (a,), hang = kernel_with(tmp_path, "a", config='backend = "none"\nchannel_io_deadline_seconds = 1\n')
+    k.start(env=hang_env(hang))
     try:
         hang.write_text(f"channel {a.resolve()}")
         put_request(a, "a1", status("a1"))
@@ -109,29 +118,16 @@ def test_a_channel_that_hangs_in_the_after_ready_refresh_holds_no_other_workspac
     the background. A's channel hangs in that refresh (the test-only hang point `refresh`); B's `status` must
     still be answered, again and again, and A's refresh completes once its channel answers. On the old kernel the
     refresh ran on the store worker, so every workspace's answer waited behind A's hung channel."""
-    k = Kernel(
-        tmp_path,
-        'backend = "none"\nchannel_io_deadline_seconds = 1\nrescan_seconds = 1\npoll_seconds = 0.2\n',
-    )
-    a = git_workspace(tmp_path / "a")
-    b = git_workspace(tmp_path / "b")
-    k.enroll(a)
-    k.enroll(b)
-    hang = tmp_path / "hang"
+    k, (a, b), hang = kernel_with(tmp_path, "a", "b")
     k.start()
     assert k.stop() == 0
     (a / ".syscall" / "budget.json").write_text("damaged")  # rewritten by the refresh once A answers
     hang.write_text(f"refresh {a.resolve()}")
-    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)}, wait_ready=False)
+    k.start(env=hang_env(hang), wait_ready=False)
     try:
         k.wait_log("event=ready", 60, count=2)
         k.wait_log("event=hang_injected step=refresh", 15)
-        for i in range(10):
-            t0 = time.monotonic()
-            put_request(b, f"b{i}", status(f"b{i}"))
-            assert wait_answer(b, f"b{i}", 5)["type"] == "status"
-            assert time.monotonic() - t0 < 5
-            time.sleep(0.2)
+        assert_served_meanwhile(b)
         assert "event=channels_refreshed" not in k.log_text().rsplit("event=starting", 1)[1]
         assert (a / ".syscall" / "budget.json").read_text() == "damaged"
 
