@@ -373,12 +373,7 @@ class Service:
                 self._served_again(row)
                 if note is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
-                safefs.sweep_kernel_temps(ch.fd, self._started_ns)
-                answers = ch.subdir(ChannelPaths.ANSWERS)
-                try:
-                    safefs.sweep_kernel_temps(answers, self._started_ns)
-                finally:
-                    os.close(answers)
+                self._sweep_temps(ch)
         except NOT_SERVED as exc:
             self._not_served(row, exc)
             return
@@ -402,13 +397,18 @@ class Service:
             note = enrollment.rewrite_kernel_files(
                 ch, row, self.tool, owner, jail=self.cfg.jail, cfg=self.cfg
             )
-            safefs.sweep_kernel_temps(ch.fd, self._started_ns)
-            answers = ch.subdir(ChannelPaths.ANSWERS)
-            try:
-                safefs.sweep_kernel_temps(answers, self._started_ns)
-            finally:
-                os.close(answers)
+            self._sweep_temps(ch)
         return note
+
+    def _sweep_temps(self, ch: safefs.Channel) -> None:
+        """Remove the kernel temps older than this process from the channel and its answers/ (a younger one may
+        be a write in flight, whose rename would fail if its temp were removed under it)."""
+        safefs.sweep_kernel_temps(ch.fd, self._started_ns)
+        answers = ch.subdir(ChannelPaths.ANSWERS)
+        try:
+            safefs.sweep_kernel_temps(answers, self._started_ns)
+        finally:
+            os.close(answers)
 
     async def _refresh_one(self, key: str, mine: str) -> None:
         row = self.pipeline.workspaces.get(key)
