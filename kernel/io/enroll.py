@@ -38,6 +38,7 @@ from kernel.core.records import WorkspaceRow
 from kernel.io import jobenv, watch
 from kernel.io import repo as R
 from kernel.io import submit as S
+from kernel.io.budgetorder import BudgetOrder
 from kernel.io.install import ToolSource, install
 from kernel.io.repo import KernelRepo
 from kernel.io.snapshot import SnapshotError, tracked_under
@@ -760,7 +761,10 @@ def refresh(
             identity = replace(identity, subdirs=ch.found_subdirs())
         with store.transaction():
             store.put_workspace(replace(row, tool_sha256=tool.sha256, identity=identity))
-    return rewrite_kernel_files(ch, row, tool, owner, jail=jail, cfg=cfg)
+    # In a store step (the row was read in it): a stamp taken now follows that read (kernel.io.budgetorder).
+    return rewrite_kernel_files(
+        ch, row, tool, owner, jail=jail, cfg=cfg, order=store.budget_order, stamp=store.budget_order.stamp()
+    )
 
 
 def rewrite_kernel_files(
@@ -771,10 +775,12 @@ def rewrite_kernel_files(
     *,
     jail: str,
     cfg: Config | None = None,
+    order: BudgetOrder | None = None,
+    stamp: int = 0,
 ) -> str | None:
     """Channel I/O only (no store access): reinstall the tool if it changed, and rewrite `kernel.json`,
-    `budget.json` (from `row.balance`) and with `cfg` `jobenv.json` where they differ from `row`. The tool
-    note."""
+    `budget.json` (from `row.balance`; with `order`, unless a write of a balance read after `stamp` ran) and
+    with `cfg` `jobenv.json` where they differ from `row`. The tool note."""
     note = install(ch, tool)
     wanted = kernel_json(row, tool, owner, jail=jail, limits=published_limits(cfg))
     try:
@@ -783,7 +789,11 @@ def rewrite_kernel_files(
         current = None
     if current != wanted:
         ch.write_file(None, ChannelPaths.KERNEL_JSON, wanted)
-    write_budget(ch, row.balance, timestamp(), only_if_changed=True)
+    now = timestamp()
+    if order is None:
+        write_budget(ch, row.balance, now, only_if_changed=True)
+    else:
+        order.write(row.key, stamp, lambda: write_budget(ch, row.balance, now, only_if_changed=True))
     if cfg is not None:
         jobenv.write(ch, jobenv.for_workspace(cfg, row.key, row.policy, timestamp()))
     return note

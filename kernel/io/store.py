@@ -41,6 +41,7 @@ from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import ExecSleepRow, JobRow, RequestRow, SleepRow, WorkspaceRow
 from kernel.io import log
+from kernel.io.budgetorder import BudgetOrder
 
 SCHEMA_VERSION: Final = 1
 
@@ -323,6 +324,8 @@ class Store:
         # The WAL, open for `sync_wal` (any thread); reopened if sqlite made a new one.
         self._wal_lock = threading.Lock()
         self._wal_fd: int | None = None
+        # The order of this kernel's budget.json writes (kernel.io.budgetorder): stamps taken in store steps.
+        self.budget_order = BudgetOrder()
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, readonly: bool = False) -> Store:

@@ -381,13 +381,12 @@ class Service:
 
     def _rewrite_stale(self, key: str, mine: str) -> str | None:
         """(channel I/O pool, in `key`'s turn) Rewrite an admitted channel's kernel-written files where stale and
-        sweep temps older than this process; the tool note. The row is read under the store worker's lock at
-        the start of this very call (`run_here`), so the budget.json written here is never older than one the
-        pipeline wrote before: every other budget.json write of the request path happens inside a pool call of
-        the same workspace (the pool runs one call per workspace at a time), either wholly before this one (its
-        balance was committed before our read) or wholly after (it writes its own newer balance)."""
+        sweep temps older than this process; the tool note. The row is read, with its stamp, under the store
+        worker's lock at the start of this very call (`run_here`), and budget.json is written in the order of
+        such reads (kernel.io.budgetorder), so it never replaces a newer balance that the pipeline or a wake
+        (heavy pool) wrote meanwhile."""
         with store_step():
-            row = self.worker.run_here(self.store.workspace, key)
+            row, stamp = self.worker.run_here(self._row_stamped, key)
         if row is None:
             return None
         crash.hang_point("refresh", row.path)
@@ -395,7 +394,14 @@ class Service:
             # Another store may have taken the channel over since `_admit`: nothing is written then.
             owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
             note = enrollment.rewrite_kernel_files(
-                ch, row, self.tool, owner, jail=self.cfg.jail, cfg=self.cfg
+                ch,
+                row,
+                self.tool,
+                owner,
+                jail=self.cfg.jail,
+                cfg=self.cfg,
+                order=self.store.budget_order,
+                stamp=stamp,
             )
             self._sweep_temps(ch)
         return note
@@ -409,6 +415,10 @@ class Service:
             safefs.sweep_kernel_temps(answers, self._started_ns)
         finally:
             os.close(answers)
+
+    def _row_stamped(self, key: str) -> tuple[WorkspaceRow | None, int]:
+        """(a store step) The row, and the stamp of this read of its balance (kernel.io.budgetorder)."""
+        return self.store.workspace(key), self.store.budget_order.stamp()
 
     async def _refresh_one(self, key: str, mine: str) -> None:
         row = self.pipeline.workspaces.get(key)

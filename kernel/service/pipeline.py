@@ -152,7 +152,7 @@ class _Recorded:
     deliveries: list[_Delivery] = field(default_factory=list)
     # A read-only answer was recorded without the WAL's fsync: the store is synced before any request is removed.
     unsynced: bool = False
-    budget: tuple[Balance, str] | None = None
+    budget: tuple[Balance, str, int] | None = None  # the balance, when, its stamp (kernel.io.budgetorder)
     cont: Continuation | None = None
     left: list[str] = field(default_factory=list)
 
@@ -171,6 +171,7 @@ class _Answered:
     ws: WorkspaceRow
     answer: bytes
     outcome: str
+    stamp: int  # of the store step that read `ws` (kernel.io.budgetorder)
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,16 +574,21 @@ class Pipeline:
         for d in shown:
             self._remove(ch, ws, d)
         if rec.budget is not None:
-            write_budget(ch, *rec.budget)
+            balance, now, stamp = rec.budget
+            self.store.budget_order.write(ws.key, stamp, lambda: write_budget(ch, balance, now))
         return len(shown)
 
     def _deliver_recorded(
-        self, ws: WorkspaceRow, rid: str, answer: bytes, outcome: str, received: float
+        self, ws: WorkspaceRow, stamp: int, rid: str, answer: bytes, outcome: str, received: float
     ) -> int:
-        """A continuation's answer (recorded): the budget as recorded, then the answer."""
+        """A continuation's answer (recorded): the budget as recorded (unless a newer one was written meanwhile:
+        its jobs may have ended and been woken already), then the answer."""
         crash.hang_point("channel", ws.path)
         with safefs.open_channel(ws.path, ws.identity) as ch:
-            write_budget(ch, ws.balance, timestamp(self.clock()), only_if_changed=True)
+            now = timestamp(self.clock())
+            self.store.budget_order.write(
+                ws.key, stamp, lambda: write_budget(ch, ws.balance, now, only_if_changed=True)
+            )
             only = self._read_as.pop((ws.key, rid), None)
             return self._deliver(ch, ws, _Delivery(rid, answer, outcome, received, only))
 
@@ -849,7 +855,7 @@ class Pipeline:
         if refusal is not None:  # the answer delivered is the bytes recorded
             self._answer(rec, ws, r, refusal[1], f"rejected:{refusal[0]}")
             return
-        rec.budget = (acc.balance, now)
+        rec.budget = (acc.balance, now, self.store.budget_order.stamp())
         event("sleep_recorded", ws=ws.key, id=rid, seq=seq, launches=len(req.launches), tasks=len(acc.jobs))
         rec.cont = Continuation("sleep", ws.key, rid, seq, received=r.received)
 
@@ -891,7 +897,7 @@ class Pipeline:
         if refusal is not None:  # the answer delivered is the bytes recorded
             self._answer(rec, ws, r, refusal[1], f"rejected:{refusal[0]}")
             return
-        rec.budget = (plan.balance, now)
+        rec.budget = (plan.balance, now, self.store.budget_order.stamp())
         event("cancel_recorded", ws=ws.key, id=rid, seq=plan.sleep.seq, tasks=len(plan.targets))
         rec.cont = Continuation("cancel", ws.key, rid, plan.sleep.seq, req.launches, received=r.received)
 
@@ -961,7 +967,14 @@ class Pipeline:
         """A continuation's recorded answer, delivered through the channel I/O pool."""
         try:
             self.answered += await self.chanio.run(
-                c.key, self._deliver_recorded, done.ws, c.request_id, done.answer, done.outcome, c.received
+                c.key,
+                self._deliver_recorded,
+                done.ws,
+                done.stamp,
+                c.request_id,
+                done.answer,
+                done.outcome,
+                c.received,
             )
         except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
             await self.worker.call(self._set_problem, done.ws, f"{type(exc).__name__}: {exc}")
@@ -1018,7 +1031,7 @@ class Pipeline:
             answer = known.answer if known.answer is not None else make(ws)
             if known.answer is None:
                 self.store.set_answer(c.key, c.request_id, answer, timestamp(self.clock()))
-        return _Answered(ws, answer, outcome)
+        return _Answered(ws, answer, outcome, self.store.budget_order.stamp())
 
     def _finish_sleep(self, c: Continuation, refs: tuple[JobRef, ...]) -> _Answered:
         def make(ws: WorkspaceRow) -> bytes:

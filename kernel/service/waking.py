@@ -160,8 +160,9 @@ class Waker:
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks))
         return True
 
-    def _wake_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, str, bytes, bytes, str] | None:
-        """(store worker) The recorded wake of a gathered sleep: (workspace, sleep id, json, md, woken_at)."""
+    def _wake_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, int, str, bytes, bytes, str] | None:
+        """(store worker) The recorded wake of a gathered sleep: (workspace, the stamp of this read of its balance
+        (kernel.io.budgetorder), sleep id, json, md, woken_at)."""
         sleep = self.store.sleep(key, seq)
         row = self.store.exec_sleep(key, seq)
         ws = self.store.workspace(key)
@@ -170,12 +171,21 @@ class Waker:
         wake_json, wake_md = row.wake_json, row.wake_md
         assert wake_json is not None
         assert wake_md is not None
-        return ws, sleep.id, wake_json, wake_md, _wake_decoder.decode(wake_json).woken_at
+        stamp = self.store.budget_order.stamp()
+        return ws, stamp, sleep.id, wake_json, wake_md, _wake_decoder.decode(wake_json).woken_at
 
     def _write_wake_files(
-        self, ws: WorkspaceRow, seq: int, sleep_id: str, wake_json: bytes, wake_md: bytes, woken_at: str
+        self,
+        ws: WorkspaceRow,
+        stamp: int,
+        seq: int,
+        sleep_id: str,
+        wake_json: bytes,
+        wake_md: bytes,
+        woken_at: str,
     ) -> bool:
-        """(heavy pool; no store access) Write the wake and budget.json into the channel."""
+        """(heavy pool; no store access) Write the wake and budget.json into the channel (budget.json in the order
+        of the balances' reads: a newer balance already written stays)."""
         key = ws.key
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
@@ -190,7 +200,7 @@ class Waker:
                 except safefs.Refused as e:
                     # The agent blocked its own wake (a directory in the way): it stays in the store.
                     klog.event("wake_blocked", logging.WARNING, ws=key, seq=seq, reason=e.reason)
-                write_budget(ch, ws.balance, woken_at)
+                self.store.budget_order.write(key, stamp, lambda: write_budget(ch, ws.balance, woken_at))
         except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
             self._problem("wake_deferred", key, seq, f"{type(e).__name__}: {e}")
             return False
@@ -211,9 +221,9 @@ class Waker:
         got = await self.worker.call(self._wake_inputs, key, seq)
         if got is None:
             return False
-        ws, sleep_id, wake_json, wake_md, woken_at = got
+        ws, stamp, sleep_id, wake_json, wake_md, woken_at = got
         if not await self.heavy.run(
-            key, self._write_wake_files, ws, seq, sleep_id, wake_json, wake_md, woken_at
+            key, self._write_wake_files, ws, stamp, seq, sleep_id, wake_json, wake_md, woken_at
         ):
             return False
         return await self.worker.call(self._record_woken, key, seq, sleep_id, woken_at)
