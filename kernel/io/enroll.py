@@ -81,6 +81,31 @@ class HeldElsewhere(EnrollError):
     """Another process (another kernel, or the agent) holds the channel directory's lock (kernel.io.chanlock)."""
 
 
+# The channel's lock (kernel.io.chanlock), taken for a workspace key before anything is written to its channel
+# (the service holds it; an operator's `enroll` only probes it): why not (another process holds it), or None.
+Claim = Callable[[str, safefs.Channel], str | None]
+
+
+def claim_channel(claim: Claim | None, key: str, ch: safefs.Channel, path: str) -> None:
+    """Take (or probe) `ch`'s lock for `key` through `claim`; HeldElsewhere when another process holds it. No
+    `claim`: nothing to take."""
+    if claim is not None:
+        held_elsewhere = claim(key, ch)
+        if held_elsewhere is not None:
+            raise HeldElsewhere(f"{path}: {held_elsewhere}")
+
+
+def _make_channel(path: str, resolved: str) -> safefs.Channel:
+    """The channel of a workspace being enrolled, opened (and made where missing); EnrollError saying what is in
+    the way."""
+    try:
+        return safefs.open_channel(resolved, create=True)
+    except safefs.ChannelMoved as exc:
+        raise EnrollError(f"{path}: the channel cannot be made: {exc}") from None
+    except safefs.Refused as exc:
+        raise EnrollError(f"{path}: {CHANNEL_DIR}/{exc}; remove it and enroll again") from None
+
+
 @dataclass(frozen=True, slots=True)
 class Grant:
     """Budgets an operator sets at enrollment; None keeps the current value (or the config default if new)."""
@@ -308,7 +333,7 @@ def enroll(
     slurm_account: str | None = None,
     hold_base: bool = True,
     checked: str | None = None,
-    claim: Callable[[str, safefs.Channel], str | None] | None = None,
+    claim: Claim | None = None,
 ) -> Enrolled:
     """Enroll (or refresh) one workspace. EnrollError when it is refused.
 
@@ -357,13 +382,7 @@ def enroll(
             where = f"--{EVAL_FLAGS.get(problem[0], problem[0])}" if contract is not None else problem[0]
             raise EnrollError(f"{path}: the eval contract's {where}: {problem[1]}")
     adopted = False
-    try:
-        ch = safefs.open_channel(resolved, create=True)
-    except safefs.ChannelMoved as exc:
-        raise EnrollError(f"{path}: the channel cannot be made: {exc}") from None
-    except safefs.Refused as exc:
-        raise EnrollError(f"{path}: {CHANNEL_DIR}/{exc}; remove it and enroll again") from None
-    with ch:
+    with _make_channel(path, resolved) as ch:
         try:
             owner = check_owner(store, ch, resolved)
         except OwnedElsewhere as exc:
@@ -373,10 +392,7 @@ def enroll(
             taken_from: StoreRef | None = exc.owner
         else:
             taken_from = None
-        if claim is not None:
-            held_elsewhere = claim(key, ch)
-            if held_elsewhere is not None:
-                raise HeldElsewhere(f"{path}: {held_elsewhere}")
+        claim_channel(claim, key, ch, path)
         if existing is not None and ch.identity.differs_from(existing.identity):
             if not explicit:
                 what = (
@@ -477,7 +493,7 @@ def prepare_new(
     tool: ToolSource,
     *,
     mounts: list[tuple[str, str]],
-    claim: Callable[[str, safefs.Channel], str | None] | None = None,
+    claim: Claim | None = None,
 ) -> Prepared:
     """The channel half of the service's automatic enrollment of `path`, which the store has no row for:
     `enroll(explicit=False, hold_base=False)` without touching the store, so many run at once in threads.
@@ -496,20 +512,11 @@ def prepare_new(
         problem = contract_problem(chosen) or score_data_problem(chosen, resolved)
         if problem is not None:
             raise EnrollError(f"{path}: the eval contract's {problem[0]}: {problem[1]}")
-    try:
-        ch = safefs.open_channel(resolved, create=True)
-    except safefs.ChannelMoved as exc:
-        raise EnrollError(f"{path}: the channel cannot be made: {exc}") from None
-    except safefs.Refused as exc:
-        raise EnrollError(f"{path}: {CHANNEL_DIR}/{exc}; remove it and enroll again") from None
-    with ch:
+    with _make_channel(path, resolved) as ch:
         found = owner_of(ch)
         if found is not None and found.store != facts.owner.store:
             raise OwnedElsewhere(resolved, found)
-        if claim is not None:
-            held_elsewhere = claim(key, ch)
-            if held_elsewhere is not None:
-                raise HeldElsewhere(f"{path}: {held_elsewhere}")
+        claim_channel(claim, key, ch, path)
         try:
             install(ch, tool, durable=False)
         except safefs.Refused as exc:
@@ -741,7 +748,7 @@ def refresh(
     *,
     jail: str,
     cfg: Config | None = None,
-    claim: Callable[[str, safefs.Channel], str | None] | None = None,
+    claim: Claim | None = None,
 ) -> str | None:
     """At start, for an enrolled workspace: reinstall the tool if it changed, and rewrite `kernel.json`,
     `budget.json` (and with `cfg`, `jobenv.json`) where they differ from the store (a crash may have left them
@@ -749,10 +756,7 @@ def refresh(
     another kernel's store; HeldElsewhere, with nothing written, when `claim` (the service's channel lock) says
     another process holds the channel."""
     owner = check_owner(store, ch, row.path)
-    if claim is not None:
-        held_elsewhere = claim(row.key, ch)
-        if held_elsewhere is not None:
-            raise HeldElsewhere(f"{row.path}: {held_elsewhere}")
+    claim_channel(claim, row.key, ch, row.path)
     if row.tool_sha256 != tool.sha256 or not row.identity.subdirs:
         # A channel enrolled before subdirectory identities were recorded gets them now (what is there at
         # this start), and is checked against them from then on.

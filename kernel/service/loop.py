@@ -312,9 +312,7 @@ class Service:
                     found = enrollment.owner_fingerprint(ch, row.path, mine=mine)
                     if found is not None:
                         self._seen_now[row.key] = found
-                held_elsewhere = self._claim(row.key, ch)
-                if held_elsewhere is not None:
-                    raise enrollment.HeldElsewhere(f"{row.path}: {held_elsewhere}")
+                enrollment.claim_channel(self._claim, row.key, ch, row.path)
                 self._served_again(row)
                 self._stale.add(row.key)
                 if row.key not in self._paused:
