@@ -32,7 +32,7 @@ from kernel.io import log as klog
 from kernel.io.crash import crash_point
 from kernel.io.enroll import write_budget
 from kernel.io.repo import KernelRepo, RepoError, snapshot_ref
-from kernel.io.snapshot import release as release_snapshot
+from kernel.io.snapshot import release_sync
 from kernel.io.store import StoreWorker, timestamp
 from kernel.service import gather
 from kernel.service.evaluation import Evaluation
@@ -246,7 +246,8 @@ class Waker:
         if ws is None:
             return
         try:
-            await release_snapshot(KernelRepo.at(self.cfg.run_dir, key), seq)
+            # A git process in the workspace's repository: its heavy work (one job at a time, the deadline).
+            await self.heavy.run(key, release_sync, KernelRepo.at(self.cfg.run_dir, key), seq)
         except (RepoError, OSError) as e:
             klog.event("snapshot_release_failed", logging.WARNING, ws=key, seq=seq, problem=str(e))
         await self.worker.call(self._mark_released, key, seq)
