@@ -605,31 +605,47 @@ def write_atomic_at(
     the temp file is removed and the old `name` is untouched. `durable=False` leaves out both fsyncs: the caller
     makes many writes durable at once with `sync_filesystem` before it relies on them.
 
-    `shown_first=True` renames before the two fsyncs (made on the still open file, then on the directory), so a
-    reader sees the file a disk flush sooner; it is durable when the call returns, as without it. Only for a file
-    the kernel can write again from its own durable record should a power cut leave it torn (an answer: its
-    request is removed only after this returns, and the next start replays the recorded answer over it).
+    `shown_first=True` renames before the two fsyncs (the file's, through a second, read-only descriptor, then the
+    directory's), so a reader sees the file a disk flush sooner; it is durable when the call returns, as without
+    it. The writing descriptor is closed before the rename, so nothing is ever written or closed-after-writing
+    under the final name (a client watching inotify sees only the rename, spec 2.4). Only for a file the kernel
+    can write again from its own durable record should a power cut leave it torn (an answer: its request is
+    removed only after this returns, and the next start replays the recorded answer over it).
     """
     check_name(name)
     tmp, fd = _new_temp(dir_fd)
+    reader = -1
     try:
         try:
             os.fchmod(fd, mode)
             _write_all(fd, data)
-            if shown_first:
-                _commit(dir_fd, tmp, name, durable=False)
-            if durable:
+            if shown_first and durable:
+                reader = _reopen_readonly(fd)
+            if durable and reader < 0:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        if shown_first:
-            if durable:
-                os.fsync(dir_fd)
-        else:
+        if reader < 0:
             _commit(dir_fd, tmp, name, durable)
+            return
+        _commit(dir_fd, tmp, name, durable=False)
+        os.fsync(reader)
+        os.fsync(dir_fd)
     except BaseException:
         _discard(dir_fd, tmp)
         raise
+    finally:
+        if reader >= 0:
+            os.close(reader)
+
+
+def _reopen_readonly(fd: int) -> int:
+    """A read-only descriptor of the file open as `fd` (a new open of the same inode through /proc, which fsync
+    accepts); -1 where /proc is not mounted (the caller then fsyncs before the rename)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def copy_atomic_at(

@@ -40,6 +40,8 @@ from channel.safefs import (
     sweep_kernel_temps,
     write_atomic_at,
 )
+from spec.conformance.checks import written_in_place
+from spec.conformance.inotify import IN_MOVED_TO, Watcher
 
 CAP = REQUEST_MAX_BYTES
 
@@ -609,6 +611,26 @@ def test_an_atomic_write_is_durable_when_it_returns_and_shown_first_renames_befo
     assert steps == want
     assert (d / "a.json").read_bytes() == b"answer"
     assert os.listdir(d) == ["a.json"], "the temp file was left behind"
+
+
+@pytest.mark.parametrize("shown_first", [False, True])
+def test_an_atomic_write_is_never_written_or_closed_after_writing_under_its_final_name(
+    tmp_path: Path, shown_first: bool
+) -> None:
+    """Seen by inotify (as the conformance suite's 2.4 check sees it): under the final name only the rename, no
+    IN_MODIFY and no IN_CLOSE_WRITE (a client that takes IN_CLOSE_WRITE for a finished file must not see one)."""
+    d = tmp_path / "answers"
+    d.mkdir()
+    with Watcher([str(d)]) as w:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            write_atomic_at(dfd, "a.json", b"answer", shown_first=shown_first)
+        finally:
+            os.close(dfd)
+        time.sleep(0.2)
+        events = w.events()
+    assert not written_in_place(events, str(d), "a.json"), events
+    assert [e for e in events if e.name == "a.json" and e.mask & IN_MOVED_TO], "no rename into place seen"
 
 
 def test_shown_first_is_refused_by_a_directory_in_the_way_and_leaves_nothing(tmp_path: Path) -> None:
