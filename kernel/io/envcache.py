@@ -346,7 +346,7 @@ class EnvCache:
                     raise
             return ready
         finally:
-            if tmp.exists():
+            if tmp.exists():  # a plain thread: the kernel's own cache, not one workspace's files
                 await anyio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
 
     async def _compile(self, venv: Path, cache: Path, log: Path) -> None:

@@ -689,6 +689,7 @@ class Service:
                 if self.watcher is not None:
                     self.watcher.stop()
                     with anyio.CancelScope(shield=True):
+                        # A plain thread: the kernel's own watcher thread, waited for 10 s at most.
                         await anyio.to_thread.run_sync(self.watcher.join, 10.0)
         log.event("stopped", answered=self.pipeline.answered)
 
