@@ -17,6 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from _parts import TOOL, Clock
 from fakes.fake_slurm import FakeSlurm
 
 from channel.paths import RunPaths
@@ -26,14 +27,11 @@ from kernel.backends.slurm.backend import SlurmBackend, SlurmRefused, SlurmSubmi
 from kernel.core.config import Config, parse
 from kernel.core.records import WorkspaceRow
 from kernel.io.enroll import Grant, enroll
-from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreWorker
 from kernel.service.execute import RealExecutor
 from kernel.service.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
-T0 = 1_800_000_000.0
 REFUSED = "sbatch: error: Batch job submission failed: Invalid partition name specified"
 TRANSIENT = "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation"
 
@@ -86,14 +84,6 @@ def test_the_slurm_errors_say_whose_fault_they_are() -> None:
 
 
 # --- behaviour through the real executor ---------------------------------------------------------------------
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _cfg(tmp: Path, backend: str) -> Config:

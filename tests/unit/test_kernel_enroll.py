@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from _parts import TOOL
 
 from channel import safefs
 from channel.messages import BudgetFile, KernelInfo
@@ -26,8 +27,6 @@ from kernel.io.enroll import (
 )
 from kernel.io.install import ToolSource
 from kernel.io.store import Store
-
-TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
 
 
 def dot_git(ws: Path) -> dict[str, bytes]:
@@ -53,13 +52,6 @@ def git_repo(path: Path) -> Path:
 @pytest.fixture
 def cfg(tmp_path: Path) -> Config:
     return parse(f'state_dir = "{tmp_path}/state"\n[defaults]\nlaunches = 7\n', "<test>", env={})
-
-
-@pytest.fixture
-def store(cfg: Config) -> Store:
-    s = Store.open(cfg.db_path)
-    yield s  # type: ignore[misc]
-    s.close()
 
 
 def test_enroll_creates_and_records_the_channel(tmp_path: Path, cfg: Config, store: Store) -> None:

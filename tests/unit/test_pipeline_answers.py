@@ -4,33 +4,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
+from _parts import enrolled
 
-from kernel.core.config import Config, parse
-from kernel.io.enroll import enroll
-from kernel.io.install import ToolSource
+from kernel.core.config import Config
 from kernel.io.store import Store, StoreWorker
 from kernel.service.executor import PendingExecutor
 from kernel.service.pipeline import Pipeline
-
-TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
-
-
-@pytest.fixture
-def cfg(tmp_path: Path) -> Config:
-    return parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
-
-
-@pytest.fixture
-def store(cfg: Config) -> Iterator[Store]:
-    s = Store.open(cfg.db_path)
-    yield s
-    s.close()
 
 
 def put(ch: Path, rid: str) -> Path:
@@ -45,9 +28,7 @@ def put(ch: Path, rid: str) -> Path:
 def test_a_blocked_answer_keeps_its_request_and_is_delivered_once_unblocked(
     tmp_path: Path, cfg: Config, store: Store, block: str
 ) -> None:
-    ws = tmp_path / "ws"
-    subprocess.run(["git", "init", "-q", str(ws)], check=True)
-    row = enroll(store, cfg, str(ws), TOOL).row
+    ws, row = enrolled(tmp_path, store, cfg)
     ch = ws / ".syscall"
     worker = StoreWorker(store)
     pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
@@ -91,9 +72,7 @@ def test_an_event_that_names_its_request_reads_only_that_request(
     is not a request, or no name, lists in full (and the rescan always does)."""
     from channel import safefs
 
-    ws = tmp_path / "ws"
-    subprocess.run(["git", "init", "-q", str(ws)], check=True)
-    row = enroll(store, cfg, str(ws), TOOL).row
+    ws, row = enrolled(tmp_path, store, cfg)
     ch = ws / ".syscall"
     for i in range(2000):
         (ch / "requests" / f".t{i:05d}.tmp").write_bytes(b"{")
@@ -135,9 +114,7 @@ def test_a_read_only_answer_is_shown_before_its_record_is_synced_and_its_request
 ) -> None:
     """A status answer is recorded without the WAL's fsync and shown at once; the store is synced (once per
     turn) before any of the turn's requests is removed, so a removed request always has a durable record."""
-    ws = tmp_path / "ws"
-    subprocess.run(["git", "init", "-q", str(ws)], check=True)
-    row = enroll(store, cfg, str(ws), TOOL).row
+    ws, row = enrolled(tmp_path, store, cfg)
     ch = ws / ".syscall"
     worker = StoreWorker(store)
     pipeline = Pipeline(cfg, worker, PendingExecutor(worker))

@@ -7,31 +7,18 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
+from _parts import Clock, enrolled
 
 from kernel.core import rules
-from kernel.core.config import Config, parse
-from kernel.io.enroll import Grant, enroll
-from kernel.io.install import ToolSource
+from kernel.core.config import Config
+from kernel.io.enroll import Grant
 from kernel.io.store import Store, StoreWorker
 from kernel.service.executor import ExecutorUnavailable, JobRef, PendingExecutor, SleepOrder
 from kernel.service.pipeline import RETRY_BASE_S, RETRY_CAP_S, Pipeline
-
-TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
-T0 = 1_800_000_000.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Failing(PendingExecutor):
@@ -54,18 +41,6 @@ class Failing(PendingExecutor):
         return await super().dispatch(order)
 
 
-@pytest.fixture
-def cfg(tmp_path: Path) -> Config:
-    return parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
-
-
-@pytest.fixture
-def store(cfg: Config) -> Iterator[Store]:
-    s = Store.open(cfg.db_path)
-    yield s
-    s.close()
-
-
 def put(ws: Path, rid: str, body: dict[str, object]) -> Path:
     rq = ws / ".syscall" / "requests"
     (rq / f".{rid}.tmp").write_text(json.dumps({"protocol": 1, "id": rid, **body}))
@@ -81,9 +56,7 @@ def test_retry_delay_doubles_and_is_capped() -> None:
 def test_executor_unavailable_backs_off_per_workspace_and_logs_once(
     tmp_path: Path, cfg: Config, store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ws = tmp_path / "ws"
-    subprocess.run(["git", "init", "-q", str(ws)], check=True)
-    row = enroll(store, cfg, str(ws), TOOL, Grant(launches=5, sleeps=5, gpu_hours=1)).row
+    ws, row = enrolled(tmp_path, store, cfg, Grant(launches=5, sleeps=5, gpu_hours=1))
     clock = Clock()
     worker = StoreWorker(store)
     executor = Failing(worker, clock)

@@ -4,42 +4,16 @@ ones. Real store, real enrollment, real directories; only the kernel's clock is 
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
+from _parts import T0, Clock, enrolled
 
 from kernel.core.config import Config, ConfigError, parse
-from kernel.io.enroll import enroll
-from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreWorker
 from kernel.service.executor import PendingExecutor
 from kernel.service.pipeline import TEMPS_PER_LISTING, Pipeline
-
-TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
-T0 = 1_800_000_000.0
-
-
-@pytest.fixture
-def cfg(tmp_path: Path) -> Config:
-    return parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
-
-
-@pytest.fixture
-def store(cfg: Config) -> Iterator[Store]:
-    s = Store.open(cfg.db_path)
-    yield s
-    s.close()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_temps(rq: Path, prefix: str, n: int, mtime: float) -> None:
@@ -52,9 +26,7 @@ def make_temps(rq: Path, prefix: str, n: int, mtime: float) -> None:
 def test_batches_resume_after_the_last_name_and_young_temps_are_not_relisted(
     tmp_path: Path, cfg: Config, store: Store
 ) -> None:
-    ws = tmp_path / "ws"
-    subprocess.run(["git", "init", "-q", str(ws)], check=True)
-    row = enroll(store, cfg, str(ws), TOOL).row
+    ws, row = enrolled(tmp_path, store, cfg)
     rq = ws / ".syscall" / "requests"
     clock = Clock()
     worker = StoreWorker(store)
