@@ -36,6 +36,29 @@ def git_workspace(path: Path) -> Path:
     return path
 
 
+def git(ws: Path, *args: str) -> str:
+    """git in `ws` as the test's user (name and email set, so a commit needs no config), checked: its stdout,
+    stripped."""
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+        cwd=ws,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+def make_workspace(path: Path, files: dict[str, str] | None = None) -> Path:
+    """A new git workspace at `path` with `files` (default: a README naming it) in its first commit."""
+    path.mkdir(parents=True)
+    git(path, "init", "-q")
+    for name, text in ({"README": f"workspace {path.name}\n"} if files is None else files).items():
+        (path / name).write_text(text)
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init", "--allow-empty")
+    return path
+
+
 def put_request(ws: Path, rid: str, data: bytes | dict[str, Any]) -> None:
     """Commit a request the way the tool does: temp file, fsync-free here, rename into requests/."""
     body = data if isinstance(data, bytes) else json.dumps(data).encode()

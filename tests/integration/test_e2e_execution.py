@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, wait_for
+from kernelproc import Kernel, git, make_workspace, wait_for
 
 from channel.paths import workspace_key
 
@@ -39,25 +39,6 @@ SCENARIOS = (
     "unusable",
     "blocked",
 )
-
-
-def git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-    )
-
-
-def make_workspace(path: Path, files: dict[str, str]) -> Path:
-    path.mkdir(parents=True)
-    git(path, "init", "-q")
-    for name, text in files.items():
-        (path / name).write_text(text)
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "init", "--allow-empty")
-    return path
 
 
 class Env:

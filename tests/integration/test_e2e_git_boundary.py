@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, put_request, read_answer, wait_for
+from kernelproc import Kernel, git, put_request, read_answer, wait_for
 
 from channel.paths import workspace_key
 
@@ -42,18 +42,6 @@ WORSE = '{"score": 0.4}\n'
 CONTRACT = ("--eval-command", "sh eval.sh", "--metric", "score", "--no-seed")
 HOSTILE_NAME = "x;touch${IFS}%s;#"
 SPACES = ("reflog", "forged", "twin", "packed", "pending", "sealed")
-
-
-def git(ws: Path, *args: str, **kw: Any) -> str:
-    done = subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-        text=True,
-        **kw,
-    )
-    return done.stdout.strip()
 
 
 def make_ws(root: Path, name: str, family: str = "") -> Path:

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from kernelproc import ROOT, Kernel, put_request, read_answer, wait_for
+from kernelproc import ROOT, Kernel, make_workspace, put_request, read_answer, wait_for
 
 from channel.paths import RunPaths, workspace_key
 from kernel.backends.slurm import backend as S
@@ -51,24 +51,6 @@ client_timeout_seconds = 10
 """
 OUTAGE_S = 30.0
 GPU_HOURS = 4.0
-
-
-def git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-    )
-
-
-def make_workspace(path: Path) -> Path:
-    path.mkdir(parents=True)
-    git(path, "init", "-q")
-    (path / "README").write_text(f"workspace {path.name}\n")
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "init")
-    return path
 
 
 def slurm(conf: Path, *argv: str) -> subprocess.CompletedProcess[str]:

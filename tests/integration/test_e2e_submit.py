@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, put_request, wait_for
+from kernelproc import Kernel, git, put_request, wait_for
 
 from channel.paths import workspace_key
 from kernel.core.evaluate import seed_commitment
@@ -52,15 +52,6 @@ pwd > "$f.cwd"
 env > "$f.env"
 if grep -q fail-the-hook "$f"; then echo "refusing on purpose" >&2; exit 7; fi
 """
-
-
-def git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-    )
 
 
 class Env:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel
+from kernelproc import Kernel, git
 
 from channel.paths import workspace_key
 from kernel.core.evaluate import seed_commitment
@@ -100,16 +100,6 @@ import model
 labels = [i % 2 for i in range(10)]
 open("predictions.txt", "w").write(" ".join(str(l if i < model.CORRECT else 1 - l) for i, l in enumerate(labels)))
 """
-
-
-def git(ws: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
 
 
 def score_flags(private: Path, scorer: str = "score.py") -> tuple[str, ...]:

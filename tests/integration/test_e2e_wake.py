@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, wait_for
+from kernelproc import Kernel, git, make_workspace, wait_for
 
 from channel.paths import workspace_key
 
@@ -29,25 +29,6 @@ pytestmark = pytest.mark.bwrap
 
 SCENARIOS = ("tail", "sweep", "clean", "spoof")
 RAW = (b"\x1b", b"\x07", b"\r")
-
-
-def git(ws: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-
-
-def make_workspace(path: Path) -> Path:
-    path.mkdir(parents=True)
-    git(path, "init", "-q")
-    (path / "README").write_text(f"workspace {path.name}\n")
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "init")
-    return path
 
 
 class Env:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, wait_for
+from kernelproc import Kernel, make_workspace, wait_for
 from testenv import IN_CI
 
 from channel.paths import workspace_key
@@ -53,25 +53,6 @@ def need(component: str, available: bool, why: str) -> None:
         if IN_CI:
             pytest.fail(f"{message} (CI=true: tests needing {component} must run)")
         pytest.skip(message)
-
-
-def git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-    )
-
-
-def make_workspace(path: Path, files: dict[str, str]) -> Path:
-    path.mkdir(parents=True)
-    git(path, "init", "-q")
-    for name, text in files.items():
-        (path / name).write_text(text)
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "init", "--allow-empty")
-    return path
 
 
 def make_lock(tmp: Path) -> str:

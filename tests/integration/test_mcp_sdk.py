@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import anyio
 import jsonschema
 import pytest
-from kernelproc import Kernel, wait_for
+from kernelproc import Kernel, git, wait_for
 from mcp import Client, StdioServerParameters
 from testenv import IN_CI, python38
 
@@ -39,15 +38,6 @@ TOOLS = [
     "history",
     "tail",
 ]
-
-
-def git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-    )
 
 
 @pytest.fixture(scope="module")

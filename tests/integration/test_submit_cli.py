@@ -8,20 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from kernelproc import Kernel
+from kernelproc import Kernel, git
 
 from channel.paths import workspace_key
-
-
-def git(ws: Path, *args: str) -> str:
-    done = subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout.strip()
 
 
 def base_of(kernel: Kernel, ws: Path) -> tuple[str, str] | None:
