@@ -36,6 +36,25 @@ def git_workspace(path: Path) -> Path:
     return path
 
 
+# git with no user or system config (what a test's git must not depend on), committing as the test's user.
+PLAIN_GIT = {
+    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_CONFIG_SYSTEM": "/dev/null",
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.invalid",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.invalid",
+}
+
+
+def plain_git(ws: Path, *args: str) -> str:
+    """git in `ws` with PLAIN_GIT's environment, checked: its stdout, stripped."""
+    return subprocess.run(
+        ["git", *args], cwd=ws, env=PLAIN_GIT, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
 def git(ws: Path, *args: str) -> str:
     """git in `ws` as the test's user (name and email set, so a commit needs no config), checked: its stdout,
     stripped."""

@@ -9,40 +9,25 @@ from pathlib import Path
 
 import anyio
 import pytest
+from kernelproc import PLAIN_GIT, plain_git
 
 from kernel.io import repo as R
 from kernel.io import snapshot as S
-
-ENV = {
-    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_CONFIG_SYSTEM": "/dev/null",
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@example.invalid",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@example.invalid",
-}
-
-
-def git(ws: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=ws, env=ENV, check=True, capture_output=True, text=True
-    ).stdout.strip()
 
 
 @pytest.fixture
 def ws(tmp_path: Path) -> Path:
     ws = tmp_path / "ws"
     ws.mkdir()
-    git(ws, "init", "-q", "-b", "main")
+    plain_git(ws, "init", "-q", "-b", "main")
     (ws / "eval.py").write_text("print(0.5)\n")
     (ws / "pkg").mkdir()
     (ws / "pkg" / "lib.py").write_text("X = 1\n")
     (ws / "run.sh").write_text("#!/bin/sh\n")
     (ws / "run.sh").chmod(0o755)
     (ws / "link").symlink_to("eval.py")
-    git(ws, "add", "-A")
-    git(ws, "commit", "-qm", "base")
+    plain_git(ws, "add", "-A")
+    plain_git(ws, "commit", "-qm", "base")
     return ws
 
 
@@ -59,7 +44,7 @@ def take(repo: R.KernelRepo, ws: Path, rev: str = "HEAD") -> R.Base | None:
 
 def test_a_base_is_imported_with_the_agents_ids_and_read_back(ws: Path, repo: R.KernelRepo) -> None:
     base = take(repo, ws)
-    assert base == R.Base(git(ws, "rev-parse", "HEAD"), git(ws, "rev-parse", "HEAD^{tree}"))
+    assert base == R.Base(plain_git(ws, "rev-parse", "HEAD"), plain_git(ws, "rev-parse", "HEAD^{tree}"))
     assert R.held(repo, base.tree)
     assert repo.read_blob(base.tree, "pkg/lib.py") == b"X = 1\n"
     assert repo.read_blob(base.tree, "missing") is None
@@ -70,27 +55,27 @@ def test_a_base_is_imported_with_the_agents_ids_and_read_back(ws: Path, repo: R.
         ("link", "120000"),
     }
     # A branch, a tag, a packed ref and a full id resolve against the copy of the agent's refs.
-    git(ws, "tag", "v1")
-    git(ws, "branch", "side")
-    git(ws, "pack-refs", "--all")
+    plain_git(ws, "tag", "v1")
+    plain_git(ws, "branch", "side")
+    plain_git(ws, "pack-refs", "--all")
     for rev in ("main", "v1", "side", "HEAD", base.commit):
         assert take(repo, ws, rev) == base
-    assert "syscall" not in git(ws, "for-each-ref")
+    assert "syscall" not in plain_git(ws, "for-each-ref")
 
 
 def test_a_repository_without_commits_has_no_base(tmp_path: Path, repo: R.KernelRepo) -> None:
     ws = tmp_path / "empty"
     ws.mkdir()
-    git(ws, "init", "-q")
+    plain_git(ws, "init", "-q")
     assert take(repo, ws) is None
 
 
 def test_a_loose_object_rewritten_in_place_is_refused_naming_the_file(ws: Path, repo: R.KernelRepo) -> None:
-    oid = git(ws, "rev-parse", "HEAD:pkg/lib.py")
+    oid = plain_git(ws, "rev-parse", "HEAD:pkg/lib.py")
     path = ws / ".git" / "objects" / oid[:2] / oid[2:]
     path.chmod(0o644)
     path.write_bytes(zlib.compress(b"blob 6\0X = 9\n"))
-    assert git(ws, "cat-file", "blob", oid) == "X = 9"  # git itself serves the forgery
+    assert plain_git(ws, "cat-file", "blob", oid) == "X = 9"  # git itself serves the forgery
     with pytest.raises(
         R.ObjectMismatch, match=r"'pkg/lib\.py' \(blob [0-9a-f]{40}\) does not hash to its id"
     ):
@@ -98,7 +83,7 @@ def test_a_loose_object_rewritten_in_place_is_refused_naming_the_file(ws: Path, 
 
 
 def test_a_tree_or_commit_rewritten_in_place_is_refused(ws: Path, repo: R.KernelRepo) -> None:
-    commit = git(ws, "rev-parse", "HEAD")
+    commit = plain_git(ws, "rev-parse", "HEAD")
     path = ws / ".git" / "objects" / commit[:2] / commit[2:]
     path.chmod(0o644)
     body = zlib.decompress(path.read_bytes()).replace(b"base", b"fake")
@@ -121,7 +106,7 @@ def test_links_in_git_are_refused_with_their_path(ws: Path, repo: R.KernelRepo, 
         take(repo, ws)
     (dot / "objects").unlink()
     (tmp_path / "objects").rename(dot / "objects")
-    git(ws, "pack-refs", "--all")
+    plain_git(ws, "pack-refs", "--all")
     (dot / "packed-refs").rename(tmp_path / "packed-refs")
     (dot / "packed-refs").symlink_to(tmp_path / "packed-refs")
     with pytest.raises(R.UntrustedGit, match=r"packed-refs is a symlink"):
@@ -131,13 +116,13 @@ def test_links_in_git_are_refused_with_their_path(ws: Path, repo: R.KernelRepo, 
 def test_alternates_are_never_taken(ws: Path, repo: R.KernelRepo, tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.mkdir()
-    git(other, "init", "-q")
+    plain_git(other, "init", "-q")
     (other / "secret.txt").write_text("other workspace\n")
-    git(other, "add", "-A")
-    git(other, "commit", "-qm", "o")
+    plain_git(other, "add", "-A")
+    plain_git(other, "commit", "-qm", "o")
     (ws / ".git" / "objects" / "info" / "alternates").write_text(f"{other / '.git' / 'objects'}\n")
     with pytest.raises(R.UntrustedGit, match="is missing"):
-        take(repo, ws, git(other, "rev-parse", "HEAD"))
+        take(repo, ws, plain_git(other, "rev-parse", "HEAD"))
 
 
 def test_held_bases_survive_gc_and_released_snapshots_go(
@@ -152,7 +137,7 @@ def test_held_bases_survive_gc_and_released_snapshots_go(
     repo.gc(prune="now")
     assert R.held(repo, base.tree)
     assert repo.read_blob(base.tree, "eval.py") == b"print(0.5)\n"
-    gone = subprocess.run(["git", "--git-dir", str(repo.path), "cat-file", "-e", blob], env=ENV)
+    gone = subprocess.run(["git", "--git-dir", str(repo.path), "cat-file", "-e", blob], env=PLAIN_GIT)
     assert gone.returncode != 0
     assert not repo.gc_due(3600)  # just stamped
 
@@ -167,8 +152,8 @@ def test_legacy_refs_are_named_never_followed(ws: Path, tmp_path: Path) -> None:
     finally:
         os.close(fd)
     (ws / ".git" / "refs" / "syscall").unlink()
-    git(ws, "update-ref", "refs/syscall/k/base", "HEAD")
-    git(ws, "update-ref", "refs/syscall/k/4", "HEAD")
+    plain_git(ws, "update-ref", "refs/syscall/k/base", "HEAD")
+    plain_git(ws, "update-ref", "refs/syscall/k/4", "HEAD")
     (ws / ".git" / "refs" / "syscall" / "k" / "5").symlink_to(outside / "k")
     fd = R.open_dot_git(ws)
     try:
@@ -181,7 +166,7 @@ def test_legacy_refs_are_named_never_followed(ws: Path, tmp_path: Path) -> None:
         os.close(fd)
     (ws / ".git" / "refs" / "syscall" / "k" / "5").unlink()
     (ws / ".git" / "refs" / "syscall" / "k" / "4").unlink()
-    git(ws, "pack-refs", "--all")
+    plain_git(ws, "pack-refs", "--all")
     fd = R.open_dot_git(ws)
     try:
         assert R.legacy_refs(fd) == ["refs/syscall/k/base"]
@@ -203,19 +188,19 @@ def test_pure_helpers() -> None:
 def test_a_sha256_repository_is_verified_with_sha256(tmp_path: Path, repo: R.KernelRepo) -> None:
     ws = tmp_path / "ws256"
     ws.mkdir()
-    git(ws, "init", "-q", "--object-format=sha256")
+    plain_git(ws, "init", "-q", "--object-format=sha256")
     (ws / "a.txt").write_text("a\n")
-    git(ws, "add", "-A")
-    git(ws, "commit", "-qm", "one")
+    plain_git(ws, "add", "-A")
+    plain_git(ws, "commit", "-qm", "one")
     base = take(repo, ws)
     assert base is not None
     assert len(base.commit) == 64
-    assert base.commit == git(ws, "rev-parse", "HEAD")
+    assert base.commit == plain_git(ws, "rev-parse", "HEAD")
     assert repo.read_blob(base.tree, "a.txt") == b"a\n"
     (ws / "b.txt").write_text("b\n")
     snap = S.snapshot_sync(ws, repo, 1, tmp_dir=tmp_path / "ktmp")
     assert {e.path for e in repo.list_tree(snap.tree)} == {"a.txt", "b.txt"}
-    oid = git(ws, "rev-parse", "HEAD:a.txt")
+    oid = plain_git(ws, "rev-parse", "HEAD:a.txt")
     loose = ws / ".git" / "objects" / oid[:2] / oid[2:]
     loose.chmod(0o644)
     loose.write_bytes(zlib.compress(b"blob 2\0z\n"))

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 import pytest
+from kernelproc import PLAIN_GIT
 
 from kernel.backends import jobscript
 from kernel.backends import local as L
@@ -31,15 +32,6 @@ from kernel.io.repo import KernelRepo
 from kernel.node.jail import JailPolicy
 
 T = TypeVar("T")
-PLAIN_GIT = {
-    "PATH": "/usr/bin:/bin",
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_CONFIG_SYSTEM": "/dev/null",
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@example.invalid",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@example.invalid",
-}
 NONE = JailPolicy(kind="none")
 
 

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 import pytest
+from kernelproc import PLAIN_GIT
 
 from kernel.backends import jobscript
 from kernel.backends.base import JobSpec, TaskExit
@@ -32,15 +33,6 @@ pytestmark = pytest.mark.slurm
 T = TypeVar("T")
 WS = "it-abcdef0123"
 SLURM_CLUSTER = Path(__file__).resolve().parents[2] / "scripts" / "slurm-cluster"
-PLAIN_GIT = {
-    "PATH": "/usr/bin:/bin",
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_CONFIG_SYSTEM": "/dev/null",
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@example.invalid",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@example.invalid",
-}
 # Small jobs; no setup slack so `minutes` is Slurm's --time; the wrapper is warned 30 s before the walltime.
 POLICY = SbatchPolicy(mem_mb=64, setup_slack_minutes=0, warn_seconds=30)
 

@@ -13,37 +13,22 @@ from pathlib import Path
 
 import anyio
 import pytest
+from kernelproc import PLAIN_GIT, plain_git
 
 from kernel.io import repo as R
 from kernel.io import snapshot as S
-
-PLAIN_GIT = {
-    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_CONFIG_SYSTEM": "/dev/null",
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@example.invalid",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@example.invalid",
-}
-
-
-def git(ws: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=ws, env=PLAIN_GIT, check=True, capture_output=True, text=True
-    ).stdout
 
 
 def make_repo(tmp_path: Path, files: dict[str, str], *, commit: bool = True) -> Path:
     ws = tmp_path / "ws"
     ws.mkdir()
-    git(ws, "init", "-q", "-b", "main")
+    plain_git(ws, "init", "-q", "-b", "main")
     for rel, text in files.items():
         (ws / rel).parent.mkdir(parents=True, exist_ok=True)
         (ws / rel).write_text(text)
     if commit:
-        git(ws, "add", "-A")
-        git(ws, "commit", "-qm", "init")
+        plain_git(ws, "add", "-A")
+        plain_git(ws, "commit", "-qm", "init")
     return ws
 
 
@@ -93,9 +78,9 @@ def test_dirty_untracked_symlinks_and_modes_are_captured_and_the_channel_is_not(
         tmp_path,
         {"train.py": "v1\n", "gone.txt": "x\n", ".gitignore": "*.log\nkept.log\n", "kept.log": "tracked\n"},
     )
-    git(ws, "add", "-f", "kept.log")
-    git(ws, "commit", "-qm", "track an ignored file")
-    head = git(ws, "rev-parse", "HEAD").strip()
+    plain_git(ws, "add", "-f", "kept.log")
+    plain_git(ws, "commit", "-qm", "track an ignored file")
+    head = plain_git(ws, "rev-parse", "HEAD")
     (ws / "train.py").write_text("v2 dirty\n")
     (ws / "gone.txt").unlink()
     (ws / "new" / "deep").mkdir(parents=True)
@@ -127,7 +112,7 @@ def test_dirty_untracked_symlinks_and_modes_are_captured_and_the_channel_is_not(
     # The workspace's .git is untouched, byte for byte, and holds nothing of the snapshot.
     assert fingerprint(ws / ".git") == before
     assert subprocess.run(["git", "cat-file", "-e", s.commit], cwd=ws, env=PLAIN_GIT).returncode != 0
-    assert "gone.txt" in git(ws, "ls-files")
+    assert "gone.txt" in plain_git(ws, "ls-files")
 
 
 def test_a_repository_without_commits_gets_a_root_commit(tmp_path: Path) -> None:
@@ -161,13 +146,13 @@ def test_a_filter_driver_does_not_run(tmp_path: Path) -> None:
     ws = make_repo(tmp_path, {"a.txt": "raw bytes\n", ".gitattributes": "* filter=evil\n"})
     evil = f"sh -c 'touch {marker}; tr a-z A-Z'"
     for key in ("clean", "smudge"):
-        git(ws, "config", f"filter.evil.{key}", evil)
-    git(ws, "config", "filter.evil.required", "true")
+        plain_git(ws, "config", f"filter.evil.{key}", evil)
+    plain_git(ws, "config", "filter.evil.required", "true")
     (ws / "a.txt").write_text("dirty raw bytes\n")
     # Plain git does run it: the trick is live.
-    git(ws, "add", "a.txt")
+    plain_git(ws, "add", "a.txt")
     assert marker.exists()
-    git(ws, "reset", "-q")
+    plain_git(ws, "reset", "-q")
     marker.unlink()
 
     s = snap(ws, tmp_path)
@@ -185,10 +170,10 @@ def test_hooks_and_fsmonitor_do_not_run(tmp_path: Path) -> None:
     monitor = tmp_path / "fsmonitor.sh"
     monitor.write_text(f"#!/bin/sh\necho fsmonitor >> {marker}\n")
     monitor.chmod(0o755)
-    git(ws, "config", "core.fsmonitor", str(monitor))
+    plain_git(ws, "config", "core.fsmonitor", str(monitor))
     # Plain git does run them.
-    git(ws, "update-ref", "refs/heads/probe", "HEAD")
-    git(ws, "status", "--porcelain")
+    plain_git(ws, "update-ref", "refs/heads/probe", "HEAD")
+    plain_git(ws, "status", "--porcelain")
     assert {"reference-transaction", "fsmonitor"} <= set(marker.read_text().split())
     marker.unlink()
 
@@ -203,8 +188,8 @@ def test_gpg_signing_config_runs_nothing(tmp_path: Path) -> None:
     fake = tmp_path / "gpg.sh"
     fake.write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
     fake.chmod(0o755)
-    git(ws, "config", "commit.gpgSign", "true")
-    git(ws, "config", "gpg.program", str(fake))
+    plain_git(ws, "config", "commit.gpgSign", "true")
+    plain_git(ws, "config", "gpg.program", str(fake))
     snap(ws, tmp_path)
     assert not marker.exists()
 
@@ -246,10 +231,10 @@ def test_the_agents_config_is_never_read_includes_and_all(tmp_path: Path) -> Non
     ws = make_repo(tmp_path, {"a.txt": "a\n"})
     (tmp_path / "ignore-all").write_text("*.txt\n")
     (tmp_path / "elsewhere.cfg").write_text(f"[core]\n\texcludesFile = {tmp_path / 'ignore-all'}\n")
-    git(ws, "config", "include.path", str(tmp_path / "elsewhere.cfg"))
+    plain_git(ws, "config", "include.path", str(tmp_path / "elsewhere.cfg"))
     (ws / "new.txt").write_text("new\n")
     # Plain git follows the include and hides new.txt.
-    assert "new.txt" not in git(ws, "ls-files", "--others", "--exclude-standard")
+    assert "new.txt" not in plain_git(ws, "ls-files", "--others", "--exclude-standard")
     s = snap(ws, tmp_path)
     assert "new.txt" in tree_of(tmp_path, s.ref)
 
@@ -327,7 +312,7 @@ def test_links_in_dot_git_are_never_followed_and_nothing_is_written_there(tmp_pa
     """objects/, refs/, logs/ and packed-refs swapped for links to an outside directory, an index.lock planted,
     and `.git` read-only: the snapshot reads none of the links, writes nothing, and takes the working tree."""
     ws = make_repo(tmp_path, {"a.txt": "a\n"})
-    head = git(ws, "rev-parse", "HEAD").strip()
+    head = plain_git(ws, "rev-parse", "HEAD")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "victim").write_text("precious\n")
@@ -366,9 +351,9 @@ def test_a_linked_index_is_refused_with_its_path(tmp_path: Path) -> None:
 
 def test_a_split_index_is_read_from_its_copy(tmp_path: Path) -> None:
     ws = make_repo(tmp_path, {"a.txt": "a\n", ".gitignore": "*.log\n", "kept.log": "x\n"})
-    git(ws, "add", "-f", "kept.log")
-    git(ws, "update-index", "--split-index")
-    git(ws, "commit", "-qm", "split")
+    plain_git(ws, "add", "-f", "kept.log")
+    plain_git(ws, "update-index", "--split-index")
+    plain_git(ws, "commit", "-qm", "split")
     assert list((ws / ".git").glob("sharedindex.*"))
     s = snap(ws, tmp_path)
     assert set(tree_of(tmp_path, s.ref)) == {"a.txt", ".gitignore", "kept.log"}  # the ignored file is tracked
