@@ -39,8 +39,9 @@ def crash_point(step: str) -> None:
 HANG_ENV: Final = "SYSCALL_KERNEL_HANG_CHANNEL"
 # channel: any channel I/O of the request path starts (open, read, write answers); listing: a full listing of
 # `requests/` was made and has not returned (a huge or slow directory); refresh: the after-ready refresh of the
-# kernel-written files; launches: a sleep's run directories are being written (heavy work of the workspace).
-HANG_STEPS: Final = ("channel", "listing", "refresh", "launches")
+# kernel-written files; launches: a sleep's run directories are being written; diff: a submit's candidate tree is
+# compared with its base (both heavy work of the workspace).
+HANG_STEPS: Final = ("channel", "listing", "refresh", "launches", "diff")
 
 
 def hang_point(step: str, workspace: str) -> None:

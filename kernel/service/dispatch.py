@@ -304,7 +304,7 @@ class Dispatcher:
                         None,
                     )
                 )
-            await self.worker.call(self.evaluation.prepare, order, row.commit, row.tree)
+            await self.evaluation.prepare(order, row.commit, row.tree)
             jobs = await self.worker.call(self.store.jobs_of, key, seq)
             pending = [j for j in jobs if j.state == "PENDING"]
             specs = self.evaluation.specs(order, self.specs_of(order, row.commit, row.tree, pending))

@@ -30,7 +30,7 @@ from kernel.service.executor import SleepOrder
 class Evaluation(Protocol):
     async def precheck(self, order: SleepOrder) -> None: ...
 
-    def prepare(self, order: SleepOrder, commit: str, tree: str) -> None: ...
+    async def prepare(self, order: SleepOrder, commit: str, tree: str) -> None: ...
 
     def specs(self, order: SleepOrder, specs: dict[str, JobSpec]) -> dict[str, JobSpec]: ...
 
@@ -51,7 +51,7 @@ class PlainSleeps:
     async def precheck(self, order: SleepOrder) -> None:
         return None
 
-    def prepare(self, order: SleepOrder, commit: str, tree: str) -> None:
+    async def prepare(self, order: SleepOrder, commit: str, tree: str) -> None:
         return None
 
     def specs(self, order: SleepOrder, specs: dict[str, JobSpec]) -> dict[str, JobSpec]:

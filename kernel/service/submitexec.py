@@ -10,7 +10,8 @@ launch's). Here:
   base, else `run` with fresh private seeds. Rows that will not run become REUSED or SKIPPED there and their
   reservation is refunded in full; an `unchanged` submit in a sleep with nothing else refunds the sleep too.
   The protected paths the candidate changed are listed from the kernel's repository here (`submit.changed_paths`,
-  base tree against snapshot tree; never from the agent's `.git`).
+  base tree against snapshot tree; never from the agent's `.git`), a git process run in the workspace's heavy
+  pool before that transaction, never on the store worker.
 - `specs` gives the evaluation runs their seeds (to the score stage, and to `command` only when there is no
   score stage), the protected files from the base tree, and the operator's score stage; the base runs read
   the base tree. Every tree is read on the node from the kernel's repository of the workspace.
@@ -51,6 +52,7 @@ from kernel.core import evaluate as E
 from kernel.core import ledger
 from kernel.core.config import Config
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
+from kernel.io import crash
 from kernel.io import log as klog
 from kernel.io import repo as R
 from kernel.io import submit as S
@@ -128,14 +130,37 @@ class SubmitEvaluation:
     def _jail_id(self, order: SleepOrder) -> str:
         return f"{self.cfg.jail}:network={order.workspace.policy.network}"
 
-    def prepare(self, order: SleepOrder, commit: str, tree: str) -> None:
+    async def prepare(self, order: SleepOrder, commit: str, tree: str) -> None:
+        """Decide a submit's plan: the comparison of the candidate's tree with the base (a git process in the
+        workspace's repository) in its heavy pool, the decision on the store worker."""
+        key = order.workspace.key
+        submit, comparison = await self.worker.call(self._comparison, order)
+        if not submit:
+            return
+        changed: tuple[str, ...] = ()
+        if comparison is not None:
+            base_tree, protected = comparison
+            changed = await self.heavy.run(
+                key, _protected_changed, order.workspace, self.repo_of(key), base_tree, tree, protected
+            )
+        await self.worker.call(self._plan, order, commit, tree, changed)
+
+    def _comparison(self, order: SleepOrder) -> tuple[bool, tuple[str, tuple[str, ...]] | None]:
+        """(store worker) Whether the sleep carries a submit, and what its plan still needs compared: the base's
+        tree and the protected patterns (None when the plan is decided already or nothing is protected)."""
         key, seq = order.workspace.key, order.sleep.seq
         sleep = self.store.sleep(key, seq)
         if sleep is None or sleep.submit is None:
-            return
-        changed: tuple[str, ...] = ()
-        if S.plan_of(self.store, key, seq) is None:
-            changed = self._protected_changed(order, tree)
+            return False, None
+        contract = order.workspace.policy.submit
+        base = S.base_of(self.store, key)
+        if S.plan_of(self.store, key, seq) is not None or contract is None or not contract.protected:
+            return True, None
+        return True, None if base is None else (base[1], contract.protected)
+
+    def _plan(self, order: SleepOrder, commit: str, tree: str, changed: tuple[str, ...]) -> None:
+        """(store worker) Decide and record the plan (once), with the protected paths the candidate changed."""
+        key, seq = order.workspace.key, order.sleep.seq
         with self.store.transaction():
             plan = S.plan_of(self.store, key, seq)
             if plan is None:
@@ -144,19 +169,6 @@ class SubmitEvaluation:
                 self._skip_unrun(key, seq, plan.decision)
         self._plans[(key, seq)] = plan
         klog.event("submit_planned", ws=key, seq=seq, decision=plan.decision, pairs=len(plan.seeds))
-
-    def _protected_changed(self, order: SleepOrder, tree: str) -> tuple[str, ...]:
-        """The protected paths the candidate's tree changed against the base's, both in the kernel's repository
-        (the wake lists them)."""
-        contract = order.workspace.policy.submit
-        base = S.base_of(self.store, order.workspace.key)
-        if contract is None or not contract.protected or base is None:
-            return ()
-        try:
-            return S.changed_paths(self.repo_of(order.workspace.key), base[1], tree, contract.protected)
-        except (R.RepoError, OSError) as exc:
-            klog.event("submit_diff_failed", logging.WARNING, ws=order.workspace.key, problem=str(exc)[:300])
-            return ()
 
     async def precheck(self, order: SleepOrder) -> None:
         """A sleep carrying a submit needs its base held in the kernel's repository: one recorded but not held
@@ -498,6 +510,19 @@ class SubmitEvaluation:
                 await self.worker.call(S.set_hook_status, self.store, key, seq, status)
         finally:
             self._hooking = False
+
+
+def _protected_changed(
+    ws: WorkspaceRow, repo: R.KernelRepo, base_tree: str, tree: str, protected: tuple[str, ...]
+) -> tuple[str, ...]:
+    """(heavy pool) The protected paths the candidate's tree changed against the base's, both in the kernel's
+    repository of `ws` (the wake lists them); none when they cannot be compared (logged)."""
+    crash.hang_point("diff", ws.path)
+    try:
+        return S.changed_paths(repo, base_tree, tree, protected)
+    except (R.RepoError, OSError) as exc:
+        klog.event("submit_diff_failed", logging.WARNING, ws=ws.key, problem=str(exc)[:300])
+        return ()
 
 
 def _legacy_refs_once(repo: R.KernelRepo, path: str) -> list[str]:

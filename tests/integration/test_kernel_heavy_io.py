@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
-from kernelproc import Kernel, git_workspace, put_request, wait_for
+from kernelproc import Kernel, git_workspace, put_request, read_answer, status, wait_answer, wait_for
 
 from channel.paths import workspace_key
 
@@ -105,6 +107,60 @@ def test_the_heavy_deadline_is_live_on_sighup(tmp_path: Path) -> None:
         k.wait_log(f"event=heavy_overdue ws={key_a} ", 5)
         hang.unlink()
         wait_for((a / ".syscall" / "wakes" / "sa.json").exists, 30, "A's wake once its filesystem answers")
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
+
+
+def test_a_submits_protected_path_diff_that_hangs_holds_no_other_workspace(tmp_path: Path) -> None:
+    """A submit's candidate tree is compared with its base (`git diff-tree` in the kernel's repository of the
+    workspace) before its plan is decided. The old kernel ran that git process on the store worker, so while it
+    hung every workspace's `status` waited; now it is A's heavy work (hang point `diff`): B is answered, A's
+    problem shows in `status`, and A's submit goes on once the comparison returns."""
+    k = Kernel(
+        tmp_path, 'jail = "none"\nheavy_io_deadline_seconds = 1\nrescan_seconds = 1\npoll_seconds = 0.2\n'
+    )
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "eval.sh").write_text("cat result.txt\n")
+    (a / "result.txt").write_text('{"score": 0.5}\n')
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv],
+            cwd=a,
+            check=True,
+            capture_output=True,
+        )
+    b = git_workspace(tmp_path / "b")
+    k.enroll(a, "--eval-command", "sh eval.sh", "--metric", "score", "--protected", "eval.sh")
+    k.enroll(b)
+    key_a = workspace_key(str(a.resolve()))
+    (a / "result.txt").write_text('{"score": 0.75}\n')
+    hang = tmp_path / "hang"
+    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)})
+    try:
+        hang.write_text(f"diff {a.resolve()}")
+        put_request(a, "k1", {"protocol": 1, "id": "k1", "type": "sleep", "submit": {"report": "r"}})
+        k.wait_log("event=hang_injected step=diff", 30)
+
+        for i in range(5):  # B is answered while A's comparison does not return
+            t0 = time.monotonic()
+            put_request(b, f"b{i}", status(f"b{i}"))
+            assert wait_answer(b, f"b{i}", 5)["type"] == "status"
+            assert time.monotonic() - t0 < 5
+        shown = wait_for(
+            lambda: out if OVERDUE in (out := k.cli("status").stdout) else None,
+            15,
+            "A's overdue comparison in syscall-kernel status",
+        )
+        assert key_a in shown
+        assert read_answer(a, "k1") is None
+
+        hang.unlink()
+        wake = a / ".syscall" / "wakes" / "k1.json"
+        wait_for(wake.exists, 60, "A's wake once the comparison returns")
+        assert json.loads(wake.read_text())["verdict"]["outcome"] == "improved"
+        k.wait_log(f"event=heavy_returned ws={key_a}", 15)
     finally:
         hang.unlink(missing_ok=True)
         k.stop()
