@@ -14,12 +14,20 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from kernelproc import Kernel, git_workspace, put_request, read_answer, status, wait_answer, wait_for
+from kernelproc import (
+    Kernel,
+    git_workspace,
+    make_workspace,
+    put_request,
+    read_answer,
+    status,
+    wait_answer,
+    wait_for,
+)
 
 from channel.paths import workspace_key
 
@@ -120,17 +128,7 @@ def test_a_submits_protected_path_diff_that_hangs_holds_no_other_workspace(tmp_p
     k = Kernel(
         tmp_path, 'jail = "none"\nheavy_io_deadline_seconds = 1\nrescan_seconds = 1\npoll_seconds = 0.2\n'
     )
-    a = tmp_path / "a"
-    a.mkdir()
-    (a / "eval.sh").write_text("cat result.txt\n")
-    (a / "result.txt").write_text('{"score": 0.5}\n')
-    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
-        subprocess.run(
-            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv],
-            cwd=a,
-            check=True,
-            capture_output=True,
-        )
+    a = make_workspace(tmp_path / "a", {"eval.sh": "cat result.txt\n", "result.txt": '{"score": 0.5}\n'})
     b = git_workspace(tmp_path / "b")
     k.enroll(a, "--eval-command", "sh eval.sh", "--metric", "score", "--protected", "eval.sh")
     k.enroll(b)

@@ -9,50 +9,37 @@ hung job of the same workspace, with no deadline and never shown in `status`.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import threading
 from pathlib import Path
 
 import anyio
 import pytest
+from _parts import enrolled
 
 from kernel.backends.local import LocalBackend
 from kernel.core.config import Config, parse
 from kernel.io import repo as R
-from kernel.io.enroll import Grant, enroll
-from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreWorker
 from kernel.service.execute import RealExecutor
 from kernel.service.heavy import HeavyPool
 from kernel.service.submitexec import SubmitEvaluation
 
-TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\n')
 
-
-def _cfg(tmp: Path) -> Config:
-    text = f'state_dir = "{tmp}/state"\nbackend = "local"\njail = "none"\n[environment]\nmode = "none"\n'
+@pytest.fixture
+def cfg(tmp_path: Path) -> Config:
+    text = f'state_dir = "{tmp_path}/state"\nbackend = "local"\njail = "none"\n[environment]\nmode = "none"\n'
     return parse(text, "<test>", env={})
 
 
-def _git_ws(path: Path) -> Path:
-    path.mkdir()
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
-    env["GIT_COMMITTER_EMAIL"] = "t@t"
-    (path / "train.py").write_text("print('hi')\n")
-    for argv in (["init", "-q"], ["add", "train.py"], ["commit", "-qm", "one"]):
-        subprocess.run(["git", "-C", str(path), *argv], check=True, env=env)
-    return path
-
-
 @pytest.fixture
-def world(tmp_path: Path) -> tuple[Config, Store, str, str]:
-    cfg = _cfg(tmp_path)
-    Path(cfg.state_dir).mkdir(parents=True)
-    store = Store.open(cfg.db_path)
-    a = enroll(store, cfg, str(_git_ws(tmp_path / "a")), TOOL, Grant(launches=5, sleeps=5, gpu_hours=1)).row
-    b = enroll(store, cfg, str(_git_ws(tmp_path / "b")), TOOL, Grant(launches=5, sleeps=5, gpu_hours=1)).row
-    return cfg, store, a.key, b.key
+def world(tmp_path: Path, cfg: Config, store: Store) -> tuple[Config, Store, str, str]:
+    """Two enrolled workspaces, A and B."""
+    return (
+        cfg,
+        store,
+        enrolled(tmp_path / "a", store, cfg)[1].key,
+        enrolled(tmp_path / "b", store, cfg)[1].key,
+    )
 
 
 def test_a_snapshot_release_waits_for_its_workspaces_hung_heavy_job(
