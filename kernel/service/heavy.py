@@ -4,6 +4,9 @@ deadline.
 The store worker (`StoreWorker`, one thread) runs every sqlite step and the pipeline's passes, so whatever runs
 on it delays every workspace's answers. Heavy work (copying up to gigabytes of artifacts, writing a wake, a
 snapshot's git processes) therefore runs here instead, and only its bookkeeping goes back to the store worker.
+The rule: whatever touches one workspace's files (its tree and .git, its channel outside the request path, its
+repository and run directories in the kernel) runs here, in that workspace's turn; a plain thread is left only for
+the kernel's own files, and says so where it is made.
 
 The pool is the channel I/O pool's mechanism (kernel.service.chanio.ChannelIO) with a longer deadline, so the same
 invariants hold, for the same reasons:
