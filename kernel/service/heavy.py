@@ -4,9 +4,10 @@ deadline.
 The store worker (`StoreWorker`, one thread) runs every sqlite step and the pipeline's passes, so whatever runs
 on it delays every workspace's answers. Heavy work (copying up to gigabytes of artifacts, writing a wake, a
 snapshot's git processes) therefore runs here instead, and only its bookkeeping goes back to the store worker.
-The rule: whatever touches one workspace's files (its tree and .git, its channel outside the request path, its
-repository and run directories in the kernel) runs here, in that workspace's turn; a plain thread is left only for
-the kernel's own files, and says so where it is made.
+The rule: whatever the service does with one workspace's files (its tree and .git, its channel outside the
+request path, its repository in the kernel, the writing of its run directories) runs here, in that workspace's
+turn; a plain thread is left only for the kernel's own files (the environment cache; the backends' exit records,
+read in one batch across workspaces: kernel.backends.slurm.backend, "File I/O"), and says so where it is made.
 
 The pool is the channel I/O pool's mechanism (kernel.service.chanio.ChannelIO) with a longer deadline, so the same
 invariants hold, for the same reasons:
