@@ -78,6 +78,17 @@ def make_workspace(path: Path, files: dict[str, str] | None = None) -> Path:
     return path
 
 
+def run_tool(ws: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """The workspace's installed agent tool (`.syscall/syscall ARGS`), run in `ws` as an agent runs it."""
+    return subprocess.run(
+        [sys.executable, str(ws / ".syscall" / "syscall"), *args],
+        cwd=ws,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def put_request(ws: Path, rid: str, data: bytes | dict[str, Any]) -> None:
     """Commit a request the way the tool does: temp file, fsync-free here, rename into requests/."""
     body = data if isinstance(data, bytes) else json.dumps(data).encode()

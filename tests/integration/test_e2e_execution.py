@@ -11,7 +11,6 @@ import hashlib
 import itertools
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git, make_workspace, wait_for
+from kernelproc import Kernel, git, make_workspace, run_tool, wait_for
 
 from channel.paths import workspace_key
 
@@ -54,14 +53,7 @@ class Env:
         return workspace_key(self.spaces[name].resolve())
 
     def tool(self, name: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        ws = self.spaces[name]
-        return subprocess.run(
-            [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-            cwd=ws,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return run_tool(self.spaces[name], *args, timeout=timeout)
 
     def ok(self, name: str, *args: str) -> str:
         done = self.tool(name, *args)

@@ -22,14 +22,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git, put_request, read_answer, wait_for
+from kernelproc import Kernel, git, put_request, read_answer, run_tool, wait_for
 
 from channel.paths import workspace_key
 
@@ -118,13 +117,7 @@ class Env:
         self.before: dict[str, Any] = {}
 
     def tool(self, name: str, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [sys.executable, str(self.spaces[name] / ".syscall" / "syscall"), *args],
-            cwd=self.spaces[name],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        done = run_tool(self.spaces[name], *args, timeout=120)
         if ok:
             assert done.returncode == 0, (
                 f"{args}: {done.stdout}{done.stderr}\n{self.kernel.log_text()[-3000:]}"

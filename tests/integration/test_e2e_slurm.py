@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from kernelproc import ROOT, Kernel, make_workspace, put_request, read_answer, wait_for
+from kernelproc import ROOT, Kernel, make_workspace, put_request, read_answer, run_tool, wait_for
 
 from channel.paths import RunPaths, workspace_key
 from kernel.backends.slurm import backend as S
@@ -106,14 +106,7 @@ class Env:
         return RunPaths(self.kernel.state / "runs", self.key(name), seq, launch).task_dir(task, array)
 
     def tool(self, name: str, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-        ws = self.spaces[name]
-        return subprocess.run(
-            [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-            cwd=ws,
-            capture_output=True,
-            text=True,
-            timeout=timeout + 30,
-        )
+        return run_tool(self.spaces[name], *args, timeout=timeout + 30)
 
     def ok(self, name: str, *args: str, timeout: float = 150) -> str:
         done = self.tool(name, *args, timeout=timeout)

@@ -14,13 +14,12 @@ import json
 import math
 import sqlite3
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git, put_request, wait_for
+from kernelproc import Kernel, git, put_request, run_tool, wait_for
 
 from channel.paths import workspace_key
 from kernel.core.evaluate import seed_commitment
@@ -63,14 +62,7 @@ class Env:
         self.sleeps: dict[str, str] = {}
 
     def tool(self, name: str, *args: str) -> str:
-        ws = self.spaces[name]
-        done = subprocess.run(
-            [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-            cwd=ws,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        done = run_tool(self.spaces[name], *args, timeout=120)
         assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}\n{self.kernel.log_text()[-3000:]}"
         return done.stdout
 

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git
+from kernelproc import Kernel, git, run_tool
 
 from channel.paths import workspace_key
 from kernel.core.evaluate import seed_commitment
@@ -170,13 +168,7 @@ class Env:
         self.sleeps: dict[str, str] = {}
 
     def tool(self, name: str, *args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, str(self.spaces[name] / ".syscall" / "syscall"), *args],
-            cwd=self.spaces[name],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        done = run_tool(self.spaces[name], *args, timeout=120)
         assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}\n{self.kernel.log_text()[-3000:]}"
         return done.stdout
 

@@ -16,14 +16,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, make_workspace, wait_for
+from kernelproc import Kernel, make_workspace, run_tool, wait_for
 from testenv import IN_CI
 
 from channel.paths import workspace_key
@@ -91,14 +90,7 @@ class Env:
         return workspace_key(self.spaces[name].resolve())
 
     def tool(self, name: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        ws = self.spaces[name]
-        return subprocess.run(
-            [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-            cwd=ws,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return run_tool(self.spaces[name], *args, timeout=timeout)
 
     def ok(self, name: str, *args: str) -> str:
         done = self.tool(name, *args)

@@ -7,13 +7,21 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kernelproc import Kernel, git_workspace, put_request, read_answer, status, wait_answer, wait_for
+from kernelproc import (
+    Kernel,
+    git_workspace,
+    put_request,
+    read_answer,
+    run_tool,
+    status,
+    wait_answer,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -284,13 +292,7 @@ def test_the_installed_tool_talks_to_the_kernel(kernel: Kernel, tmp_path: Path) 
     kernel.start()
 
     def tool(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-            cwd=ws,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return run_tool(ws, *args, timeout=60)
 
     st = tool("status", "--json")
     assert st.returncode == 0, st.stderr

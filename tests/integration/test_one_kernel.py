@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from kernelproc import ROOT, Kernel, put_request, read_answer, status, wait_answer, wait_for
+from kernelproc import ROOT, Kernel, put_request, read_answer, run_tool, status, wait_answer, wait_for
 
 from channel.paths import workspace_key
 
@@ -33,13 +33,7 @@ def git_workspace(path: Path) -> Path:
 
 
 def tool(ws: Path, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-        cwd=ws,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    done = run_tool(ws, *args, timeout=90)
     assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}"
     return done.stdout
 
