@@ -43,11 +43,9 @@ def kernel_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def warm_imports() -> None:
+def warm_imports(root: Path = ROOT) -> None:
     """Import the kernel once, so the first start does not pay for compiling its bytecode."""
-    subprocess.run(
-        [sys.executable, "-c", "import kernel.cli, kernel.service.factory"], cwd=ROOT, env=kernel_env()
-    )
+    subprocess.run([sys.executable, "-c", "import kernel.cli"], cwd=root, env=kernel_env())
 
 
 def write_config(path: Path, state_dir: Path, spaces: Path, extra: str = "") -> Path:
@@ -65,9 +63,10 @@ def stamp(line: bytes) -> float:
 class Kernel:
     """`syscall-kernel serve --config CONFIG`, its output appended to LOG (kept across starts)."""
 
-    def __init__(self, config: Path, log: Path) -> None:
+    def __init__(self, config: Path, log: Path, root: Path = ROOT) -> None:
         self.config = config
         self.log = log
+        self.root = root  # the checkout whose kernel runs (another one, for a before/after pair)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def count(self, needle: bytes) -> int:
@@ -77,7 +76,7 @@ class Kernel:
         out = open(self.log, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kernel.cli", "serve", "--config", str(self.config)],
-            cwd=ROOT,
+            cwd=self.root,
             stdout=out,
             stderr=out,
             env=kernel_env(),

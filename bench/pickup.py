@@ -13,6 +13,7 @@ samples at once.
 Prints one JSON object per scenario. Usage:
     .venv/bin/python bench/pickup.py [--workspaces 1,100,1000] [--samples 500] [--poll-samples 150]
                                      [--baseline-samples 30] [--modes inotify,poll] [--no-settle]
+                                     [--kernel-root OLD_CHECKOUT]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernelproc import Kernel, make_workspaces, warm_imports, write_config
+from kernelproc import ROOT, Kernel, make_workspaces, warm_imports, write_config
 
 IN_MOVED_TO = 0x80
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -188,6 +189,12 @@ def main() -> None:
         action="store_true",
         help="sample right after `ready` (with the start-up work after it)",
     )
+    ap.add_argument(
+        "--kernel-root",
+        type=Path,
+        help="run the kernel of this checkout instead (an older commit, for a before/after pair; with "
+        "--no-settle if it predates event=bases_checked)",
+    )
     args = ap.parse_args()
 
     def terminated(signum: int, frame: object) -> None:
@@ -196,7 +203,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, terminated)
     top = Path(tempfile.mkdtemp(prefix="syscall-pickup-"))
     try:
-        warm_imports()
+        kernel_root = args.kernel_root.resolve() if args.kernel_root else ROOT
+        warm_imports(kernel_root)
         floor = fsync_floor(top)
         print(
             json.dumps(
@@ -212,6 +220,7 @@ def main() -> None:
                 k = Kernel(
                     write_config(root / f"config-{mode}.toml", root / "state", root / "agents", extra),
                     root / f"kernel-{mode}.log",
+                    kernel_root,
                 )
                 ready_s = k.start_ready()
                 assert k.proc is not None
