@@ -204,6 +204,32 @@ def _tmpfs(size_mb: int, where: str) -> list[str]:
     return [*(["--size", str(size_mb * 1024 * 1024)] if size_mb > 0 else []), "--tmpfs", where]
 
 
+def _bwrap_start(policy: JailPolicy, *, network: bool, hostname: str, bound: Sequence[str]) -> list[str]:
+    """What every bwrap jail (a job's, the score stage's) starts with: every namespace unshared (the network's
+    too unless `network`), no user namespace inside, no capabilities, an empty environment; the system paths
+    `bound` read-only, with `policy.hide` masked where it lies below one of them."""
+    argv = [
+        policy.bwrap,
+        "--unshare-user",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-uts",
+        "--unshare-cgroup",
+    ]
+    if not network:
+        argv.append("--unshare-net")
+    argv += ["--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    argv += ["--hostname", hostname]
+    for d in bound:
+        _abs(d, "system path")
+        argv += ["--ro-bind-try", d, d]
+    for h in policy.hide:
+        _abs(h, "hidden path")
+        if any(_under(h, d) for d in bound):
+            argv += ["--tmpfs", h]
+    return argv
+
+
 def bwrap_argv(
     policy: JailPolicy,
     paths: JailPaths,
@@ -218,26 +244,8 @@ def bwrap_argv(
     private environment's path when `policy.venv`; for a task with `gpus`, `gpu_args` binds its device nodes
     (`gpu_bind_args` on the node, `[GPU_TOKEN]` in a template). A task without GPUs gets no GPU device."""
     tree, home = _abs(paths.tree, "tree"), _abs(paths.home, "home")
-    argv = [
-        policy.bwrap,
-        "--unshare-user",
-        "--unshare-ipc",
-        "--unshare-pid",
-        "--unshare-uts",
-        "--unshare-cgroup",
-    ]
-    if not policy.network:
-        argv.append("--unshare-net")
-    argv += ["--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
-    argv += ["--hostname", "syscall-job"]
     bound = [*policy.system_dirs, *policy.etc, *(NETWORK_ETC if policy.network else ())]
-    for d in bound:
-        _abs(d, "system path")
-        argv += ["--ro-bind-try", d, d]
-    for h in policy.hide:
-        _abs(h, "hidden path")
-        if any(_under(h, d) for d in bound):
-            argv += ["--tmpfs", h]
+    argv = _bwrap_start(policy, network=policy.network, hostname="syscall-job", bound=bound)
     argv += ["--proc", "/proc", "--dev", "/dev"]
     if gpus > 0:
         # Device nodes first, then what CUDA reads from /proc and /sys; /dev then becomes read-only (its tmpfs
@@ -319,30 +327,9 @@ def score_bwrap_argv(
     in the scorer (so a relative path or `sys.path[0]` never resolves into the candidate's tree), and a home of
     its own."""
     tree, home, scorer = _abs(paths.tree, "tree"), _abs(paths.home, "home"), _abs(scorer, "scorer")
-    argv = [
-        policy.bwrap,
-        "--unshare-user",
-        "--unshare-ipc",
-        "--unshare-pid",
-        "--unshare-uts",
-        "--unshare-cgroup",
-        "--unshare-net",
-        "--disable-userns",
-        "--die-with-parent",
-        "--new-session",
-        "--cap-drop",
-        "ALL",
-        "--clearenv",
-        "--hostname",
-        "syscall-score",
-    ]
-    for d in (*policy.system_dirs, *policy.etc):
-        _abs(d, "system path")
-        argv += ["--ro-bind-try", d, d]
-    for h in policy.hide:
-        _abs(h, "hidden path")
-        if any(_under(h, d) for d in (*policy.system_dirs, *policy.etc)):
-            argv += ["--tmpfs", h]
+    argv = _bwrap_start(
+        policy, network=False, hostname="syscall-score", bound=(*policy.system_dirs, *policy.etc)
+    )
     argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     argv += _ro_dir_args(policy)
     argv += ["--bind", home, home, "--ro-bind", tree, tree, "--ro-bind", scorer, scorer]
