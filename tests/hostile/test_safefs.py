@@ -75,24 +75,11 @@ def no_fd_leak() -> Iterator[None]:
 
 
 @pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    return workspace
-
-
-@pytest.fixture
 def outside(tmp_path: Path) -> Path:
     """A directory outside the workspace that the agent would like the kernel to read or write."""
     d = tmp_path / "outside"
     d.mkdir()
     return d
-
-
-@pytest.fixture
-def ch(ws: Path) -> Iterator[Channel]:
-    with open_channel(ws, create=True) as channel:
-        yield channel
 
 
 def chan(ws: Path) -> Path:

@@ -7,28 +7,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from channel.paths import CHANNEL_DIR, ChannelPaths
-from channel.safefs import Channel, Refused, TempSweep, open_channel
+from channel.safefs import Channel, Refused, TempSweep
 
 HOUR_NS = 3600 * 10**9
-
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    return workspace
-
-
-@pytest.fixture
-def ch(ws: Path) -> Iterator[Channel]:
-    with open_channel(ws, create=True) as channel:
-        yield channel
 
 
 def req(ws: Path) -> Path:
