@@ -724,6 +724,9 @@ class Pipeline:
                     return
                 rec.cont = self._resume(known)
                 return
+            # Its record may be one a killed process committed without the WAL's fsync (a read-only answer
+            # whose request was never removed): synced before the request is removed, like a new one.
+            rec.unsynced = True
             self._answer(rec, ws, r, known.answer, "replayed")
             return
         now = timestamp(received)

@@ -146,3 +146,31 @@ def test_a_read_only_answer_is_shown_before_its_record_is_synced_and_its_request
     recorded = store.request(row.key, "s1")
     assert recorded is not None
     assert recorded.answer == (ch / "answers" / "s1.json").read_bytes()
+
+
+def test_a_replayed_answer_is_synced_before_its_request_is_removed(
+    tmp_path: Path, cfg: Config, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request answered before (its record possibly committed by a killed process without the WAL's fsync)
+    and committed again with the same bytes is replayed, and the store is synced before the request goes."""
+    ws, row = enrolled(tmp_path, store, cfg)
+    ch = ws / ".syscall"
+    worker = StoreWorker(store)
+    pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
+    pipeline.set_workspaces([row])
+    put(ch, "s1")
+    pipeline.mark(row.key)
+    anyio.run(pipeline.run_pass)
+    first = (ch / "answers" / "s1.json").read_bytes()
+    (ch / "answers" / "s1.json").write_bytes(b"")  # torn, as by a power cut
+    req = ch / "requests" / "s1.json"
+    req.write_bytes(b"")
+    seen: list[bool] = []
+    real_sync = store.sync_wal
+    monkeypatch.setattr(store, "sync_wal", lambda: (seen.append(req.exists()), real_sync())[1])
+    put(ch, "s1")
+    pipeline.mark(row.key)
+    anyio.run(pipeline.run_pass)
+    assert seen == [True], "synced once, while the request was still there"
+    assert not req.exists()
+    assert (ch / "answers" / "s1.json").read_bytes() == first
