@@ -15,25 +15,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_workspaces(spaces: Path, n: int) -> list[Path]:
-    """`n` git workspaces `spaces/ws00000`... with one commit (train.py), copied from a template beside
-    `spaces`; ones that exist already are kept."""
-    template = spaces.parent / "template"
+def make_workspaces(spaces: Path, n: int, *, commit: bool = True) -> list[Path]:
+    """`n` git workspaces `spaces/ws00000`... copied from a template beside `spaces`, with one commit (train.py:
+    each automatic enrollment records a base that the kernel imports after `ready`) or, `commit=False`, none
+    (nothing to import); ones that exist already are kept."""
+    template = spaces.parent / ("template" if commit else "template-empty")
     if not template.exists():
         template.mkdir(parents=True)
-        env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b"}
-        env["GIT_COMMITTER_EMAIL"] = "b@b"
         subprocess.run(["git", "init", "-q", str(template)], check=True)
-        (template / "train.py").write_text("print('hello')\n")
-        subprocess.run(["git", "-C", str(template), "add", "train.py"], check=True)
-        subprocess.run(["git", "-C", str(template), "commit", "-qm", "start"], check=True, env=env)
+        if commit:
+            env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b"}
+            env["GIT_COMMITTER_EMAIL"] = "b@b"
+            (template / "train.py").write_text("print('hello')\n")
+            subprocess.run(["git", "-C", str(template), "add", "train.py"], check=True)
+            subprocess.run(["git", "-C", str(template), "commit", "-qm", "start"], check=True, env=env)
     out = []
     for i in range(n):
         ws = spaces / f"ws{i:05d}"
         if not ws.exists():
             ws.mkdir(parents=True)
             shutil.copytree(template / ".git", ws / ".git")
-            shutil.copy2(template / "train.py", ws / "train.py")
+            if commit:
+                shutil.copy2(template / "train.py", ws / "train.py")
         out.append(ws)
     return out
 

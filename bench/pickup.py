@@ -6,9 +6,9 @@ stops when this process's own inotify reports the answer's rename (no busy polli
 the kernel's CPU). In the same run, a 2-second polling loop (the design of the best existing system) answers the
 same kind of request through the same harness, as the baseline. Also measured: the floor set by one durable
 atomic write on this disk, and the kernel's RSS, peak RSS and thread count. Sampling starts once the start-up
-work that runs after `ready` is over (`event=channels_refreshed`, `event=bases_checked`: an automatic enrollment's
-bases are imported then, a git process per workspace); `settled_s` says how long that took, and `--no-settle`
-samples at once.
+work that runs after `ready` is over (`event=channels_refreshed`, `event=bases_checked`); `settled_s` says how
+long that took, and `--no-settle` samples at once. The workspaces have no commit, so there is no base to import
+then (bench/startup.py measures that import).
 
 Prints one JSON object per scenario. Usage:
     .venv/bin/python bench/pickup.py [--workspaces 1,100,1000] [--samples 500] [--poll-samples 150]
@@ -213,7 +213,8 @@ def main() -> None:
         )
         for n in (int(x) for x in args.workspaces.split(",")):
             root = top / f"n{n}"
-            spaces = make_workspaces(root / "agents", n)
+            # No commit: nothing for the kernel to import after `ready` (bench/startup.py measures that).
+            spaces = make_workspaces(root / "agents", n, commit=False)
             kernel_p50: dict[str, float] = {}
             for mode in args.modes.split(","):
                 extra = f'watch = "{mode}"\npoll_seconds = {args.poll_seconds}\n'
