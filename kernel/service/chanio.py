@@ -97,7 +97,9 @@ class ChannelIO:
         self.on_overdue = on_overdue
         self.on_returned = on_returned
         self.clock = clock
-        self._slots = anyio.Semaphore(size)
+        # fast_acquire: a free slot or lock is taken without a trip round the event loop (a turn is visible
+        # latency); fairness does not depend on that trip, since every caller then waits for its thread.
+        self._slots = anyio.Semaphore(size, fast_acquire=True)
         self._locks: dict[str, anyio.Lock] = {}
         self._users: dict[str, int] = {}
         # key -> when its overdue call started (clock time)
@@ -135,7 +137,7 @@ class ChannelIO:
             raise ChannelIOAbandoned(key)
         scope = anyio.CancelScope()
         self._scopes.setdefault(key, set()).add(scope)
-        lock = self._locks.setdefault(key, anyio.Lock())
+        lock = self._locks.setdefault(key, anyio.Lock(fast_acquire=True))
         self._users[key] = self._users.get(key, 0) + 1
         try:
             with scope:
