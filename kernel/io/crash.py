@@ -40,8 +40,10 @@ HANG_ENV: Final = "SYSCALL_KERNEL_HANG_CHANNEL"
 # channel: any channel I/O of the request path starts (open, read, write answers); listing: a full listing of
 # `requests/` was made and has not returned (a huge or slow directory); refresh: the after-ready refresh of the
 # kernel-written files; launches: a sleep's run directories are being written; diff: a submit's candidate tree is
-# compared with its base (both heavy work of the workspace).
-HANG_STEPS: Final = ("channel", "listing", "refresh", "launches", "diff")
+# compared with its base (both heavy work of the workspace); admit: a start's admission of an enrolled channel
+# (opened, owner read, locked, watched) before it is served; look: the running kernel's look at a channel it does
+# not serve yet (one enrolled meanwhile, or one whose lock another process held), before it is served.
+HANG_STEPS: Final = ("channel", "listing", "refresh", "launches", "diff", "admit", "look")
 
 
 def hang_point(step: str, workspace: str) -> None:

@@ -740,37 +740,6 @@ def write_budget(ch: safefs.Channel, balance: Balance, now: str, *, only_if_chan
     ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(balance, now))
 
 
-def refresh(
-    store: Store,
-    ch: safefs.Channel,
-    row: WorkspaceRow,
-    tool: ToolSource,
-    *,
-    jail: str,
-    cfg: Config | None = None,
-    claim: Claim | None = None,
-) -> str | None:
-    """At start, for an enrolled workspace: reinstall the tool if it changed, and rewrite `kernel.json`,
-    `budget.json` (and with `cfg`, `jobenv.json`) where they differ from the store (a crash may have left them
-    stale). Returns the tool note. OwnedElsewhere, with nothing written, when the channel was taken over by
-    another kernel's store; HeldElsewhere, with nothing written, when `claim` (the service's channel lock) says
-    another process holds the channel."""
-    owner = check_owner(store, ch, row.path)
-    claim_channel(claim, row.key, ch, row.path)
-    if row.tool_sha256 != tool.sha256 or not row.identity.subdirs:
-        # A channel enrolled before subdirectory identities were recorded gets them now (what is there at
-        # this start), and is checked against them from then on.
-        identity = row.identity
-        if not identity.subdirs:
-            identity = replace(identity, subdirs=ch.found_subdirs())
-        with store.transaction():
-            store.put_workspace(replace(row, tool_sha256=tool.sha256, identity=identity))
-    # In a store step (the row was read in it): a stamp taken now follows that read (kernel.io.budgetorder).
-    return rewrite_kernel_files(
-        ch, row, tool, owner, jail=jail, cfg=cfg, order=store.budget_order, stamp=store.budget_order.stamp()
-    )
-
-
 def rewrite_kernel_files(
     ch: safefs.Channel,
     row: WorkspaceRow,

@@ -71,6 +71,14 @@ def store_step() -> Iterator[None]:
         progress.in_store = False
 
 
+def timed_afresh() -> None:
+    """Inside a pool call that works through several channels in turn (the start-up admission): the channel it
+    turns to now is timed afresh, so the deadline is per channel, not per call."""
+    progress: _Progress | None = getattr(_current, "progress", None)
+    if progress is not None:
+        progress.io_since = time.time()
+
+
 class ChannelIOAbandoned(Exception):
     """The kernel is stopping and this workspace's channel I/O is overdue: the call was left to its thread."""
 

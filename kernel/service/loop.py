@@ -1,7 +1,8 @@
 """`syscall-kernel serve`: the long-running service, one anyio task group.
 
 Start: enroll the config's `workspaces` globs, admit every enrolled channel (the enrolled directory, its owner,
-its lock) and watch it (inotify, or polling on network filesystems), let the executor recover, resume interrupted
+its lock) and watch it (inotify, or polling on network filesystems), in the channel look pool (a channel that hangs
+there is served once it returns, and holds nothing else), let the executor recover, resume interrupted
 requests, then tell systemd READY=1; the kernel-written files (tool, kernel.json, budget.json) and leftover temp
 files are refreshed after that, in the background. Serve: wait for an event, a poll tick, the periodic
 rescan or the end of a workspace's turn, then start one bounded, fair pipeline pass (its turns run as tasks: the
@@ -24,11 +25,13 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -41,10 +44,17 @@ from kernel.core.records import WorkspaceRow
 from kernel.io import chanlock, crash, log, metrics
 from kernel.io import enroll as enrollment
 from kernel.io.install import ToolSource
-from kernel.io.store import Store, StoreUnavailable, StoreWorker, disk_failure
+from kernel.io.store import Store, StoreUnavailable, StoreWorker, disk_failure, timestamp
 from kernel.io.watch import Watcher, choose_mode, fs_type_of, is_network_fs, read_mounts
 from kernel.service import reload
-from kernel.service.chanio import ChannelIOAbandoned, store_step
+from kernel.service.chanio import (
+    CHANNEL_IO_SLOTS,
+    OVERDUE_MAX,
+    ChannelIO,
+    ChannelIOAbandoned,
+    store_step,
+    timed_afresh,
+)
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
 from kernel.service.pipeline import Pipeline, Spawn
@@ -66,14 +76,35 @@ COMMIT_WAIT_S = 0.25
 # After `ready`, stale channels are refreshed in the channel I/O pool, at most this many at a time (fewer than the
 # pool's slots, so the request path always has slots).
 REFRESH_CALLS = 2
+# Start-up admission: this many calls in the channel look pool, each taking the next channel from one shared queue
+# until it is empty, so the event loop hops a few times in all, not once per workspace (10,000 of them).
+ADMIT_CALLS = CHANNEL_IO_SLOTS
 GIL_SWITCH_S = 0.001
 T = TypeVar("T")
 # A channel that cannot be opened or read (retried at every rescan, logged once: `_channel_problem`).
 CHANNEL_ERRORS = (safefs.ChannelMoved, safefs.Refused, OSError)
-# Why a start-up or rescan check (`_admit`, `_refresh`) does not serve a channel: `_not_served` says what each means.
+# Why a start-up or rescan check (`_admit_io`, `_refresh_io`) does not serve a channel: `_not_served` says what each
+# means.
 NOT_SERVED = (enrollment.OwnedElsewhere, enrollment.HeldElsewhere, *CHANNEL_ERRORS)
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Admission:
+    """A start's admission of the enrolled channels (`Service._admit_all`), shared by its pool calls."""
+
+    todo: deque[WorkspaceRow]
+    fresh: set[str]
+    network: set[str]
+    mine: str
+    seen: dict[str, enrollment.Fingerprint]
+    settled: anyio.Event
+    # Calls started, and those neither returned nor overdue: the start waits for these alone.
+    started: int = 0
+    running: int = 0
+    # Calls past the deadline on one channel: their channel is admitted (and served) once its I/O returns.
+    overdue: set[str] = dataclasses.field(default_factory=set)
 
 
 class Service:
@@ -119,11 +150,32 @@ class Service:
         # Channels admitted at start whose kernel-written files are refreshed after `ready`; temps older than
         # this process are an earlier one's leftovers.
         self._stale: set[str] = set()
-        # Channels enrolled by this start's `_enroll_globs` (recorded, locked): `_startup` only watches them.
+        # Channels enrolled by this start's `_enroll_globs` (recorded, locked): `_admit_io` only watches them.
         self._fresh: set[str] = set()
-        # kernel.json fingerprints taken by this start's owner checks, recorded at the end of `_startup`.
+        # kernel.json fingerprints taken by this start's owner checks, recorded after the admission (`_admitted`).
         self._seen_now: dict[str, enrollment.Fingerprint] = {}
         self._started_ns = time.time_ns()
+        # The channel look pool: the start-up admission and the running kernel's looks at channels it does not
+        # serve yet (`_look`) open channels here, never on the store worker, so a hung filesystem holds only its
+        # own workspace (overdue past `channel_io_deadline_seconds`: `_look_overdue`). Its own pool, so a look
+        # stuck past `ready` never shares a slot with the request path.
+        self.looks = ChannelIO(
+            cfg.channel_io_deadline_seconds,
+            on_overdue=self._look_overdue,
+            on_returned=self._look_returned,
+            thread_name="channel-look",
+        )
+        # The row each look call is on now (by call key), the overdue ones with the problem they show, and the
+        # workspaces whose admission or look has not returned: not served (`served`) nor looked at again meanwhile.
+        self._looking: dict[str, WorkspaceRow] = {}
+        self._overdue_looks: dict[str, tuple[WorkspaceRow, str]] = {}
+        self._unadmitted: set[str] = set()
+        # Rows a store step asked the loop to look at (`_to_look`), taken by `_start_looks`.
+        self._look_next: list[WorkspaceRow] = []
+        self._admission: _Admission | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._mine = ""  # this store's id, read by `_startup`
+        self._ready = anyio.Event()
 
     # --- health -------------------------------------------------------------------------------------------
 
@@ -164,6 +216,9 @@ class Service:
         log.event("stopping", reason=why)
         self.notifier.stopping(f"draining ({why}): finishing the turns in flight")
         self.on_stop()
+        self.looks.stop()
+        if self._admission is not None:
+            self._admission.settled.set()
         if self._wait_scope is not None:
             self._wait_scope.cancel()
 
@@ -233,9 +288,10 @@ class Service:
             self._refused.pop(p.row.path, None)
         return len(batch)
 
-    def _startup(self) -> list[WorkspaceRow]:
-        """Enroll the globs' new matches, then admit every enrolled channel (`_admit`); the rows with this
-        start's watch mode and policy. Reads the store a few times in all, not per workspace."""
+    def _startup(self) -> tuple[list[WorkspaceRow], _Admission]:
+        """(store worker) Enroll the globs' new matches; the rows with this start's watch mode and policy, and the
+        admission of their channels (`_admit_all`, in the channel look pool: no channel is opened here). Reads
+        the store a few times in all, not per workspace."""
         self._enroll_globs()
         fresh, self._fresh = self._fresh, set()
         self._paused = self.store.paused()
@@ -273,58 +329,150 @@ class Service:
                     self.store.set_watch(row.key, row.watch)
                     self.store.set_policy(row.key, row.policy)
         mine = self.store.store_id()
-        seen = self.store.owners_seen()
-        for row in rows:
-            if self.stopping:  # SIGTERM during start-up: `run` stops before serving
-                break
-            if row.key in fresh and self.locks.holds(row.key):
-                self._watch_fresh(row)
-            else:
-                self._admit(row, mine, None if row.key in network else seen)
-        if self._seen_now:
-            with self.store.transaction():
-                self.store.set_owners_seen(self._seen_now)
-            self._seen_now = {}
-        self._data_version = self._read_data_version()
-        return rows
+        if mine is None:
+            raise enrollment.EnrollError(f"{self.store.path}: the store has no id (open it read-write once)")
+        self._mine = mine
+        admission = _Admission(
+            todo=deque(rows),
+            fresh=fresh,
+            network=network,
+            mine=mine,
+            seen=self.store.owners_seen(),
+            settled=anyio.Event(),
+        )
+        return rows, admission
 
-    def _admit(
-        self, row: WorkspaceRow, mine: str | None, seen: dict[str, enrollment.Fingerprint] | None
-    ) -> None:
-        """At start, before `row`'s channel is served: it is still the enrolled directory (device, inode,
-        owner), its kernel.json names no other store, this kernel holds its lock; then its requests/ is watched.
-        That is all a restart does per workspace before `ready` (10,000 of them must be ready in 2 s): rewriting
-        the kernel-written files where stale (tool, kernel.json, budget.json, jobenv.json) and sweeping an
-        earlier process's temps wait for `_refresh_served`, after `ready` (nothing the kernel decides reads
-        those files, and the agent may rewrite them at any time anyway). A channel whose row the refresh
-        changes (a new tool; subdirectories not recorded yet) is refreshed here in full instead. The owner
-        check is one lstat when kernel.json is, unchanged, the file an earlier check read (`seen`:
-        enrollment.owner_unchanged), else a full read whose fingerprint is recorded for the next start (`seen` None:
-        a network filesystem, always read)."""
-        if row.tool_sha256 != self.tool.sha256 or not row.identity.subdirs or mine is None:
-            self._refresh(row)
-            return  # watched by run()'s `_watch_all` pass
+    def _admitted(self) -> bool:
+        """(store worker) After the admission: record the kernel.json fingerprints its owner checks took; the
+        store's version from which the poll tick looks for other processes' changes."""
+        self._record_seen()
+        self._data_version = self._read_data_version()
+        return True
+
+    def _record_seen(self) -> None:
+        if self._seen_now:
+            seen, self._seen_now = self._seen_now, {}
+            with self.store.transaction():
+                self.store.set_owners_seen(seen)
+
+    async def _admit_all(self, admission: _Admission, tg: anyio.abc.TaskGroup) -> None:
+        """Admit every enrolled channel (`_admit_io`) in the channel look pool, ADMIT_CALLS calls at a time;
+        return once each channel is admitted or its call is overdue (its I/O past `channel_io_deadline_seconds`:
+        `_look_overdue` shows it and starts another call for the channels left). A channel whose admission has
+        not returned stays in `_unadmitted`: not served (`served`) until it returns, then served
+        (`_admitter`). SIGTERM: the calls take no further channel and the start stops before serving."""
+        self._admission = admission
+        self._unadmitted.update(r.key for r in admission.todo)
+        for _ in range(min(ADMIT_CALLS, len(admission.todo))):
+            self._start_admitter(admission, tg)
+        if admission.running == 0:
+            admission.settled.set()
+        await admission.settled.wait()
+        self._settle(admission)
+
+    def _start_admitter(self, admission: _Admission, tg: anyio.abc.TaskGroup) -> None:
+        admission.started += 1
+        admission.running += 1
+        tg.start_soon(self._admitter, admission, f"start-up admission {admission.started}")
+
+    def _settle(self, admission: _Admission) -> None:
+        """The start goes on: channels no call took (every call overdue, past OVERDUE_MAX) are left to the
+        rescan, which looks at each channel it does not serve."""
+        while admission.todo:
+            with contextlib.suppress(IndexError):
+                self._unadmitted.discard(admission.todo.popleft().key)
+        admission.settled.set()
+
+    async def _admitter(self, admission: _Admission, call: str) -> None:
+        try:
+            admitted = await self.looks.run(call, self._admit_from, call, admission)
+        except ChannelIOAbandoned:
+            return
+        finally:
+            if call not in admission.overdue:
+                admission.running -= 1
+                if admission.running == 0:
+                    admission.settled.set()
+        if call in admission.overdue:
+            # Its channel was admitted late, maybe after `ready`: serve it (and what else this call admitted).
+            await self._ready.wait()
+            if self.stopping:
+                return
+            await self.worker.call(self._record_seen)
+            await self._apply_current()
+            for key in admitted:  # `_refresh_served` may have passed it by (not served then)
+                self._stale.discard(key)
+                await self._refresh_one(key, admission.mine)
+
+    def _admit_from(self, call: str, admission: _Admission) -> list[str]:
+        """(channel look pool) Admit the next channel of the shared queue until it is empty; the keys admitted."""
+        admitted = []
+        while not self.stopping:
+            try:
+                row = admission.todo.popleft()
+            except IndexError:
+                break
+            self._looking[call] = row
+            timed_afresh()
+            try:
+                self._admit_io(row, admission)
+            except StoreUnavailable:
+                pass  # not served: the rescan looks at it again
+            finally:
+                self._looking.pop(call, None)
+                self._unadmitted.discard(row.key)
+            admitted.append(row.key)
+            if call in admission.overdue:  # its slot was given back: the other calls take the rest
+                break
+        return admitted
+
+    def _store_step(self, fn: Callable[..., T], *args: object) -> T:
+        """A store step from a channel look call: under the store worker's lock, its deadline paused."""
+        with store_step():
+            return self.worker.run_here(fn, *args)
+
+    def _admit_io(self, row: WorkspaceRow, admission: _Admission) -> None:
+        """(channel look pool) At start, before `row`'s channel is served: it is still the enrolled directory
+        (device, inode, owner), its kernel.json names no other store, this kernel holds its lock; then its
+        requests/ is watched. That is all a restart does per workspace before `ready` (10,000 of them must be
+        ready in 2 s): rewriting the kernel-written files where stale (tool, kernel.json, budget.json,
+        jobenv.json) and sweeping an earlier process's temps wait for `_refresh_served`, after `ready` (nothing
+        the kernel decides reads those files, and the agent may rewrite them at any time anyway). A channel whose
+        row the refresh changes (a new tool; subdirectories not recorded yet) is refreshed here in full instead. A
+        channel enrolled by this very start is only watched (`prepare_new` checked its owner, took its lock and
+        wrote its files moments ago). The owner check is one lstat when kernel.json is, unchanged, the file an
+        earlier check read (`seen`: enrollment.owner_unchanged), else a full read whose fingerprint is recorded
+        for the next start (a network filesystem's is always read). The store is touched only when the outcome
+        needs it (`_store_step`)."""
+        crash.hang_point("admit", row.path)
+        if row.key in admission.fresh and self.locks.holds(row.key):
+            self._watch_fresh(row)
+            return
+        if row.tool_sha256 != self.tool.sha256 or not row.identity.subdirs:
+            self._refresh_io(row, admission.mine, watch=True)
+            return
+        seen = None if row.key in admission.network else admission.seen
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 if seen is None:
-                    enrollment.check_owner(self.store, ch, row.path, mine=mine)
+                    enrollment.check_owner(self.store, ch, row.path, mine=admission.mine)
                 elif not enrollment.owner_unchanged(ch, seen.get(row.key)):
-                    found = enrollment.owner_fingerprint(ch, row.path, mine=mine)
+                    found = enrollment.owner_fingerprint(ch, row.path, mine=admission.mine)
                     if found is not None:
                         self._seen_now[row.key] = found
                 enrollment.claim_channel(self._claim, row.key, ch, row.path)
-                self._served_again(row)
+                if row.key in self._foreign or row.key in self._held_elsewhere:
+                    self._store_step(self._served_again, row)
                 self._stale.add(row.key)
                 if row.key not in self._paused:
                     self._watch_one(row, ch)
         except NOT_SERVED as exc:
-            self._not_served(row, exc)
+            self._store_step(self._not_served, row, exc)
             return
         self._channel_problems.pop(row.key, None)
 
     def _watch_fresh(self, row: WorkspaceRow) -> None:
-        """A channel enrolled by this very start needs no admission (`prepare_new` checked its owner, took its
-        lock and wrote its files moments ago): only its watch."""
+        """A channel enrolled by this very start needs no admission: only its watch."""
         if row.key in self._paused:
             return
         try:
@@ -342,8 +490,8 @@ class Service:
                 self.store.set_problem(row.key, None)
 
     def _not_served(self, row: WorkspaceRow, exc: Exception) -> None:
-        """The one place that decides what a failed start-up or rescan check of `row`'s channel (`_admit`,
-        `_refresh`) means: another kernel's store owns it, another process holds its lock, or it cannot be
+        """The one place that decides what a failed start-up or rescan check of `row`'s channel (`_admit_io`,
+        `_refresh_io`) means: another kernel's store owns it, another process holds its lock, or it cannot be
         opened or read. Nothing was written to the channel."""
         if isinstance(exc, enrollment.OwnedElsewhere):
             self._owned_elsewhere(row, exc)
@@ -358,24 +506,127 @@ class Service:
             self._channel_problems[row.key] = problem
             log.event("channel_problem", logging.WARNING, ws=row.key, problem=problem)
 
-    def _refresh(self, row: WorkspaceRow) -> None:
-        """Check `row`'s channel as `_admit` does and rewrite its kernel-written files where stale; remove
-        leftover kernel temps. A leftover is a temp older than this process: a younger one may be a write in
-        flight (this kernel's channel I/O pool writing an answer or budget.json, or `syscall-kernel budget`
-        writing budget.json), whose rename would fail if its temp were removed under it."""
+    def _refresh_io(self, row: WorkspaceRow, mine: str, *, watch: bool) -> None:
+        """(channel look pool) Check `row`'s channel as `_admit_io` does and rewrite its kernel-written files where
+        stale; remove leftover kernel temps (`_sweep_temps`); with `watch`, watch its requests/ too. The store is
+        touched only in store steps (`_store_step`, under the store worker's lock), never while the channel is:
+        the row written to kernel.json and budget.json is read, with its budget stamp, in the step that records
+        the new tool (kernel.io.budgetorder, as `_rewrite_stale`)."""
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
-                note = enrollment.refresh(
-                    self.store, ch, row, self.tool, jail=self.cfg.jail, cfg=self.cfg, claim=self._claim
+                owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
+                enrollment.claim_channel(self._claim, row.key, ch, row.path)
+                identity = row.identity
+                if not identity.subdirs:
+                    # A channel enrolled before subdirectory identities were recorded gets them now (what is there
+                    # at this start), and is checked against them from then on.
+                    identity = dataclasses.replace(identity, subdirs=ch.found_subdirs())
+                current, stamp = self._store_step(self._refreshed_row, row, identity)
+                note = enrollment.rewrite_kernel_files(
+                    ch,
+                    current,
+                    self.tool,
+                    owner,
+                    jail=self.cfg.jail,
+                    cfg=self.cfg,
+                    order=self.store.budget_order,
+                    stamp=stamp,
                 )
-                self._served_again(row)
                 if note is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
                 self._sweep_temps(ch)
+                if watch and row.key not in self._paused:
+                    self._watch_one(row, ch)
         except NOT_SERVED as exc:
-            self._not_served(row, exc)
+            self._store_step(self._not_served, row, exc)
             return
         self._channel_problems.pop(row.key, None)
+
+    def _refreshed_row(self, row: WorkspaceRow, identity: safefs.Identity) -> tuple[WorkspaceRow, int]:
+        """(a store step) Record the new tool and the subdirectory identities where `row` lacks them; the channel
+        is ours and locked (`_served_again`). The current row and the stamp of this read of its balance."""
+        current = self.store.workspace(row.key)
+        if current is None:  # unenrolled meanwhile: nothing to record (nor to serve)
+            return row, self.store.budget_order.stamp()
+        if row.tool_sha256 != self.tool.sha256 or identity != row.identity:
+            current = dataclasses.replace(current, tool_sha256=self.tool.sha256, identity=identity)
+            with self.store.transaction():
+                self.store.put_workspace(current)
+        self._served_again(row)
+        return current, self.store.budget_order.stamp()
+
+    async def _look(self, row: WorkspaceRow) -> None:
+        """The running kernel's look at a channel it does not serve yet (enrolled meanwhile, its lock let go,
+        taken back): `_refresh_io` in the channel look pool, in `row`'s turn; not served (`_unadmitted`) until the
+        look returns, then served if it found the channel ours and locked it. A look past the deadline shows as
+        the workspace's problem (`_look_overdue`) and holds nothing else: the service loop does not wait for it."""
+        self._looking[row.key] = row
+        try:
+            await self.looks.run(row.key, self._look_io, row, self._mine)
+        except (ChannelIOAbandoned, StoreUnavailable):
+            return  # stopping, or the store cannot be written: looked at again at the next rescan
+        finally:
+            self._looking.pop(row.key, None)
+            self._unadmitted.discard(row.key)
+        if not self.stopping and self.locks.holds(row.key):
+            await self._apply_current()
+
+    def _look_io(self, row: WorkspaceRow, mine: str) -> None:
+        crash.hang_point("look", row.path)
+        self._refresh_io(row, mine, watch=True)
+
+    def _take_looks(self) -> None:
+        """Look at each row a store step asked for (`_to_look`), in the background (`_look`): the loop does not
+        wait for a channel."""
+        rows, self._look_next = self._look_next, []
+        if self._tg is None:
+            return
+        for row in rows:
+            if row.key not in self._looking:
+                self._tg.start_soon(self._look, row)
+
+    async def _apply_current(self) -> None:
+        rows = await self.worker.call(self.store.workspaces)
+        await self.worker.call(self._apply_rows, rows)
+
+    async def _look_overdue(self, call: str, since: float) -> None:
+        """A look call (admission or rescan) past the deadline on one channel: that workspace's problem says so
+        (logged once); the start does not wait for it, and another admission call takes the channels left."""
+        row = self._looking.get(call)
+        admission = self._admission
+        if admission is not None and call.startswith("start-up admission "):
+            admission.overdue.add(call)
+            admission.running -= 1
+            if admission.todo and not self.stopping and len(admission.overdue) < OVERDUE_MAX and self._tg:
+                self._start_admitter(admission, self._tg)
+            elif admission.running == 0:
+                admission.settled.set()
+        if row is None:
+            return
+        problem = (
+            f"channel I/O has not returned since {timestamp(since)} (over {self.looks.deadline:g} s: a hung "
+            "filesystem?); this workspace is not served until it returns; other workspaces are served meanwhile"
+        )
+        self._overdue_looks[call] = (row, problem)
+        log.event("channel_problem", logging.WARNING, ws=row.key, problem=problem)
+        await self.worker.call(self._set_look_problem, row.key, problem, None)
+
+    async def _look_returned(self, call: str) -> None:
+        got = self._overdue_looks.pop(call, None)
+        if got is None:
+            return
+        row, problem = got
+        log.event("channel_io_returned", ws=row.key)
+        await self.worker.call(self._set_look_problem, row.key, None, problem)
+
+    def _set_look_problem(self, key: str, problem: str | None, unless: str | None) -> None:
+        """(a store step) Show `problem` as the workspace's; None clears it, only while it still shows `unless`
+        (the look's own outcome, e.g. a lock held elsewhere, stays)."""
+        row = self.store.workspace(key)
+        if row is None or (problem is None and row.problem != unless):
+            return
+        with self.store.transaction():
+            self.store.set_problem(key, problem)
 
     def _rewrite_stale(self, key: str, mine: str) -> str | None:
         """(channel I/O pool, in `key`'s turn) Rewrite an admitted channel's kernel-written files where stale and
@@ -389,7 +640,7 @@ class Service:
             return None
         crash.hang_point("refresh", row.path)
         with safefs.open_channel(row.path, row.identity) as ch:
-            # Another store may have taken the channel over since `_admit`: nothing is written then.
+            # Another store may have taken the channel over since `_admit_io`: nothing is written then.
             owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
             note = enrollment.rewrite_kernel_files(
                 ch,
@@ -436,7 +687,7 @@ class Service:
             log.event("tool_updated", ws=key, sha256=self.tool.sha256[:16])
 
     async def _refresh_served(self) -> None:
-        """After `ready`: refresh what `_admit` left stale (`_rewrite_stale`), in the channel I/O pool, never on
+        """After `ready`: refresh what `_admit_io` left stale (`_rewrite_stale`), in the channel I/O pool, never on
         the store worker: a channel that hangs there holds only its own workspace (the pool's deadline marks it
         overdue), and the store worker stays free for every other workspace's requests. At most REFRESH_CALLS
         refreshes are in the pool at once, so a request's turn waits behind at most that many of them for a
@@ -511,14 +762,20 @@ class Service:
         """At every rescan: serve the channels that became ours. The new rows when any changed. (Whether a
         served channel was taken over by another store is checked by its next turn in the pipeline, off the
         store worker: `Pipeline.sweep(owners=True)`, `_taken_over`.)"""
-        changed = False
         # Channels not locked yet (another process held the lock, the channel could not be opened, or its
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
+        # The look is the loop's (`_start_looks`, in the channel look pool): no channel is opened here.
         for row in self.store.workspaces():
             if not self.locks.holds(row.key):
-                self._refresh(row)
-                changed = changed or self.locks.holds(row.key)
-        return self.store.workspaces() if changed else None
+                self._to_look(row)
+        return None
+
+    def _to_look(self, row: WorkspaceRow) -> None:
+        """(store worker) Have the loop look at `row`'s channel (`_look`), not serving it meanwhile; once per
+        workspace while its admission or look has not returned."""
+        if row.key not in self._unadmitted:
+            self._unadmitted.add(row.key)
+            self._look_next.append(row)
 
     def _rescan_workspaces(self) -> list[WorkspaceRow] | None:
         """The rescan's look at the workspaces: new glob matches enrolled, channels taken over dropped. The rows
@@ -528,7 +785,7 @@ class Service:
         if enrolled:
             for row in self.store.workspaces():
                 if row.key not in self.pipeline.workspaces:
-                    self._refresh(row)
+                    self._to_look(row)
         dropped = self._check_owners()
         if enrolled or dropped is not None:
             return self.store.workspaces()
@@ -541,7 +798,10 @@ class Service:
         return [
             r
             for r in rows
-            if r.key not in self._foreign and r.key not in self._paused and self.locks.holds(r.key)
+            if r.key not in self._foreign
+            and r.key not in self._paused
+            and r.key not in self._unadmitted
+            and self.locks.holds(r.key)
         ]
 
     def _read_data_version(self) -> int:
@@ -565,7 +825,7 @@ class Service:
             old = known.get(row.key)
             # A channel taken back with `enroll --take-over` is served again once its refresh finds it ours.
             if old is None or old.identity != row.identity or row.key in self._foreign:
-                self._refresh(row)
+                self._to_look(row)
         return rows
 
     # --- watches ------------------------------------------------------------------------------------------
@@ -624,7 +884,12 @@ class Service:
                 self.watcher.remove(key)
         changed = {r.key for r in rows if r.key not in old or old[r.key].identity != r.identity}
         if changed:
-            self._watch_all(rows, changed)
+            # A channel admitted or looked at in the channel look pool was watched there.
+            watcher = self.watcher
+            self._watch_all(
+                rows,
+                {k for k in changed if k not in self.polled and (watcher is None or not watcher.watching(k))},
+            )
             for key in changed:
                 self.pipeline.mark(key)
 
@@ -633,26 +898,25 @@ class Service:
     async def run(self) -> None:
         send, recv = anyio.create_memory_object_stream[str](EVENT_STREAM_SIZE)
         async with anyio.create_task_group() as tg:
+            self._tg = tg
             tg.start_soon(self._signals)
             try:
-                # Start-up steps run on the worker thread while this loop still receives signals: each step
-                # stops early once `stopping` is set, and nothing after it runs, so SIGTERM is honoured at
-                # any point of start-up within one step (one enrollment, one channel refresh).
-                if self.cfg.watch != "poll":  # `_admit` watches each channel while it has it open
+                # Start-up steps run on the worker thread (the store's) and in the channel look pool (the
+                # channels') while this loop still receives signals: each step stops early once `stopping` is
+                # set, and nothing after it runs, so SIGTERM is honoured at any point of start-up within one
+                # step (one enrollment, one channel's admission).
+                if self.cfg.watch != "poll":  # `_admit_io` watches each channel while it has it open
                     self.watcher = Watcher(send)
                     self.watcher.start()
                 started = await self._retrying(lambda: self.worker.call(self._startup))
                 if started is None or self.stopping:
                     return
-                rows = self.served(started)
+                stored, admission = started
+                await self._admit_all(admission, tg)
+                if self.stopping or await self._retrying(lambda: self.worker.call(self._admitted)) is None:
+                    return
+                rows = self.served(stored)
                 self.pipeline.set_workspaces(rows)
-                watcher = self.watcher
-                unwatched = {
-                    r.key
-                    for r in rows
-                    if r.key not in self.polled and (watcher is None or not watcher.watching(r.key))
-                }
-                await self.worker.call(self._watch_all, rows, unwatched)
                 if self.halted():
                     return
                 await self._retrying(self.executor.recover)
@@ -663,6 +927,7 @@ class Service:
                     return
                 self.pipeline.sweep()
                 log.event("ready", workspaces=len(rows), polled=len(self.polled), resumed=resumed)
+                self._ready.set()
                 self.notifier.ready(self.status_line())
                 if self.cfg.metrics_listen:
                     await self.worker.call(metrics.refresh, self.store, False)
@@ -684,6 +949,7 @@ class Service:
                         )
                     self.pipeline.chanio.stop()
             finally:
+                self.looks.stop()
                 tg.cancel_scope.cancel()
                 send.close()
                 if self.watcher is not None:
@@ -785,13 +1051,14 @@ class Service:
                 rows = await self.worker.call(self._reload_if_changed)
                 if rows is not None:
                     await self.worker.call(self._apply_rows, rows)
+                self._take_looks()
             if now >= next_rescan:
                 next_rescan = now + self.cfg.rescan_seconds
                 self.pipeline.sweep(owners=True)
                 unwatched = {
                     k for k in self.pipeline.workspaces if k not in self.polled and self.watcher is not None
                 } - {k for k in self.pipeline.workspaces if self.watcher and self.watcher.watching(k)}
-                unwatched -= set(self.pipeline.chanio.overdue)
+                unwatched -= set(self.pipeline.chanio.overdue) | self._unadmitted
                 if unwatched:
                     await self.worker.call(
                         self._watch_all, list(self.pipeline.workspaces.values()), unwatched
@@ -799,6 +1066,7 @@ class Service:
                 rows = await self.worker.call(self._rescan_workspaces)
                 if rows is not None:
                     await self.worker.call(self._apply_rows, rows)
+                self._take_looks()
                 resumed = await self.pipeline.recover(spawn)
                 if resumed:
                     log.event("resumed", count=resumed)
@@ -854,17 +1122,22 @@ class Service:
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
         self.cfg = self.pipeline.cfg = cfg
-        self.pipeline.chanio.deadline = cfg.channel_io_deadline_seconds
+        self.pipeline.chanio.deadline = self.looks.deadline = cfg.channel_io_deadline_seconds
         self.executor.reload(cfg)
         rows = await self.worker.call(self._reapply)
         await self.worker.call(self._apply_rows, rows)
+        self._take_looks()
+        if self._stale and self._tg is not None:
+            self._tg.start_soon(self._refresh_served)
         log.event(
             "reloaded", config=cfg.source, changed=",".join(applied) or "nothing", kept=",".join(kept) or None
         )
         self._publish_status()
 
     def _reapply(self) -> list[WorkspaceRow]:
-        """After a reload: enroll new glob matches, give every workspace the policy of the new defaults."""
+        """After a reload: enroll new glob matches, give every workspace the policy of the new defaults. A
+        channel whose policy changed gets its kernel.json rewritten off the store worker: in the channel I/O pool
+        when served (`_refresh_served`), else by a look (`_to_look`)."""
         self._enroll_globs()
         self._fresh.clear()
         for row in self.store.workspaces():
@@ -872,7 +1145,10 @@ class Service:
             if policy != row.policy:
                 with self.store.transaction():
                     self.store.set_policy(row.key, policy)
-                self._refresh(dataclasses.replace(row, policy=policy))
+                if row.key in self.pipeline.workspaces:
+                    self._stale.add(row.key)
+                else:
+                    self._to_look(dataclasses.replace(row, policy=policy))
         return self.store.workspaces()
 
 

@@ -9,7 +9,9 @@ On the old kernel every channel call ran on the one store worker, so B waited fo
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import time
 from pathlib import Path
 
@@ -143,3 +145,146 @@ def test_a_channel_that_hangs_in_the_after_ready_refresh_holds_no_other_workspac
     finally:
         hang.unlink(missing_ok=True)
         k.stop()
+
+
+def problem_of(k: Kernel, ws: Path) -> str | None:
+    """The problem `syscall-kernel status --json` shows for `ws`."""
+    shown = json.loads(k.cli("status", "--json").stdout)
+    problems: dict[str, str | None] = {w["path"]: w["problem"] for w in shown["workspaces"]}
+    return problems[str(ws.resolve())]
+
+
+def assert_overdue_shown(k: Kernel, a: Path) -> None:
+    """A's overdue channel I/O is what `syscall-kernel status` says about A (and names A's key)."""
+    key = workspace_key(str(a.resolve()))
+
+    def problem_shown() -> str | None:
+        out = k.cli("status").stdout
+        return out if OVERDUE in out else None
+
+    shown = wait_for(problem_shown, 15, "A's overdue channel I/O in syscall-kernel status")
+    assert key in shown
+    assert OVERDUE in (problem_of(k, a) or "")
+
+
+def test_a_channel_that_hangs_at_start_up_admission_holds_neither_the_start_nor_another_workspace(
+    tmp_path: Path,
+) -> None:
+    """Issue 13: at start every enrolled channel is admitted (its directory, owner and lock checked, its requests/
+    watched) before it is served. A's channel hangs there (the test-only hang point `admit`): the kernel must
+    still reach `ready` within seconds, serve B again and again, show A's overdue I/O in `syscall-kernel status`,
+    and admit and serve A once its channel answers. On the old kernel the admission ran serially on the store
+    worker: no `ready`, nobody served, while A hung."""
+    k, (a, b), hang = kernel_with(tmp_path, "a", "b")
+    put_request(a, "a1", status("a1"))  # waiting in A's channel from before the start
+    hang.write_text(f"admit {a.resolve()}")
+    t0 = time.monotonic()
+    k.start(env=hang_env(hang), wait_ready=False)
+    try:
+        k.wait_log("event=ready", 20)
+        assert time.monotonic() - t0 < 15
+        assert "event=hang_injected step=admit" in k.log_text()
+        assert_served_meanwhile(b)
+        assert_overdue_shown(k, a)
+        assert read_answer(a, "a1") is None, "A's admission never returned, yet its request was answered"
+
+        # The filesystem answers again: A is admitted, its waiting request answered, and its problem clears.
+        hang.unlink()
+        assert wait_answer(a, "a1", 15)["type"] == "status"
+        wait_for(lambda: problem_of(k, a) is None, 15, "A's problem cleared")
+        put_request(a, "after", status("after"))
+        wait_answer(a, "after")
+        assert_served_meanwhile(b)
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
+
+
+def test_the_kernel_stops_while_a_channel_hangs_at_start_up_admission(tmp_path: Path) -> None:
+    """SIGTERM after `ready` while A's admission has not returned: exit 0 promptly; A is admitted and its
+    request answered at the next start."""
+    k, (a, b), hang = kernel_with(tmp_path, "a", "b")
+    put_request(a, "a1", status("a1"))
+    hang.write_text(f"admit {a.resolve()}")
+    k.start(env=hang_env(hang), wait_ready=False)
+    try:
+        k.wait_log("event=ready", 20)
+        put_request(b, "b1", status("b1"))
+        assert wait_answer(b, "b1", 5)["type"] == "status"
+        t0 = time.monotonic()
+        assert k.stop(timeout=20) == 0
+        assert time.monotonic() - t0 < 5
+        assert read_answer(a, "a1") is None
+        hang.unlink()
+        k.start()
+        assert wait_answer(a, "a1", 15)["type"] == "status"
+    finally:
+        hang.unlink(missing_ok=True)
+        k.ensure_stopped()
+
+
+@pytest.mark.parametrize("how", ["enrolled_while_serving", "lock_let_go"])
+def test_a_channel_that_hangs_in_the_rescans_look_holds_no_other_workspace(tmp_path: Path, how: str) -> None:
+    """Issue 13: a channel the running kernel does not serve yet is looked at (checked, locked, its kernel files
+    rewritten) when the poll tick sees it enrolled or the rescan retries it (its lock was held by another
+    process). A's channel hangs in that look (the test-only hang point `look`): B must still be answered, again
+    and again, A's overdue I/O shows in `syscall-kernel status`, and A is served once its channel answers. On the
+    old kernel the look ran on the store worker, so the service loop and every answer waited behind A."""
+    names = ("b",) if how == "enrolled_while_serving" else ("a", "b")
+    k, spaces, hang = kernel_with(tmp_path, *names)
+    b = spaces[-1]
+    a = spaces[0] if how == "lock_let_go" else git_workspace(tmp_path / "a")
+    locker = None
+    if how == "lock_let_go":  # another process holds A's channel lock: not served, retried at every rescan
+        locker = os.open(a / ".syscall", os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(locker, fcntl.LOCK_EX)
+    k.start(env=hang_env(hang))
+    try:
+        put_request(b, "before", status("before"))
+        wait_answer(b, "before")
+        hang.write_text(f"look {a.resolve()}")
+        if locker is not None:
+            k.wait_log("event=channel_held_elsewhere", 10)
+            os.close(locker)
+            locker = None
+        else:
+            k.enroll(a)
+        k.wait_log("event=hang_injected step=look", 15)
+        put_request(a, "a1", status("a1"))
+
+        assert_served_meanwhile(b)
+        assert_overdue_shown(k, a)
+        assert read_answer(a, "a1") is None, "A's look never returned, yet its request was answered"
+
+        hang.unlink()
+        assert wait_answer(a, "a1", 15)["type"] == "status"
+        wait_for(lambda: problem_of(k, a) is None, 15, "A's problem cleared")
+        assert_served_meanwhile(b)
+        t0 = time.monotonic()
+        hang.write_text(f"look {a.resolve()}")  # served now: no look at A any more, nothing hangs
+        assert k.stop(timeout=20) == 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        if locker is not None:
+            os.close(locker)
+        hang.unlink(missing_ok=True)
+        k.ensure_stopped()
+
+
+def test_the_kernel_stops_while_a_channel_hangs_in_the_rescans_look(tmp_path: Path) -> None:
+    """SIGTERM while the poll tick's look at a newly enrolled A has not returned: exit 0 promptly."""
+    k, (b,), hang = kernel_with(tmp_path, "b")
+    a = git_workspace(tmp_path / "a")
+    k.start(env=hang_env(hang))
+    try:
+        hang.write_text(f"look {a.resolve()}")
+        k.enroll(a)
+        k.wait_log("event=hang_injected step=look", 15)
+        put_request(b, "b1", status("b1"))
+        assert wait_answer(b, "b1", 5)["type"] == "status"
+        t0 = time.monotonic()
+        assert k.stop(timeout=20) == 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        hang.unlink(missing_ok=True)
+        k.ensure_stopped()

@@ -131,3 +131,35 @@ def test_time_in_a_store_step_is_not_channel_io() -> None:
         assert seen == ["b"]
 
     anyio.run(main)
+
+
+def test_a_call_through_several_channels_is_timed_per_channel() -> None:
+    """The start-up admission works through many channels in one call: each is timed afresh (`timed_afresh`), so
+    a call longer than the deadline in all is not overdue while each channel answers within it; one channel past
+    it is, and the overdue report's `since` is when that channel's I/O began."""
+    from kernel.service.chanio import timed_afresh
+
+    seen: list[tuple[str, float]] = []
+
+    async def overdue(key: str, since: float) -> None:
+        seen.append((key, since))
+
+    pool = ChannelIO(0.2, on_overdue=overdue)
+    began: list[float] = []
+
+    def channels(delays: list[float]) -> int:
+        for delay in delays:
+            timed_afresh()
+            began.append(time.time())
+            time.sleep(delay)
+        return len(delays)
+
+    async def main() -> None:
+        assert await pool.run("calls", channels, [0.1] * 6) == 6  # 0.6 s in all, 0.1 s per channel
+        assert seen == []
+        began.clear()
+        assert await pool.run("calls", channels, [0.05, 0.05, 0.5]) == 3
+        assert [k for k, _ in seen] == ["calls"]
+        assert abs(seen[0][1] - began[2]) < 0.05, "since: when the slow channel's I/O began"
+
+    anyio.run(main)
