@@ -133,14 +133,18 @@ class Kernel:
         self._log_file: Any = None
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
+        done = subprocess.run(
             [sys.executable, "-m", "kernel.cli", *args, "--config", str(self.config)],
             cwd=ROOT,
             capture_output=True,
             text=True,
-            check=check,
             timeout=120,
         )
+        # What the command said, in the failure itself (CalledProcessError would show the exit status only).
+        assert not check or done.returncode == 0, (
+            f"syscall-kernel {' '.join(args)} exited {done.returncode}:\n{done.stderr}{done.stdout}"
+        )
+        return done
 
     def enroll(self, ws: Path, *args: str) -> None:
         self.cli("enroll", str(ws), *args)

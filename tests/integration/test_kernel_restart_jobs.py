@@ -58,7 +58,12 @@ def test_a_job_runs_across_a_kernel_restart_and_its_wake_comes_from_the_next_ker
         task_dir = kernel.state / "runs" / workspace_key(ws.resolve()) / "1" / "long"
         rec = msgspec.json.decode((task_dir / PID_FILE).read_bytes(), type=PidRecord)
         assert rec.pid is not None
-        wrapper, job = rec.pid, int((marks / "pid").read_text())
+        # The job writes `where`, then `pid`: wait for the pid itself (the shell creates the file before it
+        # writes it).
+        job = int(
+            wait_for(lambda: (marks / "pid").exists() and (marks / "pid").read_text().strip(), 30, "pid")
+        )
+        wrapper = rec.pid
         # Its own session: signals to the kernel's process group (a terminal's Ctrl-C) never reach it.
         assert os.getsid(wrapper) == wrapper != os.getsid(first.pid)
 
