@@ -37,6 +37,7 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from channel import safefs
+from channel.messages import StoreRef
 from channel.paths import ChannelPaths
 from kernel.core.config import Config, ConfigError
 from kernel.core.config import load as load_config
@@ -538,19 +539,8 @@ class Service:
                     # at this start), and is checked against them from then on.
                     identity = dataclasses.replace(identity, subdirs=ch.found_subdirs())
                 current, stamp = self._store_step(self._refreshed_row, row, identity)
-                note = enrollment.rewrite_kernel_files(
-                    ch,
-                    current,
-                    self.tool,
-                    owner,
-                    jail=self.cfg.jail,
-                    cfg=self.cfg,
-                    order=self.store.budget_order,
-                    stamp=stamp,
-                )
-                if note is not None:
+                if self._rewrite_kernel_files(ch, current, owner, stamp) is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
-                self._sweep_temps(ch)
                 if watch and row.key not in self._paused:
                     self._watch_one(row, ch)
         except NOT_SERVED as exc:
@@ -659,17 +649,24 @@ class Service:
         with safefs.open_channel(row.path, row.identity) as ch:
             # Another store may have taken the channel over since `_admit_io`: nothing is written then.
             owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
-            note = enrollment.rewrite_kernel_files(
-                ch,
-                row,
-                self.tool,
-                owner,
-                jail=self.cfg.jail,
-                cfg=self.cfg,
-                order=self.store.budget_order,
-                stamp=stamp,
-            )
-            self._sweep_temps(ch)
+            return self._rewrite_kernel_files(ch, row, owner, stamp)
+
+    def _rewrite_kernel_files(
+        self, ch: safefs.Channel, row: WorkspaceRow, owner: StoreRef, stamp: int
+    ) -> str | None:
+        """Rewrite the channel's kernel-written files where stale (budget.json in the order of `stamp`,
+        kernel.io.budgetorder) and sweep the kernel temps older than this process; the tool note, if any."""
+        note = enrollment.rewrite_kernel_files(
+            ch,
+            row,
+            self.tool,
+            owner,
+            jail=self.cfg.jail,
+            cfg=self.cfg,
+            order=self.store.budget_order,
+            stamp=stamp,
+        )
+        self._sweep_temps(ch)
         return note
 
     def _sweep_temps(self, ch: safefs.Channel) -> None:
