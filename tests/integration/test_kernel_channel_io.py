@@ -84,16 +84,7 @@ def test_a_workspace_whose_channel_io_hangs_holds_no_other_workspace(tmp_path: P
             put_request(a, "a1", status("a1"))  # waits for the listing
 
         assert_served_meanwhile(b)
-
-        key = workspace_key(str(a.resolve()))
-
-        def problem_shown() -> str | None:
-            out = k.cli("status").stdout
-            return out if OVERDUE in out else None
-
-        shown = wait_for(problem_shown, 15, "A's overdue channel I/O in syscall-kernel status")
-        assert key in shown
-        assert "other workspaces are served meanwhile" in shown
+        assert "other workspaces are served meanwhile" in assert_overdue_shown(k, a)
         assert read_answer(a, "a1") is None, "A's I/O never returned, yet its request was answered"
         assert k.log_text().count("problem='channel I/O has not returned") == 1, "logged once"
 
@@ -164,8 +155,9 @@ def problem_of(k: Kernel, ws: Path) -> str | None:
     return problems[str(ws.resolve())]
 
 
-def assert_overdue_shown(k: Kernel, a: Path) -> None:
-    """A's overdue channel I/O is what `syscall-kernel status` says about A (and names A's key)."""
+def assert_overdue_shown(k: Kernel, a: Path) -> str:
+    """A's overdue channel I/O is what `syscall-kernel status` says about A (and names A's key); the status
+    text."""
     key = workspace_key(str(a.resolve()))
 
     def problem_shown() -> str | None:
@@ -175,6 +167,7 @@ def assert_overdue_shown(k: Kernel, a: Path) -> None:
     shown = wait_for(problem_shown, 15, "A's overdue channel I/O in syscall-kernel status")
     assert key in shown
     assert OVERDUE in (problem_of(k, a) or "")
+    return shown
 
 
 def test_a_channel_that_hangs_at_start_up_admission_holds_neither_the_start_nor_another_workspace(
