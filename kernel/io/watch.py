@@ -6,26 +6,28 @@ kernel uses watchdog's shared `InotifyFD` directly: one instance, one reader thr
 verified, so it is pinned to that inode: nothing the agent swaps in later (a symlinked `.syscall` or `requests`)
 can redirect it, which a path-based watch with IN_DONT_FOLLOW would only guarantee for the last component.
 
-The reader thread hands workspace keys to the event loop through a bounded memory stream; a key already queued
-is not queued again, so a flood in one channel costs one slot. A full stream, or an inotify queue overflow, sets
+The reader thread hands workspace keys to the event loop (`deliver`, run on the loop: the service starts an idle
+workspace's turn there and then, or queues the key on a bounded memory stream); a key already handed over and not
+yet taken is not handed over again, so a flood in one channel costs one slot. A full stream, or an inotify queue overflow, sets
 a flag that turns into a full rescan. Events only make the kernel faster: the service's periodic rescan is the
 ground truth, and channels on network filesystems (where a write on another host raises no event) are polled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
-from anyio.streams.memory import MemoryObjectSendStream
 from watchdog.observers import inotify_c as ic
+
+from kernel.io.loopcall import call_soon
 
 log = logging.getLogger("syscall-kernel")
 
@@ -133,8 +135,9 @@ class Watcher:
     `_lock`-protected maps before handing a key to the loop.
     """
 
-    def __init__(self, send: MemoryObjectSendStream[str]) -> None:
-        self._send = send
+    def __init__(self, deliver: Callable[[str], None]) -> None:
+        # Run on the event loop with each key handed over; raises anyio.WouldBlock when it cannot take it.
+        self._deliver = deliver
         self._token = anyio.lowlevel.current_token()
         self._fd = ic.InotifyFD()  # our own instance (not the process-wide singleton), stopped with us
         self._lock = threading.Lock()
@@ -217,14 +220,26 @@ class Watcher:
             if key in self._q.queued or self._stopping:
                 return
             self._q.queued.add(key)
+        with contextlib.suppress(RuntimeError):  # the loop has finished (the kernel is exiting)
+            call_soon(self._token, self._delivered, key)
+
+    def _delivered(self, key: str) -> None:
+        # (event loop) The hand-over, which the reader thread does not wait for.
         try:
-            anyio.from_thread.run_sync(self._send.send_nowait, key, token=self._token)
+            self._deliver(key)
         except anyio.WouldBlock:
             with self._lock:
                 self._q.queued.discard(key)
             self._q.overflow.set()
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError, RuntimeError):
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass  # the loop is shutting down
+        except Exception:
+            # Not the reader thread's to see any more: without this, the key would stay "handed over" and its
+            # events would be dropped until the kernel restarts. A rescan lists every channel instead.
+            log.exception("event=watch_hand_over_failed ws=%s", key)
+            with self._lock:
+                self._q.queued.discard(key)
+            self._q.overflow.set()
 
     def on_event(self, event: ic.InotifyEvent) -> None:
         with self._lock:

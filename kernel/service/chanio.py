@@ -6,8 +6,10 @@ never on the store worker, which keeps sqlite alone. So a workspace whose channe
 names) or hung (a network filesystem that stopped answering) delays that workspace only.
 
 Invariants, and why they hold:
-- A workspace has at most one call running: its lock is taken before a slot is asked for, and held until the call
-  returns (even past its deadline), so nothing more is started for a workspace whose I/O has not returned.
+- A workspace has at most one call running: its turn is taken before a slot is asked for, and held until the call
+  returns (even past its deadline), so nothing more is started for a workspace whose I/O has not returned. Turns
+  are handed on in arrival order; `begin` takes one only when nobody holds or waits for it, and a slot only when
+  one is free (then nobody waits for a slot), so it passes no one.
 - At most `size` calls hold a slot, and slots are granted first come first served (anyio's Semaphore wakes its
   waiters in order); since a workspace holds at most one place in the slot queue, every workspace gets a turn.
 - A call still in channel I/O `deadline` seconds after it started (time inside `store_step()` does not count: a
@@ -30,13 +32,15 @@ import contextlib
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Final, Generic, TypeVar
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
+
+from kernel.io.loopcall import call_soon
 
 T = TypeVar("T")
 
@@ -50,6 +54,34 @@ class _Progress:
 
     io_since: float
     in_store: bool = False
+
+
+@dataclass(slots=True)
+class _Waiter:
+    """A caller waiting for its workspace's turn; `granted` once the turn is handed to it."""
+
+    given: anyio.Event
+    granted: bool = False
+
+
+@dataclass(slots=True)
+class _Call:
+    """One call submitted to a pool thread: its result (`box`, filled on the thread), `done` once the loop has
+    seen it return, whether it still holds its slot (`held`) and whether its waiter took the result (`taken`)."""
+
+    done: anyio.Event
+    progress: _Progress
+    box: list[tuple[bool, Any]] = field(default_factory=list)
+    held: bool = True
+    taken: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Started(Generic[T]):
+    """A call `ChannelIO.begin` started: pass it to `ChannelIO.finish`."""
+
+    key: str
+    call: _Call
 
 
 _current = threading.local()
@@ -105,15 +137,16 @@ class ChannelIO:
         self.on_overdue = on_overdue
         self.on_returned = on_returned
         self.clock = clock
-        # fast_acquire: a free slot or lock is taken without a trip round the event loop (a turn is visible
-        # latency); fairness does not depend on that trip, since every caller then waits for its thread.
+        # fast_acquire: a free slot is taken without a trip round the event loop (a turn is visible latency);
+        # fairness does not depend on that trip, since every caller then waits for its thread.
         self._slots = anyio.Semaphore(size, fast_acquire=True)
-        self._locks: dict[str, anyio.Lock] = {}
-        self._users: dict[str, int] = {}
+        # key -> the callers waiting for the workspace's turn, in arrival order; a key is present while a call
+        # of that workspace holds its turn (from the moment the turn is taken until the call has returned).
+        self._turns: dict[str, deque[_Waiter]] = {}
         # key -> when its overdue call started (clock time)
         self.overdue: dict[str, float] = {}
         self._stopping = False
-        # The cancel scopes of callers (running or waiting for their workspace's lock), per workspace, so a
+        # The cancel scopes of callers (running or waiting for their workspace's turn), per workspace, so a
         # stop can abandon those of an overdue workspace.
         self._scopes: dict[str, set[anyio.CancelScope]] = {}
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -124,10 +157,10 @@ class ChannelIO:
     @property
     def workspaces(self) -> int:
         """How many workspaces have channel I/O running or waiting."""
-        return len(self._locks)
+        return len(self._turns)
 
     def running(self, key: str) -> bool:
-        return key in self._locks
+        return key in self._turns
 
     def stop(self) -> None:
         """From now on an overdue call is abandoned (its caller gets ChannelIOAbandoned) instead of waited for."""
@@ -139,58 +172,130 @@ class ChannelIO:
         for scope in self._scopes.get(key, ()):
             scope.cancel()
 
+    # --- a workspace's turn (event loop only: no lock needed) -------------------------------------------------
+
+    async def _take_turn(self, key: str) -> None:
+        waiters = self._turns.get(key)
+        if waiters is None:
+            self._turns[key] = deque()
+            return
+        me = _Waiter(anyio.Event())
+        waiters.append(me)
+        try:
+            await me.given.wait()
+        except BaseException:
+            if me.granted:
+                self._pass_turn(key)  # given to us as we were cancelled: hand it on
+            else:
+                waiters.remove(me)
+            raise
+
+    def _pass_turn(self, key: str) -> None:
+        waiters = self._turns[key]
+        if waiters:
+            nxt = waiters.popleft()
+            nxt.granted = True
+            nxt.given.set()
+        else:
+            del self._turns[key]
+
+    # --- calls ----------------------------------------------------------------------------------------------
+
     async def run(self, key: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on a pool thread, in `key`'s turn."""
         if self._stopping and key in self.overdue:
             raise ChannelIOAbandoned(key)
         scope = anyio.CancelScope()
         self._scopes.setdefault(key, set()).add(scope)
-        lock = self._locks.setdefault(key, anyio.Lock(fast_acquire=True))
-        self._users[key] = self._users.get(key, 0) + 1
         try:
             with scope:
-                async with lock:
-                    return await self._call(key, fn, *args)
+                await self._take_turn(key)
+                try:
+                    await self._slots.acquire()
+                    call, job = self._prepare(fn, args)
+                    self._submit(job)
+                    return await self._wait(key, call)  # type: ignore[no-any-return]
+                finally:
+                    self._pass_turn(key)
             raise ChannelIOAbandoned(key)
         finally:
-            self._scopes[key].discard(scope)
-            if not self._scopes[key]:
-                del self._scopes[key]
-            self._users[key] -= 1
-            if not self._users[key]:  # nobody else waits on this workspace's lock: forget it
-                del self._users[key]
-                del self._locks[key]
+            self._forget_scope(key, scope)
 
-    async def _call(self, key: str, fn: Callable[..., T], *args: Any) -> T:
-        await self._slots.acquire()
-        held = True
-        done = anyio.Event()
-        box: list[tuple[bool, Any]] = []
+    def can_begin(self, key: str) -> bool:
+        """Whether `begin(key, ...)` would start a call now."""
+        return not self._stopping and key not in self._turns and self._slots.value > 0
+
+    def begin(
+        self, key: str, fn: Callable[..., T], *args: Any, waiter: Callable[[Started[T]], object]
+    ) -> bool:
+        """From the event loop, without awaiting: if `key` has no call running or waiting and a slot is free (no
+        caller waits for one: nobody is passed), take both, hand the call to `waiter` (which starts the task that
+        awaits `finish()` on it), then start `fn(*args)` on a pool thread, and return True; else False and nothing
+        is done. The thread is started last, so that the loop has nothing left to do but return when it wants
+        the GIL (the caller spares the loop iterations of starting a task first)."""
+        if not self.can_begin(key):
+            return False
+        self._slots.acquire_nowait()
+        self._turns[key] = deque()
+        call, job = self._prepare(fn, args)
+        try:
+            waiter(Started(key, call))
+        except BaseException:
+            self._slots.release()
+            self._pass_turn(key)
+            raise
+        self._submit(job)
+        return True
+
+    async def finish(self, started: Started[T]) -> T:
+        """What the call `begin()` started returned (or raised), with the deadline and overdue rules of `run`."""
+        key = started.key
+        scope = anyio.CancelScope()
+        self._scopes.setdefault(key, set()).add(scope)
+        try:
+            with scope:
+                try:
+                    return await self._wait(key, started.call)  # type: ignore[no-any-return]
+                finally:
+                    self._pass_turn(key)
+            raise ChannelIOAbandoned(key)
+        finally:
+            self._forget_scope(key, scope)
+
+    def _forget_scope(self, key: str, scope: anyio.CancelScope) -> None:
+        self._scopes[key].discard(scope)
+        if not self._scopes[key]:
+            del self._scopes[key]
+
+    def _prepare(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[_Call, Callable[[], None]]:
+        """The call of `fn(*args)` and the job that makes it on a pool thread (`_submit`); the caller holds the
+        workspace's turn and one slot, which the call owns from then on (`_wait` or, if its waiter was cancelled,
+        `finished` gives the slot back)."""
+        call = _Call(anyio.Event(), progress=_Progress(self.clock()))
         token = anyio.lowlevel.current_token()
-        started = self.clock()
-        progress = _Progress(started)
 
         def finished() -> None:
-            nonlocal held
-            done.set()
-            if held and not box_taken:
+            call.done.set()
+            if call.held and not call.taken:
                 # The caller was cancelled (stopping) before the call returned: the slot is given back here.
-                held = False
+                call.held = False
                 self._slots.release()
 
         def job() -> None:
-            _current.progress = progress
+            _current.progress = call.progress
             try:
-                box.append((True, fn(*args)))
+                call.box.append((True, fn(*args)))
             except BaseException as exc:
-                box.append((False, exc))
+                call.box.append((False, exc))
             finally:
                 _current.progress = None
             with contextlib.suppress(RuntimeError):  # the loop is gone (the process is exiting)
-                anyio.from_thread.run_sync(finished, token=token)
+                call_soon(token, finished)
 
-        box_taken = False
-        self._submit(job)
+        return call, job
+
+    async def _wait(self, key: str, call: _Call) -> Any:
+        done, progress = call.done, call.progress
         was_overdue = False
         # With `finish_started` the wait is shielded from the caller's cancellation; it is registered with the
         # caller's scopes so that `stop()` can still give up an overdue call.
@@ -216,7 +321,7 @@ class ChannelIO:
                     started = progress.io_since
                     self.overdue[key] = started
                     if len(self.overdue) <= OVERDUE_MAX:
-                        held = False
+                        call.held = False
                         self._slots.release()
                     await self.on_overdue(key, started)
                     if self._stopping:
@@ -225,9 +330,9 @@ class ChannelIO:
         finally:
             self._scopes[key].discard(waiting)
             if done.is_set():
-                box_taken = True
-                if held:
-                    held = False
+                call.taken = True
+                if call.held:
+                    call.held = False
                     self._slots.release()
         if not done.is_set():  # `stop()` gave up this overdue call (its shielded wait was cancelled)
             raise ChannelIOAbandoned(key)
@@ -235,10 +340,10 @@ class ChannelIO:
             del self.overdue[key]
             with anyio.CancelScope(shield=True):
                 await self.on_returned(key)
-        ok, value = box[0]
+        ok, value = call.box[0]
         if not ok:
             raise value
-        return value  # type: ignore[no-any-return]
+        return value
 
     # --- the threads (daemon: a call that never returns cannot hold the process at exit) ---------------------
 

@@ -142,6 +142,8 @@ class Service:
         self._data_version = -1
         self._watch_problems: dict[str, str] = {}
         self._send: MemoryObjectSendStream[str] | None = None
+        # While the service loop waits for news: how it starts a turn (`_arrived` starts one at once).
+        self._starter: tuple[Callable[..., object], Spawn] | None = None
         # Channels whose kernel.json names another kernel's store, and glob matches refused (with why).
         self._foreign: set[str] = set()
         self._reload_wanted = False
@@ -920,7 +922,7 @@ class Service:
                 # set, and nothing after it runs, so SIGTERM is honoured at any point of start-up within one
                 # step (one enrollment, one channel's admission).
                 if self.cfg.watch != "poll":  # `_admit_io` watches each channel while it has it open
-                    self.watcher = Watcher(send)
+                    self.watcher = Watcher(lambda key: self._arrived(send, key))
                     self.watcher.start()
                 started = await self._retrying(lambda: self.worker.call(self._startup))
                 if started is None or self.stopping:
@@ -981,6 +983,25 @@ class Service:
         if key:
             self.pipeline.mark(key, names)
 
+    def _arrived(self, send: MemoryObjectSendStream[str], key: str) -> None:
+        """(event loop) The watcher hands over a workspace with news. While the service loop waits for news with
+        nothing to do, that workspace's turn starts here and then (`Pipeline.start_now`: its channel I/O is on a
+        pool thread before this returns), sparing the loop's wake-up and the turn task's first step; else, or if
+        the turn cannot start now, the loop takes it from `send` (raises anyio.WouldBlock when full)."""
+        starter = self._starter
+        if (
+            key
+            and starter is not None
+            and self._wait_scope is not None
+            and not self._reload_wanted
+            and not self.stopping
+        ):
+            self._take(key)
+            if self.pipeline.start_now(key, *starter):
+                return
+            key = ""  # marked: the loop plans it
+        send.send_nowait(key)
+
     def _wake(self, key: str) -> None:
         """A workspace's continuation finished: wake the loop so its waiting requests are served now."""
         if self._send is not None:
@@ -1034,7 +1055,12 @@ class Service:
                 with anyio.move_on_after(timeout) as scope:
                     self._wait_scope = scope
                     if not self.stopping:
-                        self._take(await recv.receive())
+                        self._starter = (start, spawn)  # `_arrived` may start a turn while we wait here
+                        try:
+                            key = await recv.receive()
+                        finally:
+                            self._starter = None
+                        self._take(key)
                 self._wait_scope = None
             while True:
                 try:

@@ -74,7 +74,7 @@ from kernel.io.enroll import OwnedElsewhere, kernel_ref, owner_of, write_budget
 from kernel.io.log import event
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.service import gather
-from kernel.service.chanio import ChannelIO, ChannelIOAbandoned, store_step
+from kernel.service.chanio import ChannelIO, ChannelIOAbandoned, Started, store_step
 from kernel.service.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
 
 # Listings of a rescan or poll tick in flight at once (on top of the channels with news), so that a sweep of
@@ -164,6 +164,14 @@ class _TurnDone:
     answered: int = 0
     cont: Continuation | None = None
     left: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Begun:
+    """A turn whose channel I/O `start_now` started before its task ran."""
+
+    ws: WorkspaceRow
+    started: Started[_TurnDone]
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +358,27 @@ class Pipeline:
             start(self._run_turn, t, spawn)
         return len(turns)
 
+    def start_now(self, key: str, start: Callable[..., object], spawn: Spawn | None = None) -> bool:
+        """Start `key`'s turn now, its channel I/O already on a pool thread when this returns, if it has news, no
+        turn in flight, no continuation at the executor and a free slot of the channel I/O pool (so it passes no
+        one); False, and nothing changed, otherwise. The service loop calls this for the workspace an event
+        names while it is idle: the turn's thread starts without waiting for a pass or for the turn's task."""
+        ws = self.workspaces.get(key)
+        if (
+            ws is None
+            or key in self.inflight
+            or key in self.busy
+            or not (self.backlog.get(key) or key in self.dirty or key in self.named)
+            or not self.chanio.can_begin(key)
+        ):
+            return False
+        t = self._turn_of(key, self.cfg.batch_per_workspace, swept=False)
+        begun = self.chanio.begin(
+            key, self._whole_turn, ws, t, waiter=lambda s: start(self._run_turn, t, spawn, _Begun(ws, s))
+        )
+        assert begun  # can_begin said so, and nothing ran in between (one thread: the loop's)
+        return True
+
     async def run_pass(self, spawn: Spawn | None = None) -> int:
         """Serve one bounded, fair pass and wait for all of its turns; return how many requests were handled.
 
@@ -380,10 +409,10 @@ class Pipeline:
 
     # --- a workspace's turn: channel I/O (pool), decisions and records (store worker), answers (pool) -------
 
-    async def _run_turn(self, t: _Turn, spawn: Spawn | None) -> int:
+    async def _run_turn(self, t: _Turn, spawn: Spawn | None, begun: _Begun | None = None) -> int:
         started = self.clock()
         try:
-            return await self._turn(t, spawn)
+            return await self._turn(t, spawn, begun)
         except ChannelIOAbandoned:
             return 0  # stopping; its requests stay in the channel for the next start
         except StoreUnavailable as exc:
@@ -404,15 +433,18 @@ class Pipeline:
             metrics.PASS_SECONDS.observe(self.last_pass_ms / 1000)
             self.on_turn_done()
 
-    async def _turn(self, t: _Turn, spawn: Spawn | None) -> int:
-        """The workspace's turn, one call in the channel I/O pool (`_whole_turn`); what it found is applied here,
-        on the loop (relisting, the ids left for later, the continuation)."""
-        ws = self.workspaces.get(t.key)
+    async def _turn(self, t: _Turn, spawn: Spawn | None, begun: _Begun | None) -> int:
+        """The workspace's turn, one call in the channel I/O pool (`_whole_turn`; already started if `begun`);
+        what it found is applied here, on the loop (relisting, the ids left for later, the continuation)."""
+        ws = begun.ws if begun is not None else self.workspaces.get(t.key)
         if ws is None:
             self.dirty.discard(t.key)
             return 0
         try:
-            done = await self.chanio.run(t.key, self._whole_turn, ws, t)
+            if begun is not None:
+                done = await self.chanio.finish(begun.started)
+            else:
+                done = await self.chanio.run(t.key, self._whole_turn, ws, t)
         except OwnedElsewhere as exc:
             # Taken over by another kernel's store: its requests are that kernel's; nothing read is answered.
             self.backlog.pop(t.key, None)

@@ -163,3 +163,94 @@ def test_a_call_through_several_channels_is_timed_per_channel() -> None:
         assert abs(seen[0][1] - began[2]) < 0.05, "since: when the slow channel's I/O began"
 
     anyio.run(main)
+
+
+def test_begin_starts_the_call_before_the_loop_runs_anything_else_and_finish_returns_it() -> None:
+    """`begin` (from the event loop, no await) has the call on a pool thread when it returns: the thread runs
+    while the loop is still blocked in this test's code; `finish` gives what it returned."""
+    pool = ChannelIO(5.0, size=2)
+    ran = threading.Event()
+    waiters: list[object] = []
+
+    async def main() -> None:
+        started = pool.begin("a", lambda: ran.set() or "done", waiter=waiters.append)
+        assert started
+        assert len(waiters) == 1
+        assert ran.wait(5), "the call did not start until the loop ran again"
+        assert pool.running("a")
+        assert await pool.finish(waiters[0]) == "done"  # type: ignore[arg-type]
+        assert not pool.running("a")
+        assert pool.workspaces == 0
+
+    anyio.run(main)
+
+
+def test_begin_passes_no_one_a_busy_workspace_or_a_full_pool_is_left_to_run() -> None:
+    hung = Hang()
+    pool = ChannelIO(30.0, size=1)
+    waiters: list[object] = []
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run, "a", hung)
+            await anyio.sleep(0.05)
+            assert not pool.can_begin("a")
+            assert not pool.begin("a", print, waiter=waiters.append)
+            # The only slot is a's: b may not take one, nor pass a caller waiting for it.
+            assert not pool.can_begin("b")
+            assert not pool.begin("b", print, waiter=waiters.append)
+            assert waiters == []
+            assert not pool.running("b")
+            hung.release()
+        assert pool.begin("b", lambda: "b", waiter=waiters.append)
+        assert await pool.finish(waiters[0]) == "b"  # type: ignore[arg-type]
+        pool.stop()
+        assert not pool.can_begin("c"), "nothing new starts once the pool is stopping"
+
+    anyio.run(main)
+
+
+def test_a_waiter_that_fails_gives_the_turn_and_the_slot_back_and_nothing_runs() -> None:
+    pool = ChannelIO(5.0, size=1)
+    ran: list[str] = []
+
+    def broken(started: object) -> None:
+        raise RuntimeError("no task group")
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="no task group"):
+            pool.begin("a", ran.append, "a", waiter=broken)
+        assert not pool.running("a")
+        assert pool.can_begin("a")
+        assert await pool.run("a", ran.append, "again") is None
+        assert ran == ["again"]
+
+    anyio.run(main)
+
+
+def test_a_call_begun_then_overdue_frees_its_slot_and_its_workspace_waits() -> None:
+    """`finish` keeps `run`'s rules: past the deadline the slot goes back and the workspace's next call waits
+    for the hung one."""
+    hung = Hang()
+    seen: list[str] = []
+
+    async def overdue(key: str, since: float) -> None:
+        seen.append(key)
+
+    pool = ChannelIO(0.2, size=1, on_overdue=overdue)
+    waiters: list[object] = []
+    ran: list[str] = []
+
+    async def main() -> None:
+        assert pool.begin("a", hung, waiter=waiters.append)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.finish, waiters[0])
+            tg.start_soon(pool.run, "a", ran.append, "a again")
+            with anyio.fail_after(5):
+                await pool.run("b", ran.append, "b")
+            assert seen == ["a"]
+            assert ran == ["b"]
+            hung.release()
+        assert ran == ["b", "a again"]
+
+    anyio.run(main)

@@ -29,7 +29,7 @@ def with_watcher(
 ) -> None:
     async def main() -> None:
         send, recv = anyio.create_memory_object_stream[str](size)
-        w = Watcher(send)
+        w = Watcher(send.send_nowait)
         w.start()
         try:
             await body(w, recv)
