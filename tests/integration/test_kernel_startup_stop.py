@@ -228,6 +228,21 @@ def test_concurrent_first_enrollment_enrolls_each_once_with_exact_budgets_and_th
         kernel.ensure_stopped()
 
 
+def _taken_over(kernel_json: Path) -> None:
+    """What another store's `enroll --take-over` does to a channel while this kernel is down: kernel.json names
+    that store as the owner."""
+    info = json.loads(kernel_json.read_text())
+    info["owner"] = {"store": "f" * 32, "state_dir": "/elsewhere"}
+    kernel_json.write_text(json.dumps(info))
+
+
+def _assert_taken_over_channel_refused_before_ready(log: str) -> None:
+    """The last start found the channel taken over before `ready` and serves the two others."""
+    restart = log[log.rindex("event=starting") :]
+    assert restart.index("event=channel_owned_elsewhere") < restart.index("event=ready")
+    assert "event=ready workspaces=2" in restart
+
+
 def test_a_restart_checks_owners_before_ready_and_refreshes_the_kernel_files_after(tmp_path: Path) -> None:
     """Before `ready` a restart only admits each channel (the enrolled directory, its owner, its lock, its
     watch): a channel another store took over while the kernel was down is not served. After `ready` the
@@ -246,16 +261,11 @@ def test_a_restart_checks_owners_before_ready_and_refreshes_the_kernel_files_aft
         stale = w0 / "answers" / ".kernel-0123456789abcdef.tmp"
         stale.write_text("left by a killed kernel")
         os.utime(stale, (time.time() - 60, time.time() - 60))
-        info = json.loads((w2 / "kernel.json").read_text())
-        info["owner"] = {"store": "f" * 32, "state_dir": "/elsewhere"}
-        (w2 / "kernel.json").write_text(json.dumps(info))
+        _taken_over(w2 / "kernel.json")
 
         kernel.start()
         kernel.wait_log("event=channels_refreshed", 60, count=2)
-        log = kernel.log_text()
-        restart = log[log.rindex("event=starting") :]
-        assert restart.index("event=channel_owned_elsewhere") < restart.index("event=ready")
-        assert "event=ready workspaces=2" in restart
+        _assert_taken_over_channel_refused_before_ready(kernel.log_text())
         assert json.loads((w0 / "budget.json").read_text())["budget"]["launches"] > 0
         assert (w1 / "syscall").is_file()
         assert not stale.exists()
@@ -288,16 +298,11 @@ def test_a_restart_that_trusts_the_owner_fingerprint_still_refuses_a_channel_tak
         with sqlite3.connect(kernel.state / "state.sqlite") as db:
             assert db.execute("SELECT count(*) FROM owner_seen").fetchone()[0] == 3
         w2 = spaces[2] / ".syscall" / "kernel.json"
-        info = json.loads(w2.read_text())
-        info["owner"] = {"store": "f" * 32, "state_dir": "/elsewhere"}
-        w2.write_text(json.dumps(info))
+        _taken_over(w2)
 
         kernel.start(wait_ready=False)
         kernel.wait_log("event=ready", 60, count=3)
-        log = kernel.log_text()
-        restart = log[log.rindex("event=starting") :]
-        assert restart.index("event=channel_owned_elsewhere") < restart.index("event=ready")
-        assert "event=ready workspaces=2" in restart
+        _assert_taken_over_channel_refused_before_ready(kernel.log_text())
         put_request(spaces[0], "q1", {"protocol": 1, "id": "q1", "type": "status"})
         wait_for(lambda: read_answer(spaces[0], "q1"), 30, "the status answer")
         assert json.loads(w2.read_text())["owner"]["store"] == "f" * 32
