@@ -625,11 +625,12 @@ def cmd_budget(args: argparse.Namespace) -> int:
         add={k: v for k in admin.BUDGET_KINDS if (v := getattr(args, f"add_{k}")) is not None},
         set={k: v for k in admin.BUDGET_KINDS if (v := getattr(args, f"set_{k}")) is not None},
     )
-    store = _admin_store(_config(args.config), "budget")
+    cfg = _config(args.config)
+    store = _admin_store(cfg, "budget")
     if store is None:
         return 1
     try:
-        row, before, after = admin.change_budget(store, args.workspace, edit, admin.who())
+        row, before, after, published = admin.change_budget(store, args.workspace, edit, admin.who())
     except admin.AdminError as exc:
         print(f"syscall-kernel budget: refused: {exc}", file=sys.stderr)
         return 1
@@ -639,6 +640,19 @@ def cmd_budget(args: argparse.Namespace) -> int:
     print(f"budget of {row.path} ({row.key}): {edit.describe()}")
     print(f"  was: {b.launches} launches, {b.sleeps} sleeps, {b.gpu_hours:g} GPU-hours")
     print(f"  now: {a.launches} launches, {a.sleeps} sleeps, {a.gpu_hours:g} GPU-hours")
+    if published.how == "written":
+        print("  budget.json rewritten")
+    elif published.how == "kernel":
+        print(
+            f"  budget.json: the running kernel (pid {published.kernel}) rewrites it within poll_seconds "
+            f"({cfg.poll_seconds:g} s), in the order of its own writes, while it serves the workspace "
+            "(`syscall-kernel status` shows a problem that keeps it from serving it; it rewrites it once served)"
+        )
+    else:
+        print(
+            f"  budget.json not rewritten ({published.why}); the change is recorded, and a kernel rewrites "
+            "budget.json from the store when it next serves the workspace"
+        )
     return 0
 
 

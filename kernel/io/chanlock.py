@@ -14,9 +14,12 @@ A filesystem that does not support flock on a directory (some NFS mounts) is ser
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import time
+from collections.abc import Iterator
 from typing import Final
 
 from channel import safefs
@@ -27,6 +30,14 @@ _UNSUPPORTED: Final = frozenset({errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, er
 
 class Unsupported(Exception):
     """flock does not work on this channel's filesystem; the channel is served without the lock."""
+
+
+class HeldElsewhere(Exception):
+    """Another process (a kernel serving the channel, another operator's command, or the agent) holds the lock."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        super().__init__(f"pid {pid}" if pid is not None else "pid not known")
 
 
 def holder_pid(fd: int) -> int | None:
@@ -119,3 +130,36 @@ def probe(ch: safefs.Channel, own_kernel: int | None) -> str | None:
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
     return None
+
+
+@contextlib.contextmanager
+def held_briefly(ch: safefs.Channel, *, wait_s: float) -> Iterator[bool]:
+    """The channel's lock, held by a process that does not serve the channel, for one short write of a
+    kernel-written file (the operator's `budget`, kernel.io.admin.publish_budget): while it is held no kernel serves
+    the channel nor starts to (a kernel's try meanwhile fails, shows as the workspace's problem, and is made again
+    at its next rescan). Another holder is waited for up to `wait_s` (another operator's command holds it as
+    briefly); past that HeldElsewhere. Yields True when held, False when the filesystem does not do flock (then
+    nothing keeps a kernel off the channel meanwhile)."""
+    fd = os.dup(ch.fd)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise HeldElsewhere(holder_pid(fd)) from None
+                time.sleep(0.02)
+            except OSError as exc:
+                if exc.errno not in _UNSUPPORTED:
+                    raise
+                yield False
+                return
+        try:
+            yield True
+        finally:
+            # Unlocked explicitly: `ch.fd` shares the open file description, and stays open after this fd closes.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -766,7 +766,7 @@ def rewrite_kernel_files(
     if order is None:
         write_budget(ch, row.balance, now, only_if_changed=True)
     else:
-        order.write(row.key, stamp, lambda: write_budget(ch, row.balance, now, only_if_changed=True))
+        order.write(row.key, stamp, row.balance, lambda b: write_budget(ch, b, now, only_if_changed=True))
     if cfg is not None:
         jobenv.write(ch, jobenv.for_workspace(cfg, row.key, row.policy, timestamp()))
     return note

@@ -162,6 +162,12 @@ class Service:
         self._fresh: set[str] = set()
         # kernel.json fingerprints taken by this start's owner checks, recorded after the admission (`_admitted`).
         self._seen_now: dict[str, enrollment.Fingerprint] = {}
+        # Workspaces whose balance another process (the operator's `budget`, `enroll`) changed and whose budget.json
+        # this kernel rewrites (`_republish`), those being rewritten now, and those whose channel failed (tried
+        # again at the next rescan).
+        self._republish_next: set[str] = set()
+        self._republishing: set[str] = set()
+        self._republish_failed: set[str] = set()
         self._started_ns = time.time_ns()
         # The channel look pool: the start-up admission and the running kernel's looks at channels it does not
         # serve yet (`_look`) open channels here, never on the store worker, so a hung filesystem holds only its
@@ -837,12 +843,68 @@ class Service:
         self._paused = paused
         rows = self.store.workspaces()
         known = self.pipeline.workspaces
+        order = self.store.budget_order
         for row in rows:
             old = known.get(row.key)
             # A channel taken back with `enroll --take-over` is served again once its refresh finds it ours.
             if old is None or old.identity != row.identity or row.key in self._foreign:
                 self._to_look(row)
+            # Another process changed the balance (kernel.io.budgetorder, across processes): budget.json is
+            # rewritten here, in this kernel's order. A channel still to be refreshed after `ready` (`_stale`)
+            # is read and written then, in a store step after this one.
+            elif (
+                self.locks.holds(row.key)
+                and row.key not in self._stale
+                and not order.shows(row.key, row.balance)
+            ):
+                self._republish_next.add(row.key)
         return rows
+
+    def _take_republish(self) -> None:
+        """Rewrite the budget.json of each workspace `_reload_if_changed` found changed by another process, in the
+        background (`_republish`), one rewrite at a time per workspace."""
+        if self._tg is None:
+            return
+        for key in sorted(self._republish_next - self._republishing):
+            self._republish_next.discard(key)
+            self._republishing.add(key)
+            self._tg.start_soon(self._republish, key)
+
+    async def _republish(self, key: str) -> None:
+        """`_republish_io` in the channel I/O pool, in `key`'s turn (after whatever channel I/O of it runs now: a
+        write of an older balance still in flight lands first and is then replaced). A channel that fails is tried
+        again at each rescan (logged once) while this kernel holds it, until a write runs."""
+        try:
+            await self.pipeline.chanio.run(key, self._republish_io, key)
+        except CHANNEL_ERRORS as exc:
+            row = self.pipeline.workspaces.get(key)
+            if row is not None:
+                self._channel_problem(row, exc)
+            self._republish_failed.add(key)
+        except (ChannelIOAbandoned, StoreUnavailable):
+            return  # stopping, or the store cannot be read: the next start rewrites it
+        finally:
+            self._republishing.discard(key)
+
+    def _republish_io(self, key: str) -> None:
+        """(channel I/O pool) Rewrite budget.json from the store's balance, read with its stamp in a store step made
+        now, after the other process's commit (kernel.io.budgetorder), if this kernel still holds the channel."""
+        with store_step():
+            row, stamp = self.worker.run_here(self._held_row_stamped, key)
+        if row is None:
+            return
+        with safefs.open_channel(row.path, row.identity) as ch:
+            now = timestamp()
+            self.store.budget_order.write(
+                key, stamp, row.balance, lambda b: enrollment.write_budget(ch, b, now, only_if_changed=True)
+            )
+
+    def _held_row_stamped(self, key: str) -> tuple[WorkspaceRow | None, int]:
+        """(a store step) The row while this kernel holds its channel (None when not), and the stamp of this read of
+        its balance."""
+        if not self.locks.holds(key) or key in self._foreign:
+            return None, 0
+        return self._row_stamped(key)
 
     # --- watches ------------------------------------------------------------------------------------------
 
@@ -1092,6 +1154,7 @@ class Service:
                 if rows is not None:
                     await self.worker.call(self._apply_rows, rows)
                 self._take_looks()
+                self._take_republish()
             if now >= next_rescan:
                 next_rescan = now + self.cfg.rescan_seconds
                 self.pipeline.sweep(owners=True)
@@ -1107,6 +1170,9 @@ class Service:
                 if rows is not None:
                     await self.worker.call(self._apply_rows, rows)
                 self._take_looks()
+                self._republish_next |= self._republish_failed
+                self._republish_failed.clear()
+                self._take_republish()
                 resumed = await self.pipeline.recover(spawn)
                 if resumed:
                     log.event("resumed", count=resumed)

@@ -607,7 +607,7 @@ class Pipeline:
             self._remove(ch, ws, d)
         if rec.budget is not None:
             balance, now, stamp = rec.budget
-            self.store.budget_order.write(ws.key, stamp, lambda: write_budget(ch, balance, now))
+            self.store.budget_order.write(ws.key, stamp, balance, lambda b: write_budget(ch, b, now))
         return len(shown)
 
     def _deliver_recorded(
@@ -619,7 +619,7 @@ class Pipeline:
         with safefs.open_channel(ws.path, ws.identity) as ch:
             now = timestamp(self.clock())
             self.store.budget_order.write(
-                ws.key, stamp, lambda: write_budget(ch, ws.balance, now, only_if_changed=True)
+                ws.key, stamp, ws.balance, lambda b: write_budget(ch, b, now, only_if_changed=True)
             )
             only = self._read_as.pop((ws.key, rid), None)
             return self._deliver(ch, ws, _Delivery(rid, answer, outcome, received, only))

@@ -200,7 +200,7 @@ class Waker:
                 except safefs.Refused as e:
                     # The agent blocked its own wake (a directory in the way): it stays in the store.
                     klog.event("wake_blocked", logging.WARNING, ws=key, seq=seq, reason=e.reason)
-                self.store.budget_order.write(key, stamp, lambda: write_budget(ch, ws.balance, woken_at))
+                self.store.budget_order.write(key, stamp, ws.balance, lambda b: write_budget(ch, b, woken_at))
         except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
             self._problem("wake_deferred", key, seq, f"{type(e).__name__}: {e}")
             return False
