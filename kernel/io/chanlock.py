@@ -105,7 +105,8 @@ class ChannelLocks:
             os.close(had[1])  # closing the last fd of the open file description drops the lock
 
     def keep_only(self, keys: set[str]) -> None:
-        for key in [k for k in self._held if k not in keys]:
+        # `list` copies the keys at once: look and enrollment threads may `hold` meanwhile.
+        for key in [k for k in list(self._held) if k not in keys]:
             self.release(key)
 
 

@@ -42,12 +42,28 @@ HANG_ENV: Final = "SYSCALL_KERNEL_HANG_CHANNEL"
 # kernel-written files; launches: a sleep's run directories are being written; diff: a submit's candidate tree is
 # compared with its base (both heavy work of the workspace); admit: a start's admission of an enrolled channel
 # (opened, owner read, locked, watched) before it is served; look: the running kernel's look at a channel it does
-# not serve yet (one enrolled meanwhile, or one whose lock another process held), before it is served.
-HANG_STEPS: Final = ("channel", "listing", "refresh", "launches", "diff", "admit", "look")
+# not serve yet (one enrolled meanwhile, or one whose lock another process held), before it is served; glob: the
+# expansion of a `workspaces` glob (named by the pattern, not a workspace path: its directory stopped answering);
+# prepare: a new glob match's channel is being made and filled (enrollment); sync: the filesystem of new matches'
+# channels is synced before their rows commit (named by the first workspace path on it); watch: a served channel
+# is opened to watch its requests/ again (a lost watch, a workspace resumed).
+HANG_STEPS: Final = (
+    "channel",
+    "listing",
+    "refresh",
+    "launches",
+    "diff",
+    "admit",
+    "look",
+    "glob",
+    "prepare",
+    "sync",
+    "watch",
+)
 
 
 def hang_point(step: str, workspace: str) -> None:
-    """TEST ONLY: the channel of `workspace` on a filesystem that stopped answering. When SYSCALL_KERNEL_HANG_CHANNEL
+    """TEST ONLY: the channel of `workspace` (for `glob`: the pattern) on a filesystem that stopped answering. When SYSCALL_KERNEL_HANG_CHANNEL
     names a file that exists and holds "<step> <workspace path>", the calling thread blocks here (as a hung NFS
     call would) until the file is removed or names something else."""
     assert step in HANG_STEPS, step

@@ -497,8 +497,8 @@ def prepare_new(
 ) -> Prepared:
     """The channel half of the service's automatic enrollment of `path`, which the store has no row for:
     `enroll(explicit=False, hold_base=False)` without touching the store, so many run at once in threads.
-    Every channel file is written with `durable=False`; `record_new` (on the store's thread) makes a batch of
-    them durable with one sync per filesystem and then commits their rows. EnrollError when refused. `path`
+    Every channel file is written with `durable=False`; one sync per filesystem (`sync_workspace_fs`) makes a
+    batch of them durable, and then `record_new` (on the store's thread) commits their rows. EnrollError when refused. `path`
     comes resolved from `expand_globs`."""
     resolved = check_workspace(path, resolved_already=True)
     key = workspace_key(resolved)
@@ -539,19 +539,24 @@ def prepare_new(
     return Prepared(row=row, floor=floor, head=S.head_of(resolved), admin=admin, dev=dev)
 
 
-def record_new(store: Store, batch: list[Prepared], sync: Callable[[str], None]) -> None:
-    """Record a batch of `prepare_new`d workspaces: `sync(path)` once per filesystem among them, then every row
-    in one transaction.
+def filesystems_of(batch: Iterable[Prepared]) -> dict[int, str]:
+    """The filesystems holding a batch of `prepare_new`d channels: device -> one workspace path on it (what
+    `sync_workspace_fs` is given before `record_new`)."""
+    found: dict[int, str] = {}
+    for p in batch:
+        found.setdefault(p.dev, p.row.path)
+    return found
+
+
+def record_new(store: Store, batch: list[Prepared]) -> None:
+    """Record a batch of `prepare_new`d workspaces: every row in one transaction.
 
     Invariant: a workspace row committed means its channel files are durable. Each file was renamed into place
-    without an fsync of its own; the sync (syncfs of its filesystem) returns only once all of them, data and
-    renames, are on disk, and the rows commit after it. A crash before the commit leaves channels without rows,
-    which the next start prepares again (the same files, the same lock; no row contradicts them)."""
-    synced: set[int] = set()
-    for p in batch:
-        if p.dev not in synced:
-            sync(p.row.path)
-            synced.add(p.dev)
+    without an fsync of its own; the caller calls this only after `sync_workspace_fs` (syncfs of the filesystem)
+    of each of `filesystems_of(batch)` has returned, which returns only once all of them, data and renames, are
+    on disk; the sync needs no store, so it runs off the store's thread (a hung filesystem holds no store
+    write). A crash before the commit leaves channels without rows, which the next start prepares again (the
+    same files, the same lock; no row contradicts them)."""
     with store.transaction():
         for p in batch:
             store.put_workspace(p.row)

@@ -1,9 +1,11 @@
 """`syscall-kernel serve`: the long-running service, one anyio task group.
 
-Start: enroll the config's `workspaces` globs, admit every enrolled channel (the enrolled directory, its owner,
-its lock) and watch it (inotify, or polling on network filesystems), in the channel look pool (a channel that hangs
-there is served once it returns, and holds nothing else), let the executor recover, resume interrupted
-requests, then tell systemd READY=1; the kernel-written files (tool, kernel.json, budget.json) and leftover temp
+Start: enroll the config's `workspaces` globs (expanded, the new channels made and their filesystems synced in the
+channel look pool, each waited for at most `channel_io_deadline_seconds`: what hangs is enrolled once it returns,
+and holds nothing else), admit every enrolled channel (the enrolled directory, its owner, its lock) and watch it
+(inotify, or polling on network filesystems), in the channel look pool too (a channel that hangs there is served
+once it returns, and holds nothing else), let the executor recover, resume interrupted requests, then tell
+systemd READY=1; the kernel-written files (tool, kernel.json, budget.json) and leftover temp
 files are refreshed after that, in the background. Serve: wait for an event, a poll tick, the periodic
 rescan or the end of a workspace's turn, then start one bounded, fair pipeline pass (its turns run as tasks: the
 loop never waits for a workspace's channel I/O), and repeat. WATCHDOG=1 is sent only while the watcher thread is
@@ -27,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -66,7 +68,9 @@ EVENT_STREAM_SIZE = 4096
 STATUS_EVERY_S = 5.0
 STORE_RETRY_S = 2.0
 # New channels prepared at a time during enrollment (file I/O, and a git process for an index that cannot be
-# read directly): enough to overlap I/O on a few cores without flooding the machine.
+# read directly): enough to overlap I/O on a few cores without flooding the machine. Each is a call in the
+# channel look pool taking the next new path in turn (`Service._prepare_from`), so the event loop hops once per
+# call and chunk, not once per workspace (10,000 of them at a first start).
 ENROLL_WORKERS = 4
 # New workspaces recorded per sync + transaction (a sync writes ~150 KB per channel, mostly the tool).
 ENROLL_BATCH = 256
@@ -93,6 +97,8 @@ CHANNEL_ERRORS = (safefs.ChannelMoved, safefs.Refused, OSError)
 NOT_SERVED = (enrollment.OwnedElsewhere, enrollment.HeldElsewhere, *CHANNEL_ERRORS)
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
+Mounts = list[tuple[str, str]]
+Outcome = enrollment.Prepared | enrollment.EnrollError
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -111,6 +117,55 @@ class _Admission:
     running: int = 0
     # Calls past the deadline on one channel: their channel is admitted (and served) once its I/O returns.
     overdue: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Round:
+    """One enrollment of new glob matches (`Service._enroll_globs`), shared by its preparation calls in the
+    channel look pool. `mutex` guards `next`, `at`, `got`, `hung`, `left` and `closed`: the calls' threads and the
+    loop both use them."""
+
+    paths: list[str]  # the new matches, in glob order
+    facts: enrollment.NewFacts
+    cfg: Config
+    mounts: Mounts
+    token: anyio.lowlevel.EventLoopToken
+    # Prepared by an earlier round and not recorded yet (its sync had not returned): recorded without preparing.
+    ready: dict[str, enrollment.Prepared]
+    got: list[Outcome | None]  # by index; None while not prepared, and for good when overdue
+    # Per chunk of ENROLL_BATCH paths: how many are neither prepared, refused nor overdue; set once none is.
+    left: list[int]
+    settled: list[anyio.Event]
+    mutex: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    next: int = 0
+    at: dict[str, int] = dataclasses.field(default_factory=dict)  # call -> the index it prepares now
+    hung: set[int] = dataclasses.field(default_factory=set)  # indices overdue: the round goes on without them
+    overdue: set[str] = dataclasses.field(default_factory=set)  # calls past the deadline
+    closed: bool = False
+
+    def settle(self, i: int) -> anyio.Event | None:
+        """(under `mutex`) Index `i` is done with; the event to set when that completes its chunk."""
+        chunk = i // ENROLL_BATCH
+        self.left[chunk] -= 1
+        return self.settled[chunk] if self.left[chunk] == 0 else None
+
+    def close(self) -> list[anyio.Event]:
+        """(under `mutex`) Take no further path: the untaken ones are left to a later round; the events to set."""
+        events = [e for i in range(self.next, len(self.paths)) if (e := self.settle(i)) is not None]
+        self.next = len(self.paths)
+        self.closed = True
+        return events
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Bounded:
+    """A call in the channel look pool whose caller waits for it at most the deadline (`Service._bounded`)."""
+
+    settled: anyio.Event
+    on_overdue: Callable[[float], None]
+    returned: bool = False
+    value: object = None
+    overdue: bool = False
 
 
 class Service:
@@ -159,6 +214,7 @@ class Service:
         # this process are an earlier one's leftovers.
         self._stale: set[str] = set()
         # Channels enrolled by this start's `_enroll_globs` (recorded, locked): `_admit_io` only watches them.
+        # (Those a later round enrolls are looked at in full, as any channel new to the running kernel.)
         self._fresh: set[str] = set()
         # kernel.json fingerprints taken by this start's owner checks, recorded after the admission (`_admitted`).
         self._seen_now: dict[str, enrollment.Fingerprint] = {}
@@ -187,6 +243,27 @@ class Service:
         # Rows a store step asked the loop to look at (`_to_look`), taken by `_start_looks`.
         self._look_next: list[WorkspaceRow] = []
         self._admission: _Admission | None = None
+        # Rows whose channel a store step asked the loop to watch again (`_watch_all`), taken by `_take_looks`, and
+        # the watches in flight (`_rewatch`), by workspace.
+        self._watch_next: list[WorkspaceRow] = []
+        self._watching: dict[str, WorkspaceRow] = {}
+        # Enrollment of the globs' new matches (`_enroll_globs`): one round at a time, the start's before the
+        # admission and later ones by `_enroller`. What a round left past the deadline (a hung filesystem) is
+        # not tried again until it returns; then its outcome waits here for the next round. All of it is touched
+        # on the loop only.
+        self._round: _Round | None = None
+        self._preparing: dict[str, _Round] = {}  # preparation call -> its round
+        self._calls = 0  # look-pool call names are never reused: a hung call keeps its name's turn
+        self._bounded_calls: dict[str, _Bounded] = {}
+        self._enroll_wanted = False
+        self._enroller_running = False
+        self._hung_globs: set[str] = set()
+        self._late_matches: dict[str, tuple[list[str], Mounts]] = {}
+        self._hung_paths: set[str] = set()
+        self._hung_syncs: dict[int, str] = {}  # filesystem (st_dev) -> what `_enroll_waits` calls its sync
+        self._late: dict[str, enrollment.Prepared] = {}
+        # What enrollment waits for (a glob, a new path, a filesystem's sync) -> since when: `degraded` says so.
+        self._enroll_waits: dict[str, str] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._mine = ""  # this store's id, read by `_startup`
         self._ready = anyio.Event()
@@ -205,7 +282,17 @@ class Service:
         """Why the kernel cannot do all of its work now (it keeps doing the rest), or None."""
         if self.worker.failing is not None:
             return f"store writes failing: {self.worker.failing}"
-        return self.executor.degraded()
+        return self.executor.degraded() or self._enrollment_waits()
+
+    def _enrollment_waits(self) -> str | None:
+        if not self._enroll_waits:
+            return None
+        (what, since), more = next(iter(self._enroll_waits.items())), len(self._enroll_waits) - 1
+        return (
+            f"enrollment of new glob matches waits for a hung filesystem: {what} has not returned since {since}"
+            + (f" (and {more} more)" if more else "")
+            + "; enrolled workspaces are served meanwhile"
+        )
 
     def status_line(self) -> str:
         n = len(self.pipeline.workspaces)
@@ -233,80 +320,387 @@ class Service:
         self.looks.stop()
         if self._admission is not None:
             self._admission.settled.set()
+        for box in list(self._bounded_calls.values()):
+            box.settled.set()
+        if self._round is not None:
+            for event in self._round.settled:
+                event.set()
         if self._wait_scope is not None:
             self._wait_scope.cancel()
 
     # --- start-up (worker thread) -------------------------------------------------------------------------
 
-    def _enroll_globs(self) -> int:
-        """Enroll the new directories the `workspaces` globs match (at start, every rescan and SIGHUP); a
-        refusal is logged once per path and reason. Returns how many were enrolled.
+    async def _enroll_globs(self) -> list[str]:
+        """Enroll the new directories the `workspaces` globs match (at start; then at every rescan and SIGHUP,
+        through `_enroll_soon`); a refusal is logged once per path and reason. Returns the keys enrolled.
 
-        Each new path's channel is prepared (checked, made, its files written without an fsync each, its lock
-        taken: `enrollment.prepare_new`, no store) ENROLL_WORKERS at a time in threads; here, on the store
-        worker, the prepared channels are recorded in glob order, ENROLL_BATCH at a time: one sync of their
-        filesystem, then one transaction for all their rows (`enrollment.record_new`: a committed row means
-        durable channel files). So each workspace is enrolled exactly once and store writes stay on the one
-        writer. The submit base is left pending for the executor (after serving).
-        SIGTERM: nothing more is recorded; preparations not begun are cancelled (one running is a few file
+        No step here holds the store worker for a workspace's filesystem, nor waits for one past
+        `channel_io_deadline_seconds`: each glob is expanded in the channel look pool (`_bounded`, one call per
+        pattern); each new path's channel is prepared there (checked, made, its files written without an fsync
+        each, its lock taken: `enrollment.prepare_new`, no store) by ENROLL_WORKERS calls taking the paths in
+        turn (`_prepare_from`); the prepared channels are recorded in glob order, ENROLL_BATCH at a time: one
+        sync of each filesystem among them, in the look pool too, then one store step that commits all their rows
+        (`enrollment.record_new`: the sync has returned, so a committed row means durable channel files). So each
+        workspace is enrolled exactly once and store writes stay on the one writer. The submit base is left
+        pending for the executor (after serving).
+        A glob, a preparation or a sync past the deadline (a hung filesystem) is left to its thread and logged
+        once (`degraded` says so meanwhile); the round goes on without what it holds (that glob's matches, that
+        path, that filesystem's channels of the batch), which is not tried again until it returns and is then
+        enrolled by a later round (`_enroll_soon`). So a hung filesystem delays only the enrollment of what lies
+        on it: neither `ready` nor any enrolled workspace's answers wait for it.
+        SIGTERM: nothing more is recorded; preparations not begun are not begun (one running is a few file
         writes, or one git process when the index cannot be read directly); the channels prepared but not
         recorded are prepared again, and recorded, at the next start."""
-        known = self.store.workspace_paths()
-        new = [p for p in enrollment.expand_globs(self.cfg.workspaces) if p not in known]
-        if not new:
-            return 0
+        matches, mounts = await self._expand_globs(self.cfg.workspaces)
+        if self.stopping:
+            return []
+        known, facts = await self.worker.call(self._enrollment_facts, [*matches, *self._late])
+        for path in [p for p in self._late if p in known]:  # enrolled meanwhile (an operator's `enroll`)
+            del self._late[path]
+        new = [p for p in matches if p not in known and p not in self._hung_paths]
+        listed = set(new)
+        new += sorted(p for p in self._late if p not in listed)
+        if not new or facts is None or self.stopping:
+            return []
+        if isinstance(facts, enrollment.EnrollError):
+            log.event("enroll_refused", logging.WARNING, path=",".join(new[:3]), reason=str(facts))
+            return []
+        chunks = range(0, len(new), ENROLL_BATCH)
+        rnd = _Round(
+            paths=new,
+            facts=facts,
+            cfg=self.cfg,
+            mounts=mounts,
+            token=anyio.lowlevel.current_token(),
+            ready={p: self._late.pop(p) for p in new if p in self._late},
+            got=[None] * len(new),
+            left=[min(ENROLL_BATCH, len(new) - start) for start in chunks],
+            settled=[anyio.Event() for _ in chunks],
+        )
+        self._round = rnd
+        enrolled: list[str] = []
         try:
-            facts = enrollment.new_facts(self.store)
-        except enrollment.EnrollError as exc:
-            log.event("enroll_refused", logging.WARNING, path=",".join(new[:3]), reason=str(exc))
-            return 0
-        mounts = read_mounts()
-
-        def prepare(path: str) -> enrollment.Prepared | enrollment.EnrollError | None:
-            if self.stopping:
-                return None
-            try:
-                return enrollment.prepare_new(
-                    facts, self.cfg, path, self.tool, mounts=mounts, claim=self._claim
-                )
-            except enrollment.EnrollError as exc:
-                return exc
-
-        enrolled = 0
-        batch: list[enrollment.Prepared] = []
-        pool = ThreadPoolExecutor(max_workers=ENROLL_WORKERS, thread_name_prefix="enroll")
-        try:
-            for path, got in zip(new, pool.map(prepare, new), strict=True):
-                if self.stopping or got is None:  # SIGTERM: the rest waits for the next start
+            for _ in range(min(ENROLL_WORKERS, len(new))):
+                self._start_preparer(rnd)
+            for chunk, start in enumerate(chunks):
+                await rnd.settled[chunk].wait()
+                if self.halted():  # SIGTERM: the rest waits for the next start
                     break
-                if isinstance(got, enrollment.EnrollError):
-                    if self._refused.get(path) != str(got):
-                        self._refused[path] = str(got)
-                        log.event("enroll_refused", logging.WARNING, path=path, reason=str(got))
-                    continue
-                batch.append(got)
-                if len(batch) >= ENROLL_BATCH:
-                    enrolled += self._record(batch)
-                    batch = []
-            if batch and not self.stopping:
-                enrolled += self._record(batch)
+                batch = []
+                for path, got in zip(new[start : start + ENROLL_BATCH], rnd.got[start:], strict=False):
+                    if isinstance(got, enrollment.EnrollError):
+                        if self._refused.get(path) != str(got):
+                            self._refused[path] = str(got)
+                            log.event("enroll_refused", logging.WARNING, path=path, reason=str(got))
+                    elif got is not None:  # None: overdue, enrolled by a later round once it returns
+                        batch.append(got)
+                if batch:
+                    enrolled += await self._record(batch)
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            with rnd.mutex:
+                rnd.close()
+            self._round = None
         return enrolled
 
-    def _record(self, batch: list[enrollment.Prepared]) -> int:
-        enrollment.record_new(self.store, batch, enrollment.sync_workspace_fs)
-        self._fresh.update(p.row.key for p in batch)
+    def _enrollment_facts(
+        self, paths: list[str]
+    ) -> tuple[set[str], enrollment.NewFacts | enrollment.EnrollError | None]:
+        """(a store step) Which of `paths` are enrolled; when any is not, what preparing it needs (or why the store
+        refuses)."""
+        known = self.store.workspace_paths()
+        enrolled = {p for p in paths if p in known}
+        if len(enrolled) == len(set(paths)):
+            return enrolled, None
+        try:
+            return enrolled, enrollment.new_facts(self.store)
+        except enrollment.EnrollError as exc:
+            return enrolled, exc
+
+    async def _expand_globs(self, patterns: tuple[str, ...]) -> tuple[list[str], Mounts]:
+        """The matches of the globs that return within the deadline (one look-pool call each, `_expand_io`), or
+        returned late since the last round, resolved, deduplicated and sorted; and the mount table. A glob still
+        hung is skipped."""
+        found: dict[str, tuple[list[str], Mounts]] = {}
+
+        async def expand(pattern: str) -> None:
+            returned, got = await self._bounded(
+                f"glob {pattern}",
+                partial(self._glob_overdue, pattern),
+                partial(self._glob_returned, pattern),
+                self._expand_io,
+                pattern,
+            )
+            if returned:
+                found[pattern] = got  # type: ignore[assignment]
+
+        patterns = tuple(dict.fromkeys(patterns))
+        for pattern in [p for p in self._late_matches if p not in patterns]:  # no longer configured
+            del self._late_matches[pattern]
+        async with anyio.create_task_group() as tg:
+            for pattern in patterns:
+                if pattern in self._late_matches:
+                    found[pattern] = self._late_matches.pop(pattern)
+                elif pattern not in self._hung_globs:
+                    tg.start_soon(expand, pattern)
+        matches = sorted({path for paths, _ in found.values() for path in paths})
+        return matches, next((mounts for _, mounts in found.values()), [])
+
+    def _expand_io(self, pattern: str) -> tuple[list[str], Mounts]:
+        """(channel look pool) One glob's matches (its directory may be on a hung filesystem), and the mounts."""
+        crash.hang_point("glob", pattern)
+        return enrollment.expand_globs((pattern,)), read_mounts()
+
+    def _glob_overdue(self, pattern: str, since: float) -> None:
+        self._hung_globs.add(pattern)
+        self._enroll_waits[f"glob {pattern}"] = timestamp(since)
+        log.event(
+            "glob_overdue",
+            logging.WARNING,
+            glob=pattern,
+            since=timestamp(since),
+            problem=f"the glob has not returned after {self.looks.deadline:g} s (a hung filesystem?); its new "
+            "matches are enrolled once it returns; enrolled workspaces are served meanwhile",
+        )
+
+    def _glob_returned(self, pattern: str, got: object) -> None:
+        self._hung_globs.discard(pattern)
+        self._enroll_waits.pop(f"glob {pattern}", None)
+        log.event("glob_returned", glob=pattern)
+        if isinstance(got, tuple):
+            self._late_matches[pattern] = got
+        self._enroll_soon()
+
+    def _start_preparer(self, rnd: _Round) -> None:
+        assert self._tg is not None
+        self._calls += 1
+        call = f"enrollment {self._calls}"
+        self._preparing[call] = rnd
+        self._tg.start_soon(self._preparer, rnd, call)
+
+    async def _preparer(self, rnd: _Round, call: str) -> None:
+        try:
+            late = await self.looks.run(call, self._prepare_from, call, rnd)
+        except ChannelIOAbandoned:
+            return
+        finally:
+            self._preparing.pop(call, None)
+        if late is not None:  # the path it was on when overdue returned: a later round records it
+            path, got = late
+            self._hung_paths.discard(path)
+            self._enroll_waits.pop(f"new match {path}", None)
+            log.event("enroll_io_returned", path=path)
+            if isinstance(got, enrollment.Prepared):
+                self._late[path] = got
+            self._enroll_soon()
+
+    def _prepare_from(self, call: str, rnd: _Round) -> tuple[str, Outcome] | None:
+        """(channel look pool) Prepare the round's next new path until none is left (or SIGTERM); each is timed
+        afresh. Past the deadline on one path the round goes on without it (`_prepare_overdue`) and this call
+        takes no further path: returns that path and its outcome, for a later round."""
+        while not self.stopping:
+            with rnd.mutex:
+                if rnd.closed or call in rnd.overdue or rnd.next >= len(rnd.paths):
+                    return None
+                i = rnd.next
+                rnd.next += 1
+                rnd.at[call] = i
+            path = rnd.paths[i]
+            timed_afresh()
+            got = rnd.ready.get(path) or self._prepare(rnd, path)
+            with rnd.mutex:
+                del rnd.at[call]
+                if i in rnd.hung:
+                    return path, got
+                rnd.got[i] = got
+                settled = rnd.settle(i)
+            if settled is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone (the process is exiting)
+                    anyio.from_thread.run_sync(settled.set, token=rnd.token)
+        return None
+
+    def _prepare(self, rnd: _Round, path: str) -> Outcome:
+        crash.hang_point("prepare", path)
+        try:
+            return enrollment.prepare_new(
+                rnd.facts, rnd.cfg, path, self.tool, mounts=rnd.mounts, claim=self._claim
+            )
+        except enrollment.EnrollError as exc:
+            return exc
+        except OSError as exc:  # e.g. the disk is full: tried again at the next rescan
+            return enrollment.EnrollError(f"{path}: the channel cannot be made: {exc}")
+
+    def _prepare_overdue(self, rnd: _Round, call: str, since: float) -> None:
+        """A preparation call past the deadline on one new path: the round goes on without that path (logged
+        once; not tried again until it returns), and another call takes the paths left."""
+        with rnd.mutex:
+            i = rnd.at.get(call)
+            if i is None:  # between two paths: it goes on with the next
+                return
+            rnd.overdue.add(call)
+            rnd.hung.add(i)
+            settled = [e for e in (rnd.settle(i),) if e is not None]
+            if len(rnd.overdue) >= OVERDUE_MAX:  # a whole filesystem hung: the rest waits for a later round
+                settled += rnd.close()
+            start = not rnd.closed and rnd.next < len(rnd.paths) and not self.stopping
+        path = rnd.paths[i]
+        self._hung_paths.add(path)
+        self._enroll_waits[f"new match {path}"] = timestamp(since)
+        log.event(
+            "enroll_overdue",
+            logging.WARNING,
+            path=path,
+            since=timestamp(since),
+            problem=f"its channel has not been made after {self.looks.deadline:g} s (a hung filesystem?); it is "
+            "enrolled once that returns; the other new matches are enrolled meanwhile",
+        )
+        for event in settled:
+            event.set()
+        if start:
+            self._start_preparer(rnd)
+
+    async def _record(self, batch: list[enrollment.Prepared]) -> list[str]:
+        """Sync each filesystem among `batch` (in the look pool, `_bounded`), then commit the rows of the channels
+        whose filesystem was synced (a store step); those on a filesystem whose sync is overdue wait for a later
+        round (and sync again there). The keys recorded."""
+        synced = set()
+        for dev, path in enrollment.filesystems_of(batch).items():
+            if dev in self._hung_syncs:
+                continue
+            returned, problem = await self._bounded(
+                f"sync {dev}",
+                partial(self._sync_overdue, dev, path),
+                partial(self._sync_returned, dev),
+                self._sync_io,
+                path,
+            )
+            if returned and problem is None:
+                synced.add(dev)
+            elif returned:  # those channels are prepared again at the next round
+                log.event("enroll_sync_failed", logging.WARNING, path=path, problem=problem)
+        if self.stopping:
+            return []
+        ready = [p for p in batch if p.dev in synced]
+        for p in batch:
+            if p.dev in self._hung_syncs:
+                self._late[p.row.path] = p
+        if ready:
+            await self.worker.call(self._commit, ready)
+        return [p.row.key for p in ready]
+
+    def _sync_io(self, path: str) -> str | None:
+        """(channel look pool) Sync the filesystem holding `path`; what failed, or None."""
+        crash.hang_point("sync", path)
+        try:
+            enrollment.sync_workspace_fs(path)
+        except OSError as exc:
+            return f"the filesystem could not be synced: {exc}"
+        return None
+
+    def _sync_overdue(self, dev: int, path: str, since: float) -> None:
+        what = self._hung_syncs[dev] = f"the sync of the filesystem of {path}"
+        self._enroll_waits[what] = timestamp(since)
+        log.event(
+            "enroll_sync_overdue",
+            logging.WARNING,
+            path=path,
+            since=timestamp(since),
+            problem=f"the sync of its filesystem has not returned after {self.looks.deadline:g} s (a hung "
+            "filesystem?); the new matches on it are enrolled once it returns",
+        )
+
+    def _sync_returned(self, dev: int, got: object) -> None:
+        self._enroll_waits.pop(self._hung_syncs.pop(dev, ""), None)
+        log.event("enroll_sync_returned", dev=dev)
+        self._enroll_soon()
+
+    def _commit(self, batch: list[enrollment.Prepared]) -> None:
+        """(a store step) Record a synced batch (`enrollment.record_new`)."""
+        enrollment.record_new(self.store, batch)
         for p in batch:
             log.event("enrolled", ws=p.row.key, path=p.row.path, watch=p.row.watch)
             self._refused.pop(p.row.path, None)
-        return len(batch)
+
+    async def _bounded(
+        self,
+        call: str,
+        on_overdue: Callable[[float], None],
+        late: Callable[[object], None],
+        fn: Callable[..., T],
+        *args: object,
+    ) -> tuple[bool, T | None]:
+        """`fn(*args)` in the channel look pool, waited for at most the deadline: (True, its value) when it
+        returns in time, else (False, None) once it is overdue (`on_overdue(since)`, from `_look_overdue`) or
+        the kernel stops. An overdue call's outcome (its value, or the exception it raised) goes to `late` when it
+        returns. Not for a workspace's channel: nothing here holds a workspace or shows its problem."""
+        assert self._tg is not None
+        box = _Bounded(anyio.Event(), on_overdue)
+        self._bounded_calls[call] = box
+
+        async def run() -> None:
+            try:
+                try:
+                    value: object = await self.looks.run(call, fn, *args)
+                except ChannelIOAbandoned:
+                    return
+                except Exception as exc:
+                    value = exc
+                if box.overdue:
+                    late(value)
+                else:
+                    box.returned, box.value = True, value
+            finally:
+                self._bounded_calls.pop(call, None)
+                box.settled.set()
+
+        self._tg.start_soon(run)
+        await box.settled.wait()
+        if isinstance(box.value, Exception):
+            raise box.value
+        return box.returned, box.value  # type: ignore[return-value]
+
+    def _enroll_soon(self) -> None:
+        """Have the globs' new matches enrolled by the `_enroller` (after `ready`; one round at a time)."""
+        self._enroll_wanted = True
+        if not self._enroller_running and self._tg is not None and not self.stopping:
+            self._enroller_running = True
+            self._tg.start_soon(self._enroller)
+
+    async def _enroller(self) -> None:
+        """The running kernel's enrollment: a round (`_enroll_globs`) while one is wanted; each workspace it
+        enrolled is looked at (`_look`) and then served."""
+        try:
+            await self._ready.wait()
+            while self._enroll_wanted and not self.stopping:
+                self._enroll_wanted = False
+                enrolled = await self._enroll_globs()
+                if enrolled and not self.stopping:
+                    rows = await self.worker.call(self._to_serve, enrolled)
+                    await self.worker.call(self._apply_rows, rows)
+                    self._take_looks()
+        except StoreUnavailable:
+            pass  # the store cannot be written (`degraded` says so): the next rescan enrolls them
+        finally:
+            self._enroller_running = False
+
+    def _to_serve(self, keys: list[str]) -> list[WorkspaceRow]:
+        """(a store step) After a running kernel's enrollment round: each new workspace, given the policy of the
+        config now (a SIGHUP may have come during the round), is looked at (`_to_look`) before it is served; the
+        rows."""
+        new = set(keys)
+        for row in self.store.workspaces():
+            if row.key in new:
+                policy = enrollment.policy_for(self.store, row.key, self.cfg)
+                if policy != row.policy:
+                    with self.store.transaction():
+                        self.store.set_policy(row.key, policy)
+                    row = dataclasses.replace(row, policy=policy)
+                self._to_look(row)
+        return self.store.workspaces()
 
     def _startup(self) -> tuple[list[WorkspaceRow], _Admission]:
-        """(store worker) Enroll the globs' new matches; the rows with this start's watch mode and policy, and the
-        admission of their channels (`_admit_all`, in the channel look pool: no channel is opened here). Reads
-        the store a few times in all, not per workspace."""
-        self._enroll_globs()
+        """(store worker) After the start's enrollment (`_enroll_globs`): the rows with this start's watch mode and
+        policy, and the admission of their channels (`_admit_all`, in the channel look pool: no channel is opened
+        here). Reads the store a few times in all, not per workspace."""
         fresh, self._fresh = self._fresh, set()
         self._paused = self.store.paused()
         mounts = read_mounts()
@@ -590,23 +984,41 @@ class Service:
         self._refresh_io(row, mine, watch=True)
 
     def _take_looks(self) -> None:
-        """Look at each row a store step asked for (`_to_look`), in the background (`_look`): the loop does not
-        wait for a channel."""
+        """Look at each row a store step asked for (`_to_look`), and watch again each one `_watch_all` queued, in
+        the background (`_look`, `_rewatch`): the loop does not wait for a channel."""
         rows, self._look_next = self._look_next, []
+        watches, self._watch_next = self._watch_next, []
         if self._tg is None:
             return
         for row in rows:
             if row.key not in self._looking:
                 self._tg.start_soon(self._look, row)
+        for row in watches:
+            if row.key not in self._watching:
+                self._watching[row.key] = row
+                self._tg.start_soon(self._rewatch, row)
 
     async def _apply_current(self) -> None:
         rows = await self.worker.call(self.store.workspaces)
         await self.worker.call(self._apply_rows, rows)
+        self._take_looks()
 
     async def _look_overdue(self, call: str, since: float) -> None:
-        """A look call (admission or rescan) past the deadline on one channel: that workspace's problem says so
-        (logged once); the start does not wait for it, and another admission call takes the channels left."""
-        row = self._looking.get(call)
+        """A look call (admission, rescan or re-watch) past the deadline on one channel: that workspace's problem
+        says so (logged once); the start does not wait for it, and another admission call takes the channels
+        left. An enrollment's call (a glob, a new path, a sync) has no workspace yet: its round goes on without
+        it (`_bounded`, `_prepare_overdue`)."""
+        box = self._bounded_calls.get(call)
+        if box is not None:
+            box.overdue = True
+            box.on_overdue(since)
+            box.settled.set()
+            return
+        rnd = self._preparing.get(call)
+        if rnd is not None:
+            self._prepare_overdue(rnd, call, since)
+            return
+        row = self._looking.get(call) or self._watching.get(call)
         admission = self._admission
         if admission is not None and call.startswith("start-up admission "):
             admission.overdue.add(call)
@@ -777,20 +1189,18 @@ class Service:
         """A served channel's kernel.json names another store (the rescan's owner check, made in the
         pipeline's channel I/O pool): stop serving it."""
         await self.worker.call(self._owned_elsewhere, row, exc)
-        rows = await self.worker.call(self.store.workspaces)
-        await self.worker.call(self._apply_rows, rows)
+        await self._apply_current()
 
-    def _check_owners(self) -> list[WorkspaceRow] | None:
-        """At every rescan: serve the channels that became ours. The new rows when any changed. (Whether a
-        served channel was taken over by another store is checked by its next turn in the pipeline, off the
-        store worker: `Pipeline.sweep(owners=True)`, `_taken_over`.)"""
+    def _check_owners(self) -> None:
+        """(a store step) At every rescan: serve the channels that became ours. (Whether a served channel was taken
+        over by another store is checked by its next turn in the pipeline, off the store worker:
+        `Pipeline.sweep(owners=True)`, `_taken_over`.)"""
         # Channels not locked yet (another process held the lock, the channel could not be opened, or its
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
         # The look is the loop's (`_start_looks`, in the channel look pool): no channel is opened here.
         for row in self.store.workspaces():
             if not self.locks.holds(row.key):
                 self._to_look(row)
-        return None
 
     def _to_look(self, row: WorkspaceRow) -> None:
         """(store worker) Have the loop look at `row`'s channel (`_look`), not serving it meanwhile; once per
@@ -798,20 +1208,6 @@ class Service:
         if row.key not in self._unadmitted:
             self._unadmitted.add(row.key)
             self._look_next.append(row)
-
-    def _rescan_workspaces(self) -> list[WorkspaceRow] | None:
-        """The rescan's look at the workspaces: new glob matches enrolled, channels taken over dropped. The rows
-        to serve when anything changed."""
-        enrolled = self._enroll_globs()
-        self._fresh.clear()  # refreshed in full below, as any channel new to the running kernel
-        if enrolled:
-            for row in self.store.workspaces():
-                if row.key not in self.pipeline.workspaces:
-                    self._to_look(row)
-        dropped = self._check_owners()
-        if enrolled or dropped is not None:
-            return self.store.workspaces()
-        return None
 
     def served(self, rows: list[WorkspaceRow]) -> list[WorkspaceRow]:
         """The rows this kernel answers: those whose channel lock it holds (kernel.io.chanlock: so no other
@@ -909,19 +1305,40 @@ class Service:
     # --- watches ------------------------------------------------------------------------------------------
 
     def _watch_all(self, rows: list[WorkspaceRow], only: set[str] | None = None) -> None:
+        """Watch the requests/ of these rows' channels (those in `only`) again: a poll-mode one is polled; the
+        others are queued for the loop, which opens and watches each in the channel look pool (`_take_looks`,
+        `_rewatch`). No channel is opened here: this runs on the store worker too (`_apply_rows`)."""
         for row in rows:
-            if self.stopping:
-                return
             if only is not None and row.key not in only:
                 continue
             if row.watch == "poll" or self.watcher is None:
                 self.polled.add(row.key)
-                continue
-            try:
-                with safefs.open_channel(row.path, row.identity) as ch:
-                    self._watch_one(row, ch)
-            except (safefs.ChannelMoved, safefs.Refused) as exc:
-                self._watch_failed(row, exc)
+            else:
+                self._watch_next.append(row)
+
+    async def _rewatch(self, row: WorkspaceRow) -> None:
+        """Watch `row`'s requests/ again (`_watch_io`) in the channel look pool, in `row`'s turn; then its whole
+        requests/ is listed (what was committed while it was not watched). A channel that hangs there shows as the
+        workspace's problem once overdue (`_look_overdue`) and holds nothing else."""
+        try:
+            await self.looks.run(row.key, self._watch_io, row)
+        except ChannelIOAbandoned:
+            return
+        finally:
+            self._watching.pop(row.key, None)
+        self.pipeline.mark(row.key)
+        self._wake("")
+
+    def _watch_io(self, row: WorkspaceRow) -> None:
+        """(channel look pool) Open `row`'s channel and watch its requests/, if it is still served."""
+        if row.key not in self.pipeline.workspaces:
+            return
+        crash.hang_point("watch", row.path)
+        try:
+            with safefs.open_channel(row.path, row.identity) as ch:
+                self._watch_one(row, ch)
+        except CHANNEL_ERRORS as exc:
+            self._watch_failed(row, exc)
 
     def _watch_one(self, row: WorkspaceRow, ch: safefs.Channel) -> None:
         """Watch the requests/ of `row`'s open channel (or poll it: its filesystem raises no events, or the
@@ -980,12 +1397,16 @@ class Service:
             tg.start_soon(self._signals)
             try:
                 # Start-up steps run on the worker thread (the store's) and in the channel look pool (the
-                # channels') while this loop still receives signals: each step stops early once `stopping` is
-                # set, and nothing after it runs, so SIGTERM is honoured at any point of start-up within one
-                # step (one enrollment, one channel's admission).
+                # channels', and the enrollment's globs, new paths and syncs) while this loop still receives
+                # signals: each step stops early once `stopping` is set, and nothing after it runs, so SIGTERM is
+                # honoured at any point of start-up within one step (one batch's commit, one channel's admission).
                 if self.cfg.watch != "poll":  # `_admit_io` watches each channel while it has it open
                     self.watcher = Watcher(lambda key: self._arrived(send, key))
                     self.watcher.start()
+                fresh = await self._retrying(self._enroll_globs)
+                if fresh is None or self.stopping:
+                    return
+                self._fresh = set(fresh)
                 started = await self._retrying(lambda: self.worker.call(self._startup))
                 if started is None or self.stopping:
                     return
@@ -1102,9 +1523,11 @@ class Service:
     async def _serve(
         self, recv: MemoryObjectReceiveStream[str], spawn: Spawn, start: Callable[..., object]
     ) -> None:
-        """The service loop. It never waits for a workspace's channel I/O: each pass starts its workspaces'
-        turns as tasks (`start`) and goes on; a turn that ends wakes it. Only its own steps on the store worker
-        (reloads, the rescan's look at the workspaces, recovery) are awaited here."""
+        """The service loop. It never waits for a workspace's channel I/O, nor for any filesystem: each pass starts
+        its workspaces' turns as tasks (`start`) and goes on; a turn that ends wakes it. Looks at channels not
+        served yet, re-watches and the enrollment of new glob matches run as tasks too (`_take_looks`,
+        `_enroll_soon`), in the channel look pool. Only its own steps on the store worker (reloads, the rescan's
+        look at the store, recovery) are awaited here, and none of them touches a workspace's filesystem."""
         now = self.clock()
         next_rescan = now + self.cfg.rescan_seconds
         next_tick = now + self.cfg.poll_seconds
@@ -1137,13 +1560,12 @@ class Service:
                     self.pipeline.sweep()
                 lost = self.watcher.take_lost()
                 if lost:
-                    # Not a channel whose I/O is overdue (the store worker must not wait for it): the rescan
-                    # watches it again once its I/O has returned.
-                    await self.worker.call(
-                        self._watch_all,
-                        list(self.pipeline.workspaces.values()),
-                        lost - set(self.pipeline.chanio.overdue),
+                    # Watched again in the background (`_rewatch`), but not a channel whose I/O is overdue (its
+                    # re-watch would only hang a second thread): the rescan watches it once its I/O returned.
+                    self._watch_all(
+                        list(self.pipeline.workspaces.values()), lost - set(self.pipeline.chanio.overdue)
                     )
+                    self._take_looks()
                     for key in lost:
                         self.pipeline.mark(key)
             now = self.clock()
@@ -1161,14 +1583,11 @@ class Service:
                 unwatched = {
                     k for k in self.pipeline.workspaces if k not in self.polled and self.watcher is not None
                 } - {k for k in self.pipeline.workspaces if self.watcher and self.watcher.watching(k)}
-                unwatched -= set(self.pipeline.chanio.overdue) | self._unadmitted
+                unwatched -= set(self.pipeline.chanio.overdue) | self._unadmitted | set(self._watching)
                 if unwatched:
-                    await self.worker.call(
-                        self._watch_all, list(self.pipeline.workspaces.values()), unwatched
-                    )
-                rows = await self.worker.call(self._rescan_workspaces)
-                if rows is not None:
-                    await self.worker.call(self._apply_rows, rows)
+                    self._watch_all(list(self.pipeline.workspaces.values()), unwatched)
+                self._enroll_soon()  # new glob matches, in the background
+                await self.worker.call(self._check_owners)
                 self._take_looks()
                 self._republish_next |= self._republish_failed
                 self._republish_failed.clear()
@@ -1233,6 +1652,7 @@ class Service:
         rows = await self.worker.call(self._reapply)
         await self.worker.call(self._apply_rows, rows)
         self._take_looks()
+        self._enroll_soon()  # the new globs' matches, in the background
         if self._stale and self._tg is not None:
             self._tg.start_soon(self._refresh_served)
         log.event(
@@ -1241,11 +1661,10 @@ class Service:
         self._publish_status()
 
     def _reapply(self) -> list[WorkspaceRow]:
-        """After a reload: enroll new glob matches, give every workspace the policy of the new defaults. A
-        channel whose policy changed gets its kernel.json rewritten off the store worker: in the channel I/O pool
-        when served (`_refresh_served`), else by a look (`_to_look`)."""
-        self._enroll_globs()
-        self._fresh.clear()
+        """After a reload: give every workspace the policy of the new defaults (new glob matches are enrolled
+        after it, in the background: `_enroll_soon`). A channel whose policy changed gets its kernel.json
+        rewritten off the store worker: in the channel I/O pool when served (`_refresh_served`), else by a look
+        (`_to_look`)."""
         for row in self.store.workspaces():
             policy = enrollment.policy_for(self.store, row.key, self.cfg)
             if policy != row.policy:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -282,3 +283,231 @@ def test_the_kernel_stops_while_a_channel_hangs_in_the_rescans_look(tmp_path: Pa
     finally:
         hang.unlink(missing_ok=True)
         k.ensure_stopped()
+
+
+# --- enrollment and re-watches: no filesystem work on the store worker ----------------------------------------
+
+
+def glob_kernel(tmp_path: Path, config: str = FAST) -> tuple[Kernel, Path, Path, Path]:
+    """A kernel (not started) whose `workspaces` glob is `<tmp>/spaces/*` (nothing there yet), with B enrolled
+    outside it; (kernel, the glob's directory, B, the hang file)."""
+    root = tmp_path / "spaces"
+    root.mkdir()
+    k = Kernel(tmp_path, f'{config}workspaces = ["{root}/*"]\n')
+    b = git_workspace(tmp_path / "b")
+    k.enroll(b)
+    return k, root, b, tmp_path / "hang"
+
+
+def enrolled_paths(k: Kernel) -> list[str]:
+    """The paths of the kernel log's `enrolled` events (the service's own enrollments), in order."""
+    return [
+        line.split(" path=", 1)[1].split()[0]
+        for line in k.log_text().splitlines()
+        if "event=enrolled " in line
+    ]
+
+
+def assert_served_when_enrolled(k: Kernel, ws: Path, rid: str) -> None:
+    """`ws`, a new glob match, gets its channel and answers `rid` within seconds, enrolled exactly once."""
+    wait_for(lambda: (ws / ".syscall" / "requests").is_dir(), 15, f"{ws.name}'s channel")
+    put_request(ws, rid, status(rid))
+    assert wait_answer(ws, rid, 15)["type"] == "status"
+    assert enrolled_paths(k).count(str(ws.resolve())) == 1
+
+
+def enrollment_waits(k: Kernel) -> bool:
+    return "enrollment of new glob matches waits for a hung filesystem" in k.cli("status").stdout
+
+
+def test_a_glob_whose_directory_hangs_at_start_holds_neither_ready_nor_an_enrolled_workspace(
+    tmp_path: Path,
+) -> None:
+    """Issue 13: the `workspaces` glob's directory hangs at start (the test-only hang point `glob`): the kernel
+    must still reach `ready` within seconds, answer the enrolled B again and again, say in `syscall-kernel status`
+    that enrollment waits, and enroll and serve the new match A once the glob returns. On the old kernel the glob
+    was expanded on the store worker before the admission: no `ready`, nobody served, while it hung."""
+    k, root, b, hang = glob_kernel(tmp_path)
+    a = git_workspace(root / "a")
+    hang.write_text(f"glob {root}/*")
+    t0 = time.monotonic()
+    k.start(env=hang_env(hang), wait_ready=False)
+    try:
+        k.wait_log("event=ready", 20)
+        assert time.monotonic() - t0 < 15
+        log = k.log_text()
+        assert "event=hang_injected step=glob" in log
+        assert log.index("event=glob_overdue") < log.index("event=ready")
+        assert_served_meanwhile(b)
+        wait_for(lambda: enrollment_waits(k), 15, "the waiting enrollment in syscall-kernel status")
+        assert not (a / ".syscall").exists(), "A enrolled while its glob hung"
+        assert k.log_text().count("event=glob_overdue") == 1, "logged once"
+
+        hang.unlink()
+        k.wait_log("event=glob_returned", 15)
+        assert_served_when_enrolled(k, a, "a1")
+        wait_for(lambda: not enrollment_waits(k), 15, "the status line cleared")
+        assert_served_meanwhile(b)
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
+
+
+def test_the_kernel_stops_while_a_glob_hangs_at_start(tmp_path: Path) -> None:
+    """SIGTERM before `ready`, while the glob's expansion has not returned (a long deadline: the start is still
+    waiting for it): exit 0 promptly, nothing enrolled; the next start enrolls and serves A."""
+    k, root, b, hang = glob_kernel(tmp_path, config='backend = "none"\nchannel_io_deadline_seconds = 120\n')
+    a = git_workspace(root / "a")
+    hang.write_text(f"glob {root}/*")
+    k.start(env=hang_env(hang), wait_ready=False)
+    try:
+        k.wait_log("event=hang_injected step=glob", 20)
+        assert_stops_within(k, 3)
+        assert "event=ready" not in k.log_text()
+        hang.unlink()
+        k.start()
+        assert_served_when_enrolled(k, a, "a1")
+        put_request(b, "b1", status("b1"))
+        assert wait_answer(b, "b1")["type"] == "status"
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
+
+
+@pytest.mark.parametrize("how", ["rescan", "sighup"])
+def test_a_glob_that_hangs_in_the_running_kernel_holds_no_enrolled_workspace(
+    tmp_path: Path, how: str
+) -> None:
+    """Issue 13: the running kernel expands its globs at every rescan and on SIGHUP. The glob's directory hangs
+    there: B must still be answered, again and again (and the reload finish), and the new match A is enrolled and
+    served once the glob returns. On the old kernel the rescan and the reload expanded the globs on the store
+    worker, which the loop awaited: nobody was answered while the glob hung."""
+    more = tmp_path / "more"
+    more.mkdir()
+    k, root, b, hang = glob_kernel(tmp_path)
+    k.start(env=hang_env(hang))
+    try:
+        put_request(b, "before", status("before"))
+        wait_answer(b, "before")
+        assert k.proc is not None
+        if how == "rescan":
+            hang.write_text(f"glob {root}/*")
+            a = git_workspace(root / "a")
+        else:
+            hang.write_text(f"glob {more}/*")
+            a = git_workspace(more / "a")
+            k.config.write_text(k.config.read_text().replace(f'"{root}/*"', f'"{root}/*", "{more}/*"'))
+            k.proc.send_signal(signal.SIGHUP)
+            k.wait_log("event=reloaded", 10)
+        k.wait_log("event=hang_injected step=glob", 15)
+        assert_served_meanwhile(b)
+        k.wait_log("event=glob_overdue", 15)
+        assert not (a / ".syscall").exists(), "A enrolled while its glob hung"
+
+        hang.unlink()
+        assert_served_when_enrolled(k, a, "a1")
+        assert_served_meanwhile(b)
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
+
+
+def test_a_new_match_that_hangs_in_its_preparation_holds_no_other_new_match(tmp_path: Path) -> None:
+    """Issue 13: three new glob matches at start; A's channel hangs while it is made (the test-only hang point
+    `prepare`). `ready` comes, C and D are enrolled and served (and B answered) while A hangs; A is enrolled,
+    exactly once, and served once its filesystem answers. On the old kernel the preparations were recorded in
+    glob order as they came back, so A (the first) held every later one, and `ready`."""
+    k, root, b, hang = glob_kernel(tmp_path)
+    a, c, d = (git_workspace(root / name) for name in ("a", "c", "d"))
+    hang.write_text(f"prepare {a.resolve()}")
+    k.start(env=hang_env(hang), wait_ready=False)
+    try:
+        k.wait_log("event=ready", 20)
+        k.wait_log("event=enroll_overdue", 15)
+        assert_served_when_enrolled(k, c, "c1")
+        assert_served_when_enrolled(k, d, "d1")
+        assert_served_meanwhile(b)
+        assert str(a.resolve()) not in enrolled_paths(k)
+        assert k.log_text().count("event=enroll_overdue") == 1, "logged once"
+
+        hang.unlink()
+        k.wait_log("event=enroll_io_returned", 15)
+        assert_served_when_enrolled(k, a, "a1")
+        assert sorted(enrolled_paths(k)) == sorted(str(ws.resolve()) for ws in (a, c, d))
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
+
+
+@pytest.mark.parametrize("how", ["lost", "unwatched"])
+def test_a_channel_whose_re_watch_hangs_holds_no_other_workspace(tmp_path: Path, how: str) -> None:
+    """Issue 13: A's watch is lost (its requests/ moved away and back), or A is served unwatched (its requests/
+    was replaced when the lost watch was retried, then put back: the rescan watches it again), and A's channel
+    hangs when it is opened to watch it again (the test-only hang point `watch`). B must still be answered, again
+    and again; A's overdue I/O shows in `syscall-kernel status`; once it returns A is watched (a request answered
+    within seconds, with no rescan or poll to find it, in the `lost` case) and served. On the old kernel the
+    re-watch ran on the store worker and the loop awaited it: nobody was answered while A hung."""
+    rescan = 600 if how == "lost" else 1
+    config = (
+        f'backend = "none"\nchannel_io_deadline_seconds = 1\nrescan_seconds = {rescan}\npoll_seconds = 0.2\n'
+    )
+    k, (a, b), hang = kernel_with(tmp_path, "a", "b", config=config)
+    k.start(env=hang_env(hang))
+    requests = a / ".syscall" / "requests"
+    away = a / ".syscall" / "requests.away"
+    try:
+        put_request(a, "before", status("before"))
+        wait_answer(a, "before")
+        if how == "unwatched":
+            os.rename(requests, away)
+            requests.mkdir()  # not the directory enrolled: the re-watch fails (ChannelMoved)
+            k.wait_log("event=watch_failed", 15)
+            hang.write_text(f"watch {a.resolve()}")
+            requests.rmdir()
+            os.rename(away, requests)
+        else:
+            hang.write_text(f"watch {a.resolve()}")
+            os.rename(requests, away)
+            os.rename(away, requests)
+        k.wait_log("event=hang_injected step=watch", 15)
+
+        assert_served_meanwhile(b)
+        assert_overdue_shown(k, a)
+
+        hang.unlink()
+        k.wait_log("event=channel_io_returned", 15)
+        wait_for(lambda: problem_of(k, a) is None, 15, "A's problem cleared")
+        put_request(a, "a1", status("a1"))
+        assert wait_answer(a, "a1", 5)["type"] == "status"
+        assert_served_meanwhile(b)
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
+
+
+def test_new_matches_whose_filesystem_sync_hangs_hold_neither_ready_nor_an_enrolled_workspace(
+    tmp_path: Path,
+) -> None:
+    """Issue 13: before new matches' rows commit, their filesystem is synced (a committed row means durable channel
+    files). That sync hangs (the test-only hang point `sync`, named by the batch's first path on it): `ready` comes,
+    B is answered, nothing is recorded while the sync has not returned, and both new matches are enrolled and
+    served once it returns. On the old kernel the sync ran on the store worker, inside the start."""
+    k, root, b, hang = glob_kernel(tmp_path)
+    a, c = (git_workspace(root / name) for name in ("a", "c"))
+    hang.write_text(f"sync {a.resolve()}")
+    k.start(env=hang_env(hang), wait_ready=False)
+    try:
+        k.wait_log("event=ready", 20)
+        k.wait_log("event=enroll_sync_overdue", 15)
+        assert_served_meanwhile(b)
+        assert enrolled_paths(k) == [], "a row committed before its channel files were synced"
+        wait_for(lambda: enrollment_waits(k), 15, "the waiting enrollment in syscall-kernel status")
+
+        hang.unlink()
+        k.wait_log("event=enroll_sync_returned", 15)
+        assert_served_when_enrolled(k, a, "a1")
+        assert_served_when_enrolled(k, c, "c1")
+        wait_for(lambda: not enrollment_waits(k), 15, "the status line cleared")
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()

@@ -221,9 +221,10 @@ def test_a_workspace_account_is_kept_until_changed_and_a_bad_one_is_refused(
 def test_automatic_enrollment_makes_the_channel_files_durable_before_its_rows_commit(
     tmp_path: Path, cfg: Config, store: Store
 ) -> None:
-    """`prepare_new` (threads, no store) writes the channel files without an fsync each; `record_new` syncs their
-    filesystem once and only then commits the rows: at the sync, every file is in place and no row exists."""
-    from kernel.io.enroll import new_facts, prepare_new, record_new
+    """`prepare_new` (threads, no store) writes the channel files without an fsync each; the batch names its
+    filesystems (`filesystems_of`: one here) for the sync that comes before `record_new` commits the rows: at the
+    sync, every file is in place and no row exists."""
+    from kernel.io.enroll import filesystems_of, new_facts, prepare_new, record_new
     from kernel.io.watch import read_mounts
 
     spaces = [git_repo(tmp_path / f"w{i}") for i in range(3)]
@@ -239,7 +240,9 @@ def test_automatic_enrollment_makes_the_channel_files_durable_before_its_rows_co
                 assert (Path(p.row.path) / ".syscall" / name).is_file()
         seen.append(path)
 
-    record_new(store, batch, sync)
+    for path in filesystems_of(batch).values():
+        sync(path)
+    record_new(store, batch)
     assert len(seen) == 1  # one filesystem: one sync for the whole batch
     for p, ws in zip(batch, spaces, strict=True):
         row = store.workspace(p.row.key)
@@ -265,7 +268,7 @@ def test_automatic_enrollment_of_a_prepared_channel_again_is_idempotent(
     first = prepare_new(facts, cfg, str(ws), TOOL, mounts=read_mounts())
     again = prepare_new(facts, cfg, str(ws), TOOL, mounts=read_mounts())
     assert again.row.identity == first.row.identity
-    record_new(store, [again], lambda path: None)
+    record_new(store, [again])
     assert [r.key for r in store.workspaces()] == [first.row.key]
 
 
