@@ -53,7 +53,11 @@ CHANNEL_PROBLEMS: Final = Gauge(
     "Enrolled workspaces whose channel has a recorded problem",
     registry=REGISTRY,
 )
-DEGRADED: Final = Gauge(P + "degraded", "1 while store writes fail (disk full), else 0", registry=REGISTRY)
+DEGRADED: Final = Gauge(
+    P + "degraded",
+    "1 while the kernel is degraded (store writes fail, heavy work overdue, enrollment waits for a hung filesystem)",
+    registry=REGISTRY,
+)
 
 
 def verb_of(outcome: str) -> tuple[str, str]:
