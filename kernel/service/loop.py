@@ -352,7 +352,7 @@ class Service:
         writes, or one git process when the index cannot be read directly); the channels prepared but not
         recorded are prepared again, and recorded, at the next start."""
         matches, mounts = await self._expand_globs(self.cfg.workspaces)
-        if self.stopping:
+        if self.stopping or not (matches or self._late):
             return []
         known, facts = await self.worker.call(self._enrollment_facts, [*matches, *self._late])
         for path in [p for p in self._late if p in known]:  # enrolled meanwhile (an operator's `enroll`)
