@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -26,6 +27,9 @@ from kernel.core.evaluate import EVAL_FLAGS, SELF_REPORTED_WARNING, contract_pro
 from kernel.io import log, retention, statedir
 from kernel.io.repo import KernelRepo, RepoError, UntrustedGit, base_ref
 from kernel.io.store import Store, StoreError
+
+if TYPE_CHECKING:
+    from kernel.io.enroll import Published
 
 EXAMPLES = """examples:
   syscall-kernel serve --config /etc/syscall-kernel/config.toml
@@ -330,6 +334,8 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     verb = "enrolled" if done.created else "refreshed"
     print(f"{verb} {row.path} as {row.key} (watch: {row.watch})")
     print(f"  budget: {b.launches} launches, {b.sleeps} sleeps, {b.gpu_hours:g} GPU-hours")
+    if done.budget_shown is not None and done.budget_shown.how != "written":
+        print(_budget_shown(done.budget_shown, cfg))
     print(
         f"  channel: {row.path}/.syscall (device {row.identity.dev}, inode {row.identity.ino}, uid {row.identity.uid})"
     )
@@ -640,20 +646,24 @@ def cmd_budget(args: argparse.Namespace) -> int:
     print(f"budget of {row.path} ({row.key}): {edit.describe()}")
     print(f"  was: {b.launches} launches, {b.sleeps} sleeps, {b.gpu_hours:g} GPU-hours")
     print(f"  now: {a.launches} launches, {a.sleeps} sleeps, {a.gpu_hours:g} GPU-hours")
+    print(_budget_shown(published, cfg))
+    return 0
+
+
+def _budget_shown(published: Published, cfg: Config) -> str:
+    """For the operator: when budget.json shows the balance just recorded (kernel.io.enroll.publish_budget)."""
     if published.how == "written":
-        print("  budget.json rewritten")
-    elif published.how == "kernel":
-        print(
+        return "  budget.json rewritten"
+    if published.how == "kernel":
+        return (
             f"  budget.json: the running kernel (pid {published.kernel}) rewrites it within poll_seconds "
             f"({cfg.poll_seconds:g} s), in the order of its own writes, while it serves the workspace "
             "(`syscall-kernel status` shows a problem that keeps it from serving it; it rewrites it once served)"
         )
-    else:
-        print(
-            f"  budget.json not rewritten ({published.why}); the change is recorded, and a kernel rewrites "
-            "budget.json from the store when it next serves the workspace"
-        )
-    return 0
+    return (
+        f"  budget.json not rewritten ({published.why}); the change is recorded, and a kernel rewrites "
+        "budget.json from the store when it next serves the workspace"
+    )
 
 
 def cmd_history(args: argparse.Namespace) -> int:

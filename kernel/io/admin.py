@@ -15,20 +15,17 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
 from channel import safefs
 from channel.paths import CHANNEL_DIR
 from kernel.core import ledger
 from kernel.core.budget import GPU_SECONDS_PER_HOUR, Balance, gpu_seconds
 from kernel.core.records import WorkspaceRow
-from kernel.io import chanlock, statedir
-from kernel.io.enroll import OwnedElsewhere, check_owner, write_budget
+from kernel.io.enroll import Published, publish_budget
 from kernel.io.store import Store, timestamp
 
 BUDGET_KINDS: Final = ("launches", "sleeps", "gpu_hours")
-# How long `publish_budget` waits for another short holder of the channel's lock (another operator's `budget`).
-LOCK_WAIT_S: Final = 5.0
 
 
 class AdminError(Exception):
@@ -130,67 +127,6 @@ def edited(b: Balance, edit: BudgetEdit) -> Balance:
 
 def _column(kind: str) -> str:
     return "gpu_s" if kind == "gpu_hours" else kind
-
-
-@dataclass(frozen=True, slots=True)
-class Published:
-    """How `budget.json` shows a balance the store now holds. `written`: rewritten by this process, now.
-    `kernel`: this store's running kernel (pid `kernel`) rewrites it at its next poll tick, while it serves the
-    channel. `not_written`: neither, and `why`; a kernel rewrites it from the store when it next serves the channel
-    (its next start, or its look at the channel once the problem is gone)."""
-
-    how: Literal["written", "kernel", "not_written"]
-    kernel: int | None = None
-    why: str | None = None
-
-
-def publish_budget(store: Store, row: WorkspaceRow, *, wait_s: float = LOCK_WAIT_S) -> Published:
-    """After a commit that changed `row`'s balance in this process (not the kernel's): bring `budget.json` to the
-    store's balance, without ever putting an older balance over a newer one (kernel.io.budgetorder).
-
-    Invariant: budget.json is written only by the process holding the channel's lock (kernel.io.chanlock), from a
-    balance read while it holds it. A kernel holds the lock as long as it serves the channel and orders its own
-    writes (BudgetOrder); this process holds it only across one read of the balance and one write, so its write
-    can neither interleave with a kernel's writes nor carry a balance older than the one any earlier holder wrote
-    (the store's balance only moves forward, and it is read after the lock is taken, so after the last holder let
-    go). Hence:
-    - a kernel runs on this store (its state dir lock): nothing is written here; the kernel notices the commit at
-      its next poll tick and rewrites budget.json in its own order. Taking the lock here would take the channel
-      away from it for a rescan.
-    - else the lock is taken (waiting up to `wait_s` for another operator's command), the balance read and written.
-      A kernel starting meanwhile finds the lock held, and serves the channel from its next rescan on.
-    - the lock is held by another process past `wait_s`: if it is this store's kernel (started since the check), it
-      read the balance after the commit, and writes it; else another store's kernel or the agent holds the
-      channel: not ours to write.
-    On a filesystem without flock nothing keeps a kernel starting at this very moment off the channel; then the
-    write here may land after that kernel's first charge, and budget.json shows the older balance until its next
-    write."""
-    kernel = statedir.holder(store.path.parent)
-    if kernel is not None:
-        return Published("kernel", kernel=kernel)
-    try:
-        with safefs.open_channel(row.path, row.identity) as ch:
-            check_owner(store, ch, row.path)
-            with chanlock.held_briefly(ch, wait_s=wait_s):
-                current = store.workspace(row.key)
-                if current is None:
-                    return Published("not_written", why="the workspace is no longer enrolled")
-                write_budget(ch, current.balance, timestamp())
-    except chanlock.HeldElsewhere as exc:
-        kernel = statedir.holder(store.path.parent)
-        if kernel is not None and kernel == exc.pid:
-            return Published("kernel", kernel=kernel)
-        return Published(
-            "not_written",
-            why=f"another process ({exc}) holds the channel's lock: another kernel serves it, or the agent holds it",
-        )
-    except OwnedElsewhere as exc:
-        return Published("not_written", why=str(exc))
-    except safefs.ChannelMoved as exc:
-        return Published("not_written", why=f"the channel is not the one enrolled: {exc}")
-    except (safefs.Refused, OSError) as exc:
-        return Published("not_written", why=f"{type(exc).__name__}: {exc}")
-    return Published("written")
 
 
 def change_budget(

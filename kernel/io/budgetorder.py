@@ -23,7 +23,7 @@ Across processes (the operator's `syscall-kernel budget` and `enroll` change the
 stamps are not comparable across processes, so no other process writes the budget.json of a channel a kernel
 serves. Such a process writes it only while it holds the channel's lock itself (kernel.io.chanlock: then no kernel
 serves the channel, and none can start to until it lets go), reading the balance after taking it
-(kernel.io.admin.publish_budget). A kernel that serves the channel instead notices the other process's commit at
+(kernel.io.enroll.publish_budget). A kernel that serves the channel instead notices the other process's commit at
 its next poll tick (sqlite's data_version moves only on other connections' commits), finds the store's balance
 differing from the one it last wrote (`shows`), and rewrites budget.json through `write` with a stamp of a store
 step after that commit: later than every stamp read before the commit, so a delayed write of the older balance is

@@ -136,7 +136,7 @@ def probe(ch: safefs.Channel, own_kernel: int | None) -> str | None:
 @contextlib.contextmanager
 def held_briefly(ch: safefs.Channel, *, wait_s: float) -> Iterator[bool]:
     """The channel's lock, held by a process that does not serve the channel, for one short write of a
-    kernel-written file (the operator's `budget`, kernel.io.admin.publish_budget): while it is held no kernel serves
+    kernel-written file (the operator's `budget`, kernel.io.enroll.publish_budget): while it is held no kernel serves
     the channel nor starts to (a kernel's try meanwhile fails, shows as the workspace's problem, and is made again
     at its next rescan). Another holder is waited for up to `wait_s` (another operator's command holds it as
     briefly); past that HeldElsewhere. Yields True when held, False when the filesystem does not do flock (then

@@ -3,7 +3,8 @@
 `enroll` checks that the workspace is a directory this kernel may use (a real directory owned by us, a git
 repository whose `.git` is a real directory, not tracking `.syscall/`), creates the channel through `safefs`,
 installs the tool and the channel's `.gitignore` (`*`, so the agent's `git status` never shows the channel), records the channel's (device, inode, owner) with its
-budget and policy, and then writes `kernel.json` and `budget.json`. Re-enrolling is idempotent: it refreshes the
+budget and policy, and then writes `kernel.json` and `budget.json` (that of a channel a kernel may serve through
+`publish_budget`, never over a newer balance the kernel wrote). Re-enrolling is idempotent: it refreshes the
 tool and the kernel-written files and keeps the budget unless new grants are given. An operator's explicit
 `enroll` adopts a channel that was replaced (and says so); automatic enrollment at start never does.
 
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import msgspec
 
@@ -35,7 +36,7 @@ from kernel.core.budget import Balance
 from kernel.core.config import Config, score_data_problem, slurm_account_ok
 from kernel.core.evaluate import EVAL_FLAGS, contract_problem, is_trusted
 from kernel.core.records import WorkspaceRow
-from kernel.io import jobenv, watch
+from kernel.io import chanlock, jobenv, statedir, watch
 from kernel.io import repo as R
 from kernel.io import submit as S
 from kernel.io.budgetorder import BudgetOrder
@@ -127,6 +128,8 @@ class Enrolled:
     taken_from: StoreRef | None = None
     # The workspace's own Slurm account (None: the config's `[slurm] account`).
     slurm_account: str | None = None
+    # How budget.json shows the balance enrolled (`publish_budget`).
+    budget_shown: Published | None = None
 
 
 def tracked_channel_files(workspace: str) -> list[str]:
@@ -424,7 +427,17 @@ def enroll(
             problem=None,
         )
         floor = seq_floor(ch)
+        # budget.json of a channel no kernel serves (a new workspace, an unenrolled one enrolled again, a channel
+        # adopted) is written before the row commits: before any kernel knows the row, so before any write of
+        # its own. That of a channel a kernel may serve is published after the commit (`publish_budget`: never
+        # over a newer balance the kernel wrote).
+        unserved = existing is None or admin.unenrolled_at is not None or adopted
+        if unserved:
+            ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now))
         with store.transaction():
+            # The balance from the row as it is in this transaction: a charge the running kernel made since
+            # `existing` was read is kept (it used to be undone: a sleep charged, or GPU time reserved, twice over).
+            row = replace(row, balance=_balance_for(cfg, store.workspace(key), grant))
             store.put_workspace(row)
             store.raise_seq_floor(key, floor)
             if own != admin.overrides or admin.unenrolled_at is not None:
@@ -441,7 +454,8 @@ def enroll(
         # older kernel's base, recorded but held only in the agent's repository, is re-imported by its id).
         base_problem = hold_recorded_base(store, cfg, key, resolved) if hold_base else None
         # Side effects after the commit: the channel's kernel-written files.
-        write_kernel_files(ch, row, tool, owner, cfg, now)
+        write_kernel_files(ch, row, tool, owner, cfg, now, with_budget=False)
+        shown = Published("written") if unserved else publish_budget(store, row, ch=ch)
     return Enrolled(
         row=row,
         created=existing is None,
@@ -450,6 +464,7 @@ def enroll(
         base_problem=base_problem,
         taken_from=taken_from,
         slurm_account=store.slurm_account(key),
+        budget_shown=shown,
     )
 
 
@@ -585,15 +600,17 @@ def write_kernel_files(
     now: str,
     *,
     durable: bool = True,
+    with_budget: bool = True,
 ) -> None:
-    """The channel's kernel-written files of `row`: kernel.json, budget.json, jobenv.json."""
+    """The channel's kernel-written files of `row`: kernel.json, budget.json (with `with_budget`), jobenv.json."""
     ch.write_file(
         None,
         ChannelPaths.KERNEL_JSON,
         kernel_json(row, tool, owner, jail=cfg.jail, limits=published_limits(cfg)),
         durable=durable,
     )
-    ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now), durable=durable)
+    if with_budget:
+        ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(row.balance, now), durable=durable)
     jobenv.write(ch, jobenv.for_workspace(cfg, row.key, row.policy, now), durable=durable)
 
 
@@ -743,6 +760,80 @@ def write_budget(ch: safefs.Channel, balance: Balance, now: str, *, only_if_chan
         except (safefs.Refused, msgspec.DecodeError):
             pass
     ch.write_file(None, ChannelPaths.BUDGET_JSON, budget_json(balance, now))
+
+
+# How long `publish_budget` waits for another short holder of the channel's lock (another operator's command).
+LOCK_WAIT_S: Final = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """How `budget.json` shows a balance the store now holds. `written`: rewritten by this process, now.
+    `kernel`: this store's running kernel (pid `kernel`) rewrites it at its next poll tick, while it serves the
+    channel. `not_written`: neither, and `why`; a kernel rewrites it from the store when it next serves the channel
+    (its next start, or its look at the channel once the problem is gone)."""
+
+    how: Literal["written", "kernel", "not_written"]
+    kernel: int | None = None
+    why: str | None = None
+
+
+def publish_budget(
+    store: Store, row: WorkspaceRow, *, ch: safefs.Channel | None = None, wait_s: float = LOCK_WAIT_S
+) -> Published:
+    """After a commit that changed `row`'s balance in this process (not the kernel's: the operator's `budget` or
+    `enroll`): bring `budget.json` to the store's balance, without ever putting an older balance over a newer one
+    (kernel.io.budgetorder). `ch`: the channel, open already and its owner checked (else it is opened here).
+
+    Invariant: budget.json is written only by the process holding the channel's lock (kernel.io.chanlock), from a
+    balance read while it holds it. A kernel holds the lock as long as it serves the channel and orders its own
+    writes (BudgetOrder); this process holds it only across one read of the balance and one write, so its write
+    can neither interleave with a kernel's writes nor carry a balance older than the one any earlier holder wrote
+    (the store's balance only moves forward, and it is read after the lock is taken, so after the last holder let
+    go). Hence:
+    - a kernel runs on this store (its state dir lock): nothing is written here; the kernel notices the commit at
+      its next poll tick and rewrites budget.json in its own order. Taking the lock here would take the channel
+      away from it for a rescan.
+    - else the lock is taken (waiting up to `wait_s` for another operator's command), the balance read and written.
+      A kernel starting meanwhile finds the lock held, and serves the channel from its next rescan on.
+    - the lock is held by another process past `wait_s`: if it is this store's kernel (started since the check), it
+      read the balance after the commit, and writes it; else another store's kernel or the agent holds the
+      channel: not ours to write.
+    On a filesystem without flock nothing keeps a kernel starting at this very moment off the channel; then the
+    write here may land after that kernel's first charge, and budget.json shows the older balance until its next
+    write."""
+    kernel = statedir.holder(store.path.parent)
+    if kernel is not None:
+        return Published("kernel", kernel=kernel)
+    try:
+        if ch is not None:
+            _write_budget_held(store, ch, row.key, wait_s)
+        else:
+            with safefs.open_channel(row.path, row.identity) as opened:
+                check_owner(store, opened, row.path)
+                _write_budget_held(store, opened, row.key, wait_s)
+    except chanlock.HeldElsewhere as exc:
+        kernel = statedir.holder(store.path.parent)
+        if kernel is not None and kernel == exc.pid:
+            return Published("kernel", kernel=kernel)
+        return Published(
+            "not_written",
+            why=f"another process ({exc}) holds the channel's lock: another kernel serves it, or the agent holds it",
+        )
+    except OwnedElsewhere as exc:
+        return Published("not_written", why=str(exc))
+    except safefs.ChannelMoved as exc:
+        return Published("not_written", why=f"the channel is not the one enrolled: {exc}")
+    except (safefs.Refused, OSError) as exc:
+        return Published("not_written", why=f"{type(exc).__name__}: {exc}")
+    return Published("written")
+
+
+def _write_budget_held(store: Store, ch: safefs.Channel, key: str, wait_s: float) -> None:
+    with chanlock.held_briefly(ch, wait_s=wait_s):
+        current = store.workspace(key)
+        assert current is not None  # rows are never deleted (unenrolled ones stay)
+        write_budget(ch, current.balance, timestamp())
 
 
 def rewrite_kernel_files(

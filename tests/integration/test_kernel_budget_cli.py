@@ -24,7 +24,11 @@ from typing import Any
 
 from kernelproc import Kernel, git_workspace, put_request, wait_answer, wait_for
 
+from kernel.core.config import load
+from kernel.core.records import WorkspaceRow
 from kernel.io import admin
+from kernel.io.enroll import Enrolled, Grant, Published, enroll
+from kernel.io.install import ToolSource
 from kernel.io.store import Store
 
 CONFIG = 'backend = "none"\npoll_seconds = 0.1\nrescan_seconds = 0.5\n[defaults]\nlaunches = 10\n'
@@ -160,7 +164,7 @@ def test_two_operators_at_once_leave_the_later_balance(tmp_path: Path) -> None:
     first = PausedStore.open(k.state / "state.sqlite")
     second = Store.open(k.state / "state.sqlite")
     try:
-        seen: list[admin.Published] = []
+        seen: list[Published] = []
 
         def second_operator() -> None:
             *_, published = admin.change_budget(second, str(ws), add_launches(1), "op2")
@@ -220,4 +224,77 @@ def test_a_running_kernel_that_cannot_write_budget_json_tries_again(tmp_path: Pa
         wait_for(lambda: path.is_file() and budget(ws)["launches"] == 15, 10, "budget.json written again")
         assert k.stop() == 0
     finally:
+        k.ensure_stopped()
+
+
+class ChargedAfterRead(Store):
+    """A real store whose next read of a workspace row runs `after_read` before handing the row back: the
+    command's process paused between reading the balance and what it does next."""
+
+    after_read: Callable[[], None] | None = None
+
+    def workspace(self, key: str) -> WorkspaceRow | None:
+        row = super().workspace(key)
+        hook, self.after_read = self.after_read, None
+        if hook is not None:
+            hook()
+        return row
+
+
+def enroll_in_process(k: Kernel, store: Store, ws: Path, grant: Grant) -> Enrolled:
+    return enroll(store, load(k.config), str(ws), ToolSource.bundled(), grant)
+
+
+def test_enroll_with_a_grant_keeps_a_charge_made_meanwhile(tmp_path: Path) -> None:
+    """`enroll --gpu-hours` on a served workspace read its row, then wrote the whole balance back: a sleep the
+    running kernel charged in between (launches and sleeps) was undone in the store. Now the balance is read in
+    the enrollment's transaction."""
+    k = Kernel(tmp_path, CONFIG)
+    ws = git_workspace(tmp_path / "ws")
+    k.enroll(ws)
+    k.start()
+    store = ChargedAfterRead.open(k.state / "state.sqlite")
+    try:
+
+        def kernel_charges() -> None:
+            put_request(ws, "s1", sleep_request("s1"))
+            assert wait_answer(ws, "s1")["type"] == "accepted"
+
+        store.after_read = kernel_charges
+        done = enroll_in_process(k, store, ws, Grant(gpu_hours=5))
+        assert (done.row.balance.launches, done.row.balance.sleeps) == (9, 49)
+        b = stored(k)
+        assert (b["launches"], b["sleeps"], b["gpu_hours"]) == (9, 49, 5)
+        assert done.budget_shown == Published("kernel", kernel=k.proc.pid if k.proc else None)
+        wait_for(lambda: budget(ws)["gpu_hours"] == 5, 5, "the grant in budget.json")
+        stays(ws, 9, 1.5)
+        assert k.stop() == 0
+    finally:
+        store.close()
+        k.ensure_stopped()
+
+
+def test_enroll_with_a_grant_never_overwrites_a_later_charge(tmp_path: Path) -> None:
+    """(b) for `enroll --launches`: its commit, then a charge by the running kernel (written), then the command's
+    own budget.json write of the older balance, which stayed. Now the running kernel publishes it."""
+    k = Kernel(tmp_path, CONFIG)
+    ws = git_workspace(tmp_path / "ws")
+    k.enroll(ws)
+    k.start()
+    store = PausedStore.open(k.state / "state.sqlite")
+    try:
+
+        def kernel_charges() -> None:
+            put_request(ws, "s1", sleep_request("s1"))
+            assert wait_answer(ws, "s1")["type"] == "accepted"
+            wait_for(lambda: budget(ws)["launches"] == 19, 5, "the kernel's charge in budget.json")
+
+        store.after_commit = kernel_charges
+        done = enroll_in_process(k, store, ws, Grant(launches=20))
+        assert done.row.balance.launches == 20
+        assert stored(k)["launches"] == 19
+        stays(ws, 19, 1.5)
+        assert k.stop() == 0
+    finally:
+        store.close()
         k.ensure_stopped()
