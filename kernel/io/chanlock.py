@@ -18,11 +18,14 @@ import contextlib
 import errno
 import fcntl
 import os
+import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from channel import safefs
+from kernel.io import crash
 
 # Errors meaning "this filesystem does not do flock here", not "somebody holds it".
 _UNSUPPORTED: Final = frozenset({errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})
@@ -56,11 +59,46 @@ def holder_pid(fd: int) -> int | None:
     return None
 
 
-class ChannelLocks:
-    """The locks of the channels this process serves, by workspace key."""
+class Unlocker:
+    """Closes the fds of the channel locks let go, on a thread of its own, in order. Closing the last fd of a locked
+    directory is the unlock, which on a network filesystem is a call to the server and blocks while the server does
+    not answer: so whoever lets a lock go (a store step, the service loop) never waits for it. Until its fd is
+    closed the lock stays held; a close that hangs delays only the closes queued behind it (those locks are let go
+    late), nothing else. The thread is a daemon: a hung close cannot keep the process from exiting, and the exit
+    lets every lock go."""
 
     def __init__(self) -> None:
+        self._fds: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._mutex = threading.Lock()
+
+    def close(self, key: str, fd: int) -> None:
+        """Close `fd`, the lock of `key`'s channel, soon (on the unlocking thread)."""
+        with self._mutex:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="channel-unlock", daemon=True)
+                self._thread.start()
+        self._fds.put((key, fd))
+
+    def _run(self) -> None:
+        while True:
+            key, fd = self._fds.get()
+            crash.hang_point("unlock", key)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _close_now(key: str, fd: int) -> None:
+    os.close(fd)
+
+
+class ChannelLocks:
+    """The locks of the channels this process serves, by workspace key. A lock let go is closed by `close(key, fd)`:
+    at once by default; the service passes an `Unlocker`'s (the unlock may block on a hung network filesystem)."""
+
+    def __init__(self, close: Callable[[str, int], None] = _close_now) -> None:
         self._held: dict[str, tuple[safefs.Identity, int | None]] = {}
+        self._close = close
 
     def __len__(self) -> int:
         return len(self._held)
@@ -75,7 +113,9 @@ class ChannelLocks:
         had = self._held.get(key)
         if had is not None and had[0] == ch.identity:
             return None
-        self.release(key)
+        # Closed here and now (on the caller's thread: a look, never the store worker): the lock is taken again
+        # next, which a close still pending would refuse when the new channel is the same directory.
+        self.release(key, now=True)
         try:
             fd = os.dup(ch.fd)
         except OSError as exc:  # EMFILE: raise LimitNOFILE (one fd per served channel)
@@ -99,10 +139,11 @@ class ChannelLocks:
         self._held[key] = (ch.identity, fd)
         return None
 
-    def release(self, key: str) -> None:
+    def release(self, key: str, *, now: bool = False) -> None:
         had = self._held.pop(key, None)
         if had is not None and had[1] is not None:
-            os.close(had[1])  # closing the last fd of the open file description drops the lock
+            # Closing the last fd of the open file description drops the lock.
+            (_close_now if now else self._close)(key, had[1])
 
     def keep_only(self, keys: set[str]) -> None:
         # `list` copies the keys at once: look and enrollment threads may `hold` meanwhile.

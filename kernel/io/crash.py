@@ -46,7 +46,9 @@ HANG_ENV: Final = "SYSCALL_KERNEL_HANG_CHANNEL"
 # expansion of a `workspaces` glob (named by the pattern, not a workspace path: its directory stopped answering);
 # prepare: a new glob match's channel is being made and filled (enrollment); sync: the filesystem of new matches'
 # channels is synced before their rows commit (named by the first workspace path on it); watch: a served channel
-# is opened to watch its requests/ again (a lost watch, a workspace resumed).
+# is opened to watch its requests/ again (a lost watch, or one not added when it was last opened); unlock: the lock of
+# a channel let go (unenrolled, taken over, held elsewhere) is closed (named by the workspace key: on a network
+# filesystem that close is the server's unlock).
 HANG_STEPS: Final = (
     "channel",
     "listing",
@@ -59,11 +61,13 @@ HANG_STEPS: Final = (
     "prepare",
     "sync",
     "watch",
+    "unlock",
 )
 
 
 def hang_point(step: str, workspace: str) -> None:
-    """TEST ONLY: the channel of `workspace` (for `glob`: the pattern) on a filesystem that stopped answering. When SYSCALL_KERNEL_HANG_CHANNEL
+    """TEST ONLY: the channel of `workspace` (for `glob`: the pattern; for `unlock`: the workspace key) on a
+    filesystem that stopped answering. When SYSCALL_KERNEL_HANG_CHANNEL
     names a file that exists and holds "<step> <workspace path>", the calling thread blocks here (as a hung NFS
     call would) until the file is removed or names something else."""
     assert step in HANG_STEPS, step

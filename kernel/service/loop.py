@@ -204,9 +204,10 @@ class Service:
         self._reload_wanted = False
         self._paused: set[str] = set()
         self._refused: dict[str, str] = {}
-        # The lock of every channel this kernel serves (kernel.io.chanlock), and the channels whose lock another
-        # process holds (with why), retried at each rescan.
-        self.locks = chanlock.ChannelLocks()
+        # The lock of every channel this kernel serves (kernel.io.chanlock; one let go is closed on an Unlocker's
+        # thread, never on the store worker: on a hung network filesystem that close blocks), and the channels whose
+        # lock another process holds (with why), retried at each rescan.
+        self.locks = chanlock.ChannelLocks(close=chanlock.Unlocker().close)
         self._held_elsewhere: dict[str, str] = {}
         self._unlocked: set[str] = set()
         self._channel_problems: dict[str, str] = {}

@@ -511,3 +511,43 @@ def test_new_matches_whose_filesystem_sync_hangs_hold_neither_ready_nor_an_enrol
     finally:
         hang.unlink(missing_ok=True)
         k.stop()
+
+
+def kernel_fds_under(k: Kernel, prefix: str) -> list[str]:
+    """The kernel process's open fds whose target starts with `prefix`."""
+    assert k.proc is not None
+    fds = Path(f"/proc/{k.proc.pid}/fd")
+    found = []
+    for fd in fds.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith(prefix):
+            found.append(target)
+    return found
+
+
+def test_letting_go_of_a_hung_channels_lock_holds_no_other_workspace(tmp_path: Path) -> None:
+    """Issue 13: the operator unenrolls A; the kernel lets A's channel lock go by closing its fd, which on a network
+    filesystem is the server's unlock and blocks while the server is hung (the test-only hang point `unlock`). B
+    must still be answered, again and again; A's fd is closed once the close returns. On the old kernel the close
+    ran in a store step (the poll tick's `_apply_rows`): nobody was answered while it hung."""
+    k, (a, b), hang = kernel_with(tmp_path, "a", "b")
+    k.start(env=hang_env(hang))
+    try:
+        put_request(a, "before", status("before"))
+        wait_answer(a, "before")
+        hang.write_text(f"unlock {workspace_key(str(a.resolve()))}")
+        k.cli("unenroll", str(a))  # the channel goes (moved aside, removed); the kernel still holds its fd
+        k.wait_log("event=hang_injected step=unlock", 15)
+        assert kernel_fds_under(k, f"{a.resolve()}/.syscall"), "A's lock was let go while its close hung"
+
+        assert_served_meanwhile(b)
+
+        hang.unlink()
+        wait_for(lambda: not kernel_fds_under(k, f"{a.resolve()}/.syscall"), 15, "A's lock fd closed")
+        assert_served_meanwhile(b)
+    finally:
+        hang.unlink(missing_ok=True)
+        k.stop()
