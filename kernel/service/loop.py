@@ -226,10 +226,12 @@ class Service:
         self._republishing: set[str] = set()
         self._republish_failed: set[str] = set()
         self._started_ns = time.time_ns()
-        # The channel look pool: the start-up admission and the running kernel's looks at channels it does not
-        # serve yet (`_look`) open channels here, never on the store worker, so a hung filesystem holds only its
-        # own workspace (overdue past `channel_io_deadline_seconds`: `_look_overdue`). Its own pool, so a look
-        # stuck past `ready` never shares a slot with the request path.
+        # The channel look pool: the start-up admission, the running kernel's looks at channels it does not serve
+        # yet (`_look`) and its re-watches of served ones (`_rewatch`) open channels here, and the enrollment
+        # expands its globs, makes new channels and syncs their filesystems here (`_enroll_globs`), never on the
+        # store worker, so a hung filesystem holds only its own workspace, or only the enrollment of what lies on
+        # it (overdue past `channel_io_deadline_seconds`: `_look_overdue`). Its own pool, so a look stuck past
+        # `ready` never shares a slot with the request path.
         self.looks = ChannelIO(
             cfg.channel_io_deadline_seconds,
             on_overdue=self._look_overdue,
