@@ -705,6 +705,10 @@ class Service:
         policy, and the admission of their channels (`_admit_all`, in the channel look pool: no channel is opened
         here). Reads the store a few times in all, not per workspace."""
         fresh, self._fresh = self._fresh, set()
+        # The store's version from which the poll tick looks for other processes' changes: read before anything
+        # this start reads, so a change committed during the start (an operator's `budget` or `pause` while the
+        # channels are admitted) is followed at the first tick, not taken as already seen.
+        self._data_version = self._read_data_version()
         self._paused = self.store.paused()
         mounts = read_mounts()
         mount_points = {point for point, _ in mounts}
@@ -755,10 +759,8 @@ class Service:
         return rows, admission
 
     def _admitted(self) -> bool:
-        """(store worker) After the admission: record the kernel.json fingerprints its owner checks took; the
-        store's version from which the poll tick looks for other processes' changes."""
+        """(store worker) After the admission: record the kernel.json fingerprints its owner checks took."""
         self._record_seen()
-        self._data_version = self._read_data_version()
         return True
 
     def _record_seen(self) -> None:

@@ -15,6 +15,7 @@ party to finish its change first (the command's code runs as `syscall-kernel bud
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -24,6 +25,7 @@ from typing import Any
 
 from kernelproc import Kernel, git_workspace, put_request, wait_answer, wait_for
 
+from channel.paths import workspace_key
 from kernel.core.config import load
 from kernel.core.records import WorkspaceRow
 from kernel.io import admin
@@ -297,4 +299,38 @@ def test_enroll_with_a_grant_never_overwrites_a_later_charge(tmp_path: Path) -> 
         assert k.stop() == 0
     finally:
         store.close()
+        k.ensure_stopped()
+
+
+def test_a_change_made_while_the_kernel_starts_is_followed(tmp_path: Path) -> None:
+    """The operator changes A's budget while the kernel admits its channels at start, after A's channel was
+    refreshed (budget.json brought to the balance read then) and before the admission ended (B's channel hangs).
+    The kernel took the store's version as of the admission's end as seen, so it never noticed that change:
+    A's budget.json showed the old balance until a charge. Now the version is the one read before the start read
+    anything."""
+    k = Kernel(tmp_path, "channel_io_deadline_seconds = 120\n" + CONFIG)
+    one, two = git_workspace(tmp_path / "one"), git_workspace(tmp_path / "two")
+    # Admitted in key order: A (refreshed in full at admission: its tool is not this kernel's), then B.
+    a, b = sorted((one, two), key=lambda p: workspace_key(str(p.resolve())))
+    k.enroll(a)
+    k.enroll(b)
+    with contextlib.closing(Store.open(k.state / "state.sqlite")) as store:
+        row = store.workspace(workspace_key(str(a.resolve())))
+        assert row is not None
+        with store.transaction():
+            store.put_workspace(dataclasses.replace(row, tool_sha256="0" * 64))
+    hang = tmp_path / "hang"
+    hang_at(hang, f"admit {b.resolve()}")
+    k.start(env={"SYSCALL_KERNEL_HANG_CHANNEL": str(hang)}, wait_ready=False)
+    try:
+        k.wait_log("event=hang_injected step=admit", 30)  # A was admitted (and refreshed) before B
+        assert budget(a)["launches"] == 10
+        k.cli("budget", str(a), "--add-launches", "5")
+        hang.unlink()
+        k.wait_log("event=ready", 30)
+        wait_for(lambda: budget(a)["launches"] == 15, 5, "A's budget.json showing the change")
+        stays(a, 15, 1.5)
+        assert k.stop() == 0
+    finally:
+        hang.unlink(missing_ok=True)
         k.ensure_stopped()
