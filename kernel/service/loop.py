@@ -29,7 +29,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -58,6 +57,7 @@ from kernel.service.chanio import (
     store_step,
     timed_afresh,
 )
+from kernel.service.enrolling import Enroller
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
 from kernel.service.pipeline import Pipeline, Spawn
@@ -67,13 +67,6 @@ from kernel.service.pipeline import Pipeline, Spawn
 EVENT_STREAM_SIZE = 4096
 STATUS_EVERY_S = 5.0
 STORE_RETRY_S = 2.0
-# New channels prepared at a time during enrollment (file I/O, and a git process for an index that cannot be
-# read directly): enough to overlap I/O on a few cores without flooding the machine. Each is a call in the
-# channel look pool taking the next new path in turn (`Service._prepare_from`), so the event loop hops once per
-# call and chunk, not once per workspace (10,000 of them at a first start).
-ENROLL_WORKERS = 4
-# New workspaces recorded per sync + transaction (a sync writes ~150 KB per channel, mostly the tool).
-ENROLL_BATCH = 256
 # SIGTERM is honoured within a second at any point: past STOP_DEADLINE_S the process exits whatever is still
 # running (arm_stop_deadline), after waiting at most COMMIT_WAIT_S for a COMMIT in progress.
 STOP_DEADLINE_S = 0.6
@@ -97,8 +90,6 @@ CHANNEL_ERRORS = (safefs.ChannelMoved, safefs.Refused, OSError)
 NOT_SERVED = (enrollment.OwnedElsewhere, enrollment.HeldElsewhere, *CHANNEL_ERRORS)
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
-Mounts = list[tuple[str, str]]
-Outcome = enrollment.Prepared | enrollment.EnrollError
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -117,55 +108,6 @@ class _Admission:
     running: int = 0
     # Calls past the deadline on one channel: their channel is admitted (and served) once its I/O returns.
     overdue: set[str] = dataclasses.field(default_factory=set)
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Round:
-    """One enrollment of new glob matches (`Service._enroll_globs`), shared by its preparation calls in the
-    channel look pool. `mutex` guards `next`, `at`, `got`, `hung`, `left` and `closed`: the calls' threads and the
-    loop both use them."""
-
-    paths: list[str]  # the new matches, in glob order
-    facts: enrollment.NewFacts
-    cfg: Config
-    mounts: Mounts
-    token: anyio.lowlevel.EventLoopToken
-    # Prepared by an earlier round and not recorded yet (its sync had not returned): recorded without preparing.
-    ready: dict[str, enrollment.Prepared]
-    got: list[Outcome | None]  # by index; None while not prepared, and for good when overdue
-    # Per chunk of ENROLL_BATCH paths: how many are neither prepared, refused nor overdue; set once none is.
-    left: list[int]
-    settled: list[anyio.Event]
-    mutex: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    next: int = 0
-    at: dict[str, int] = dataclasses.field(default_factory=dict)  # call -> the index it prepares now
-    hung: set[int] = dataclasses.field(default_factory=set)  # indices overdue: the round goes on without them
-    overdue: set[str] = dataclasses.field(default_factory=set)  # calls past the deadline
-    closed: bool = False
-
-    def settle(self, i: int) -> anyio.Event | None:
-        """(under `mutex`) Index `i` is done with; the event to set when that completes its chunk."""
-        chunk = i // ENROLL_BATCH
-        self.left[chunk] -= 1
-        return self.settled[chunk] if self.left[chunk] == 0 else None
-
-    def close(self) -> list[anyio.Event]:
-        """(under `mutex`) Take no further path: the untaken ones are left to a later round; the events to set."""
-        events = [e for i in range(self.next, len(self.paths)) if (e := self.settle(i)) is not None]
-        self.next = len(self.paths)
-        self.closed = True
-        return events
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Bounded:
-    """A call in the channel look pool whose caller waits for it at most the deadline (`Service._bounded`)."""
-
-    settled: anyio.Event
-    on_overdue: Callable[[float], None]
-    returned: bool = False
-    value: object = None
-    overdue: bool = False
 
 
 class Service:
@@ -199,11 +141,10 @@ class Service:
         self._send: MemoryObjectSendStream[str] | None = None
         # While the service loop waits for news: how it starts a turn (`_arrived` starts one at once).
         self._starter: tuple[Callable[..., object], Spawn] | None = None
-        # Channels whose kernel.json names another kernel's store, and glob matches refused (with why).
+        # Channels whose kernel.json names another kernel's store.
         self._foreign: set[str] = set()
         self._reload_wanted = False
         self._paused: set[str] = set()
-        self._refused: dict[str, str] = {}
         # The lock of every channel this kernel serves (kernel.io.chanlock; one let go is closed on an Unlocker's
         # thread, never on the store worker: on a hung network filesystem that close blocks), and the channels whose
         # lock another process holds (with why), retried at each rescan.
@@ -214,7 +155,7 @@ class Service:
         # Channels admitted at start whose kernel-written files are refreshed after `ready`; temps older than
         # this process are an earlier one's leftovers.
         self._stale: set[str] = set()
-        # Channels enrolled by this start's `_enroll_globs` (recorded, locked): `_admit_io` only watches them.
+        # Channels enrolled by this start's round (`Enroller.enroll`: recorded, locked): `_admit_io` only watches them.
         # (Those a later round enrolls are looked at in full, as any channel new to the running kernel.)
         self._fresh: set[str] = set()
         # kernel.json fingerprints taken by this start's owner checks, recorded after the admission (`_admitted`).
@@ -228,7 +169,7 @@ class Service:
         self._started_ns = time.time_ns()
         # The channel look pool: the start-up admission, the running kernel's looks at channels it does not serve
         # yet (`_look`) and its re-watches of served ones (`_rewatch`) open channels here, and the enrollment
-        # expands its globs, makes new channels and syncs their filesystems here (`_enroll_globs`), never on the
+        # expands its globs, makes new channels and syncs their filesystems here (kernel.service.enrolling), never on the
         # store worker, so a hung filesystem holds only its own workspace, or only the enrollment of what lies on
         # it (overdue past `channel_io_deadline_seconds`: `_look_overdue`). Its own pool, so a look stuck past
         # `ready` never shares a slot with the request path.
@@ -250,26 +191,21 @@ class Service:
         # the watches in flight (`_rewatch`), by workspace.
         self._watch_next: list[WorkspaceRow] = []
         self._watching: dict[str, WorkspaceRow] = {}
-        # Enrollment of the globs' new matches (`_enroll_globs`): one round at a time, the start's before the
-        # admission and later ones by `_enroller`. What a round left past the deadline (a hung filesystem) is
-        # not tried again until it returns; then its outcome waits here for the next round. All of it is touched
-        # on the loop only.
-        self._round: _Round | None = None
-        self._preparing: dict[str, _Round] = {}  # preparation call -> its round
-        self._calls = 0  # look-pool call names are never reused: a hung call keeps its name's turn
-        self._bounded_calls: dict[str, _Bounded] = {}
-        self._enroll_wanted = False
-        self._enroller_running = False
-        self._hung_globs: set[str] = set()
-        self._late_matches: dict[str, tuple[list[str], Mounts]] = {}
-        self._hung_paths: set[str] = set()
-        self._hung_syncs: dict[int, str] = {}  # filesystem (st_dev) -> what `_enroll_waits` calls its sync
-        self._late: dict[str, enrollment.Prepared] = {}
-        # What enrollment waits for (a glob, a new path, a filesystem's sync) -> since when: `degraded` says so.
-        self._enroll_waits: dict[str, str] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._mine = ""  # this store's id, read by `_startup`
         self._ready = anyio.Event()
+        # Enrollment of the globs' new matches (kernel.service.enrolling): the start's round before the admission,
+        # later ones in the background after `ready`.
+        self.enroller = Enroller(
+            cfg,
+            self.worker,
+            self.looks,
+            tool,
+            claim=self._claim,
+            stopping=self.is_stopping,
+            ready=self._ready,
+            on_enrolled=self._serve_enrolled,
+        )
 
     # --- health -------------------------------------------------------------------------------------------
 
@@ -285,17 +221,7 @@ class Service:
         """Why the kernel cannot do all of its work now (it keeps doing the rest), or None."""
         if self.worker.failing is not None:
             return f"store writes failing: {self.worker.failing}"
-        return self.executor.degraded() or self._enrollment_waits()
-
-    def _enrollment_waits(self) -> str | None:
-        if not self._enroll_waits:
-            return None
-        (what, since), more = next(iter(self._enroll_waits.items())), len(self._enroll_waits) - 1
-        return (
-            f"enrollment of new glob matches waits for a hung filesystem: {what} has not returned since {since}"
-            + (f" (and {more} more)" if more else "")
-            + "; enrolled workspaces are served meanwhile"
-        )
+        return self.executor.degraded() or self.enroller.degraded()
 
     def status_line(self) -> str:
         n = len(self.pipeline.workspaces)
@@ -323,367 +249,18 @@ class Service:
         self.looks.stop()
         if self._admission is not None:
             self._admission.settled.set()
-        for box in list(self._bounded_calls.values()):
-            box.settled.set()
-        if self._round is not None:
-            for event in self._round.settled:
-                event.set()
+        self.enroller.stop()
         if self._wait_scope is not None:
             self._wait_scope.cancel()
 
     # --- start-up (worker thread) -------------------------------------------------------------------------
 
-    async def _enroll_globs(self) -> list[str]:
-        """Enroll the new directories the `workspaces` globs match (at start; then at every rescan and SIGHUP,
-        through `_enroll_soon`); a refusal is logged once per path and reason. Returns the keys enrolled.
-
-        No step here holds the store worker for a workspace's filesystem, nor waits for one past
-        `channel_io_deadline_seconds`: each glob is expanded in the channel look pool (`_bounded`, one call per
-        pattern); each new path's channel is prepared there (checked, made, its files written without an fsync
-        each, its lock taken: `enrollment.prepare_new`, no store) by ENROLL_WORKERS calls taking the paths in
-        turn (`_prepare_from`); the prepared channels are recorded in glob order, ENROLL_BATCH at a time: one
-        sync of each filesystem among them, in the look pool too, then one store step that commits all their rows
-        (`enrollment.record_new`: the sync has returned, so a committed row means durable channel files). So each
-        workspace is enrolled exactly once and store writes stay on the one writer. The submit base is left
-        pending for the executor (after serving).
-        A glob, a preparation or a sync past the deadline (a hung filesystem) is left to its thread and logged
-        once (`degraded` says so meanwhile); the round goes on without what it holds (that glob's matches, that
-        path, that filesystem's channels of the batch), which is not tried again until it returns and is then
-        enrolled by a later round (`_enroll_soon`). So a hung filesystem delays only the enrollment of what lies
-        on it: neither `ready` nor any enrolled workspace's answers wait for it.
-        SIGTERM: nothing more is recorded; preparations not begun are not begun (one running is a few file
-        writes, or one git process when the index cannot be read directly); the channels prepared but not
-        recorded are prepared again, and recorded, at the next start."""
-        matches, mounts = await self._expand_globs(self.cfg.workspaces)
-        if self.stopping or not (matches or self._late):
-            return []
-        known, facts = await self.worker.call(self._enrollment_facts, [*matches, *self._late])
-        for path in [p for p in self._late if p in known]:  # enrolled meanwhile (an operator's `enroll`)
-            del self._late[path]
-        new = [p for p in matches if p not in known and p not in self._hung_paths]
-        listed = set(new)
-        new += sorted(p for p in self._late if p not in listed)
-        if not new or facts is None or self.stopping:
-            return []
-        if isinstance(facts, enrollment.EnrollError):
-            log.event("enroll_refused", logging.WARNING, path=",".join(new[:3]), reason=str(facts))
-            return []
-        chunks = range(0, len(new), ENROLL_BATCH)
-        rnd = _Round(
-            paths=new,
-            facts=facts,
-            cfg=self.cfg,
-            mounts=mounts,
-            token=anyio.lowlevel.current_token(),
-            ready={p: self._late.pop(p) for p in new if p in self._late},
-            got=[None] * len(new),
-            left=[min(ENROLL_BATCH, len(new) - start) for start in chunks],
-            settled=[anyio.Event() for _ in chunks],
-        )
-        self._round = rnd
-        enrolled: list[str] = []
-        try:
-            for _ in range(min(ENROLL_WORKERS, len(new))):
-                self._start_preparer(rnd)
-            for chunk, start in enumerate(chunks):
-                await rnd.settled[chunk].wait()
-                if self.halted():  # SIGTERM: the rest waits for the next start
-                    break
-                batch = []
-                for path, got in zip(new[start : start + ENROLL_BATCH], rnd.got[start:], strict=False):
-                    if isinstance(got, enrollment.EnrollError):
-                        if self._refused.get(path) != str(got):
-                            self._refused[path] = str(got)
-                            log.event("enroll_refused", logging.WARNING, path=path, reason=str(got))
-                    elif got is not None:  # None: overdue, enrolled by a later round once it returns
-                        batch.append(got)
-                if batch:
-                    enrolled += await self._record(batch)
-        finally:
-            with rnd.mutex:
-                rnd.close()
-            self._round = None
-        return enrolled
-
-    def _enrollment_facts(
-        self, paths: list[str]
-    ) -> tuple[set[str], enrollment.NewFacts | enrollment.EnrollError | None]:
-        """(a store step) Which of `paths` are enrolled; when any is not, what preparing it needs (or why the store
-        refuses)."""
-        known = self.store.workspace_paths()
-        enrolled = {p for p in paths if p in known}
-        if len(enrolled) == len(set(paths)):
-            return enrolled, None
-        try:
-            return enrolled, enrollment.new_facts(self.store)
-        except enrollment.EnrollError as exc:
-            return enrolled, exc
-
-    async def _expand_globs(self, patterns: tuple[str, ...]) -> tuple[list[str], Mounts]:
-        """The matches of the globs that return within the deadline (one look-pool call each, `_expand_io`), or
-        returned late since the last round, resolved, deduplicated and sorted; and the mount table. A glob still
-        hung is skipped."""
-        found: dict[str, tuple[list[str], Mounts]] = {}
-
-        async def expand(pattern: str) -> None:
-            returned, got = await self._bounded(
-                f"glob {pattern}",
-                partial(self._glob_overdue, pattern),
-                partial(self._glob_returned, pattern),
-                self._expand_io,
-                pattern,
-            )
-            if returned:
-                found[pattern] = got  # type: ignore[assignment]
-
-        patterns = tuple(dict.fromkeys(patterns))
-        for pattern in [p for p in self._late_matches if p not in patterns]:  # no longer configured
-            del self._late_matches[pattern]
-        async with anyio.create_task_group() as tg:
-            for pattern in patterns:
-                if pattern in self._late_matches:
-                    found[pattern] = self._late_matches.pop(pattern)
-                elif pattern not in self._hung_globs:
-                    tg.start_soon(expand, pattern)
-        matches = sorted({path for paths, _ in found.values() for path in paths})
-        return matches, next((mounts for _, mounts in found.values()), [])
-
-    def _expand_io(self, pattern: str) -> tuple[list[str], Mounts]:
-        """(channel look pool) One glob's matches (its directory may be on a hung filesystem), and the mounts."""
-        crash.hang_point("glob", pattern)
-        return enrollment.expand_globs((pattern,)), read_mounts()
-
-    def _glob_overdue(self, pattern: str, since: float) -> None:
-        self._hung_globs.add(pattern)
-        self._enroll_waits[f"glob {pattern}"] = timestamp(since)
-        log.event(
-            "glob_overdue",
-            logging.WARNING,
-            glob=pattern,
-            since=timestamp(since),
-            problem=f"the glob has not returned after {self.looks.deadline:g} s (a hung filesystem?); its new "
-            "matches are enrolled once it returns; enrolled workspaces are served meanwhile",
-        )
-
-    def _glob_returned(self, pattern: str, got: object) -> None:
-        self._hung_globs.discard(pattern)
-        self._enroll_waits.pop(f"glob {pattern}", None)
-        log.event("glob_returned", glob=pattern)
-        if isinstance(got, tuple):
-            self._late_matches[pattern] = got
-        self._enroll_soon()
-
-    def _start_preparer(self, rnd: _Round) -> None:
-        assert self._tg is not None
-        self._calls += 1
-        call = f"enrollment {self._calls}"
-        self._preparing[call] = rnd
-        self._tg.start_soon(self._preparer, rnd, call)
-
-    async def _preparer(self, rnd: _Round, call: str) -> None:
-        try:
-            late = await self.looks.run(call, self._prepare_from, call, rnd)
-        except ChannelIOAbandoned:
-            return
-        finally:
-            self._preparing.pop(call, None)
-        if late is not None:  # the path it was on when overdue returned: a later round records it
-            path, got = late
-            self._hung_paths.discard(path)
-            self._enroll_waits.pop(f"new match {path}", None)
-            log.event("enroll_io_returned", path=path)
-            if isinstance(got, enrollment.Prepared):
-                self._late[path] = got
-            self._enroll_soon()
-
-    def _prepare_from(self, call: str, rnd: _Round) -> tuple[str, Outcome] | None:
-        """(channel look pool) Prepare the round's next new path until none is left (or SIGTERM); each is timed
-        afresh. Past the deadline on one path the round goes on without it (`_prepare_overdue`) and this call
-        takes no further path: returns that path and its outcome, for a later round."""
-        while not self.stopping:
-            with rnd.mutex:
-                if rnd.closed or call in rnd.overdue or rnd.next >= len(rnd.paths):
-                    return None
-                i = rnd.next
-                rnd.next += 1
-                rnd.at[call] = i
-            path = rnd.paths[i]
-            timed_afresh()
-            got = rnd.ready.get(path) or self._prepare(rnd, path)
-            with rnd.mutex:
-                del rnd.at[call]
-                if i in rnd.hung:
-                    return path, got
-                rnd.got[i] = got
-                settled = rnd.settle(i)
-            if settled is not None:
-                with contextlib.suppress(RuntimeError):  # the loop is gone (the process is exiting)
-                    anyio.from_thread.run_sync(settled.set, token=rnd.token)
-        return None
-
-    def _prepare(self, rnd: _Round, path: str) -> Outcome:
-        crash.hang_point("prepare", path)
-        try:
-            return enrollment.prepare_new(
-                rnd.facts, rnd.cfg, path, self.tool, mounts=rnd.mounts, claim=self._claim
-            )
-        except enrollment.EnrollError as exc:
-            return exc
-        except OSError as exc:  # e.g. the disk is full: tried again at the next rescan
-            return enrollment.EnrollError(f"{path}: the channel cannot be made: {exc}")
-
-    def _prepare_overdue(self, rnd: _Round, call: str, since: float) -> None:
-        """A preparation call past the deadline on one new path: the round goes on without that path (logged
-        once; not tried again until it returns), and another call takes the paths left."""
-        with rnd.mutex:
-            i = rnd.at.get(call)
-            if i is None:  # between two paths: it goes on with the next
-                return
-            rnd.overdue.add(call)
-            rnd.hung.add(i)
-            settled = [e for e in (rnd.settle(i),) if e is not None]
-            if len(rnd.overdue) >= OVERDUE_MAX:  # a whole filesystem hung: the rest waits for a later round
-                settled += rnd.close()
-            start = not rnd.closed and rnd.next < len(rnd.paths) and not self.stopping
-        path = rnd.paths[i]
-        self._hung_paths.add(path)
-        self._enroll_waits[f"new match {path}"] = timestamp(since)
-        log.event(
-            "enroll_overdue",
-            logging.WARNING,
-            path=path,
-            since=timestamp(since),
-            problem=f"its channel has not been made after {self.looks.deadline:g} s (a hung filesystem?); it is "
-            "enrolled once that returns; the other new matches are enrolled meanwhile",
-        )
-        for event in settled:
-            event.set()
-        if start:
-            self._start_preparer(rnd)
-
-    async def _record(self, batch: list[enrollment.Prepared]) -> list[str]:
-        """Sync each filesystem among `batch` (in the look pool, `_bounded`), then commit the rows of the channels
-        whose filesystem was synced (a store step); those on a filesystem whose sync is overdue wait for a later
-        round (and sync again there). The keys recorded."""
-        synced = set()
-        for dev, path in enrollment.filesystems_of(batch).items():
-            if dev in self._hung_syncs:
-                continue
-            returned, problem = await self._bounded(
-                f"sync {dev}",
-                partial(self._sync_overdue, dev, path),
-                partial(self._sync_returned, dev),
-                self._sync_io,
-                path,
-            )
-            if returned and problem is None:
-                synced.add(dev)
-            elif returned:  # those channels are prepared again at the next round
-                log.event("enroll_sync_failed", logging.WARNING, path=path, problem=problem)
-        if self.stopping:
-            return []
-        ready = [p for p in batch if p.dev in synced]
-        for p in batch:
-            if p.dev in self._hung_syncs:
-                self._late[p.row.path] = p
-        if ready:
-            await self.worker.call(self._commit, ready)
-        return [p.row.key for p in ready]
-
-    def _sync_io(self, path: str) -> str | None:
-        """(channel look pool) Sync the filesystem holding `path`; what failed, or None."""
-        crash.hang_point("sync", path)
-        try:
-            enrollment.sync_workspace_fs(path)
-        except OSError as exc:
-            return f"the filesystem could not be synced: {exc}"
-        return None
-
-    def _sync_overdue(self, dev: int, path: str, since: float) -> None:
-        what = self._hung_syncs[dev] = f"the sync of the filesystem of {path}"
-        self._enroll_waits[what] = timestamp(since)
-        log.event(
-            "enroll_sync_overdue",
-            logging.WARNING,
-            path=path,
-            since=timestamp(since),
-            problem=f"the sync of its filesystem has not returned after {self.looks.deadline:g} s (a hung "
-            "filesystem?); the new matches on it are enrolled once it returns",
-        )
-
-    def _sync_returned(self, dev: int, got: object) -> None:
-        self._enroll_waits.pop(self._hung_syncs.pop(dev, ""), None)
-        log.event("enroll_sync_returned", dev=dev)
-        self._enroll_soon()
-
-    def _commit(self, batch: list[enrollment.Prepared]) -> None:
-        """(a store step) Record a synced batch (`enrollment.record_new`)."""
-        enrollment.record_new(self.store, batch)
-        for p in batch:
-            log.event("enrolled", ws=p.row.key, path=p.row.path, watch=p.row.watch)
-            self._refused.pop(p.row.path, None)
-
-    async def _bounded(
-        self,
-        call: str,
-        on_overdue: Callable[[float], None],
-        late: Callable[[object], None],
-        fn: Callable[..., T],
-        *args: object,
-    ) -> tuple[bool, T | None]:
-        """`fn(*args)` in the channel look pool, waited for at most the deadline: (True, its value) when it
-        returns in time, else (False, None) once it is overdue (`on_overdue(since)`, from `_look_overdue`) or
-        the kernel stops. An overdue call's outcome (its value, or the exception it raised) goes to `late` when it
-        returns. Not for a workspace's channel: nothing here holds a workspace or shows its problem."""
-        assert self._tg is not None
-        box = _Bounded(anyio.Event(), on_overdue)
-        self._bounded_calls[call] = box
-
-        async def run() -> None:
-            try:
-                try:
-                    value: object = await self.looks.run(call, fn, *args)
-                except ChannelIOAbandoned:
-                    return
-                except Exception as exc:
-                    value = exc
-                if box.overdue:
-                    late(value)
-                else:
-                    box.returned, box.value = True, value
-            finally:
-                self._bounded_calls.pop(call, None)
-                box.settled.set()
-
-        self._tg.start_soon(run)
-        await box.settled.wait()
-        if isinstance(box.value, Exception):
-            raise box.value
-        return box.returned, box.value  # type: ignore[return-value]
-
-    def _enroll_soon(self) -> None:
-        """Have the globs' new matches enrolled by the `_enroller` (after `ready`; one round at a time)."""
-        self._enroll_wanted = True
-        if not self._enroller_running and self._tg is not None and not self.stopping:
-            self._enroller_running = True
-            self._tg.start_soon(self._enroller)
-
-    async def _enroller(self) -> None:
-        """The running kernel's enrollment: a round (`_enroll_globs`) while one is wanted; each workspace it
-        enrolled is looked at (`_look`) and then served."""
-        try:
-            await self._ready.wait()
-            while self._enroll_wanted and not self.stopping:
-                self._enroll_wanted = False
-                enrolled = await self._enroll_globs()
-                if enrolled and not self.stopping:
-                    rows = await self.worker.call(self._to_serve, enrolled)
-                    await self.worker.call(self._apply_rows, rows)
-                    self._take_looks()
-        except StoreUnavailable:
-            pass  # the store cannot be written (`degraded` says so): the next rescan enrolls them
-        finally:
-            self._enroller_running = False
+    async def _serve_enrolled(self, keys: list[str]) -> None:
+        """After a running kernel's enrollment round (`Enroller.soon`): each workspace it enrolled is looked at
+        (`_look`) and then served."""
+        rows = await self.worker.call(self._to_serve, keys)
+        await self.worker.call(self._apply_rows, rows)
+        self._take_looks()
 
     def _to_serve(self, keys: list[str]) -> list[WorkspaceRow]:
         """(a store step) After a running kernel's enrollment round: each new workspace, given the policy of the
@@ -701,7 +278,7 @@ class Service:
         return self.store.workspaces()
 
     def _startup(self) -> tuple[list[WorkspaceRow], _Admission]:
-        """(store worker) After the start's enrollment (`_enroll_globs`): the rows with this start's watch mode and
+        """(store worker) After the start's enrollment (`Enroller.enroll`): the rows with this start's watch mode and
         policy, and the admission of their channels (`_admit_all`, in the channel look pool: no channel is opened
         here). Reads the store a few times in all, not per workspace."""
         fresh, self._fresh = self._fresh, set()
@@ -1012,16 +589,8 @@ class Service:
         """A look call (admission, rescan or re-watch) past the deadline on one channel: that workspace's problem
         says so (logged once); the start does not wait for it, and another admission call takes the channels
         left. An enrollment's call (a glob, a new path, a sync) has no workspace yet: its round goes on without
-        it (`_bounded`, `_prepare_overdue`)."""
-        box = self._bounded_calls.get(call)
-        if box is not None:
-            box.overdue = True
-            box.on_overdue(since)
-            box.settled.set()
-            return
-        rnd = self._preparing.get(call)
-        if rnd is not None:
-            self._prepare_overdue(rnd, call, since)
+        it (`Enroller.overdue`)."""
+        if self.enroller.overdue(call, since):
             return
         row = self._looking.get(call) or self._watching.get(call)
         admission = self._admission
@@ -1398,7 +967,7 @@ class Service:
     async def run(self) -> None:
         send, recv = anyio.create_memory_object_stream[str](EVENT_STREAM_SIZE)
         async with anyio.create_task_group() as tg:
-            self._tg = tg
+            self._tg = self.enroller.tg = tg
             tg.start_soon(self._signals)
             try:
                 # Start-up steps run on the worker thread (the store's) and in the channel look pool (the
@@ -1408,7 +977,7 @@ class Service:
                 if self.cfg.watch != "poll":  # `_admit_io` watches each channel while it has it open
                     self.watcher = Watcher(lambda key: self._arrived(send, key))
                     self.watcher.start()
-                fresh = await self._retrying(self._enroll_globs)
+                fresh = await self._retrying(self.enroller.enroll)
                 if fresh is None or self.stopping:
                     return
                 self._fresh = set(fresh)
@@ -1531,7 +1100,7 @@ class Service:
         """The service loop. It never waits for a workspace's channel I/O, nor for any filesystem: each pass starts
         its workspaces' turns as tasks (`start`) and goes on; a turn that ends wakes it. Looks at channels not
         served yet, re-watches and the enrollment of new glob matches run as tasks too (`_take_looks`,
-        `_enroll_soon`), in the channel look pool. Only its own steps on the store worker (reloads, the rescan's
+        `Enroller.soon`), in the channel look pool. Only its own steps on the store worker (reloads, the rescan's
         look at the store, recovery) are awaited here, and none of them touches a workspace's filesystem."""
         now = self.clock()
         next_rescan = now + self.cfg.rescan_seconds
@@ -1591,7 +1160,7 @@ class Service:
                 unwatched -= set(self.pipeline.chanio.overdue) | self._unadmitted | set(self._watching)
                 if unwatched:
                     self._watch_all(list(self.pipeline.workspaces.values()), unwatched)
-                self._enroll_soon()  # new glob matches, in the background
+                self.enroller.soon()  # new glob matches, in the background
                 await self.worker.call(self._check_owners)
                 self._take_looks()
                 self._republish_next |= self._republish_failed
@@ -1651,13 +1220,13 @@ class Service:
         cfg, applied, kept = reload.merge(self.cfg, reread)
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
-        self.cfg = self.pipeline.cfg = cfg
+        self.cfg = self.pipeline.cfg = self.enroller.cfg = cfg
         self.pipeline.chanio.deadline = self.looks.deadline = cfg.channel_io_deadline_seconds
         self.executor.reload(cfg)
         rows = await self.worker.call(self._reapply)
         await self.worker.call(self._apply_rows, rows)
         self._take_looks()
-        self._enroll_soon()  # the new globs' matches, in the background
+        self.enroller.soon()  # the new globs' matches, in the background
         if self._stale and self._tg is not None:
             self._tg.start_soon(self._refresh_served)
         log.event(
@@ -1667,7 +1236,7 @@ class Service:
 
     def _reapply(self) -> list[WorkspaceRow]:
         """After a reload: give every workspace the policy of the new defaults (new glob matches are enrolled
-        after it, in the background: `_enroll_soon`). A channel whose policy changed gets its kernel.json
+        after it, in the background: `Enroller.soon`). A channel whose policy changed gets its kernel.json
         rewritten off the store worker: in the channel I/O pool when served (`_refresh_served`), else by a look
         (`_to_look`)."""
         for row in self.store.workspaces():

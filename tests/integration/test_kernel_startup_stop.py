@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kernelproc import Kernel, git_workspace, put_request, read_answer, wait_for
 
-# More than two batches (kernel.service.loop.ENROLL_BATCH), so SIGTERM can come between two of them.
+# More than two batches (kernel.service.enrolling.ENROLL_BATCH), so SIGTERM can come between two of them.
 N = 600
 # From SIGTERM to the process gone (the kernel's own deadline is kernel.service.loop.STOP_DEADLINE_S).
 EXIT_WITHIN_S = 3.0
