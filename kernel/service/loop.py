@@ -61,6 +61,7 @@ from kernel.service.enrolling import Enroller
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
 from kernel.service.pipeline import Pipeline, Spawn
+from kernel.service.watching import CHANNEL_ERRORS, Watches
 
 # Keys queued from the inotify thread; the thread never queues a key twice, so this bounds distinct channels with
 # fresh events between two passes. Beyond it, the watcher asks for a full rescan instead.
@@ -83,8 +84,6 @@ REFRESH_CALLS = 2
 ADMIT_CALLS = CHANNEL_IO_SLOTS
 GIL_SWITCH_S = 0.001
 T = TypeVar("T")
-# A channel that cannot be opened or read (retried at every rescan, logged once: `_channel_problem`).
-CHANNEL_ERRORS = (safefs.ChannelMoved, safefs.Refused, OSError)
 # Why a start-up or rescan check (`_admit_io`, `_refresh_io`) does not serve a channel: `_not_served` says what each
 # means.
 NOT_SERVED = (enrollment.OwnedElsewhere, enrollment.HeldElsewhere, *CHANNEL_ERRORS)
@@ -133,11 +132,9 @@ class Service:
         # Called once when the service is asked to stop (`serve` arms the stop deadline there).
         self.on_stop: Callable[[], None] = lambda: None
         self.watcher: Watcher | None = None
-        self.polled: set[str] = set()
         self.stopping = False
         self._wait_scope: anyio.CancelScope | None = None
         self._data_version = -1
-        self._watch_problems: dict[str, str] = {}
         self._send: MemoryObjectSendStream[str] | None = None
         # While the service loop waits for news: how it starts a turn (`_arrived` starts one at once).
         self._starter: tuple[Callable[..., object], Spawn] | None = None
@@ -168,11 +165,11 @@ class Service:
         self._republish_failed: set[str] = set()
         self._started_ns = time.time_ns()
         # The channel look pool: the start-up admission, the running kernel's looks at channels it does not serve
-        # yet (`_look`) and its re-watches of served ones (`_rewatch`) open channels here, and the enrollment
-        # expands its globs, makes new channels and syncs their filesystems here (kernel.service.enrolling), never on the
-        # store worker, so a hung filesystem holds only its own workspace, or only the enrollment of what lies on
-        # it (overdue past `channel_io_deadline_seconds`: `_look_overdue`). Its own pool, so a look stuck past
-        # `ready` never shares a slot with the request path.
+        # yet (`_look`) and its re-watches of served ones (kernel.service.watching) open channels here, and the
+        # enrollment expands its globs, makes new channels and syncs their filesystems here
+        # (kernel.service.enrolling), never on the store worker, so a hung filesystem holds only its own workspace,
+        # or only the enrollment of what lies on it (overdue past `channel_io_deadline_seconds`: `_look_overdue`).
+        # Its own pool, so a look stuck past `ready` never shares a slot with the request path.
         self.looks = ChannelIO(
             cfg.channel_io_deadline_seconds,
             on_overdue=self._look_overdue,
@@ -184,13 +181,16 @@ class Service:
         self._looking: dict[str, WorkspaceRow] = {}
         self._overdue_looks: dict[str, tuple[WorkspaceRow, str]] = {}
         self._unadmitted: set[str] = set()
-        # Rows a store step asked the loop to look at (`_to_look`), taken by `_start_looks`.
+        # Rows a store step asked the loop to look at (`_to_look`), taken by `_take_looks`.
         self._look_next: list[WorkspaceRow] = []
         self._admission: _Admission | None = None
-        # Rows whose channel a store step asked the loop to watch again (`_watch_all`), taken by `_take_looks`, and
-        # the watches in flight (`_rewatch`), by workspace.
-        self._watch_next: list[WorkspaceRow] = []
-        self._watching: dict[str, WorkspaceRow] = {}
+        # The watches of the served channels' requests/ (kernel.service.watching): re-watches in the look pool.
+        self.watches = Watches(
+            self.looks,
+            watcher=lambda: self.watcher,
+            served=lambda key: key in self.pipeline.workspaces,
+            on_watched=self._rewatched,
+        )
         self._tg: anyio.abc.TaskGroup | None = None
         self._mine = ""  # this store's id, read by `_startup`
         self._ready = anyio.Event()
@@ -231,6 +231,25 @@ class Service:
             f"serving {n} workspaces ({watched} inotify, {len(self.polled)} poll); "
             f"{self.pipeline.answered} requests answered; last pass {self.pipeline.last_pass_ms:.1f} ms"
         )
+
+    @property
+    def polled(self) -> set[str]:
+        """The served channels polled rather than watched (`Watches.polled`)."""
+        return self.watches.polled
+
+    @property
+    def _watching(self) -> dict[str, WorkspaceRow]:
+        """The re-watches in flight, by workspace (`Watches.in_flight`)."""
+        return self.watches.in_flight
+
+    def _watch_all(self, rows: list[WorkspaceRow], only: set[str] | None = None) -> None:
+        """`Watches.watch_all` (the service loop's name for it)."""
+        self.watches.watch_all(rows, only)
+
+    def _rewatched(self, key: str) -> None:
+        """A re-watch ended: list `key`'s whole requests/ (what was committed while it was not watched)."""
+        self.pipeline.mark(key)
+        self._wake("")
 
     def is_stopping(self) -> bool:
         return self.stopping
@@ -466,7 +485,7 @@ class Service:
                     self._store_step(self._served_again, row)
                 self._stale.add(row.key)
                 if row.key not in self._paused:
-                    self._watch_one(row, ch)
+                    self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
             self._store_step(self._not_served, row, exc)
             return
@@ -478,7 +497,7 @@ class Service:
             return
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
-                self._watch_one(row, ch)
+                self.watches.watch_one(row, ch)
         except CHANNEL_ERRORS as exc:
             self._channel_problem(row, exc)
 
@@ -526,7 +545,7 @@ class Service:
                 if self._rewrite_kernel_files(ch, current, owner, stamp) is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
                 if watch and row.key not in self._paused:
-                    self._watch_one(row, ch)
+                    self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
             self._store_step(self._not_served, row, exc)
             return
@@ -566,19 +585,14 @@ class Service:
         self._refresh_io(row, mine, watch=True)
 
     def _take_looks(self) -> None:
-        """Look at each row a store step asked for (`_to_look`), and watch again each one `_watch_all` queued, in
-        the background (`_look`, `_rewatch`): the loop does not wait for a channel."""
+        """Look at each row a store step asked for (`_to_look`), and watch again each one `Watches.watch_all`
+        queued, in the background (`_look`, `Watches.start_queued`): the loop does not wait for a channel."""
         rows, self._look_next = self._look_next, []
-        watches, self._watch_next = self._watch_next, []
-        if self._tg is None:
-            return
-        for row in rows:
-            if row.key not in self._looking:
-                self._tg.start_soon(self._look, row)
-        for row in watches:
-            if row.key not in self._watching:
-                self._watching[row.key] = row
-                self._tg.start_soon(self._rewatch, row)
+        if self._tg is not None:
+            for row in rows:
+                if row.key not in self._looking:
+                    self._tg.start_soon(self._look, row)
+        self.watches.start_queued(self._tg)
 
     async def _apply_current(self) -> None:
         rows = await self.worker.call(self.store.workspaces)
@@ -592,7 +606,7 @@ class Service:
         it (`Enroller.overdue`)."""
         if self.enroller.overdue(call, since):
             return
-        row = self._looking.get(call) or self._watching.get(call)
+        row = self._looking.get(call) or self.watches.in_flight.get(call)
         admission = self._admission
         if admission is not None and call.startswith("start-up admission "):
             admission.overdue.add(call)
@@ -771,7 +785,7 @@ class Service:
         `Pipeline.sweep(owners=True)`, `_taken_over`.)"""
         # Channels not locked yet (another process held the lock, the channel could not be opened, or its
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
-        # The look is the loop's (`_start_looks`, in the channel look pool): no channel is opened here.
+        # The look is the loop's (`_take_looks`, in the channel look pool): no channel is opened here.
         for row in self.store.workspaces():
             if not self.locks.holds(row.key):
                 self._to_look(row)
@@ -876,71 +890,6 @@ class Service:
             return None, 0
         return self._row_stamped(key)
 
-    # --- watches ------------------------------------------------------------------------------------------
-
-    def _watch_all(self, rows: list[WorkspaceRow], only: set[str] | None = None) -> None:
-        """Watch the requests/ of these rows' channels (those in `only`) again: a poll-mode one is polled; the
-        others are queued for the loop, which opens and watches each in the channel look pool (`_take_looks`,
-        `_rewatch`). No channel is opened here: this runs on the store worker too (`_apply_rows`)."""
-        for row in rows:
-            if only is not None and row.key not in only:
-                continue
-            if row.watch == "poll" or self.watcher is None:
-                self.polled.add(row.key)
-            else:
-                self._watch_next.append(row)
-
-    async def _rewatch(self, row: WorkspaceRow) -> None:
-        """Watch `row`'s requests/ again (`_watch_io`) in the channel look pool, in `row`'s turn; then its whole
-        requests/ is listed (what was committed while it was not watched). A channel that hangs there shows as the
-        workspace's problem once overdue (`_look_overdue`) and holds nothing else."""
-        try:
-            await self.looks.run(row.key, self._watch_io, row)
-        except ChannelIOAbandoned:
-            return
-        finally:
-            self._watching.pop(row.key, None)
-        self.pipeline.mark(row.key)
-        self._wake("")
-
-    def _watch_io(self, row: WorkspaceRow) -> None:
-        """(channel look pool) Open `row`'s channel and watch its requests/, if it is still served."""
-        if row.key not in self.pipeline.workspaces:
-            return
-        crash.hang_point("watch", row.path)
-        try:
-            with safefs.open_channel(row.path, row.identity) as ch:
-                self._watch_one(row, ch)
-        except CHANNEL_ERRORS as exc:
-            self._watch_failed(row, exc)
-
-    def _watch_one(self, row: WorkspaceRow, ch: safefs.Channel) -> None:
-        """Watch the requests/ of `row`'s open channel (or poll it: its filesystem raises no events, or the
-        inotify watch cannot be added)."""
-        if row.watch == "poll" or self.watcher is None:
-            self.polled.add(row.key)
-            return
-        try:
-            fd = ch.subdir(ChannelPaths.REQUESTS)
-            try:
-                self.watcher.add(row.key, fd)
-            finally:
-                os.close(fd)
-            self.polled.discard(row.key)
-            self._watch_problems.pop(row.key, None)
-        except (safefs.ChannelMoved, safefs.Refused) as exc:
-            self._watch_failed(row, exc)
-        except OSError as exc:
-            # E.g. the inotify watch limit: poll this channel instead of missing it.
-            self.polled.add(row.key)
-            log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc), fallback="poll")
-
-    def _watch_failed(self, row: WorkspaceRow, exc: Exception) -> None:
-        # Left to the rescan, which reports it and re-watches once the channel is back; logged once.
-        if self._watch_problems.get(row.key) != str(exc):
-            self._watch_problems[row.key] = str(exc)
-            log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc))
-
     def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
         self.locks.keep_only({r.key for r in rows})  # an unenrolled channel's lock (and fd) is let go
         rows = self.served(rows)
@@ -948,14 +897,12 @@ class Service:
         self.pipeline.set_workspaces(rows)
         new_keys = {r.key for r in rows}
         for key in set(old) - new_keys:
-            self.polled.discard(key)
-            if self.watcher is not None:
-                self.watcher.remove(key)
+            self.watches.forget(key)
         changed = {r.key for r in rows if r.key not in old or old[r.key].identity != r.identity}
         if changed:
             # A channel admitted or looked at in the channel look pool was watched there.
             watcher = self.watcher
-            self._watch_all(
+            self.watches.watch_all(
                 rows,
                 {k for k in changed if k not in self.polled and (watcher is None or not watcher.watching(k))},
             )

@@ -1,0 +1,146 @@
+"""The watches of served channels' `requests/`: `Watches`.
+
+Each served channel is watched with inotify (kernel.io.watch's `Watcher`, one watch per channel's requests/) or,
+where its filesystem raises no events (or the watch cannot be added), polled: `polled` is the set the poll tick
+sweeps. Admission and looks watch a channel while they have it open (`watch_one`); a channel whose watch was lost,
+or that is served anew, is watched again in the background (`watch_all`, then `start_queued`).
+
+Invariants, and why they hold:
+- No channel is opened on the store worker: `watch_all` only queues (it runs in store steps too); the event loop
+  starts each queued re-watch as a task (`start_queued`) that opens the channel in the channel look pool, at most
+  one in flight per workspace (`in_flight`). A channel that hangs there shows as the workspace's problem once
+  overdue (the service's overdue callback looks the row up in `in_flight`) and holds nothing else.
+- Nothing committed while a channel was not watched is missed: after a re-watch, `on_watched` has its whole
+  requests/ listed.
+- A watch that fails is never silent and never drops the channel for good: an OSError (e.g. the inotify watch
+  limit) polls the channel instead; a channel moved or refused is left to the rescan, which re-watches it once it
+  is back; each problem is logged once.
+- Owns `polled`, the queue, the watches in flight and the problems logged; the `Watcher` itself is the
+  service's (`watcher()`, None when every channel is polled).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import anyio.abc
+
+from channel import safefs
+from channel.paths import ChannelPaths
+from kernel.core.records import WorkspaceRow
+from kernel.io import crash, log
+from kernel.io.watch import Watcher
+from kernel.service.chanio import ChannelIO, ChannelIOAbandoned
+
+# A channel that cannot be opened or read (the service retries it at every rescan and logs it once).
+CHANNEL_ERRORS = (safefs.ChannelMoved, safefs.Refused, OSError)
+
+
+class Watches:
+    """Watches (or polls) the requests/ of the channels the service serves, and watches them again in the
+    channel look pool `looks` when asked. The service gives it `watcher` (its Watcher, or None), `served` (whether
+    a workspace is still served: a re-watch of one no longer served does nothing) and `on_watched` (a re-watch
+    ended: list the workspace's requests/)."""
+
+    def __init__(
+        self,
+        looks: ChannelIO,
+        *,
+        watcher: Callable[[], Watcher | None],
+        served: Callable[[str], bool],
+        on_watched: Callable[[str], None],
+    ) -> None:
+        self.looks = looks
+        self.watcher = watcher
+        self.served = served
+        self.on_watched = on_watched
+        # The served channels polled (the poll tick sweeps them) rather than watched with inotify.
+        self.polled: set[str] = set()
+        # Rows whose channel a store step asked the loop to watch again (`watch_all`), taken by `start_queued`, and
+        # the watches in flight (`_rewatch`), by workspace.
+        self._next: list[WorkspaceRow] = []
+        self.in_flight: dict[str, WorkspaceRow] = {}
+        self._problems: dict[str, str] = {}
+
+    def watch_all(self, rows: list[WorkspaceRow], only: set[str] | None = None) -> None:
+        """Watch the requests/ of these rows' channels (those in `only`) again: a poll-mode one is polled; the
+        others are queued for the loop, which opens and watches each in the channel look pool (`start_queued`,
+        `_rewatch`). No channel is opened here: this runs on the store worker too (the service's `_apply_rows`)."""
+        for row in rows:
+            if only is not None and row.key not in only:
+                continue
+            if row.watch == "poll" or self.watcher() is None:
+                self.polled.add(row.key)
+            else:
+                self._next.append(row)
+
+    def start_queued(self, tg: anyio.abc.TaskGroup | None) -> None:
+        """(event loop) Watch again each row `watch_all` queued, in the background (`_rewatch`), unless its
+        re-watch is in flight already; without a task group (not running) the queue is dropped."""
+        watches, self._next = self._next, []
+        if tg is None:
+            return
+        for row in watches:
+            if row.key not in self.in_flight:
+                self.in_flight[row.key] = row
+                tg.start_soon(self._rewatch, row)
+
+    async def _rewatch(self, row: WorkspaceRow) -> None:
+        """Watch `row`'s requests/ again (`_watch_io`) in the channel look pool, in `row`'s turn; then its whole
+        requests/ is listed (what was committed while it was not watched). A channel that hangs there shows as the
+        workspace's problem once overdue (the service's `_look_overdue`) and holds nothing else."""
+        try:
+            await self.looks.run(row.key, self._watch_io, row)
+        except ChannelIOAbandoned:
+            return
+        finally:
+            self.in_flight.pop(row.key, None)
+        self.on_watched(row.key)
+
+    def _watch_io(self, row: WorkspaceRow) -> None:
+        """(channel look pool) Open `row`'s channel and watch its requests/, if it is still served."""
+        if not self.served(row.key):
+            return
+        crash.hang_point("watch", row.path)
+        try:
+            with safefs.open_channel(row.path, row.identity) as ch:
+                self.watch_one(row, ch)
+        except CHANNEL_ERRORS as exc:
+            self._watch_failed(row, exc)
+
+    def watch_one(self, row: WorkspaceRow, ch: safefs.Channel) -> None:
+        """Watch the requests/ of `row`'s open channel (or poll it: its filesystem raises no events, or the
+        inotify watch cannot be added)."""
+        watcher = self.watcher()
+        if row.watch == "poll" or watcher is None:
+            self.polled.add(row.key)
+            return
+        try:
+            fd = ch.subdir(ChannelPaths.REQUESTS)
+            try:
+                watcher.add(row.key, fd)
+            finally:
+                os.close(fd)
+            self.polled.discard(row.key)
+            self._problems.pop(row.key, None)
+        except (safefs.ChannelMoved, safefs.Refused) as exc:
+            self._watch_failed(row, exc)
+        except OSError as exc:
+            # E.g. the inotify watch limit: poll this channel instead of missing it.
+            self.polled.add(row.key)
+            log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc), fallback="poll")
+
+    def _watch_failed(self, row: WorkspaceRow, exc: Exception) -> None:
+        # Left to the rescan, which reports it and re-watches once the channel is back; logged once.
+        if self._problems.get(row.key) != str(exc):
+            self._problems[row.key] = str(exc)
+            log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc))
+
+    def forget(self, key: str) -> None:
+        """`key` is no longer served: neither polled nor watched."""
+        self.polled.discard(key)
+        watcher = self.watcher()
+        if watcher is not None:
+            watcher.remove(key)
