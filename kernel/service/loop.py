@@ -38,8 +38,6 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from channel import safefs
-from channel.messages import StoreRef
-from channel.paths import ChannelPaths
 from kernel.core.config import Config, ConfigError
 from kernel.core.config import load as load_config
 from kernel.core.records import WorkspaceRow
@@ -61,6 +59,7 @@ from kernel.service.enrolling import Enroller
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
 from kernel.service.pipeline import Pipeline, Spawn
+from kernel.service.refreshing import Refresher
 from kernel.service.watching import CHANNEL_ERRORS, Watches
 
 # Keys queued from the inotify thread; the thread never queues a key twice, so this bounds distinct channels with
@@ -72,9 +71,6 @@ STORE_RETRY_S = 2.0
 # running (arm_stop_deadline), after waiting at most COMMIT_WAIT_S for a COMMIT in progress.
 STOP_DEADLINE_S = 0.6
 COMMIT_WAIT_S = 0.25
-# After `ready`, stale channels are refreshed in the channel I/O pool, at most this many at a time (fewer than the
-# pool's slots, so the request path always has slots).
-REFRESH_CALLS = 2
 # Start-up admission: calls in the channel look pool, each taking the next channel from a shared queue until both
 # queues are empty, so the event loop hops a few times in all, not once per workspace (10,000 of them). Channels on
 # a network filesystem (a call mostly waits for the server) are taken by up to ADMIT_CALLS calls at once; those on
@@ -149,10 +145,8 @@ class Service:
         self._held_elsewhere: dict[str, str] = {}
         self._unlocked: set[str] = set()
         self._channel_problems: dict[str, str] = {}
-        # Channels admitted at start whose kernel-written files are refreshed after `ready`; temps older than
-        # this process are an earlier one's leftovers.
-        self._stale: set[str] = set()
-        # Channels enrolled by this start's round (`Enroller.enroll`: recorded, locked): `_admit_io` only watches them.
+        # Channels enrolled by this start's round (`Enroller.enroll`: recorded, locked): `_admit_io` only watches
+        # them.
         # (Those a later round enrolls are looked at in full, as any channel new to the running kernel.)
         self._fresh: set[str] = set()
         # kernel.json fingerprints taken by this start's owner checks, recorded after the admission (`_admitted`).
@@ -163,7 +157,17 @@ class Service:
         self._republish_next: set[str] = set()
         self._republishing: set[str] = set()
         self._republish_failed: set[str] = set()
-        self._started_ns = time.time_ns()
+        # The kernel-written files of served channels, refreshed off the store worker (kernel.service.refreshing):
+        # those `_admit_io` left stale, after `ready`.
+        self.refresher = Refresher(
+            cfg,
+            self.worker,
+            self.pipeline,
+            tool,
+            stopping=self.is_stopping,
+            on_taken_over=self._taken_over,
+            on_problem=self._channel_problem,
+        )
         # The channel look pool: the start-up admission, the running kernel's looks at channels it does not serve
         # yet (`_look`) and its re-watches of served ones (kernel.service.watching) open channels here, and the
         # enrollment expands its globs, makes new channels and syncs their filesystems here
@@ -415,9 +419,9 @@ class Service:
                 return
             await self.worker.call(self._record_seen)
             await self._apply_current()
-            for key in admitted:  # `_refresh_served` may have passed it by (not served then)
-                self._stale.discard(key)
-                await self._refresh_one(key, admission.mine)
+            for key in admitted:  # `refresh_served` may have passed it by (not served then)
+                self.refresher.stale.discard(key)
+                await self.refresher.refresh_one(key, admission.mine)
 
     def _admit_from(self, call: str, admission: _Admission, remote_first: bool) -> list[str]:
         """(channel look pool) Admit the next channel of the shared queues (`remote_first`: the network
@@ -456,14 +460,14 @@ class Service:
         (device, inode, owner), its kernel.json names no other store, this kernel holds its lock; then its
         requests/ is watched. That is all a restart does per workspace before `ready` (10,000 of them must be
         ready in 2 s): rewriting the kernel-written files where stale (tool, kernel.json, budget.json,
-        jobenv.json) and sweeping an earlier process's temps wait for `_refresh_served`, after `ready` (nothing
-        the kernel decides reads those files, and the agent may rewrite them at any time anyway). A channel whose
-        row the refresh changes (a new tool; subdirectories not recorded yet) is refreshed here in full instead. A
-        channel enrolled by this very start is only watched (`prepare_new` checked its owner, took its lock and
-        wrote its files moments ago). The owner check is one lstat when kernel.json is, unchanged, the file an
-        earlier check read (`seen`: enrollment.owner_unchanged), else a full read whose fingerprint is recorded
-        for the next start (a network filesystem's is always read). The store is touched only when the outcome
-        needs it (`_store_step`)."""
+        jobenv.json) and sweeping an earlier process's temps wait for `Refresher.refresh_served`, after `ready`
+        (nothing the kernel decides reads those files, and the agent may rewrite them at any time anyway). A
+        channel whose row the refresh changes (a new tool; subdirectories not recorded yet) is refreshed here in
+        full instead. A channel enrolled by this very start is only watched (`prepare_new` checked its owner, took
+        its lock and wrote its files moments ago). The owner check is one lstat when kernel.json is, unchanged, the
+        file an earlier check read (`seen`: enrollment.owner_unchanged), else a full read whose fingerprint is
+        recorded for the next start (a network filesystem's is always read). The store is touched only when the
+        outcome needs it (`_store_step`)."""
         crash.hang_point("admit", row.path)
         if row.key in admission.fresh and self.locks.holds(row.key):
             self._watch_fresh(row)
@@ -483,7 +487,7 @@ class Service:
                 enrollment.claim_channel(self._claim, row.key, ch, row.path)
                 if row.key in self._foreign or row.key in self._held_elsewhere:
                     self._store_step(self._served_again, row)
-                self._stale.add(row.key)
+                self.refresher.stale.add(row.key)
                 if row.key not in self._paused:
                     self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
@@ -528,10 +532,10 @@ class Service:
 
     def _refresh_io(self, row: WorkspaceRow, mine: str, *, watch: bool) -> None:
         """(channel look pool) Check `row`'s channel as `_admit_io` does and rewrite its kernel-written files where
-        stale; remove leftover kernel temps (`_sweep_temps`); with `watch`, watch its requests/ too. The store is
-        touched only in store steps (`_store_step`, under the store worker's lock), never while the channel is:
-        the row written to kernel.json and budget.json is read, with its budget stamp, in the step that records
-        the new tool (kernel.io.budgetorder, as `_rewrite_stale`)."""
+        stale and remove leftover kernel temps (`Refresher.rewrite_kernel_files`); with `watch`, watch its
+        requests/ too. The store is touched only in store steps (`_store_step`, under the store worker's lock),
+        never while the channel is: the row written to kernel.json and budget.json is read, with its budget stamp,
+        in the step that records the new tool (kernel.io.budgetorder, as `Refresher.refresh_one`)."""
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
@@ -542,7 +546,7 @@ class Service:
                     # at this start), and is checked against them from then on.
                     identity = dataclasses.replace(identity, subdirs=ch.found_subdirs())
                 current, stamp = self._store_step(self._refreshed_row, row, identity)
-                if self._rewrite_kernel_files(ch, current, owner, stamp) is not None:
+                if self.refresher.rewrite_kernel_files(ch, current, owner, stamp) is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
                 if watch and row.key not in self._paused:
                     self.watches.watch_one(row, ch)
@@ -642,97 +646,6 @@ class Service:
             return
         with self.store.transaction():
             self.store.set_problem(key, problem)
-
-    def _rewrite_stale(self, key: str, mine: str) -> str | None:
-        """(channel I/O pool, in `key`'s turn) Rewrite an admitted channel's kernel-written files where stale and
-        sweep temps older than this process; the tool note. The row is read, with its stamp, under the store
-        worker's lock at the start of this very call (`run_here`), and budget.json is written in the order of
-        such reads (kernel.io.budgetorder), so it never replaces a newer balance that the pipeline or a wake
-        (heavy pool) wrote meanwhile."""
-        with store_step():
-            row, stamp = self.worker.run_here(self._row_stamped, key)
-        if row is None:
-            return None
-        crash.hang_point("refresh", row.path)
-        with safefs.open_channel(row.path, row.identity) as ch:
-            # Another store may have taken the channel over since `_admit_io`: nothing is written then.
-            owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
-            return self._rewrite_kernel_files(ch, row, owner, stamp)
-
-    def _rewrite_kernel_files(
-        self, ch: safefs.Channel, row: WorkspaceRow, owner: StoreRef, stamp: int
-    ) -> str | None:
-        """Rewrite the channel's kernel-written files where stale (budget.json in the order of `stamp`,
-        kernel.io.budgetorder) and sweep the kernel temps older than this process; the tool note, if any."""
-        note = enrollment.rewrite_kernel_files(
-            ch,
-            row,
-            self.tool,
-            owner,
-            jail=self.cfg.jail,
-            cfg=self.cfg,
-            order=self.store.budget_order,
-            stamp=stamp,
-        )
-        self._sweep_temps(ch)
-        return note
-
-    def _sweep_temps(self, ch: safefs.Channel) -> None:
-        """Remove the kernel temps older than this process from the channel and its answers/ (a younger one may
-        be a write in flight, whose rename would fail if its temp were removed under it)."""
-        safefs.sweep_kernel_temps(ch.fd, self._started_ns)
-        answers = ch.subdir(ChannelPaths.ANSWERS)
-        try:
-            safefs.sweep_kernel_temps(answers, self._started_ns)
-        finally:
-            os.close(answers)
-
-    def _row_stamped(self, key: str) -> tuple[WorkspaceRow | None, int]:
-        """(a store step) The row, and the stamp of this read of its balance (kernel.io.budgetorder)."""
-        return self.store.workspace(key), self.store.budget_order.stamp()
-
-    async def _refresh_one(self, key: str, mine: str) -> None:
-        row = self.pipeline.workspaces.get(key)
-        if row is None or self.stopping:  # no longer served
-            return
-        try:
-            note = await self.pipeline.chanio.run(key, self._rewrite_stale, key, mine)
-        except enrollment.OwnedElsewhere as exc:
-            await self._taken_over(row, exc)
-            return
-        except CHANNEL_ERRORS as exc:
-            self._channel_problem(row, exc)
-            return
-        except ChannelIOAbandoned:
-            return
-        if note is not None:
-            log.event("tool_updated", ws=key, sha256=self.tool.sha256[:16])
-
-    async def _refresh_served(self) -> None:
-        """After `ready`: refresh what `_admit_io` left stale (`_rewrite_stale`), in the channel I/O pool, never on
-        the store worker: a channel that hangs there holds only its own workspace (the pool's deadline marks it
-        overdue), and the store worker stays free for every other workspace's requests. At most REFRESH_CALLS
-        refreshes are in the pool at once, so a request's turn waits behind at most that many of them for a
-        slot."""
-        keys = sorted(self._stale)
-        self._stale.clear()
-        mine = await self.worker.call(self.store.store_id) if keys else None
-        if mine is None:
-            log.event("channels_refreshed", workspaces=0)
-            return
-        pending = iter(keys)
-
-        async def refresher() -> None:
-            for key in pending:
-                if self.stopping:
-                    return
-                await self._refresh_one(key, mine)
-
-        async with anyio.create_task_group() as tg:
-            for _ in range(REFRESH_CALLS):
-                tg.start_soon(refresher)
-        if not self.stopping:
-            log.event("channels_refreshed", workspaces=len(keys))
 
     def _claim(self, key: str, ch: safefs.Channel) -> str | None:
         """Take (or keep) the channel's lock before anything is written to it; why not, or None."""
@@ -834,11 +747,11 @@ class Service:
             if old is None or old.identity != row.identity or row.key in self._foreign:
                 self._to_look(row)
             # Another process changed the balance (kernel.io.budgetorder, across processes): budget.json is
-            # rewritten here, in this kernel's order. A channel still to be refreshed after `ready` (`_stale`)
+            # rewritten here, in this kernel's order. A channel still to be refreshed after `ready` (`Refresher.stale`)
             # is read and written then, in a store step after this one.
             elif (
                 self.locks.holds(row.key)
-                and row.key not in self._stale
+                and row.key not in self.refresher.stale
                 and not order.shows(row.key, row.balance)
             ):
                 self._republish_next.add(row.key)
@@ -888,7 +801,7 @@ class Service:
         its balance."""
         if not self.locks.holds(key) or key in self._foreign:
             return None, 0
-        return self._row_stamped(key)
+        return self.refresher.row_stamped(key)
 
     def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
         self.locks.keep_only({r.key for r in rows})  # an unenrolled channel's lock (and fd) is let go
@@ -953,7 +866,7 @@ class Service:
                     await self.worker.call(metrics.refresh, self.store, False)
                 tg.start_soon(self._pinger)
                 tg.start_soon(self.executor.run)
-                tg.start_soon(self._refresh_served)
+                tg.start_soon(self.refresher.refresh_served)
                 self._send = send
                 self.pipeline.on_idle = self._wake
                 self.pipeline.on_turn_done = lambda: self._wake("")
@@ -1167,15 +1080,15 @@ class Service:
         cfg, applied, kept = reload.merge(self.cfg, reread)
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
-        self.cfg = self.pipeline.cfg = self.enroller.cfg = cfg
+        self.cfg = self.pipeline.cfg = self.enroller.cfg = self.refresher.cfg = cfg
         self.pipeline.chanio.deadline = self.looks.deadline = cfg.channel_io_deadline_seconds
         self.executor.reload(cfg)
         rows = await self.worker.call(self._reapply)
         await self.worker.call(self._apply_rows, rows)
         self._take_looks()
         self.enroller.soon()  # the new globs' matches, in the background
-        if self._stale and self._tg is not None:
-            self._tg.start_soon(self._refresh_served)
+        if self.refresher.stale and self._tg is not None:
+            self._tg.start_soon(self.refresher.refresh_served)
         log.event(
             "reloaded", config=cfg.source, changed=",".join(applied) or "nothing", kept=",".join(kept) or None
         )
@@ -1184,7 +1097,7 @@ class Service:
     def _reapply(self) -> list[WorkspaceRow]:
         """After a reload: give every workspace the policy of the new defaults (new glob matches are enrolled
         after it, in the background: `Enroller.soon`). A channel whose policy changed gets its kernel.json
-        rewritten off the store worker: in the channel I/O pool when served (`_refresh_served`), else by a look
+        rewritten off the store worker: in the channel I/O pool when served (`Refresher.refresh_served`), else by a look
         (`_to_look`)."""
         for row in self.store.workspaces():
             policy = enrollment.policy_for(self.store, row.key, self.cfg)
@@ -1192,7 +1105,7 @@ class Service:
                 with self.store.transaction():
                     self.store.set_policy(row.key, policy)
                 if row.key in self.pipeline.workspaces:
-                    self._stale.add(row.key)
+                    self.refresher.stale.add(row.key)
                 else:
                     self._to_look(dataclasses.replace(row, policy=policy))
         return self.store.workspaces()
