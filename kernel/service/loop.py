@@ -41,7 +41,7 @@ from channel import safefs
 from kernel.core.config import Config, ConfigError
 from kernel.core.config import load as load_config
 from kernel.core.records import WorkspaceRow
-from kernel.io import chanlock, crash, log, metrics
+from kernel.io import crash, log, metrics
 from kernel.io import enroll as enrollment
 from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreUnavailable, StoreWorker, disk_failure, timestamp
@@ -55,6 +55,7 @@ from kernel.service.chanio import (
     store_step,
     timed_afresh,
 )
+from kernel.service.custody import Custody
 from kernel.service.enrolling import Enroller
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
@@ -80,8 +81,8 @@ COMMIT_WAIT_S = 0.25
 ADMIT_CALLS = CHANNEL_IO_SLOTS
 GIL_SWITCH_S = 0.001
 T = TypeVar("T")
-# Why a start-up or rescan check (`_admit_io`, `_refresh_io`) does not serve a channel: `_not_served` says what each
-# means.
+# Why a start-up or rescan check (`_admit_io`, `_refresh_io`) does not serve a channel: `Custody.not_served` says
+# what each means.
 NOT_SERVED = (enrollment.OwnedElsewhere, enrollment.HeldElsewhere, *CHANNEL_ERRORS)
 
 ExecutorFactory = Callable[[StoreWorker], Executor]
@@ -134,17 +135,10 @@ class Service:
         self._send: MemoryObjectSendStream[str] | None = None
         # While the service loop waits for news: how it starts a turn (`_arrived` starts one at once).
         self._starter: tuple[Callable[..., object], Spawn] | None = None
-        # Channels whose kernel.json names another kernel's store.
-        self._foreign: set[str] = set()
         self._reload_wanted = False
         self._paused: set[str] = set()
-        # The lock of every channel this kernel serves (kernel.io.chanlock; one let go is closed on an Unlocker's
-        # thread, never on the store worker: on a hung network filesystem that close blocks), and the channels whose
-        # lock another process holds (with why), retried at each rescan.
-        self.locks = chanlock.ChannelLocks(close=chanlock.Unlocker().close)
-        self._held_elsewhere: dict[str, str] = {}
-        self._unlocked: set[str] = set()
-        self._channel_problems: dict[str, str] = {}
+        # Which channels this kernel holds (their locks), and why not the others (kernel.service.custody).
+        self.custody = Custody(store)
         # Channels enrolled by this start's round (`Enroller.enroll`: recorded, locked): `_admit_io` only watches
         # them.
         # (Those a later round enrolls are looked at in full, as any channel new to the running kernel.)
@@ -166,7 +160,7 @@ class Service:
             tool,
             stopping=self.is_stopping,
             on_taken_over=self._taken_over,
-            on_problem=self._channel_problem,
+            on_problem=self.custody.channel_problem,
         )
         # The channel look pool: the start-up admission, the running kernel's looks at channels it does not serve
         # yet (`_look`) and its re-watches of served ones (kernel.service.watching) open channels here, and the
@@ -205,7 +199,7 @@ class Service:
             self.worker,
             self.looks,
             tool,
-            claim=self._claim,
+            claim=self.custody.claim,
             stopping=self.is_stopping,
             ready=self._ready,
             on_enrolled=self._serve_enrolled,
@@ -469,7 +463,7 @@ class Service:
         recorded for the next start (a network filesystem's is always read). The store is touched only when the
         outcome needs it (`_store_step`)."""
         crash.hang_point("admit", row.path)
-        if row.key in admission.fresh and self.locks.holds(row.key):
+        if row.key in admission.fresh and self.custody.locks.holds(row.key):
             self._watch_fresh(row)
             return
         if row.tool_sha256 != self.tool.sha256 or not row.identity.subdirs:
@@ -484,16 +478,16 @@ class Service:
                     found = enrollment.owner_fingerprint(ch, row.path, mine=admission.mine)
                     if found is not None:
                         self._seen_now[row.key] = found
-                enrollment.claim_channel(self._claim, row.key, ch, row.path)
-                if row.key in self._foreign or row.key in self._held_elsewhere:
-                    self._store_step(self._served_again, row)
+                enrollment.claim_channel(self.custody.claim, row.key, ch, row.path)
+                if row.key in self.custody.foreign or row.key in self.custody.held_elsewhere:
+                    self._store_step(self.custody.served_again, row)
                 self.refresher.stale.add(row.key)
                 if row.key not in self._paused:
                     self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
-            self._store_step(self._not_served, row, exc)
+            self._store_step(self.custody.not_served, row, exc)
             return
-        self._channel_problems.pop(row.key, None)
+        self.custody.channel_checked(row.key)
 
     def _watch_fresh(self, row: WorkspaceRow) -> None:
         """A channel enrolled by this very start needs no admission: only its watch."""
@@ -503,32 +497,7 @@ class Service:
             with safefs.open_channel(row.path, row.identity) as ch:
                 self.watches.watch_one(row, ch)
         except CHANNEL_ERRORS as exc:
-            self._channel_problem(row, exc)
-
-    def _served_again(self, row: WorkspaceRow) -> None:
-        """The channel is ours and locked: forget that it was another store's or held elsewhere."""
-        self._foreign.discard(row.key)
-        if self._held_elsewhere.pop(row.key, None) is not None:
-            log.event("channel_lock_taken", ws=row.key)
-            with self.store.transaction():
-                self.store.set_problem(row.key, None)
-
-    def _not_served(self, row: WorkspaceRow, exc: Exception) -> None:
-        """The one place that decides what a failed start-up or rescan check of `row`'s channel (`_admit_io`,
-        `_refresh_io`) means: another kernel's store owns it, another process holds its lock, or it cannot be
-        opened or read. Nothing was written to the channel."""
-        if isinstance(exc, enrollment.OwnedElsewhere):
-            self._owned_elsewhere(row, exc)
-        elif isinstance(exc, enrollment.HeldElsewhere):
-            self._lock_held_elsewhere(row, str(exc))
-        else:
-            self._channel_problem(row, exc)
-
-    def _channel_problem(self, row: WorkspaceRow, exc: Exception) -> None:
-        problem = f"{type(exc).__name__}: {exc}"
-        if self._channel_problems.get(row.key) != problem:  # retried at every rescan: logged once
-            self._channel_problems[row.key] = problem
-            log.event("channel_problem", logging.WARNING, ws=row.key, problem=problem)
+            self.custody.channel_problem(row, exc)
 
     def _refresh_io(self, row: WorkspaceRow, mine: str, *, watch: bool) -> None:
         """(channel look pool) Check `row`'s channel as `_admit_io` does and rewrite its kernel-written files where
@@ -539,7 +508,7 @@ class Service:
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
-                enrollment.claim_channel(self._claim, row.key, ch, row.path)
+                enrollment.claim_channel(self.custody.claim, row.key, ch, row.path)
                 identity = row.identity
                 if not identity.subdirs:
                     # A channel enrolled before subdirectory identities were recorded gets them now (what is there
@@ -551,13 +520,13 @@ class Service:
                 if watch and row.key not in self._paused:
                     self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
-            self._store_step(self._not_served, row, exc)
+            self._store_step(self.custody.not_served, row, exc)
             return
-        self._channel_problems.pop(row.key, None)
+        self.custody.channel_checked(row.key)
 
     def _refreshed_row(self, row: WorkspaceRow, identity: safefs.Identity) -> tuple[WorkspaceRow, int]:
         """(a store step) Record the new tool and the subdirectory identities where `row` lacks them; the channel
-        is ours and locked (`_served_again`). The current row and the stamp of this read of its balance."""
+        is ours and locked (`Custody.served_again`). The current row and the stamp of this read of its balance."""
         current = self.store.workspace(row.key)
         if current is None:  # unenrolled meanwhile: nothing to record (nor to serve)
             return row, self.store.budget_order.stamp()
@@ -565,7 +534,7 @@ class Service:
             current = dataclasses.replace(current, tool_sha256=self.tool.sha256, identity=identity)
             with self.store.transaction():
                 self.store.put_workspace(current)
-        self._served_again(row)
+        self.custody.served_again(row)
         return current, self.store.budget_order.stamp()
 
     async def _look(self, row: WorkspaceRow) -> None:
@@ -581,7 +550,7 @@ class Service:
         finally:
             self._looking.pop(row.key, None)
             self._unadmitted.discard(row.key)
-        if not self.stopping and self.locks.holds(row.key):
+        if not self.stopping and self.custody.locks.holds(row.key):
             await self._apply_current()
 
     def _look_io(self, row: WorkspaceRow, mine: str) -> None:
@@ -647,49 +616,10 @@ class Service:
         with self.store.transaction():
             self.store.set_problem(key, problem)
 
-    def _claim(self, key: str, ch: safefs.Channel) -> str | None:
-        """Take (or keep) the channel's lock before anything is written to it; why not, or None."""
-        try:
-            return self.locks.hold(key, ch)
-        except chanlock.Unsupported as exc:
-            if key not in self._unlocked:
-                self._unlocked.add(key)
-                log.event("channel_lock_unsupported", logging.WARNING, ws=key, problem=str(exc))
-            return None
-
-    def _lock_held_elsewhere(self, row: WorkspaceRow, why: str) -> None:
-        """Another process holds the channel's lock: not served here (nor written to) until it lets go."""
-        self.locks.release(row.key)
-        if self._held_elsewhere.get(row.key) != why:
-            self._held_elsewhere[row.key] = why
-            log.event("channel_held_elsewhere", logging.WARNING, ws=row.key, problem=why)
-            with self.store.transaction():
-                self.store.set_problem(row.key, why)
-
-    def _owned_elsewhere(self, row: WorkspaceRow, exc: enrollment.OwnedElsewhere) -> None:
-        """Another kernel's store took the channel over: stop serving it (its requests are that kernel's) and let
-        its lock go, so that kernel can take it."""
-        self.locks.release(row.key)
-        if row.key not in self._foreign:
-            self._foreign.add(row.key)
-            log.event(
-                "channel_owned_elsewhere",
-                logging.WARNING,
-                ws=row.key,
-                store=exc.owner.store,
-                state_dir=exc.owner.state_dir,
-            )
-            with self.store.transaction():
-                self.store.set_problem(
-                    row.key,
-                    f"owned by another kernel's store {exc.owner.store} "
-                    f"(state_dir {exc.owner.state_dir}); not served here",
-                )
-
     async def _taken_over(self, row: WorkspaceRow, exc: enrollment.OwnedElsewhere) -> None:
         """A served channel's kernel.json names another store (the rescan's owner check, made in the
         pipeline's channel I/O pool): stop serving it."""
-        await self.worker.call(self._owned_elsewhere, row, exc)
+        await self.worker.call(self.custody.owned_elsewhere, row, exc)
         await self._apply_current()
 
     def _check_owners(self) -> None:
@@ -700,7 +630,7 @@ class Service:
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
         # The look is the loop's (`_take_looks`, in the channel look pool): no channel is opened here.
         for row in self.store.workspaces():
-            if not self.locks.holds(row.key):
+            if not self.custody.locks.holds(row.key):
                 self._to_look(row)
 
     def _to_look(self, row: WorkspaceRow) -> None:
@@ -717,10 +647,10 @@ class Service:
         return [
             r
             for r in rows
-            if r.key not in self._foreign
+            if r.key not in self.custody.foreign
             and r.key not in self._paused
             and r.key not in self._unadmitted
-            and self.locks.holds(r.key)
+            and self.custody.locks.holds(r.key)
         ]
 
     def _read_data_version(self) -> int:
@@ -744,13 +674,13 @@ class Service:
         for row in rows:
             old = known.get(row.key)
             # A channel taken back with `enroll --take-over` is served again once its refresh finds it ours.
-            if old is None or old.identity != row.identity or row.key in self._foreign:
+            if old is None or old.identity != row.identity or row.key in self.custody.foreign:
                 self._to_look(row)
             # Another process changed the balance (kernel.io.budgetorder, across processes): budget.json is
             # rewritten here, in this kernel's order. A channel still to be refreshed after `ready` (`Refresher.stale`)
             # is read and written then, in a store step after this one.
             elif (
-                self.locks.holds(row.key)
+                self.custody.locks.holds(row.key)
                 and row.key not in self.refresher.stale
                 and not order.shows(row.key, row.balance)
             ):
@@ -776,7 +706,7 @@ class Service:
         except CHANNEL_ERRORS as exc:
             row = self.pipeline.workspaces.get(key)
             if row is not None:
-                self._channel_problem(row, exc)
+                self.custody.channel_problem(row, exc)
             self._republish_failed.add(key)
         except (ChannelIOAbandoned, StoreUnavailable):
             return  # stopping, or the store cannot be read: the next start rewrites it
@@ -799,12 +729,12 @@ class Service:
     def _held_row_stamped(self, key: str) -> tuple[WorkspaceRow | None, int]:
         """(a store step) The row while this kernel holds its channel (None when not), and the stamp of this read of
         its balance."""
-        if not self.locks.holds(key) or key in self._foreign:
+        if not self.custody.locks.holds(key) or key in self.custody.foreign:
             return None, 0
         return self.refresher.row_stamped(key)
 
     def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
-        self.locks.keep_only({r.key for r in rows})  # an unenrolled channel's lock (and fd) is let go
+        self.custody.locks.keep_only({r.key for r in rows})  # an unenrolled channel's lock (and fd) is let go
         rows = self.served(rows)
         old = self.pipeline.workspaces
         self.pipeline.set_workspaces(rows)
