@@ -107,6 +107,11 @@ def test_the_kernel_stops_while_a_channel_io_hangs(tmp_path: Path) -> None:
     k, (a,), hang = kernel_with(tmp_path, "a", config='backend = "none"\nchannel_io_deadline_seconds = 1\n')
     k.start(env=hang_env(hang))
     try:
+        # The start's own turns at A (the sweep after `ready`, the refresh) are over before the hang is set: one
+        # of them, past its hang point already, could otherwise list and answer a1.
+        k.wait_log("event=channels_refreshed", 15)
+        put_request(a, "before", status("before"))
+        wait_answer(a, "before")
         hang.write_text(f"channel {a.resolve()}")
         put_request(a, "a1", status("a1"))
         k.wait_log("event=hang_injected", 15)
