@@ -223,26 +223,12 @@ class Service:
 
     def status_line(self) -> str:
         n = len(self.pipeline.workspaces)
-        watched = n - len(self.polled)
+        watched = n - len(self.watches.polled)
         why = self.degraded()
         return (("degraded (" + why + "); ") if why else "") + (
-            f"serving {n} workspaces ({watched} inotify, {len(self.polled)} poll); "
+            f"serving {n} workspaces ({watched} inotify, {len(self.watches.polled)} poll); "
             f"{self.pipeline.answered} requests answered; last pass {self.pipeline.last_pass_ms:.1f} ms"
         )
-
-    @property
-    def polled(self) -> set[str]:
-        """The served channels polled rather than watched (`Watches.polled`)."""
-        return self.watches.polled
-
-    @property
-    def _watching(self) -> dict[str, WorkspaceRow]:
-        """The re-watches in flight, by workspace (`Watches.in_flight`)."""
-        return self.watches.in_flight
-
-    def _watch_all(self, rows: list[WorkspaceRow], only: set[str] | None = None) -> None:
-        """`Watches.watch_all` (the service loop's name for it)."""
-        self.watches.watch_all(rows, only)
 
     def _rewatched(self, key: str) -> None:
         """A re-watch ended: list `key`'s whole requests/ (what was committed while it was not watched)."""
@@ -747,7 +733,11 @@ class Service:
             watcher = self.watcher
             self.watches.watch_all(
                 rows,
-                {k for k in changed if k not in self.polled and (watcher is None or not watcher.watching(k))},
+                {
+                    k
+                    for k in changed
+                    if k not in self.watches.polled and (watcher is None or not watcher.watching(k))
+                },
             )
             for key in changed:
                 self.pipeline.mark(key)
@@ -789,7 +779,7 @@ class Service:
                 if self.halted():
                     return
                 self.pipeline.sweep()
-                log.event("ready", workspaces=len(rows), polled=len(self.polled), resumed=resumed)
+                log.event("ready", workspaces=len(rows), polled=len(self.watches.polled), resumed=resumed)
                 self._ready.set()
                 self.notifier.ready(self.status_line())
                 if self.cfg.metrics_listen:
@@ -926,7 +916,7 @@ class Service:
                 if lost:
                     # Watched again in the background (`_rewatch`), but not a channel whose I/O is overdue (its
                     # re-watch would only hang a second thread): the rescan watches it once its I/O returned.
-                    self._watch_all(
+                    self.watches.watch_all(
                         list(self.pipeline.workspaces.values()), lost - set(self.pipeline.chanio.overdue)
                     )
                     self._take_looks()
@@ -935,7 +925,7 @@ class Service:
             now = self.clock()
             if now >= next_tick:
                 next_tick = now + self.cfg.poll_seconds
-                self.pipeline.sweep(self.polled)
+                self.pipeline.sweep(self.watches.polled)
                 rows = await self.worker.call(self._reload_if_changed)
                 if rows is not None:
                     await self.worker.call(self._apply_rows, rows)
@@ -945,11 +935,15 @@ class Service:
                 next_rescan = now + self.cfg.rescan_seconds
                 self.pipeline.sweep(owners=True)
                 unwatched = {
-                    k for k in self.pipeline.workspaces if k not in self.polled and self.watcher is not None
+                    k
+                    for k in self.pipeline.workspaces
+                    if k not in self.watches.polled and self.watcher is not None
                 } - {k for k in self.pipeline.workspaces if self.watcher and self.watcher.watching(k)}
-                unwatched -= set(self.pipeline.chanio.overdue) | self._unadmitted | set(self._watching)
+                unwatched -= (
+                    set(self.pipeline.chanio.overdue) | self._unadmitted | set(self.watches.in_flight)
+                )
                 if unwatched:
-                    self._watch_all(list(self.pipeline.workspaces.values()), unwatched)
+                    self.watches.watch_all(list(self.pipeline.workspaces.values()), unwatched)
                 self.enroller.soon()  # new glob matches, in the background
                 await self.worker.call(self._check_owners)
                 self._take_looks()
