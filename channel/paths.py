@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Final
@@ -127,8 +128,26 @@ class RunPaths:
         return self.task_dir(task, array) / name
 
 
+# What a workspace key is, for every consumer (the kernel's repository name, run-directory names, Slurm job names,
+# metric labels): a readable stem of ASCII letters, digits, `-` and `_` that starts with a letter or a digit, then
+# `-` and 10 hex digits of the path's hash. `workspace_key` produces only such keys, for any directory name.
+KEY_STEM_MAX: Final = 32
+KEY_PATTERN: Final = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_-]{{0,{KEY_STEM_MAX - 1}}}-[0-9a-f]{{10}}")
+# What a consumer accepts as a key (a superset of KEY_PATTERN: tests and tools name workspaces freely): one path
+# component that is not hidden, not an option, not `..`.
+_SAFE_KEY: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
+
+
+def key_is_safe(key: str) -> bool:
+    return _SAFE_KEY.fullmatch(key) is not None and ".." not in key
+
+
 def workspace_key(resolved_path: str | os.PathLike[str]) -> str:
-    """A stable, filesystem-safe id for an (already resolved, absolute) workspace path."""
+    """A stable, filesystem-safe id for an (already resolved, absolute) workspace path; it matches KEY_PATTERN
+    whatever the directory's name (non-ASCII, a leading `_` or `-`, spaces, newlines, undecodable bytes): each
+    character outside ASCII letters, digits, `-` and `_` becomes `-`, leading `-` and `_` are dropped, and a
+    name with nothing left is `ws`. A name that was already such a stem keeps its key."""
     p = os.fspath(resolved_path)
-    base = "".join(c if c.isalnum() or c in "-_" else "-" for c in os.path.basename(p))[:32] or "ws"
-    return f"{base}-{hashlib.sha256(p.encode()).hexdigest()[:10]}"
+    stem = "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "-" for c in os.path.basename(p))
+    stem = stem[:KEY_STEM_MAX].lstrip("-_") or "ws"
+    return f"{stem}-{hashlib.sha256(os.fsencode(p)).hexdigest()[:10]}"

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
 
-from channel.paths import CHANNEL_DIR, RunPaths
+from channel.paths import CHANNEL_DIR, RunPaths, key_is_safe
 
 SAFE_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
 COMMITTER: Final = "syscall-kernel <kernel@syscall.invalid>"
@@ -86,7 +86,6 @@ _OID: Final = re.compile(rb"[0-9a-f]{40}(?:[0-9a-f]{24})?")
 _LOOSE_DIR: Final = re.compile(r"[0-9a-f]{2}")
 _LOOSE_NAME: Final = re.compile(r"[0-9a-f]{38}(?:[0-9a-f]{24})?")
 _PACK_NAME: Final = re.compile(r"pack-[0-9a-f]{40,64}\.(?:idx|pack)")
-_KEY: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 _O_DIR: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _O_FILE: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -269,7 +268,7 @@ class KernelRepo:
 
     @classmethod
     def at(cls, run_dir: str | os.PathLike[str], key: str) -> KernelRepo:
-        if not _KEY.fullmatch(key) or ".." in key:
+        if not key_is_safe(key):
             raise ValueError(f"workspace key {key!r} is not a single safe name")
         return cls(RunPaths.repo_of(Path(run_dir), key))
 

@@ -37,6 +37,7 @@ from channel.lifecycle import (
     next_task_state,
 )
 from channel.messages import Policy, SleepState, TaskState
+from channel.paths import key_is_safe, workspace_key
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import ExecSleepRow, JobRow, RequestRow, SleepRow, WorkspaceRow
@@ -379,8 +380,35 @@ class Store:
             for table, column, kind in _ADDED_COLUMNS:
                 if column not in {r[1] for r in c.execute(f"PRAGMA table_info({table})")}:
                     c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            self._rekey_legacy()
             if c.execute("SELECT 1 FROM store_meta WHERE name = 'store_id'").fetchone() is None:
                 c.execute("INSERT INTO store_meta (name, value) VALUES ('store_id', ?)", (uuid.uuid4().hex,))
+
+    def _rekey_legacy(self) -> None:
+        """Give every workspace whose key no consumer accepts (an earlier `workspace_key` kept non-ASCII letters
+        and a leading `_`, keys the kernel's repository refuses, so serving it crashed) the key
+        `workspace_key` makes now, in every table that names it, in the open transaction. Such a workspace never
+        got past its enrollment, so nothing on disk is named by its old key."""
+        c = self._conn
+        stale = [
+            (key, path)
+            for key, path in c.execute("SELECT key, path FROM workspaces").fetchall()
+            if not key_is_safe(key)
+        ]
+        if not stale:
+            return
+        c.execute("PRAGMA defer_foreign_keys = ON")
+        tables = [
+            name
+            for (name,) in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+            if "workspace" in {r[1] for r in c.execute(f"PRAGMA table_info({name})")}
+        ]
+        for old, path in stale:
+            new = workspace_key(path)
+            c.execute("UPDATE workspaces SET key = ? WHERE key = ?", (new, old))
+            for table in tables:
+                c.execute(f"UPDATE {table} SET workspace = ? WHERE workspace = ?", (new, old))
+            log.event("workspace_rekeyed", logging.WARNING, old=old, new=new, path=path)
 
     def close(self) -> None:
         self._conn.close()
