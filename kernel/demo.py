@@ -12,13 +12,13 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Final
 
+from kernel.io import hostproc
 from kernel.node.jail import NONE_WARNING
 
 TRAIN_PY: Final = '''\
@@ -43,17 +43,23 @@ print(f"lr={lr} final_loss={loss:.6f}")
 
 READY_TIMEOUT_S: Final = 60.0
 WAKE_TIMEOUT_S: Final = 120
+DEMO: Final = hostproc.declare(
+    "demo",
+    agent_input="none: the demo's own workspace, script and tool, made here",
+    containment="the demo's own processes (git, the kernel's CLI, the tool, bwrap's probe), each with a deadline; "
+    "the kernel it starts is stopped when the demo ends",
+    timeout_s=WAKE_TIMEOUT_S + 30,
+)
 
 
 def bwrap_works() -> bool:
     exe = shutil.which("bwrap")
     if exe is None:
         return False
-    probe = subprocess.run(
+    probe = hostproc.run(
+        DEMO,
         [exe, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--proc", "/proc", "true"],
-        capture_output=True,
         timeout=30,
-        check=False,
     )
     return probe.returncode == 0
 
@@ -64,22 +70,21 @@ def _say(text: str = "") -> None:
 
 
 def _git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=demo", "-c", "user.email=demo@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
+    done = hostproc.run(
+        DEMO, ["git", "-c", "user.name=demo", "-c", "user.email=demo@example.invalid", *args], cwd=ws
     )
+    if done.returncode != 0:
+        raise DemoError(f"git {args[0]} failed: {done.stderr.decode(errors='replace').strip()}")
 
 
-def _kernel_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kernel.cli", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
+def _text(argv: list[str], cwd: Path | None = None) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of one of the demo's own commands."""
+    done = hostproc.run(DEMO, argv, cwd=cwd)
+    return done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
+
+
+def _kernel_cli(config: Path, *args: str) -> tuple[int, str, str]:
+    return _text([sys.executable, "-m", "kernel.cli", *args, "--config", str(config)])
 
 
 class DemoError(Exception):
@@ -89,24 +94,17 @@ class DemoError(Exception):
 def _agent(ws: Path, python: str, *args: str) -> str:
     shown = "python3 .syscall/syscall " + shlex.join(args)
     _say(f"$ {shown}")
-    done = subprocess.run(
-        [python, ".syscall/syscall", *args],
-        cwd=ws,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=WAKE_TIMEOUT_S + 30,
-    )
-    out = (done.stdout + done.stderr).rstrip("\n")
+    code, stdout, stderr = _text([python, ".syscall/syscall", *args], cwd=ws)
+    out = (stdout + stderr).rstrip("\n")
     if out:
         _say(out)
     _say()
-    if done.returncode != 0:
-        raise DemoError(f"`{shown}` exited with {done.returncode}")
-    return done.stdout
+    if code != 0:
+        raise DemoError(f"`{shown}` exited with {code}")
+    return stdout
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], log: Path) -> None:
+def _wait_ready(proc: hostproc.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -121,7 +119,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], log: Path) -> None:
 
 def run(keep: bool = False) -> int:
     top = Path(tempfile.mkdtemp(prefix="syscall-demo-"))
-    proc: subprocess.Popen[bytes] | None = None
+    proc: hostproc.Popen[bytes] | None = None
     log = top / "kernel.log"
     try:
         ws = top / "workspace"
@@ -140,14 +138,15 @@ def run(keep: bool = False) -> int:
         _say(f"backend: local; jail: {jail}")
         if jail == "none":
             _say(f"WARNING: bwrap does not work here, so {NONE_WARNING}")
-        enrolled = _kernel_cli(
+        code, stdout, stderr = _kernel_cli(
             config, "enroll", str(ws), "--launches", "10", "--sleeps", "5", "--gpu-hours", "2"
         )
-        if enrolled.returncode != 0:
-            raise DemoError(f"enroll failed: {enrolled.stderr.strip()}")
-        _say(enrolled.stdout.rstrip("\n"))
+        if code != 0:
+            raise DemoError(f"enroll failed: {stderr.strip()}")
+        _say(stdout.rstrip("\n"))
         with open(log, "ab") as log_file:
-            proc = subprocess.Popen(
+            proc = hostproc.popen(
+                DEMO,
                 [sys.executable, "-m", "kernel.cli", "serve", "--config", str(config)],
                 stdout=log_file,
                 stderr=log_file,
@@ -209,7 +208,7 @@ def run(keep: bool = False) -> int:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(30)
-            except subprocess.TimeoutExpired:
+            except hostproc.TimeoutExpired:
                 proc.kill()
                 proc.wait(30)
         if keep:

@@ -37,8 +37,15 @@ from kernel.backends import jobscript
 from kernel.backends.base import Backend, BackendUnavailable, JobSpec, Recovered, TaskExit, TaskRef
 from kernel.core import exits
 from kernel.core.exits import Outcome
+from kernel.io import hostproc
 
 SPEC_FILE: Final = "local.json"
+WRAPPER: Final = hostproc.declare(
+    "local.wrapper",
+    agent_input="the job's command and snapshot, which the wrapper runs only inside the configured jail",
+    containment="the kernel's own interpreter (-I -S) runs the kernel-rendered job script in a new session, stdin "
+    "/dev/null, output to the task's scheduler log; the wrapper jails the command and enforces its walltime",
+)
 PID_FILE: Final = "local.pid"
 
 
@@ -204,7 +211,8 @@ class LocalBackend:
         env = jobscript.wrapper_env(self._base_env, task=task, tmpdir=scratch)
         # The kernel's own interpreter runs the (stdlib-only) wrapper: no PATH lookup, no shim, no site import.
         try:
-            pid = os.posix_spawn(
+            pid = hostproc.spawn(
+                WRAPPER,
                 self.python,
                 [self.python, "-I", "-S", os.fspath(job_sh)],
                 env,

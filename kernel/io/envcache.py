@@ -41,6 +41,7 @@ import anyio
 import msgspec
 
 from kernel.core.config import EnvironmentConfig
+from kernel.io import hostproc
 from kernel.node.jail import JobEnvironment
 
 LOCK_FILE: Final = "uv.lock"
@@ -69,6 +70,28 @@ PASSED_VARS: Final = (
 )
 SAFE_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
 _ANSI: Final = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+UV_VERSION: Final = hostproc.declare(
+    "uv.version",
+    agent_input="none",
+    containment="the uv beside the kernel, an environment built from nothing, a deadline of 30 s",
+    timeout_s=30,
+    output_cap=1 << 16,
+)
+UV_SYNC: Final = hostproc.declare(
+    "uv.sync",
+    agent_input="the agent's uv.lock and pyproject.toml, accepted by lock_problem (registry packages from the "
+    "configured index only), installed as wheels only (--no-build, --no-install-project, --no-config)",
+    containment="uv with an environment built from nothing but the proxy settings, writing only the warm-up's "
+    "temporary entry, the deadline environment.warm_timeout_seconds, at most 16 MiB of output",
+    output_cap=16 << 20,
+)
+COMPILE: Final = hostproc.declare(
+    "uv.compile",
+    agent_input="the Python sources of the locked packages' wheels, compiled to bytecode (never run)",
+    containment="the environment's interpreter, a minimal environment, the deadline "
+    "environment.warm_timeout_seconds, at most 16 MiB of output",
+    output_cap=16 << 20,
+)
 
 
 class EnvironmentFailed(Exception):
@@ -252,8 +275,8 @@ class EnvCache:
 
     async def uv_version(self) -> str:
         if self._uv_version is None:
-            got = await anyio.run_process(
-                [self.uv, "--version"], env=uv_env({}, home="/nonexistent", cache="/nonexistent")
+            got = await hostproc.run_async(
+                UV_VERSION, [self.uv, "--version"], env=uv_env({}, home="/nonexistent", cache="/nonexistent")
             )
             self._uv_version = got.stdout.decode().strip()
         return self._uv_version
@@ -314,13 +337,15 @@ class EnvCache:
             env = uv_env(os.environ, home=str(tmp / "home"), cache=str(tmp / "uv"), **extra)
             argv = sync_argv(self.uv, str(tmp / "project"), self.cfg.python, offline=False)
             started = time.monotonic()
-            with anyio.move_on_after(self.cfg.warm_timeout_seconds) as scope:
-                got = await anyio.run_process(argv, env=env, cwd=tmp, check=False, stdin=None)
-            if scope.cancelled_caught:
+            try:
+                got = await hostproc.run_async(
+                    UV_SYNC, argv, env=env, cwd=tmp, limit_s=self.cfg.warm_timeout_seconds
+                )
+            except hostproc.TimeoutExpired:
                 raise EnvironmentFailed(
                     f"uv did not finish installing the locked environment within "
                     f"{self.cfg.warm_timeout_seconds:g} s"
-                )
+                ) from None
             out = got.stdout.decode("utf-8", "replace") + got.stderr.decode("utf-8", "replace")
             (tmp / WARM_LOG).write_text(out)
             if got.returncode != 0:
@@ -358,11 +383,18 @@ class EnvCache:
         if not archive.is_dir():
             return
         argv = [str(venv / "bin" / "python"), "-I", "-m", "compileall", "-q", "-j", "0", str(archive)]
-        with anyio.move_on_after(self.cfg.warm_timeout_seconds):
-            got = await anyio.run_process(argv, check=False, env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"})
-            if got.returncode != 0:
-                with log.open("ab") as f:
-                    f.write(b"\ncompileall (not fatal):\n" + got.stdout[-4000:] + got.stderr[-4000:])
+        try:
+            got = await hostproc.run_async(
+                COMPILE,
+                argv,
+                env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"},
+                limit_s=self.cfg.warm_timeout_seconds,
+            )
+        except hostproc.TimeoutExpired:
+            return
+        if got.returncode != 0:
+            with log.open("ab") as f:
+                f.write(b"\ncompileall (not fatal):\n" + got.stdout[-4000:] + got.stderr[-4000:])
 
     def prune(self, now: float | None = None) -> list[str]:
         """Remove caches unused for `keep_days` (and warm-ups abandoned by a crash); returns their names."""

@@ -20,7 +20,7 @@ The interface for other modules (issue 11 reads protected files of the base thro
     repo = KernelRepo.at(run_dir, key); repo.ensure()
     base = import_base(repo, workspace, "HEAD")          # -> Base(commit, tree); held under refs/bases/<tree>
     repo.list_tree(base.tree) -> [TreeEntry(mode, oid, path)]; repo.read_blob(base.tree, "eval.sh") -> bytes|None
-Everything here is synchronous (subprocess); async callers use a worker thread.
+Everything here is synchronous (git processes through kernel.io.hostproc); async callers use a worker thread.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import os
 import re
 import shutil
 import stat
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import IO, Final
 
 from channel.paths import CHANNEL_DIR, RunPaths, key_is_safe
+from kernel.io import hostproc
 
 SAFE_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
 COMMITTER: Final = "syscall-kernel <kernel@syscall.invalid>"
@@ -164,27 +164,34 @@ def git_argv(*args: str) -> list[str]:
     return ["git", "--no-pager", "--literal-pathspecs", *args]
 
 
+GIT: Final = hostproc.declare(
+    "git",
+    agent_input="the agent's file bytes and names as data: blobs stored and re-hashed, trees listed; the config "
+    "file of the agent's .git parsed for one key (--no-includes); never the agent's .git itself",
+    containment="a kernel-owned or scratch git directory, an environment built from nothing (neutral_env: no "
+    "config, hook, filter, attribute, pager or credential helper of anyone's), a deadline of GIT_TIMEOUT_S",
+    timeout_s=GIT_TIMEOUT_S,
+)
+GIT_STREAM: Final = hostproc.declare(
+    "git.stream",
+    agent_input="the agent's file bytes streamed to fast-import as blobs, object ids to cat-file --batch: data, "
+    "never interpreted",
+    containment="as `git`; the caller streams, then closes the pipe and reaps the process in every case",
+)
+
+
 def run_git(
     env: Mapping[str, str], cwd: str | os.PathLike[str], *args: str, stdin: bytes | None = None
-) -> subprocess.CompletedProcess[bytes]:
+) -> hostproc.CompletedProcess[bytes]:
     try:
-        return subprocess.run(
-            git_argv(*args),
-            env=dict(env),
-            cwd=cwd,
-            input=stdin,
-            stdin=None if stdin is not None else subprocess.DEVNULL,
-            capture_output=True,
-            timeout=GIT_TIMEOUT_S,
-            check=False,
-        )
+        return hostproc.run(GIT, git_argv(*args), env=env, cwd=cwd, input=stdin)
     except FileNotFoundError:
         raise RepoError("git is not installed; the kernel needs it for snapshots and bases") from None
-    except subprocess.TimeoutExpired:
+    except hostproc.TimeoutExpired:
         raise RepoError(f"git {args[0]} did not finish within {GIT_TIMEOUT_S} s") from None
 
 
-def first_line(out: subprocess.CompletedProcess[bytes]) -> str:
+def first_line(out: hostproc.CompletedProcess[bytes]) -> str:
     lines = out.stderr.decode("utf-8", "replace").strip().splitlines()
     return lines[-1] if lines else f"exit {out.returncode}"
 
@@ -275,7 +282,7 @@ class KernelRepo:
     def env(self) -> dict[str, str]:
         return neutral_env(str(self.path))
 
-    def git(self, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    def git(self, *args: str, stdin: bytes | None = None) -> hostproc.CompletedProcess[bytes]:
         return run_git(self.env(), self.path, *args, stdin=stdin)
 
     def ensure(self) -> None:
@@ -318,10 +325,11 @@ class KernelRepo:
             errlog = Path(t) / "err"
             stream = fast_import_stream(ref, message, int(time.time()), files)
             with open(errlog, "wb") as err:
-                proc = subprocess.Popen(
+                proc = hostproc.popen(
+                    GIT_STREAM,
                     git_argv("fast-import", "--quiet", "--force", "--done", f"--export-marks={marks}"),
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
+                    stdin=hostproc.PIPE,
+                    stdout=hostproc.DEVNULL,
                     stderr=err,
                     env=self.env(),
                     cwd=self.path,
@@ -713,11 +721,12 @@ class _Objects:
     def __init__(self, shadow: Path, algo: str, where: str) -> None:
         self.algo = algo
         self.where = where
-        self.proc = subprocess.Popen(
+        self.proc = hostproc.popen(
+            GIT_STREAM,
             git_argv("cat-file", "--batch"),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stdin=hostproc.PIPE,
+            stdout=hostproc.PIPE,
+            stderr=hostproc.DEVNULL,
             env=neutral_env(str(shadow)),
             cwd=shadow,
         )

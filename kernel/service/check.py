@@ -10,16 +10,23 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from kernel.backends.slurm.query import partition_argv, sacctmgr_argv
 from kernel.core.config import Config
-from kernel.io import statedir
+from kernel.io import hostproc, statedir
 from kernel.io.enroll import expand_globs
 from kernel.io.store import Store, StoreError
+
+PROBE: Final = hostproc.declare(
+    "check.probe",
+    agent_input="none: bwrap's `true`, scontrol and sacctmgr about the operator's config",
+    containment="the operator's own command, a deadline of 30 s, stdin /dev/null, at most 1 MiB of output",
+    timeout_s=30,
+    output_cap=1 << 20,
+)
 
 Level = Literal["ok", "warn", "error"]
 
@@ -250,10 +257,11 @@ def _workspace_accounts(cfg: Config) -> dict[str, str]:
         store.close()
 
 
-def _run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str] | None:
+def _run(argv: list[str], env: dict[str, str] | None = None) -> hostproc.CompletedProcess[str] | None:
     try:
-        return subprocess.run(
-            argv, capture_output=True, text=True, timeout=30, check=False, env=env, stdin=subprocess.DEVNULL
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        got = hostproc.run(PROBE, argv, env=env)
+    except (OSError, hostproc.TimeoutExpired, hostproc.OutputTooLarge):
         return None
+    return hostproc.CompletedProcess(
+        got.args, got.returncode, got.stdout.decode("utf-8", "replace"), got.stderr.decode("utf-8", "replace")
+    )

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import subprocess
 import time
 from collections.abc import Sequence
 from decimal import Decimal
@@ -52,7 +51,7 @@ from kernel.core import evaluate as E
 from kernel.core import ledger
 from kernel.core.config import Config
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
-from kernel.io import crash
+from kernel.io import crash, hostproc
 from kernel.io import log as klog
 from kernel.io import repo as R
 from kernel.io import submit as S
@@ -65,6 +64,13 @@ _submit_decoder: Final = msgspec.json.Decoder(Submit)
 # Workspaces whose base the start's upgrade checks at a time (each check is a git process on a thread).
 UPGRADE_WORKERS: Final = 4
 HOOK_ENV: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+HOOK: Final = hostproc.declare(
+    "on_verdict",
+    agent_input="the verdict and the agent's report as JSON on stdin: the operator's hook reads them as data",
+    containment="the operator's command (config on_verdict), a clean environment (HOOK_ENV), cwd state_dir, its "
+    "own session, the configured hook timeout, at most 1 MiB of output kept",
+    output_cap=1 << 20,
+)
 
 
 def read_stdout(run_dir: str | None, name: str = RunPaths.STDOUT) -> str:
@@ -85,18 +91,13 @@ def read_stdout(run_dir: str | None, name: str = RunPaths.STDOUT) -> str:
 def run_hook(argv: Sequence[str], payload: bytes, cwd: str, timeout: float) -> str:
     """Run the operator's hook; returns "ok" or why it failed (never raises for the hook's own failure)."""
     try:
-        done = subprocess.run(
-            list(argv),
-            input=payload,
-            cwd=cwd,
-            env=dict(HOOK_ENV),
-            capture_output=True,
-            timeout=timeout,
-            check=False,
-            start_new_session=True,
+        done = hostproc.run(
+            HOOK, argv, input=payload, cwd=cwd, env=HOOK_ENV, timeout=timeout, start_new_session=True
         )
-    except subprocess.TimeoutExpired:
+    except hostproc.TimeoutExpired:
         return f"failed: timed out after {timeout:g} s"
+    except hostproc.OutputTooLarge:
+        return f"failed: printed more than {HOOK.output_cap} bytes"
     except OSError as e:
         return f"failed: could not start {argv[0]!r}: {e.strerror or e}"
     if done.returncode != 0:

@@ -38,7 +38,6 @@ import contextlib
 import logging
 import math
 import os
-import subprocess
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,14 +87,21 @@ from kernel.backends.slurm.classify import RUNNING_STATES
 from kernel.backends.slurm.query import parse_squeue
 from kernel.core import exits
 from kernel.core.exits import Outcome
+from kernel.io import hostproc, metrics
 from kernel.io import log as klog
-from kernel.io import metrics
 from kernel.io.crash import crash_point
 
 if TYPE_CHECKING:
     from kernel.core.config import SlurmConfig
 
 SPEC_FILE: Final = "slurm.json"
+SLURM_CLIENT: Final = hostproc.declare(
+    "slurm.client",
+    agent_input="none: argvs rendered by kernel.backends.slurm.submit/query from validated values (a launch's "
+    "name, sizes and the operator's options), never a shell; the job script is the kernel's rendering",
+    containment="the Slurm clients with the kernel's environment, the backend's client_timeout_s deadline, "
+    "stdin /dev/null",
+)
 JOB_FILE: Final = "slurm-job.json"
 STATE_FILE: Final = "slurm-state.json"
 CANCEL_FILE: Final = "slurm-cancelled.json"  # tasks the kernel asked to stop
@@ -389,15 +395,16 @@ class SlurmBackend:
         return out
 
     async def _run_client(self, argv: list[str], limit_s: float | None) -> Completed:
-        with anyio.move_on_after(limit_s or self.client_timeout_s):
-            try:
-                out = await anyio.run_process(argv, check=False, env=self.env, stdin=subprocess.DEVNULL)
-            except OSError as e:
-                return Completed(None, "", f"{argv[0]} could not be started: {e}")
-            return Completed(
-                out.returncode, out.stdout.decode(errors="replace"), out.stderr.decode(errors="replace")
-            )
-        return Completed(None, "", f"{argv[0]} did not answer within {limit_s or self.client_timeout_s:g} s")
+        limit = limit_s or self.client_timeout_s
+        try:
+            out = await hostproc.run_async(SLURM_CLIENT, argv, env=self.env, limit_s=limit)
+        except OSError as e:
+            return Completed(None, "", f"{argv[0]} could not be started: {e}")
+        except hostproc.TimeoutExpired:
+            return Completed(None, "", f"{argv[0]} did not answer within {limit:g} s")
+        return Completed(
+            out.returncode, out.stdout.decode(errors="replace"), out.stderr.decode(errors="replace")
+        )
 
     def _observe(self, argv: list[str], out: Completed) -> None:
         """Log every client call that fails, and the scheduler's outages: one `slurm_outage` line at err when
