@@ -36,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any
 # they cost ~25 ms of interpreter start-up, which would otherwise come before `started` on every task.
 if TYPE_CHECKING:
     import subprocess
+    from collections.abc import Callable
 
 EXIT_EMPTY_COMMAND = 120
 EXIT_MATERIALISE_FAILED = 121
@@ -1056,7 +1057,7 @@ def run_score(
             note(f"the scorer (the base commit) could not be written: {e}")
             return None, seen
     try:
-        unseen, count = copy_for_scorer(tree, view)
+        unseen, count = copy_for_scorer(tree, view, lambda: runner.reason is not None)
     except OSError as e:
         note(f"the copy of the tree for the scorer could not be made: {e}")
         return None, seen
@@ -1117,30 +1118,62 @@ def _kind_of(mode: int) -> str:
     return "not a regular file or a directory"
 
 
-def _copy_data(src: int, dst: int) -> None:
-    copy_range = getattr(os, "copy_file_range", None)  # Linux, Python 3.8+; both offsets advance together
-    while True:
-        if copy_range is not None:
+def _data_runs(fd: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of the parts of a file holding data (SEEK_DATA/SEEK_HOLE; the whole file where the
+    filesystem cannot say): a sparse file's holes cost its copy nothing."""
+    import errno
+
+    runs: list[tuple[int, int]] = []
+    pos = 0
+    try:
+        while pos < size:
             try:
-                n = copy_range(src, dst, 1 << 30)
-            except OSError:  # another filesystem, or not supported: read and write from where it stopped
-                copy_range = None
-                continue
-        else:
-            view = memoryview(os.read(src, 1 << 20))
-            n = len(view)
-            while view:
-                view = view[os.write(dst, view) :]
-        if n == 0:
-            return
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only a hole from here on
+                    break
+                raise
+            pos = os.lseek(fd, start, os.SEEK_HOLE)
+            runs.append((start, min(pos, size)))
+    except (OSError, AttributeError):
+        return [(0, size)] if size else []
+    return runs
 
 
-def copy_for_scorer(tree: str, dest: str) -> tuple[list[dict[str, str]], int]:
+def _copy_data(src: int, dst: int, size: int) -> None:
+    """Copy the first `size` bytes of `src` into the empty file `dst`, holes kept as holes."""
+    copy_range = getattr(os, "copy_file_range", None)  # Linux, Python 3.8+
+    for start, end in _data_runs(src, size):
+        pos = start
+        while pos < end:
+            n = 0
+            if copy_range is not None:
+                try:
+                    n = copy_range(src, dst, min(end - pos, 1 << 30), pos, pos)
+                except OSError:  # another filesystem, or not supported: read and write from here on
+                    copy_range = None
+                    continue
+            else:
+                chunk = os.pread(src, min(end - pos, 1 << 20), pos)
+                n = len(chunk)
+                done = 0
+                while done < n:
+                    done += os.pwrite(dst, chunk[done:], pos + done)
+            if n == 0:  # the file is shorter than it was when listed
+                break
+            pos += n
+    os.ftruncate(dst, size)
+
+
+def copy_for_scorer(
+    tree: str, dest: str, stopped: Callable[[], bool] = lambda: False
+) -> tuple[list[dict[str, str]], int]:
     """Copy the (no longer running) job's `tree` into the empty directory `dest` for the score stage: regular
     files (their bytes, mode 0644 or 0755) and directories only. Symlinks, FIFOs, sockets, device nodes, files
     hard-linked to a file outside the tree and whatever cannot be read are left out; returns the first
     UNSEEN_KEPT of them as {"path", "why"} and how many there were. Every component is opened through directory
-    fds with O_NOFOLLOW (nothing is followed) and at most two DirChains of fds are held, whatever the tree."""
+    fds with O_NOFOLLOW (nothing is followed) and at most two DirChains of fds are held, whatever the tree.
+    InterruptedError when `stopped()` (the task was cancelled or ran out of time) before it is done."""
     unseen: list[dict[str, str]] = []
     count = 0
 
@@ -1148,8 +1181,8 @@ def copy_for_scorer(tree: str, dest: str) -> tuple[list[dict[str, str]], int]:
         nonlocal count
         count += 1
         if len(unseen) < UNSEEN_KEPT:
-            shown = os.fsencode("/".join(rel)).decode("utf-8", "backslashreplace")
-            unseen.append({"path": shown or ".", "why": why})
+            shown = os.fsencode("/".join(rel)).decode("utf-8", "backslashreplace") or "."
+            unseen.append({"path": shown if len(shown) <= 300 else shown[:300] + "...", "why": why})
 
     src = DirChain(os.open(tree, _O_DIR), create=False)
     dst = DirChain(os.open(dest, _O_DIR), create=True)
@@ -1158,6 +1191,8 @@ def copy_for_scorer(tree: str, dest: str) -> tuple[list[dict[str, str]], int]:
     stack: list[list[str]] = [[]]
     try:
         while stack:
+            if stopped():
+                raise InterruptedError("stopped while copying the tree for the scorer")
             parts = stack.pop()
             try:
                 sfd = src.at(parts)
@@ -1192,7 +1227,7 @@ def copy_for_scorer(tree: str, dest: str) -> tuple[list[dict[str, str]], int]:
                     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                     out = os.open(name, flags, perm, dir_fd=dst.at(parts))
                     try:
-                        _copy_data(fd, out)
+                        _copy_data(fd, out, got.st_size)
                     finally:
                         os.close(out)
                 finally:

@@ -188,3 +188,38 @@ def test_the_exit_record_carries_what_the_scorer_did_not_see() -> None:
     )
     got = msgspec.json.decode(json.dumps(rec), type=jobscript.ExitRecord)
     assert (got.score_unseen[0].path, got.score_unseen_count) == ("a", 1)
+
+
+def test_a_sparse_file_costs_the_scorers_copy_only_its_data(tmp_path: Path) -> None:
+    """A job can leave a file of 1 TiB that holds 4 KiB of data: the copy keeps the holes."""
+    tree, view = tmp_path / "tree", tmp_path / "view"
+    tree.mkdir()
+    view.mkdir()
+    with open(tree / "big", "wb") as f:
+        f.seek(1 << 40)
+        f.write(b"end" * 1365)
+        f.seek(1 << 20)
+        f.write(b"middle")
+    W.copy_for_scorer(str(tree), str(view))
+    got = (view / "big").stat()
+    assert got.st_size == (tree / "big").stat().st_size
+    assert got.st_blocks * 512 <= 1 << 20  # a few blocks, not a terabyte
+    with open(view / "big", "rb") as f:
+        f.seek(1 << 20)
+        assert f.read(6) == b"middle"
+        f.seek((1 << 40) - 1)
+        assert f.read(4) == b"\0end"
+
+
+def test_the_scorers_copy_stops_when_the_task_is_stopped(tmp_path: Path) -> None:
+    tree, view = tmp_path / "tree", tmp_path / "view"
+    (tree / "a").mkdir(parents=True)
+    view.mkdir()
+    calls: list[int] = []
+
+    def stopped() -> bool:
+        calls.append(1)
+        return len(calls) > 1
+
+    with pytest.raises(InterruptedError, match="stopped while copying"):
+        W.copy_for_scorer(str(tree), str(view), stopped)
