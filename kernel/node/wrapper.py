@@ -499,8 +499,8 @@ def shadowing(patterns: list[str], base_paths: list[str], paths: list[str]) -> l
     """(path, why) for each of this side's paths (`paths`, not itself protected) that could run in place of a
     protected file: a bytecode cache (`__pycache__/` or `*.pyc`, which an unchecked-hash pyc makes Python load
     instead of the source), an interpreter hook (`*.pth`, `sitecustomize.py`, `usercustomize.py`), or, next to
-    a protected module `d/m.py` of the base (`base_paths`), a package `d/m/` or an extension module `d/m.*.so`
-    (both found before `m.py` by the import system). The node drops these when materialising a side with
+    a protected module `d/m.py` of the base (`base_paths`), a package `d/m/` (or an entry `d/m`: a symlink to a
+    directory is one) or an extension module `d/m.*.so` (both found before `m.py` by the import system). The node drops these when materialising a side with
     protected paths, and the kernel lists them in the wake from the same listings through this function."""
     modules = set()
     for p in base_paths:
@@ -524,7 +524,7 @@ def shadowing(patterns: list[str], base_paths: list[str], paths: list[str]) -> l
                 module = d + "/" + stem + ".py" if d else stem + ".py"
                 if (d, stem) not in modules:
                     continue
-                if i < len(parts) - 1 and parts[i] == stem:
+                if parts[i] == stem:  # a directory `m/`, or an entry `m` (a symlink to one)
                     why = f"a package that shadows the protected {module}"
                 elif i == len(parts) - 1 and name.endswith(EXTENSION_SUFFIXES):
                     why = f"an extension module that shadows the protected {module}"

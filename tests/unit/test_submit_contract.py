@@ -196,6 +196,7 @@ def test_with_protected_paths_what_could_run_in_place_of_a_protected_file_is_nam
         "eval/notes.md",  # eval.py is not protected: its package is not touched
         "metric.pyi",
         "metricx/__init__.py",
+        "lib/util",  # a symlink to a directory would be a package
         "model.py",
         "pkg/__pycache__/x.pyc",  # protected itself (pkg/**): from the base, not removed
     ]
@@ -211,6 +212,7 @@ def test_with_protected_paths_what_could_run_in_place_of_a_protected_file_is_nam
         "metric.cpython-311-x86_64-linux-gnu.so": "an extension module that shadows the protected metric.py",
         "metric.pyd": "an extension module that shadows the protected metric.py",
         "lib/util/core.py": "a package that shadows the protected lib/util.py",
+        "lib/util": "a package that shadows the protected lib/util.py",
     }
     # with nothing protected no module is shadowed: only the caches and hooks go (a side's own pyc included)
     assert set(dict(shadowing([], base, side)).values()) == {"a bytecode cache", "an interpreter hook"}
