@@ -72,14 +72,14 @@ def changed_paths(
     return tuple(n for n in names if is_protected(list(patterns), n))
 
 
-# The removed paths a plan keeps (and the wake lists); all of them are counted.
-SHADOWS_KEPT: Final = 50
+# The paths left out of a side that a verdict lists (removed shadows, what the scorer did not see); all are counted.
+PATHS_KEPT: Final = 50
 
 
 @dataclass(frozen=True, slots=True)
 class Removed:
     """What the node removes from the sides' trees because it could shadow a protected file (the first
-    SHADOWS_KEPT, and how many in all)."""
+    PATHS_KEPT, and how many in all)."""
 
     paths: tuple[SidePath, ...] = ()
     count: int = 0
@@ -109,7 +109,7 @@ def shadows_removed(repo: R.KernelRepo, base_tree: str, tree: str, patterns: tup
         for side, names in sides
         for p, why in shadowing(list(patterns), base, names)
     ]
-    return Removed(tuple(found[:SHADOWS_KEPT]), len(found))
+    return Removed(tuple(found[:PATHS_KEPT]), len(found))
 
 
 def _shown(path: str) -> str:

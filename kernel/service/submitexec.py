@@ -539,7 +539,7 @@ def _protected_changed(
 
 def _unseen(plan: S.Plan, rows: list[JobRow]) -> tuple[tuple[SidePath, ...], int]:
     """The paths of the sides' trees that the score stage's copy left out (from each run's exit record, the
-    wrapper's list): the distinct ones (up to S.SHADOWS_KEPT), and the most that one run's copy left out."""
+    wrapper's list): the distinct ones (up to S.PATHS_KEPT), and the most that one run's copy left out."""
     if plan.contract.score is None:
         return (), 0
     shown: dict[SidePath, None] = {}
@@ -551,7 +551,7 @@ def _unseen(plan: S.Plan, rows: list[JobRow]) -> tuple[tuple[SidePath, ...], int
         side: Literal["base", "candidate"] = "base" if row.launch == E.EVAL_BASE else "candidate"
         count = max(count, rec.score_unseen_count)
         for u in rec.score_unseen:
-            if len(shown) < S.SHADOWS_KEPT:
+            if len(shown) < S.PATHS_KEPT:
                 shown.setdefault(SidePath(side=side, path=u.path, why=u.why))
     return tuple(shown), count
 
