@@ -337,6 +337,15 @@ class Pair(_Strict, frozen=True):
     delta: float  # candidate - base
 
 
+class SidePath(_Strict, frozen=True):
+    """A path of one side's tree that the evaluation left out, and why (kernel-written; the path is the
+    candidate's, shown quoted)."""
+
+    side: Literal["base", "candidate"]
+    path: str
+    why: str
+
+
 class Verdict(_Strict, frozen=True):
     """A submit's verdict. With repeats, the values are means over the pairs and `delta` is the mean difference.
 
@@ -366,6 +375,16 @@ class Verdict(_Strict, frozen=True):
     p_value: float | None = None  # the sign test's
     lower_bound: float | None = None  # the bootstrap's lower bound of the mean improvement
     protected_changed: tuple[str, ...] = ()  # protected paths the candidate changed (replaced by the base's)
+    # With protected paths: the side's files that could run in place of a protected file (bytecode caches,
+    # interpreter hooks, same-named packages or extension modules), removed before the run; the first ones and
+    # how many in all.
+    shadows_removed: tuple[SidePath, ...] = ()
+    shadows_removed_count: int = 0
+    # With a score stage: the paths of a side's tree (after its command) that are not in the copy the scorer
+    # read (anything but regular files and directories); the distinct first ones over the runs, and the most
+    # that one run's copy left out.
+    scorer_unseen: tuple[SidePath, ...] = ()
+    scorer_unseen_count: int = 0
 
 
 class Wake(_Strict, frozen=True):

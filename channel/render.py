@@ -11,7 +11,7 @@ import re
 from typing import Final
 
 from channel.lifecycle import NOT_RUN_TASK_STATES
-from channel.messages import Budget, LogFile, TaskResult, Verdict, Wake
+from channel.messages import Budget, LogFile, SidePath, TaskResult, Verdict, Wake
 from channel.paths import CHANNEL_DIR, ChannelPaths
 
 _RUN_RE: Final = re.compile(r"`+|~+")
@@ -258,6 +258,24 @@ def render_verdict(v: Verdict) -> str:
     if v.protected_changed:
         out.append("Protected paths the candidate changed (the base's versions were used on both sides):")
         out += [f"- {_inline(p)}" for p in v.protected_changed]
+    removed, unseen = v.shadows_removed, v.scorer_unseen
+    if v.shadows_removed_count:
+        note = f"{v.shadows_removed_count} in all"
+        note += f"; the first {len(removed)} shown" if v.shadows_removed_count > len(removed) else ""
+        what = "Removed from the trees before the runs, as they could run in place of a protected file"
+        out += _side_paths(what, note, removed)
+    if v.scorer_unseen_count:
+        note = f"{len(unseen)} shown"
+        note += (
+            f"; one run's copy left out {v.scorer_unseen_count}"
+            if v.scorer_unseen_count > len(unseen)
+            else ""
+        )
+        what = (
+            "Not seen by the operator's scorer: it reads a copy of each side's tree, made after the command, "
+            "that holds regular files and directories only"
+        )
+        out += _side_paths(what, note, unseen)
     if v.outcome == "failed":
         out.append(f"Failed side: {v.failed_side or 'unknown'}.")
         if v.reason:  # may quote the eval's own output
@@ -368,6 +386,12 @@ def render_wake(w: Wake) -> str:
     refund = f" Refunded {w.refunded_gpu_hours:.2f} GPU-hours not used." if w.refunded_gpu_hours else ""
     out.append(render_budget(w.budget) + refund)
     return "\n".join(x.rstrip("\n") + "\n" for x in out if x).rstrip("\n") + "\n"
+
+
+def _side_paths(what: str, note: str, paths: tuple[SidePath, ...]) -> list[str]:
+    """A verdict's list of paths left out of the sides' trees: what (and the kernel's `note` on how many), then
+    one line per path: the side, the path and why (both quoted)."""
+    return [f"{what} ({note}):", *(f"- {p.side}: {_inline(p.path)} ({_inline(p.why)})" for p in paths)]
 
 
 def _inline(text: str) -> str:

@@ -47,12 +47,21 @@ KIND_LOST: Final = "lost"
 KIND_CANCELLED: Final = "cancelled"  # cancelled before it ever started (written by the backend)
 
 
+class UnseenPath(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A path of the job's tree the score stage's copy left out (kernel.node.wrapper.copy_for_scorer)."""
+
+    path: str
+    why: str
+
+
 class ExitRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     code: int
     kind: ExitKind
     signal: str | None = None
     command_code: int | None = None
     score_code: int | None = None  # the operator's score stage (submit), when it ran
+    score_unseen: tuple[UnseenPath, ...] = ()  # the first paths the score stage's copy left out
+    score_unseen_count: int = 0  # how many it left out in all
     finished_at: str | None = None
     host: str | None = None
     detail: str | None = None

@@ -33,7 +33,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from channel.decode import RequestError
-from channel.messages import EvalContract, Pair, SleepRequest, Submit, Verdict, encode
+from channel.messages import EvalContract, Pair, SidePath, SleepRequest, Submit, Verdict, encode
 from kernel.core import ledger, paired
 from kernel.core.records import JobRow
 
@@ -172,9 +172,12 @@ def decide(
     trusted: bool,
     baseline_reused: bool = False,
     protected_changed: tuple[str, ...] = (),
+    shadows_removed: tuple[tuple[SidePath, ...], int] = ((), 0),
+    scorer_unseen: tuple[tuple[SidePath, ...], int] = ((), 0),
 ) -> Verdict:
     """The verdict of a paired evaluation: run i of each side is pair i (seed i). `base` holds Decimals when a
-    stored measurement with the same seeds was reused."""
+    stored measurement with the same seeds was reused. `shadows_removed` and `scorer_unseen` are (the first
+    paths, how many in all) that the nodes left out of the sides' trees (Verdict says what each means)."""
     common: dict[str, Any] = {
         "metric": contract.metric,
         "direction": contract.direction,
@@ -187,6 +190,10 @@ def decide(
         "seed_commitment": seed_commitment(seeds, base_tree) if seeds else None,
         "repeats": len(candidate),
         "protected_changed": protected_changed,
+        "shadows_removed": shadows_removed[0],
+        "shadows_removed_count": shadows_removed[1],
+        "scorer_unseen": scorer_unseen[0],
+        "scorer_unseen_count": scorer_unseen[1],
     }
     if len(base) != len(candidate):
         return Verdict(

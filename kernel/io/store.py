@@ -238,16 +238,18 @@ CREATE TABLE IF NOT EXISTS eval_measurements (
 _ADDED_COLUMNS: Final = (
     ("eval_plans", "seeds", "TEXT"),
     ("eval_plans", "protected_changed", "TEXT"),
+    ("eval_plans", "shadows_removed", "TEXT"),
     # the channel subdirectories' identities (spec 2.3): NULL until the next enrollment or start records them
     ("workspaces", "subdirs", "TEXT"),
 )
 
 _PLAN_COLS: Final = (
     "workspace, seq, decision, contract, seed, base_commit, base_tree, candidate_commit, candidate_tree, "
-    "baseline_key, reused_value, seeds, protected_changed"
+    "baseline_key, reused_value, seeds, protected_changed, shadows_removed"
 )
-# One eval_plans row, in _PLAN_COLS order: reused_value, seeds and protected_changed are JSON lists (the last two
-# NULL in a row recorded before they were added).
+# One eval_plans row, in _PLAN_COLS order: reused_value, seeds and protected_changed are JSON lists, and
+# shadows_removed a JSON object (kernel.io.submit.Removed); the last three NULL in a row recorded before they
+# were added.
 EvalPlanValues = tuple[
     str,
     int,
@@ -258,6 +260,7 @@ EvalPlanValues = tuple[
     str | None,
     str,
     str,
+    str | None,
     str | None,
     str | None,
     str | None,

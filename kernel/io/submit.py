@@ -33,10 +33,10 @@ from typing import Final, Literal
 
 import msgspec
 
-from channel.messages import EvalContract, Policy, Verdict, encode
+from channel.messages import EvalContract, Policy, SidePath, Verdict, encode
 from kernel.io import repo as R
 from kernel.io.store import Store, timestamp
-from kernel.node.wrapper import is_protected
+from kernel.node.wrapper import is_protected, shadowing
 
 Decision = Literal["run", "reuse", "unchanged", "no_base"]
 SEED_BOUND: Final = 2**31
@@ -70,6 +70,51 @@ def changed_paths(
         raise R.RepoError(f"cannot compare {tree[:12]} with the base {base_tree[:12]}: {R.first_line(out)}")
     names = [n.decode("utf-8", "surrogateescape") for n in out.stdout.split(b"\0") if n]
     return tuple(n for n in names if is_protected(list(patterns), n))
+
+
+# The paths left out of a side that a verdict lists (removed shadows, what the scorer did not see); all are counted.
+PATHS_KEPT: Final = 50
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """What the node removes from the sides' trees because it could shadow a protected file (the first
+    PATHS_KEPT, and how many in all)."""
+
+    paths: tuple[SidePath, ...] = ()
+    count: int = 0
+
+
+_removed_decoder: Final = msgspec.json.Decoder(Removed)
+
+
+def _names(repo: R.KernelRepo, tree: str) -> list[str]:
+    out = repo.git("ls-tree", "-r", "-z", "--name-only", "--full-tree", "--end-of-options", tree)
+    if out.returncode != 0:
+        raise R.RepoError(f"cannot list the tree {tree[:12]}: {R.first_line(out)}")
+    return [n.decode("utf-8", "surrogateescape") for n in out.stdout.split(b"\0") if n]
+
+
+def shadows_removed(repo: R.KernelRepo, base_tree: str, tree: str, patterns: tuple[str, ...]) -> Removed:
+    """The paths of each side (the base's tree, the candidate's) that the node removes when it materialises
+    them with protected `patterns` (kernel.node.wrapper.shadowing, the function the node uses, on the same
+    listings of the kernel's repository), so the wake names exactly what the node removed."""
+    base = _names(repo, base_tree)
+    sides: tuple[tuple[Literal["base", "candidate"], list[str]], ...] = (
+        ("base", base),
+        ("candidate", base if tree == base_tree else _names(repo, tree)),
+    )
+    found = [
+        SidePath(side=side, path=_shown(p), why=why)
+        for side, names in sides
+        for p, why in shadowing(list(patterns), base, names)
+    ]
+    return Removed(tuple(found[:PATHS_KEPT]), len(found))
+
+
+def _shown(path: str) -> str:
+    """A tree path as text a JSON wake can carry (undecodable bytes escaped)."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def base_of(store: Store, workspace: str) -> tuple[str, str] | None:
@@ -174,6 +219,7 @@ class Plan:
     reused_values: tuple[Decimal, ...] | None
     seeds: tuple[int, ...] = ()
     protected_changed: tuple[str, ...] = ()
+    removed: Removed = Removed()
 
 
 def plan_of(store: Store, workspace: str, seq: int) -> Plan | None:
@@ -195,6 +241,7 @@ def plan_of(store: Store, workspace: str, seq: int) -> Plan | None:
         None if row[10] is None else tuple(Decimal(v) for v in json.loads(row[10])),
         tuple(json.loads(row[11])) if row[11] else (),
         tuple(json.loads(row[12])) if row[12] else (),
+        _removed_decoder.decode(row[13]) if row[13] else Removed(),
     )
 
 
@@ -214,6 +261,7 @@ def put_plan(store: Store, p: Plan) -> None:
             None if p.reused_values is None else json.dumps([str(v) for v in p.reused_values]),
             json.dumps(list(p.seeds)),
             json.dumps(list(p.protected_changed)),
+            msgspec.json.encode(p.removed).decode(),
         ),
     )
 

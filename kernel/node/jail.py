@@ -325,12 +325,14 @@ def score_bwrap_argv(
     `command` wrote, it cannot change it), the scorer read-only, the private data read-only at a path the wrapper
     draws after `command` has exited (SCORE_DATA_TOKEN: no symlink the candidate planted can point at it), cwd
     in the scorer (so a relative path or `sys.path[0]` never resolves into the candidate's tree), and a home of
-    its own."""
+    its own. No `/proc` at all: through `/proc/self/fd/N` a path would reach the scorer's own open files (its
+    labels), and bwrap cannot mount one with hidepid; the tree it reads is the wrapper's copy of regular files
+    and directories only (kernel.node.wrapper.copy_for_scorer)."""
     tree, home, scorer = _abs(paths.tree, "tree"), _abs(paths.home, "home"), _abs(scorer, "scorer")
     argv = _bwrap_start(
         policy, network=False, hostname="syscall-score", bound=(*policy.system_dirs, *policy.etc)
     )
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    argv += ["--dev", "/dev", "--tmpfs", "/tmp"]
     argv += _ro_dir_args(policy)
     argv += ["--bind", home, home, "--ro-bind", tree, tree, "--ro-bind", scorer, scorer]
     if data is not None:

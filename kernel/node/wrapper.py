@@ -36,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any
 # they cost ~25 ms of interpreter start-up, which would otherwise come before `started` on every task.
 if TYPE_CHECKING:
     import subprocess
+    from collections.abc import Callable
 
 EXIT_EMPTY_COMMAND = 120
 EXIT_MATERIALISE_FAILED = 121
@@ -238,19 +239,69 @@ def valid_tree_path(path: bytes) -> bool:
     return bool(path) and all(p not in (b"", b".", b"..") and p.lower() != b".git" for p in parts)
 
 
-def _dir_fd(root_fd: int, rel: bytes, cache: dict[bytes, int]) -> int:
-    """The fd of directory `rel` below the tree (created as needed, never through a symlink)."""
-    if not rel:
-        return root_fd
-    if rel in cache:
-        return cache[rel]
-    parent, _, name = rel.rpartition(b"/")
-    pfd = _dir_fd(root_fd, parent, cache)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, 0o755, dir_fd=pfd)
-    fd = os.open(name, _O_DIR, dir_fd=pfd)
-    cache[rel] = fd
-    return fd
+# The most directory fds a DirChain holds (materialising, copying the tree for the scorer): a tree's directories
+# below this depth are reached by reopening component by component from the deepest one held.
+DIR_CHAIN_CAP = 32
+
+
+class DirChain:
+    """The open directories of one path from a root fd down (the ancestors' chain), for visiting a tree in
+    depth-first order with a bounded number of fds whatever its breadth or depth: `at(parts)` closes what lies
+    off the new path and opens (creating them when `create`) the missing components, never through a symlink
+    (O_NOFOLLOW on every component). At most `cap` fds of the chain stay open, plus one for a directory deeper
+    than that; entries in tree order (each directory's entries contiguous) reopen each directory once."""
+
+    def __init__(self, root_fd: int, *, create: bool, cap: int = DIR_CHAIN_CAP) -> None:
+        self.root = root_fd
+        self.create = create
+        self.cap = cap
+        self.names: list[str | bytes] = []  # the path the chain is at
+        self.fds: list[int] = []  # fds[i] is the directory names[: i + 1] (i < cap)
+        self.deep: int | None = None  # the directory `names` when it lies deeper than `cap`
+
+    def at(self, parts: list[Any]) -> int:
+        """The fd of directory `parts` below the root (owned by the chain: valid until the next call)."""
+        k = 0
+        while k < min(len(self.names), len(parts)) and self.names[k] == parts[k]:
+            k += 1
+        if k == len(self.names) == len(parts):
+            return self.deep if self.deep is not None else (self.fds[-1] if self.fds else self.root)
+        self._close_deep()
+        while len(self.fds) > k:
+            os.close(self.fds.pop())
+        self.names = []
+        cur = self.fds[-1] if self.fds else self.root
+        for i in range(len(self.fds), len(parts)):
+            if self.create and i >= k:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(parts[i], 0o755, dir_fd=cur)
+            nfd = os.open(parts[i], _O_DIR, dir_fd=cur)
+            if i < self.cap:
+                self.fds.append(nfd)
+            elif self.deep is None:
+                self.deep = nfd
+            else:
+                os.close(self.deep)
+                self.deep = nfd
+            cur = nfd
+        self.names = list(parts)
+        return cur
+
+    def _close_deep(self) -> None:
+        if self.deep is not None:
+            os.close(self.deep)
+            self.deep = None
+
+    def close(self) -> None:
+        self._close_deep()
+        while self.fds:
+            os.close(self.fds.pop())
+        self.names = []
+
+
+def tree_order(path: bytes) -> list[bytes]:
+    """Sort key putting every directory's entries together (depth first), as a recursive ls-tree lists them."""
+    return path.split(b"/")
 
 
 def _read_exact(stream: IO[bytes], n: int) -> bytes:
@@ -341,19 +392,23 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
         if protected:
             # Protected paths come from the base (held in the same kernel repository) whatever this side's tree
             # holds: this side's entries under a protected pattern are dropped and the base's are written instead.
+            # So are the bytecode caches, interpreter hooks and same-named modules that could shadow a protected
+            # file (`shadowing`: the kernel lists the same paths in the wake from the same listings).
             patterns = list(protected["patterns"])
             base_entries = listing_of(protected["tree"])
-            entries = [
-                e for e in entries if not is_protected(patterns, e[3].decode("utf-8", "surrogateescape"))
-            ]
-            entries += [
-                e for e in base_entries if is_protected(patterns, e[3].decode("utf-8", "surrogateescape"))
-            ]
+            dropped = {
+                p.encode("utf-8", "surrogateescape")
+                for p, _why in shadowing(
+                    patterns, [_text(e[3]) for e in base_entries], [_text(e[3]) for e in entries]
+                )
+            }
+            entries = [e for e in entries if e[3] not in dropped and not is_protected(patterns, _text(e[3]))]
+            entries += [e for e in base_entries if is_protected(patterns, _text(e[3]))]
+            entries.sort(key=lambda e: tree_order(e[3]))
         oids = os.path.join(scratch, "oids")
         with open(oids, "wb") as f:
             f.writelines(oid + b"\n" for mode, kind, oid, path in entries if kind == b"blob")
-        root_fd = os.open(tree, _O_DIR)
-        cache: dict[bytes, int] = {}
+        chain = DirChain(os.open(tree, _O_DIR), create=True)
         try:
             with open(oids, "rb") as stdin:
                 proc = subprocess.Popen(
@@ -368,8 +423,8 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
             assert proc.stdout is not None
             try:
                 for mode, kind, oid, path in entries:
-                    parent, _, name = path.rpartition(b"/")
-                    pfd = _dir_fd(root_fd, parent, cache)
+                    *parents, name = path.split(b"/")
+                    pfd = chain.at(parents)
                     if kind != b"blob":  # a submodule: only its (empty) directory
                         os.mkdir(name, 0o755, dir_fd=pfd)
                         continue
@@ -396,9 +451,8 @@ def materialise(git: dict[str, Any], tree: str, scratch: str) -> int:
                 proc.kill()
                 proc.wait()
         finally:
-            for fd in cache.values():
-                os.close(fd)
-            os.close(root_fd)
+            chain.close()
+            os.close(chain.root)
         return len(entries)
     except (OSError, ValueError) as e:  # ValueError: a name or link target with a NUL byte
         raise fail(f"materialising the snapshot failed: {e}") from None
@@ -432,6 +486,57 @@ def protected_match(pattern: str, path: str) -> bool:
 
 def is_protected(patterns: list[str], path: str) -> bool:
     return any(protected_match(p, path) for p in patterns)
+
+
+# What Python runs in place of (or before) a source file: bytecode, `.pth` lines and the site hooks.
+BYTECODE_SUFFIXES = (".pyc", ".pyo")
+HOOK_SUFFIXES = (".pth",)
+HOOK_NAMES = ("sitecustomize.py", "usercustomize.py")
+EXTENSION_SUFFIXES = (".so", ".pyd")
+
+
+def shadowing(patterns: list[str], base_paths: list[str], paths: list[str]) -> list[tuple[str, str]]:
+    """(path, why) for each of this side's paths (`paths`, not itself protected) that could run in place of a
+    protected file: a bytecode cache (`__pycache__/` or `*.pyc`, which an unchecked-hash pyc makes Python load
+    instead of the source), an interpreter hook (`*.pth`, `sitecustomize.py`, `usercustomize.py`), or, next to
+    a protected module `d/m.py` of the base (`base_paths`), a package `d/m/` (or an entry `d/m`: a symlink to a
+    directory is one) or an extension module `d/m.*.so` (both found before `m.py` by the import system). The node drops these when materialising a side with
+    protected paths, and the kernel lists them in the wake from the same listings through this function."""
+    modules = set()
+    for p in base_paths:
+        if p.endswith(".py") and is_protected(patterns, p):
+            d, _, name = p.rpartition("/")
+            modules.add((d, name[:-3]))
+    out: list[tuple[str, str]] = []
+    for p in paths:
+        if is_protected(patterns, p):
+            continue
+        parts = p.split("/")
+        name = parts[-1].lower()
+        why = None
+        if "__pycache__" in parts or name.endswith(BYTECODE_SUFFIXES):
+            why = "a bytecode cache"
+        elif name.endswith(HOOK_SUFFIXES) or name in HOOK_NAMES:
+            why = "an interpreter hook"
+        else:
+            for i in range(len(parts)):
+                d, stem = "/".join(parts[:i]), parts[i].split(".")[0]
+                module = d + "/" + stem + ".py" if d else stem + ".py"
+                if (d, stem) not in modules:
+                    continue
+                if parts[i] == stem:  # a directory `m/`, or an entry `m` (a symlink to one)
+                    why = f"a package that shadows the protected {module}"
+                elif i == len(parts) - 1 and name.endswith(EXTENSION_SUFFIXES):
+                    why = f"an extension module that shadows the protected {module}"
+                if why is not None:
+                    break
+        if why is not None:
+            out.append((p, why))
+    return out
+
+
+def _text(path: bytes) -> str:
+    return path.decode("utf-8", "surrogateescape")
 
 
 # --- the locked environment --------------------------------------------------------------------------------
@@ -931,23 +1036,38 @@ def run_score(
     tdir: str,
     runner: Runner,
     note: Any,
-) -> int | None:
+) -> tuple[int | None, dict[str, Any]]:
     """The operator's score stage for this side, in its own jail; returns its exit status (128+N for a signal),
-    None when it could not start. Its stdout and stderr go to score-stdout / score-stderr of the task dir, which
-    the agent never sees whole (the kernel reads the metric from score-stdout)."""
-    home, scorer = os.path.join(scratch, "score-home"), os.path.join(scratch, "scorer")
-    for d in (home, scorer):
+    None when it could not start, and what exit-code says about the scorer's copy of the tree (`score_unseen`:
+    the paths it did not see and why, the first UNSEEN_KEPT; `score_unseen_count`). Its stdout and stderr go
+    to score-stdout / score-stderr of the task dir, which the agent never sees whole (the kernel reads the
+    metric from score-stdout).
+
+    The score stage reads a copy of the tree (copy_for_scorer), never `tree` itself: only regular files and
+    directories, so no symlink the candidate left (to `/proc/self/fd/N`, which would be the scorer's own open
+    labels, or to the data's path) and no FIFO or device is there to open."""
+    home, scorer, view = (os.path.join(scratch, n) for n in ("score-home", "scorer", "score-tree"))
+    for d in (home, scorer, view):
         os.mkdir(d, 0o700)
+    seen: dict[str, Any] = {}
     if score.get("scorer") is not None:  # score_from = "base": the scorer is the base commit's tree
         try:
             materialise(dict(config["git"], protected=None, **score["scorer"]), scorer, scratch)
         except WrapperError as e:
             note(f"the scorer (the base commit) could not be written: {e}")
-            return None
+            return None, seen
+    try:
+        unseen, count = copy_for_scorer(tree, view, lambda: runner.reason is not None)
+    except OSError as e:
+        note(f"the copy of the tree for the scorer could not be made: {e}")
+        return None, seen
+    if count:
+        seen = {"score_unseen": unseen, "score_unseen_count": count}
+    tree = view
     import secrets
 
-    # The private data is mounted at a path drawn now, after `command` has exited: a symlink the candidate left
-    # in its tree (to the data's real path, which kernel.json shows) dangles in the score's jail.
+    # The private data is mounted at a path drawn now, after `command` has exited: the candidate cannot know it
+    # (and its symlinks are not in the copy the scorer reads anyway).
     data_at = "/score-data-" + secrets.token_hex(16)
     env = fill_env(dict(score["env"]), tree=tree, home=home, scorer=scorer, data=data_at)
     seeds = config.get("seeds") or []
@@ -971,15 +1091,159 @@ def run_score(
     err_fd = os.open(os.path.join(tdir, "score-stderr"), flags, 0o644)
     try:
         if runner.reason is not None:
-            return None
+            return None, seen
         status = runner.run(argv, scorer, env, out_fd, err_fd, int(config.get("output_max_bytes", 64 << 20)))
     except OSError as e:
         note(f"the score jail could not be started: {e}")
-        return None
+        return None, seen
     finally:
         os.close(out_fd)
         os.close(err_fd)
-    return status if status >= 0 else 128 - status
+    return (status if status >= 0 else 128 - status), seen
+
+
+# The paths the scorer did not see that exit-code names (all of them are counted).
+UNSEEN_KEPT = 50
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device node"
+    return "not a regular file or a directory"
+
+
+def _data_runs(fd: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of the parts of a file holding data (SEEK_DATA/SEEK_HOLE; the whole file where the
+    filesystem cannot say): a sparse file's holes cost its copy nothing."""
+    import errno
+
+    runs: list[tuple[int, int]] = []
+    pos = 0
+    try:
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only a hole from here on
+                    break
+                raise
+            pos = os.lseek(fd, start, os.SEEK_HOLE)
+            runs.append((start, min(pos, size)))
+    except (OSError, AttributeError):
+        return [(0, size)] if size else []
+    return runs
+
+
+def _copy_data(src: int, dst: int, size: int) -> None:
+    """Copy the first `size` bytes of `src` into the empty file `dst`, holes kept as holes."""
+    copy_range = getattr(os, "copy_file_range", None)  # Linux, Python 3.8+
+    for start, end in _data_runs(src, size):
+        pos = start
+        while pos < end:
+            n = 0
+            if copy_range is not None:
+                try:
+                    n = copy_range(src, dst, min(end - pos, 1 << 30), pos, pos)
+                except OSError:  # another filesystem, or not supported: read and write from here on
+                    copy_range = None
+                    continue
+            else:
+                chunk = os.pread(src, min(end - pos, 1 << 20), pos)
+                n = len(chunk)
+                done = 0
+                while done < n:
+                    done += os.pwrite(dst, chunk[done:], pos + done)
+            if n == 0:  # the file is shorter than it was when listed
+                break
+            pos += n
+    os.ftruncate(dst, size)
+
+
+def copy_for_scorer(
+    tree: str, dest: str, stopped: Callable[[], bool] = lambda: False
+) -> tuple[list[dict[str, str]], int]:
+    """Copy the (no longer running) job's `tree` into the empty directory `dest` for the score stage: regular
+    files (their bytes, mode 0644 or 0755) and directories only. Symlinks, FIFOs, sockets, device nodes, files
+    hard-linked to a file outside the tree and whatever cannot be read are left out; returns the first
+    UNSEEN_KEPT of them as {"path", "why"} and how many there were. Every component is opened through directory
+    fds with O_NOFOLLOW (nothing is followed) and at most two DirChains of fds are held, whatever the tree.
+    InterruptedError when `stopped()` (the task was cancelled or ran out of time) before it is done."""
+    unseen: list[dict[str, str]] = []
+    count = 0
+
+    def skip(rel: list[str], why: str) -> None:
+        nonlocal count
+        count += 1
+        if len(unseen) < UNSEEN_KEPT:
+            shown = os.fsencode("/".join(rel)).decode("utf-8", "backslashreplace") or "."
+            unseen.append({"path": shown if len(shown) <= 300 else shown[:300] + "...", "why": why})
+
+    src = DirChain(os.open(tree, _O_DIR), create=False)
+    dst = DirChain(os.open(dest, _O_DIR), create=True)
+    linked: dict[tuple[int, int], list[list[str]]] = {}  # a file with more than one name: its names here
+    nlinks: dict[tuple[int, int], int] = {}
+    stack: list[list[str]] = [[]]
+    try:
+        while stack:
+            if stopped():
+                raise InterruptedError("stopped while copying the tree for the scorer")
+            parts = stack.pop()
+            try:
+                sfd = src.at(parts)
+                names = sorted(os.listdir(sfd))
+            except OSError as e:
+                skip(parts, f"a directory that cannot be read ({e.strerror})")
+                continue
+            subdirs = []
+            for name in names:
+                rel = [*parts, name]
+                try:
+                    st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        subdirs.append(rel)
+                        continue
+                    if not stat.S_ISREG(st.st_mode):
+                        skip(rel, _kind_of(st.st_mode))
+                        continue
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
+                except OSError as e:
+                    skip(rel, f"cannot be read ({e.strerror})")
+                    continue
+                try:
+                    got = os.fstat(fd)
+                    if not stat.S_ISREG(got.st_mode) or (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+                        skip(rel, "changed while it was being copied")
+                        continue
+                    if got.st_nlink > 1:
+                        linked.setdefault((got.st_dev, got.st_ino), []).append(rel)
+                        nlinks[(got.st_dev, got.st_ino)] = got.st_nlink
+                    perm = 0o755 if got.st_mode & 0o111 else 0o644
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                    out = os.open(name, flags, perm, dir_fd=dst.at(parts))
+                    try:
+                        _copy_data(fd, out, got.st_size)
+                    finally:
+                        os.close(out)
+                finally:
+                    os.close(fd)
+            dst.at(parts)  # an empty directory too
+            stack.extend(reversed(subdirs))
+        for key, rels in linked.items():
+            if len(rels) < nlinks[key]:  # another name of this file lies outside the tree
+                for rel in rels:
+                    os.unlink(rel[-1], dir_fd=dst.at(rel[:-1]))
+                    skip(rel, "a hard link to a file outside the tree")
+    finally:
+        for chain in (src, dst):
+            chain.close()
+            os.close(chain.root)
+    return unseen, count
 
 
 def exit_record(kind: str, code: int, **extra: Any) -> dict[str, Any]:
@@ -1099,7 +1363,8 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         if score is not None and rec["kind"] == KIND_EXITED and rec["code"] == 0:
             # Every process of `command` is gone by now: its jail's pid namespace died with it (bwrap
             # --unshare-pid), so nothing it left behind can print into the score's output or touch the tree.
-            rec["score_code"] = run_score(score, config, index, scratch, tree, tdir, runner, note)
+            rec["score_code"], seen = run_score(score, config, index, scratch, tree, tdir, runner, note)
+            rec.update(seen)
             write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
             reason = runner.stopped_for()
             if reason is not None:

@@ -37,13 +37,13 @@ import time
 from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import anyio.to_thread
 import msgspec
 
 from channel.lifecycle import NOT_RUN_TASK_STATES, TaskEvent
-from channel.messages import EvalContract, Submit, TaskResult, TaskState, Verdict
+from channel.messages import EvalContract, SidePath, Submit, TaskResult, TaskState, Verdict
 from channel.paths import RunPaths
 from kernel.backends.base import DEFAULT_OUTPUT_MAX_BYTES, BaseFiles, JobSpec, ScoreStage
 from kernel.backends.jobscript import read_exit
@@ -138,7 +138,7 @@ class SubmitEvaluation:
         submit, comparison = await self.worker.call(self._comparison, order)
         if not submit:
             return
-        changed: tuple[str, ...] = ()
+        changed: tuple[tuple[str, ...], S.Removed] = ((), S.Removed())
         if comparison is not None:
             base_tree, protected = comparison
             changed = await self.heavy.run(
@@ -159,8 +159,11 @@ class SubmitEvaluation:
             return True, None
         return True, None if base is None else (base[1], contract.protected)
 
-    def _plan(self, order: SleepOrder, commit: str, tree: str, changed: tuple[str, ...]) -> None:
-        """(store worker) Decide and record the plan (once), with the protected paths the candidate changed."""
+    def _plan(
+        self, order: SleepOrder, commit: str, tree: str, changed: tuple[tuple[str, ...], S.Removed]
+    ) -> None:
+        """(store worker) Decide and record the plan (once), with the protected paths the candidate changed and
+        the paths the node removes because they could shadow a protected file."""
         key, seq = order.workspace.key, order.sleep.seq
         with self.store.transaction():
             plan = S.plan_of(self.store, key, seq)
@@ -245,7 +248,9 @@ class SubmitEvaluation:
         except (R.UntrustedGit, R.RepoError, OSError) as exc:
             klog.event("submit_base_unheld", logging.WARNING, ws=ws.key, problem=str(exc)[:500])
 
-    def _decide_plan(self, order: SleepOrder, commit: str, tree: str, changed: tuple[str, ...]) -> S.Plan:
+    def _decide_plan(
+        self, order: SleepOrder, commit: str, tree: str, changed: tuple[tuple[str, ...], S.Removed]
+    ) -> S.Plan:
         ws = order.workspace
         contract = ws.policy.submit
         jobs = {j.launch: j for j in self.store.jobs_of(ws.key, order.sleep.seq)}
@@ -290,7 +295,8 @@ class SubmitEvaluation:
             baseline_key=bkey,
             reused_values=stored,
             seeds=seeds,
-            protected_changed=changed if decision in ("run", "reuse") else (),
+            protected_changed=changed[0] if decision in ("run", "reuse") else (),
+            removed=changed[1] if decision in ("run", "reuse") else S.Removed(),
         )
 
     def _skip_unrun(self, key: str, seq: int, decision: S.Decision) -> None:
@@ -441,6 +447,8 @@ class SubmitEvaluation:
             trusted=trusted,
             baseline_reused=plan.decision == "reuse",
             protected_changed=plan.protected_changed,
+            shadows_removed=(plan.removed.paths, plan.removed.count),
+            scorer_unseen=_unseen(plan, rows),
         )
 
     @staticmethod
@@ -515,15 +523,38 @@ class SubmitEvaluation:
 
 def _protected_changed(
     ws: WorkspaceRow, repo: R.KernelRepo, base_tree: str, tree: str, protected: tuple[str, ...]
-) -> tuple[str, ...]:
-    """(heavy pool) The protected paths the candidate's tree changed against the base's, both in the kernel's
-    repository of `ws` (the wake lists them); none when they cannot be compared (logged)."""
+) -> tuple[tuple[str, ...], S.Removed]:
+    """(heavy pool) The protected paths the candidate's tree changed against the base's, and the paths of both
+    trees the node removes because they could shadow a protected file, from the kernel's repository of `ws`
+    (the wake lists them); none when they cannot be compared (logged)."""
     crash.hang_point("diff", ws.path)
     try:
-        return S.changed_paths(repo, base_tree, tree, protected)
+        return (
+            S.changed_paths(repo, base_tree, tree, protected),
+            S.shadows_removed(repo, base_tree, tree, protected),
+        )
     except (R.RepoError, OSError) as exc:
         klog.event("submit_diff_failed", logging.WARNING, ws=ws.key, problem=str(exc)[:300])
-        return ()
+        return (), S.Removed()
+
+
+def _unseen(plan: S.Plan, rows: list[JobRow]) -> tuple[tuple[SidePath, ...], int]:
+    """The paths of the sides' trees that the score stage's copy left out (from each run's exit record, the
+    wrapper's list): the distinct ones (up to S.PATHS_KEPT), and the most that one run's copy left out."""
+    if plan.contract.score is None:
+        return (), 0
+    shown: dict[SidePath, None] = {}
+    count = 0
+    for row in sorted(rows, key=lambda j: (j.launch, j.task)):
+        rec = None if row.run_dir is None else read_exit(Path(row.run_dir))
+        if rec is None:
+            continue
+        side: Literal["base", "candidate"] = "base" if row.launch == E.EVAL_BASE else "candidate"
+        count = max(count, rec.score_unseen_count)
+        for u in rec.score_unseen:
+            if len(shown) < S.PATHS_KEPT:
+                shown.setdefault(SidePath(side=side, path=u.path, why=u.why))
+    return tuple(shown), count
 
 
 def _legacy_refs_once(repo: R.KernelRepo, path: str) -> list[str]:

@@ -20,7 +20,10 @@ cannot write the tree or see the candidate's processes.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import sqlite3
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ from kernelproc import Kernel, git, run_tool
 
 from channel.paths import workspace_key
 from kernel.core.evaluate import seed_commitment
+from kernel.node.jail import JAIL_PATH
 
 pytestmark = pytest.mark.bwrap
 
@@ -68,7 +72,7 @@ try:
     ok = 0
 except OSError:
     pass
-for pid in os.listdir("/proc"):
+for pid in (os.listdir("/proc") if os.path.isdir("/proc") else []):
     if pid.isdigit():
         try:
             if b"sleep" in open("/proc/%s/cmdline" % pid, "rb").read():
@@ -79,6 +83,48 @@ if not os.environ.get("EVAL_SEED", "").isdigit():
     ok = 0
 print(json.dumps({"score": ok}))
 """
+# The operator's scorer keeps its labels open (fd 3) while it reads the candidate's predictions.
+SCORE_FD_PY = """import json, os
+tree, data = os.environ["EVAL_TREE"], os.environ["SCORE_DATA"]
+held = open(os.path.join(data, "labels.txt"))
+labels = held.read().split()
+held.seek(0)
+try:
+    preds = open(os.path.join(tree, "predictions.txt")).read().split()
+except OSError:
+    preds = []
+print(json.dumps({"score": sum(a == b for a, b in zip(labels, preds)) / len(labels)}))
+"""
+# The candidate's predictions are the scorer's own open labels, through /proc/self/fd (every low fd it may use).
+FD_PREDICT = """import os
+os.symlink("/proc/self/fd/3", "predictions.txt")
+for n in range(4, 10):
+    os.symlink("/proc/self/fd/%d" % n, "fd%d.txt" % n)
+"""
+# The candidate's real (worse) predictions, beside a FIFO, a socket, a symlink and a hard link of its own file.
+SPECIALS_PREDICT = (
+    PREDICT_PY
+    + """import os, socket
+os.mkfifo("pipe")
+socket.socket(socket.AF_UNIX).bind("sock")
+os.symlink("/proc/self/fd/3", "deep/fd3")
+os.link("predictions.txt", "deep/same.txt")
+"""
+)
+# With eval.py and metric.py protected, the candidate ships code that Python would run in place of metric.py.
+METRIC_PY = "import model\n\n\ndef score():\n    return model.CORRECT / 10\n"
+EVAL_METRIC_PY = "import json\nimport metric\nprint(json.dumps({'score': metric.score()}))\n"
+FORGED_METRIC = "def score():\n    return 0.999\n"
+METRIC_FLAGS = (
+    "--eval-command",
+    "python3 eval_metric.py",
+    "--metric",
+    "score",
+    "--protected",
+    "eval_metric.py",
+    "--protected",
+    "metric.py",
+)
 ATEXIT_MODEL = """CORRECT = 2
 import atexit, json, subprocess
 atexit.register(lambda: print(json.dumps({"score": 0.999}), flush=True))
@@ -116,10 +162,31 @@ def score_flags(private: Path, scorer: str = "score.py") -> tuple[str, ...]:
 EVAL_FLAGS = ("--eval-command", "python3 eval.py", "--metric", "score")
 
 
-def cases(private: Path) -> dict[str, tuple[tuple[str, ...], dict[str, str]]]:
+def forged_pyc(tmp: Path) -> tuple[str, bytes]:
+    """(path in the tree, bytes) of an unchecked-hash pyc of FORGED_METRIC, as the jail's python3 would find it
+    for `metric.py` (its own cache tag)."""
+    python = shutil.which("python3", path=JAIL_PATH)
+    assert python is not None
+    src = tmp / "forge" / "metric.py"
+    src.parent.mkdir()
+    src.write_text(FORGED_METRIC)
+    code = (
+        "import py_compile, sys; print(py_compile.compile(sys.argv[1], doraise=True, "
+        "invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH))"
+    )
+    out = subprocess.run([python, "-c", code, str(src)], check=True, capture_output=True, text=True).stdout
+    pyc = Path(out.strip())
+    return f"__pycache__/{pyc.name}", pyc.read_bytes()
+
+
+def cases(private: Path, pyc: tuple[str, bytes]) -> dict[str, tuple[tuple[str, ...], dict[str, str | bytes]]]:
     """name -> (enroll flags, candidate files written into the working tree)"""
     worse = {"model.py": MODEL.format(n=2)}
     return {
+        "score-fd": (score_flags(private, "score_fd.py"), {**worse, "predict.py": FD_PREDICT}),
+        "score-specials": (score_flags(private), {**worse, "predict.py": SPECIALS_PREDICT, "deep/.keep": ""}),
+        "protected-pyc": (METRIC_FLAGS, {**worse, pyc[0]: pyc[1]}),
+        "protected-package": (METRIC_FLAGS, {**worse, "metric/__init__.py": FORGED_METRIC}),
         "score-rewrite": (score_flags(private), {**worse, "predict.py": PREDICT_PY + REWRITE}),
         "score-atexit": (score_flags(private), {"model.py": ATEXIT_MODEL}),
         "score-base": (
@@ -199,9 +266,10 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
     (private / "secret.txt").write_text(SECRET + "\n")
     (private / "score.py").write_text(SCORE_PY)
     (private / "jail_check.py").write_text(JAIL_CHECK_PY)
+    (private / "score_fd.py").write_text(SCORE_FD_PY)
     kernel = Kernel(tmp, 'jail = "bwrap"\n[local]\nseconds_per_minute = 1.0\n')
     spaces: dict[str, Path] = {}
-    all_cases = cases(private)
+    all_cases = cases(private, forged_pyc(tmp))
     for name, (flags, _) in all_cases.items():
         ws = tmp / "spaces" / name
         ws.mkdir(parents=True)
@@ -211,6 +279,8 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
         (ws / "predict.py").write_text(PREDICT_PY)
         (ws / "score_base.py").write_text(SCORE_PY)
         (ws / "peek.py").write_text(PEEK_PY)
+        (ws / "metric.py").write_text(METRIC_PY)
+        (ws / "eval_metric.py").write_text(EVAL_METRIC_PY)
         git(ws, "add", "-A")
         git(ws, "commit", "-q", "-m", "base")
         kernel.enroll(ws, "--sleeps", "10", "--gpu-hours", "4", *flags)
@@ -219,8 +289,12 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
     e = Env(tmp, kernel, spaces)
     try:
         for name, (_, files) in all_cases.items():
-            for rel, text in files.items():
-                (spaces[name] / rel).write_text(text)
+            for rel, data in files.items():
+                (spaces[name] / rel).parent.mkdir(parents=True, exist_ok=True)
+                if isinstance(data, bytes):
+                    (spaces[name] / rel).write_bytes(data)
+                else:
+                    (spaces[name] / rel).write_text(data)
             report = tmp / f"{name}.md"
             report.write_text(f"# {name}\n")
             e.tool(name, "submit", "--report", str(report))
@@ -247,6 +321,74 @@ def test_with_a_score_stage_no_attack_makes_a_worse_candidate_improved(env: Env,
     md = env.md(name)
     assert "## Submit verdict: not_improved\n" in md
     assert "Trusted:" in md
+
+
+def unseen(v: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {(u["side"], u["path"], u["why"]) for u in v["scorer_unseen"]}
+
+
+def test_the_scorer_reads_a_copy_without_the_candidates_symlinks(env: Env) -> None:
+    """The candidate's predictions.txt is a symlink to /proc/self/fd/3, which in the scorer's jail would be the
+    scorer's own open labels (improved, trusted, on the old wrapper): the scorer's copy holds no symlink, so
+    it finds no predictions; the wake names every path it did not see."""
+    v = env.wake("score-fd")["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"], v["trusted"]) == (
+        "not_improved",
+        0.5,
+        0.0,
+        True,
+    ), v
+    links = {("candidate", "predictions.txt", "a symbolic link")}
+    links |= {("candidate", f"fd{n}.txt", "a symbolic link") for n in range(4, 10)}
+    assert unseen(v) == links
+    assert v["scorer_unseen_count"] == 7
+    md = env.md("score-fd")
+    assert "Not seen by the operator's scorer: it reads a copy of each side's tree" in md
+    assert "- candidate: 'predictions.txt' ('a symbolic link')" in md
+    # the symlink to the labels' path (kernel.json shows it) is left out the same way
+    assert unseen(env.wake("score-symlink")["verdict"]) == {
+        ("candidate", "predictions.txt", "a symbolic link")
+    }
+
+
+def test_the_scorers_copy_leaves_out_fifos_sockets_and_links_but_keeps_hard_links_inside(env: Env) -> None:
+    v = env.wake("score-specials")["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"]) == ("not_improved", 0.5, 0.2), v
+    assert unseen(v) == {
+        ("candidate", "pipe", "a FIFO (named pipe)"),
+        ("candidate", "sock", "a socket"),
+        ("candidate", "deep/fd3", "a symbolic link"),
+    }
+    # the base's tree after its command holds regular files and directories only
+    assert not [u for u in v["scorer_unseen"] if u["side"] == "base"]
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "why"),
+    [
+        ("protected-pyc", None, "a bytecode cache"),
+        ("protected-package", "metric/__init__.py", "a package that shadows the protected metric.py"),
+    ],
+)
+def test_with_metric_py_protected_nothing_the_candidate_ships_runs_in_its_place(
+    env: Env, name: str, path: str | None, why: str
+) -> None:
+    """An unchecked-hash pyc of a forged metric.py in `__pycache__/` (Python loads it instead of the base's
+    source), or a package `metric/` (found before metric.py): both are removed from the candidate's tree, so
+    the base's metric.py measures the worse candidate; the wake says what was removed."""
+    v = env.wake(name)["verdict"]
+    assert (v["outcome"], v["base_value"], v["candidate_value"]) == ("not_improved", 0.5, 0.2), v
+    assert v["protected_changed"] == []
+    [removed] = v["shadows_removed"]
+    assert (removed["side"], removed["why"]) == ("candidate", why)
+    if path is None:
+        assert re.fullmatch(r"__pycache__/metric\.[-\w]+\.pyc", removed["path"]), removed
+    else:
+        assert removed["path"] == path
+    assert v["shadows_removed_count"] == 1
+    assert "Removed from the trees before the runs, as they could run in place of a protected file" in env.md(
+        name
+    )
 
 
 def test_with_the_eval_protected_its_rewrite_is_replaced_by_the_base_and_named(env: Env) -> None:
@@ -338,7 +480,14 @@ def test_the_operator_is_warned_of_a_self_reported_contract(env: Env) -> None:
         if line.startswith(f"- {workspace_key(ws.resolve())} ")
         and any("print its own metric" in x for x in lines[i + 1 : i + 4])
     }
-    assert warned == {"protected-rewrite", "protected-atexit", "neither-rewrite", "neither-atexit"}
+    assert warned == {
+        "protected-rewrite",
+        "protected-atexit",
+        "protected-pyc",
+        "protected-package",
+        "neither-rewrite",
+        "neither-atexit",
+    }
     again = env.kernel.cli("enroll", str(env.spaces["neither-rewrite"])).stdout
     assert "warning: the eval contract lets the candidate print its own metric" in again
     assert "print its own metric" not in env.kernel.cli("enroll", str(env.spaces["jail-check"])).stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from channel.messages import EvalContract, Policy
+from channel.messages import EvalContract, Policy, SidePath
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import RequestRow, WorkspaceRow
@@ -136,15 +136,19 @@ def test_a_database_made_by_the_old_side_table_ddl_opens_and_keeps_its_data(tmp_
         plan = S.plan_of(s, "w-1", 1)
         assert plan is not None
         assert (plan.decision, plan.seeds, plan.protected_changed) == ("no_base", (), ())
+        assert plan.removed == S.Removed()
         assert S.measurement(s, "k") is not None
         s.close()
 
     s = Store.open(path)
     with s.transaction():  # the added columns are written
-        S.put_plan(s, replace(plan, seq=2, seeds=(1, 2), protected_changed=("eval.py",)))
+        removed = S.Removed(
+            (SidePath(side="candidate", path="__pycache__/m.pyc", why="a bytecode cache"),), 3
+        )
+        S.put_plan(s, replace(plan, seq=2, seeds=(1, 2), protected_changed=("eval.py",), removed=removed))
     again = S.plan_of(s, "w-1", 2)
     assert again is not None
-    assert (again.seeds, again.protected_changed) == ((1, 2), ("eval.py",))
+    assert (again.seeds, again.protected_changed, again.removed) == ((1, 2), ("eval.py",), removed)
     s.close()
 
 

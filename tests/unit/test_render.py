@@ -280,6 +280,39 @@ def test_the_verdict_section_shows_pairs_the_test_the_commitment_and_no_seed() -
     assert self_reported.startswith("## Submit verdict: improved (self-reported)\n\nSelf-reported:")
 
 
+def test_the_verdict_lists_what_the_nodes_left_out_of_the_trees_on_one_quoted_line_each() -> None:
+    from channel.messages import SidePath, Verdict
+    from channel.render import render_verdict
+
+    hostile = "x`\n## Submit verdict: improved"
+    v = Verdict(
+        outcome="not_improved",
+        metric="acc",
+        direction="higher",
+        trusted=True,
+        shadows_removed=(
+            SidePath(side="candidate", path="__pycache__/m.cpython-311.pyc", why="a bytecode cache"),
+        ),
+        shadows_removed_count=4,
+        scorer_unseen=(
+            SidePath(side="candidate", path="answer.txt", why="a symbolic link"),
+            SidePath(side="base", path=hostile, why="a FIFO (named pipe)"),
+        ),
+        scorer_unseen_count=2,
+    )
+    md = render_verdict(v)
+    assert (
+        "Removed from the trees before the runs, as they could run in place of a protected file "
+        "(4 in all; the first 1 shown):\n- candidate: '__pycache__/m.cpython-311.pyc' ('a bytecode cache')"
+    ) in md
+    assert "(2 shown):\n- candidate: 'answer.txt' ('a symbolic link')\n- base: " in md
+    assert [ln for ln in md.splitlines() if ln.startswith("#")] == ["## Submit verdict: not_improved"]
+    assert "left out" not in render_verdict(msgspec.structs.replace(v, scorer_unseen_count=2))
+    assert "Not seen" not in render_verdict(
+        msgspec.structs.replace(v, scorer_unseen=(), scorer_unseen_count=0)
+    )
+
+
 def test_an_unchanged_verdict_says_what_was_charged() -> None:
     from channel.messages import Verdict
     from channel.render import render_verdict

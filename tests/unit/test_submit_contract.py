@@ -12,7 +12,7 @@ from channel.messages import EvalContract
 from kernel.core.config import ConfigError, load, score_data_problem
 from kernel.core.evaluate import EvalRun, MetricError, contract_problem, is_trusted, measure
 from kernel.node import jail as J
-from kernel.node.wrapper import is_protected, protected_match, render_argv
+from kernel.node.wrapper import is_protected, protected_match, render_argv, shadowing
 
 BASE = "[defaults.submit]\ncommand = 'python3 predict.py'\nmetric = 'acc'\n"
 
@@ -147,6 +147,8 @@ def test_the_score_jail_has_no_network_a_read_only_tree_and_its_cwd_in_the_score
     assert filled[filled.index("--chdir") + 1] == "/s/scorer"
     assert filled[-3:] == ["sh", "-c", "python3 x.py"]
     assert "--tmpfs /opt/state" in joined
+    assert "--proc" not in filled  # no /proc/self/fd/N reaches the scorer's own open files
+    assert "/proc" not in joined
     app = J.score_template_argv(J.JailPolicy(kind="apptainer", image="/i.sif"), data=None)
     filled = render_argv(
         app, "apptainer", "/s/tree", "/s/home", "/s/work", {}, "c", "/s/scorer", score_data="/d"
@@ -175,3 +177,43 @@ def test_a_verdict_stored_by_an_older_kernel_with_its_seed_still_reads_without_i
     assert entry.verdict == "improved"
     with pytest.raises(msgspec.ValidationError):
         stored_verdict(OLD_VERDICT.replace(b'"seed":211611861', b'"surprise":1'))
+
+
+def test_with_protected_paths_what_could_run_in_place_of_a_protected_file_is_named() -> None:
+    base = ["metric.py", "eval.py", "lib/util.py", "pkg/__init__.py", "README.md"]
+    side = [
+        "metric.py",
+        "__pycache__/metric.cpython-311.pyc",
+        "lib/__pycache__/util.cpython-311.pyc",
+        "old.pyc",
+        "deps.PTH",
+        "sitecustomize.py",
+        "lib/usercustomize.py",
+        "metric/__init__.py",
+        "metric.cpython-311-x86_64-linux-gnu.so",
+        "metric.pyd",
+        "lib/util/core.py",
+        "eval/notes.md",  # eval.py is not protected: its package is not touched
+        "metric.pyi",
+        "metricx/__init__.py",
+        "lib/util",  # a symlink to a directory would be a package
+        "model.py",
+        "pkg/__pycache__/x.pyc",  # protected itself (pkg/**): from the base, not removed
+    ]
+    got = dict(shadowing(["metric.py", "lib/util.py", "pkg"], base, side))
+    assert got == {
+        "__pycache__/metric.cpython-311.pyc": "a bytecode cache",
+        "lib/__pycache__/util.cpython-311.pyc": "a bytecode cache",
+        "old.pyc": "a bytecode cache",
+        "deps.PTH": "an interpreter hook",
+        "sitecustomize.py": "an interpreter hook",
+        "lib/usercustomize.py": "an interpreter hook",
+        "metric/__init__.py": "a package that shadows the protected metric.py",
+        "metric.cpython-311-x86_64-linux-gnu.so": "an extension module that shadows the protected metric.py",
+        "metric.pyd": "an extension module that shadows the protected metric.py",
+        "lib/util/core.py": "a package that shadows the protected lib/util.py",
+        "lib/util": "a package that shadows the protected lib/util.py",
+    }
+    # with nothing protected no module is shadowed: only the caches and hooks go (a side's own pyc included)
+    assert set(dict(shadowing([], base, side)).values()) == {"a bytecode cache", "an interpreter hook"}
+    assert "pkg/__pycache__/x.pyc" in dict(shadowing([], base, side))
