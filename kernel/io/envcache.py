@@ -1,8 +1,8 @@
 """Locked environments: the snapshot's `uv.lock` turned into a warm uv cache before any job is submitted.
 
 When a snapshot holds `pyproject.toml` and `uv.lock` at its root (and `[environment] mode = "uv"`), the kernel
-fills a uv cache for that lockfile OUTSIDE the jail, with the network, once per distinct (lockfile, pyproject,
-interpreter, index, uv version): `<run_dir>/envs/<key>/` holds
+fills a uv cache for that lockfile on the kernel's host, in the build jail, with the network, once per distinct
+(lockfile, pyproject, interpreter, index, uv version): `<run_dir>/envs/<key>/` holds
 
     uv/           the uv cache (UV_CACHE_DIR) with every wheel the lock names for this interpreter
     project/      the pyproject.toml and uv.lock the cache was built from (what each job syncs)
@@ -14,18 +14,38 @@ Each job then copies (hard links where it can) the cache into node scratch and r
 `uv sync --frozen --offline` into a private venv, bound read-only into the jail (kernel.node.wrapper): no network
 in the jail, and the same lockfile gives every job the same environment across sleeps and workspaces.
 
-The lockfile is the agent's, so nothing in it may run code or read files outside the jail: only packages from a
-registry are accepted (a path, directory, git or url source is refused by `lock_problem` before uv sees it), uv
-never builds (`--no-build`: a package without a wheel is refused, because building runs its setup code with the
-kernel's rights and network), never installs the project itself (`--no-install-project`), reads no
-configuration file (`--no-config`) and gets an environment built from nothing but the proxy settings. A lockfile
-that does not resolve is refused before any job is submitted (`environment.failed`, refunded).
+The lockfile is the agent's. On the kernel's host only the kernel's own TOML parser reads it (`lock_problem`)
+outside the build jail, and nothing it makes uv download runs at build time (each task's offline `uv sync`,
+on the node, reads the same accepted lock before its jail starts: kernel.node.wrapper):
+
+- `lock_problem` accepts only packages from the configured index, each file a canonical
+  `https://<the index's file host>/<path>` URL (a grammar on which urllib and uv's WHATWG parser read the same
+  host, so the host checked is the host uv fetches from; the lock is handed to uv as written) with a sha256 hash
+  uv verifies, and no other URL; the refusal names the entry (`package "six" wheels[2].url`).
+- uv never builds (`--no-build`: a package without a wheel is refused, because building runs its setup code),
+  never installs the project itself (`--no-install-project`), reads no configuration file (`--no-config`) and
+  gets an environment built from nothing but the proxy and CA settings.
+- With jail = "bwrap", `uv sync` runs in the build jail (`kernel.node.jail.build_bwrap_argv`): it can write only
+  the entry being built (its cache, venv and home; the uv-managed Python directory when `environment.python` is
+  a version), read only that entry's lockfile and pyproject, the uv binary, the CA files and the system
+  directories; the network is its only way out. The kernel's state, the run directory and the workspaces are not
+  in it.
+- The byte-compilation runs the environment's interpreter with `-S -I` (no site processing: no `.pth` of an
+  installed wheel is read, no sitecustomize imported; the stdlib alone on sys.path) in the same jail without the
+  network, able to write only the cache: no package code runs.
+
+With another jail kind (`apptainer`, or `none` for tests and a single-user laptop) uv and compileall run on the
+host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`): then the lock checks,
+`--no-build`, the hashes and `-S -I` are what hold, and a bug in uv's handling of a hostile lock or wheel would
+run with the kernel's rights. A lockfile that does not resolve is refused before any job is submitted
+(`environment.failed`, refunded).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -41,7 +61,8 @@ import anyio
 import msgspec
 
 from kernel.core.config import EnvironmentConfig
-from kernel.node.jail import JobEnvironment
+from kernel.io import log as klog
+from kernel.node.jail import JailPolicy, JobEnvironment, build_bwrap_argv
 
 LOCK_FILE: Final = "uv.lock"
 PROJECT_FILE: Final = "pyproject.toml"
@@ -68,6 +89,8 @@ PASSED_VARS: Final = (
     "SSL_CERT_DIR",
 )
 SAFE_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
+# Of PASSED_VARS, the files and directories uv reads (bound read-only into the build jail where they exist).
+CERT_VARS: Final = ("SSL_CERT_FILE", "SSL_CERT_DIR")
 _ANSI: Final = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -103,15 +126,118 @@ class LockedProject:
 
 PYPI_INDEX: Final = "https://pypi.org/simple"
 PYPI_FILES: Final = "files.pythonhosted.org"
+# What a host and port must look like to be compared at all: lower-case ASCII labels, no trailing dot.
+_LABEL: Final = r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?"
+_AUTHORITY: Final = re.compile(rf"{_LABEL}(?:\.{_LABEL})*(?::[1-9][0-9]{{0,4}})?")
+# A file's path: `/`-separated non-empty segments of these characters, none of them `.` or `..`.
+_SEGMENT: Final = re.compile(r"[A-Za-z0-9._~+-]+")
+_SHA256: Final = re.compile(r"sha256:[0-9a-f]{64}")
+# What a wheel or sdist entry may hold: where the file is (a URL, nothing else), its hash, and two facts.
+_FILE_KEYS: Final = frozenset({"url", "hash", "size", "upload-time"})
+
+
+def file_authority(index_url: str) -> str:
+    """`host[:port]` the files of the index live on (PyPI's: files.pythonhosted.org), lower-cased, the default
+    port dropped; "" when the configured index has no host of the canonical form (_AUTHORITY)."""
+    index = (index_url or PYPI_INDEX).rstrip("/")
+    if index == PYPI_INDEX:
+        return PYPI_FILES
+    try:
+        parts = urlsplit(index)
+        host, port = (parts.hostname or "").rstrip("."), parts.port
+    except ValueError:
+        return ""
+    authority = host if port in (None, 443) else f"{host}:{port}"
+    return authority if _AUTHORITY.fullmatch(authority) else ""
+
+
+def file_url_problem(url: object, authority: str) -> str | None:
+    """Why `url` is not a canonical file URL of `authority`, or None.
+
+    Canonical: exactly `https://<authority>/<segment>/.../<segment>`, each segment of [A-Za-z0-9._~+-] and not
+    `.` or `..`. Nothing else may appear: no `\\` (WHATWG parsers, uv's among them, read it as `/`, so
+    `https://a\\@b/` is host `a` to uv and `b` to urllib), no `@` (userinfo), no `%` (a percent-escape in
+    a host decodes differently by parser), no `?`, `#`, whitespace or control character, no other port, no
+    other scheme, no upper case, trailing dot or non-ASCII in the host. Since the authority is followed by `/` and
+    the rest holds none of `\\ @ % ? # :` or a character a parser strips (tab, newline, space), every parser
+    (urllib's urlsplit, the WHATWG URL standard that uv's `url` crate implements) ends the authority at that
+    same `/` and reads the same host and port: the lock is handed to uv as written."""
+    if not isinstance(url, str):
+        return "is not a string"
+    prefix = f"https://{authority}/"
+    if not url.startswith(prefix):
+        return f"does not start with {prefix}"
+    segments = url[len(prefix) :].split("/")
+    for seg in segments:
+        if seg in (".", "..") or not _SEGMENT.fullmatch(seg):
+            return (
+                f"has a path segment {seg[:80]!r} outside [A-Za-z0-9._~+-] (no `\\`, `@`, `%`, `?`, `#`, `:`, "
+                "space or control character, no empty, `.` or `..` segment)"
+            )
+    return None
+
+
+def _entry(name: str, where: str) -> str:
+    return f'package "{name}" {where}'
+
+
+def _file_problem(name: str, where: str, entry: object, authority: str, index: str) -> str | None:
+    if not isinstance(entry, dict):
+        return f"uv.lock {_entry(name, where)} is not a table"
+    extra = sorted(set(entry) - _FILE_KEYS)
+    if extra:
+        return (
+            f"uv.lock {_entry(name, where)} has {', '.join(extra)}; a file must be named by its `url` on "
+            f"https://{authority}/ with its `hash` (lock again against {index})"
+        )
+    why = file_url_problem(entry.get("url"), authority)
+    if why is not None:
+        shown = str(entry.get("url"))[:200]
+        return (
+            f"uv.lock {_entry(name, where + '.url')} {shown!r} {why}; files must come from https://{authority}/ "
+            f"in canonical form (lock again against {index}, without editing the URLs)"
+        )
+    digest = entry.get("hash")
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        return (
+            f"uv.lock {_entry(name, where + '.hash')} is {str(digest)[:80]!r}, not `sha256:` and 64 lower-case "
+            "hex digits; every file needs the hash uv verifies it against (lock again with uv)"
+        )
+    return None
+
+
+def _strings(value: object, where: str) -> list[tuple[str, str]]:
+    """Every string in a TOML value with its path (`a.b[2].c`)."""
+    if isinstance(value, str):
+        return [(where, value)]
+    if isinstance(value, dict):
+        return [got for k, v in value.items() for got in _strings(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [got for i, v in enumerate(value) for got in _strings(v, f"{where}[{i}]")]
+    return []
+
+
+def _url_like(text: str) -> bool:
+    return "\\" in text or ":/" in text
 
 
 def lock_problem(lock: bytes, index_url: str = "") -> str | None:
-    """Why the kernel will not install this lockfile, or None. Only packages from the configured index are
-    accepted, with files on that index's host (PyPI: files.pythonhosted.org) over https: any other source would
-    make uv read files or repositories outside the jail, build code with the kernel's rights, or fetch URLs the
-    agent chose from the kernel's host."""
+    """Why the kernel will not install this lockfile, or None; the reason names the entry (`package "six"
+    wheels[2].url`) and how to fix it.
+
+    Accepted: packages whose `source` is `{ registry = <the configured index> }` (the project itself, `virtual`
+    or `editable` ".", is never installed), each wheel and sdist a table of `url`, `hash`, `size` and
+    `upload-time` only, its url canonical (`file_url_problem`: `https://<the index's file host>/<path>`, a
+    grammar on which urllib and uv read the same host) and its hash `sha256:<64 hex>` (uv verifies every file
+    against it), and no other URL anywhere in the lock but the index's own. Anything else would make uv read
+    files or repositories outside the jail, build code, or fetch a URL the agent chose."""
     index = (index_url or PYPI_INDEX).rstrip("/")
-    file_host = PYPI_FILES if index == PYPI_INDEX else urlsplit(index).hostname
+    authority = file_authority(index_url)
+    if not authority:
+        return (
+            f"the kernel's package index {index!r} (the operator's environment.index_url) has no host of the "
+            "form `name.domain[:port]` in lower case, so no file URL can be checked against it (ask the operator)"
+        )
     try:
         doc = tomllib.loads(lock.decode("utf-8"))
     except UnicodeDecodeError:
@@ -124,34 +250,57 @@ def lock_problem(lock: bytes, index_url: str = "") -> str | None:
     for i, pkg in enumerate(packages):
         if not isinstance(pkg, dict):
             return f"uv.lock package #{i + 1} is not a table"
-        name = pkg.get("name", f"#{i + 1}")
-        source = pkg.get("source")
-        if not isinstance(source, dict) or len(source) != 1:
-            return f"uv.lock package {name!r} has no single `source`"
-        ((kind, where),) = source.items()
-        if kind in ("virtual", "editable") and where == ".":
-            continue  # the project itself: never installed (--no-install-project)
-        if kind != "registry":
-            return (
-                f"uv.lock package {name!r} comes from a {kind} source ({where!r}); the kernel installs only "
-                "packages from a package index (publish it to the index, or vendor its code into the workspace)"
-            )
-        if not isinstance(where, str) or where.rstrip("/") != index:
-            return (
-                f"uv.lock package {name!r} comes from the index {where!r}; this kernel installs only from "
-                f"{index} (lock again without a custom index)"
-            )
-        files = [pkg.get("sdist"), *list(pkg.get("wheels") or [])]
-        for f in files:
-            url = f.get("url") if isinstance(f, dict) else None
-            if url is None:
-                continue
-            parts = urlsplit(str(url))
-            if parts.scheme != "https" or parts.hostname != file_host:
-                return (
-                    f"uv.lock package {name!r} names the file {str(url)[:200]!r}; files must come from "
-                    f"https://{file_host}/ (lock again against {index})"
-                )
+        name = str(pkg.get("name", f"#{i + 1}"))[:100]
+        problem = _package_problem(name, pkg, index, authority)
+        if problem is not None:
+            return problem
+    others = {k: v for k, v in doc.items() if k != "package"}
+    for where, text in _strings(others, ""):
+        if _url_like(text) and text.rstrip("/") != index:
+            return _stray_url(where, text, index)
+    return None
+
+
+def _stray_url(where: str, text: str, index: str) -> str:
+    return (
+        f"uv.lock {where} is {text[:200]!r}: the only URL a lock may name outside its files is the kernel's "
+        f"index {index} (lock again against it)"
+    )
+
+
+def _package_problem(name: str, pkg: dict[str, object], index: str, authority: str) -> str | None:
+    source = pkg.get("source")
+    if not isinstance(source, dict) or len(source) != 1:
+        return f"uv.lock {_entry(name, 'source')}: not a single `source`"
+    ((kind, where),) = source.items()
+    files: list[tuple[str, object]] = []
+    if kind in ("virtual", "editable") and where == ".":
+        pass  # the project itself: never installed (--no-install-project); a URL in it is a stray one below
+    elif kind != "registry":
+        return (
+            f"uv.lock {_entry(name, 'source')} is a {kind} source ({str(where)[:200]!r}); the kernel installs "
+            "only packages from a package index (publish it to the index, or vendor its code into the workspace)"
+        )
+    elif not isinstance(where, str) or where.rstrip("/") != index:
+        return (
+            f"uv.lock {_entry(name, 'source.registry')} is the index {str(where)[:200]!r}; this kernel installs "
+            f"only from {index}, written exactly so (lock again without a custom index)"
+        )
+    else:
+        files += [("sdist", pkg["sdist"])] if "sdist" in pkg else []
+        wheels = pkg.get("wheels", [])
+        if not isinstance(wheels, list):
+            return f"uv.lock {_entry(name, 'wheels')} is not a list"
+        files += [(f"wheels[{j}]", w) for j, w in enumerate(wheels)]
+    for where_in, entry in files:
+        problem = _file_problem(name, where_in, entry, authority, index)
+        if problem is not None:
+            return problem
+    checked = {"source", *(["sdist", "wheels"] if kind == "registry" else [])}
+    rest = {k: v for k, v in pkg.items() if k not in checked}
+    for where_in, text in _strings(rest, ""):
+        if _url_like(text) and text.rstrip("/") != index:
+            return _stray_url(_entry(name, where_in), text, index)
     return None
 
 
@@ -222,6 +371,12 @@ def sync_argv(uv: str, project: str, python: str, *, offline: bool) -> list[str]
 # --- I/O -----------------------------------------------------------------------------------------------------
 
 
+def cert_paths(env: Mapping[str, str]) -> list[str]:
+    """The CA bundle and directory uv is told of (SSL_CERT_FILE, SSL_CERT_DIR) that exist: bound read-only into
+    the build jail so uv trusts what the kernel's host trusts."""
+    return [env[k] for k in CERT_VARS if k in env and os.path.isabs(env[k]) and os.path.exists(env[k])]
+
+
 def uv_binary() -> str:
     """The uv the `uv` package installed beside the kernel."""
     import uv
@@ -231,16 +386,31 @@ def uv_binary() -> str:
 
 class EnvCache:
     """The kernel's warm caches under `<run_dir>/envs/` (one kernel per run_dir: warm-ups of one key are
-    serialised in-process; concurrent kernels would only waste a download, as an entry appears by rename)."""
+    serialised in-process; concurrent kernels would only waste a download, as an entry appears by rename).
+    `jail` is the kernel's job jail policy: its kind decides whether the build is jailed (`bwrap`), its system
+    directories, /etc allowlist, `ro_dirs` and `hide` are the build jail's too."""
 
     def __init__(
-        self, cfg: EnvironmentConfig, run_dir: str | os.PathLike[str], *, uv: str | None = None
+        self,
+        cfg: EnvironmentConfig,
+        run_dir: str | os.PathLike[str],
+        *,
+        jail: JailPolicy,
+        uv: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.root = Path(run_dir) / ENVS_DIR
         self.uv = uv or uv_binary()
+        self.jail = jail
         self._uv_version: str | None = None
         self._locks: dict[str, anyio.Lock] = {}
+        if jail.kind != "bwrap":
+            klog.event(
+                "environment_build_unjailed",
+                logging.WARNING,
+                jail=jail.kind,
+                note="uv runs on the kernel's host without a jail; lock checks, --no-build and -S -I still apply",
+            )
 
     @property
     def managed_python(self) -> bool:
@@ -300,30 +470,40 @@ class EnvCache:
         tmp = self.root / f".{key}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         tmp.mkdir(mode=0o700)
         try:
-            (tmp / "project").mkdir()
-            (tmp / "home").mkdir()
+            for d in ("project", "home", "uv", "venv"):  # the venv empty: uv makes it one
+                (tmp / d).mkdir()
             (tmp / "project" / PROJECT_FILE).write_bytes(project.pyproject)
             (tmp / "project" / LOCK_FILE).write_bytes(project.lock)
             extra = {"UV_PROJECT_ENVIRONMENT": str(tmp / "venv")}
             if self.cfg.index_url:
                 extra["UV_INDEX_URL"] = self.cfg.index_url
+            writable = [str(tmp / d) for d in ("uv", "venv", "home")]
             if self.managed_python:
                 extra["UV_PYTHON_INSTALL_DIR"] = str(self.python_install_dir)
+                self.python_install_dir.mkdir(mode=0o700, exist_ok=True)
+                writable.append(str(self.python_install_dir))
             else:
                 extra["UV_PYTHON_DOWNLOADS"] = "never"
             env = uv_env(os.environ, home=str(tmp / "home"), cache=str(tmp / "uv"), **extra)
+            certs = cert_paths(env)
             argv = sync_argv(self.uv, str(tmp / "project"), self.cfg.python, offline=False)
             started = time.monotonic()
-            with anyio.move_on_after(self.cfg.warm_timeout_seconds) as scope:
-                got = await anyio.run_process(argv, env=env, cwd=tmp, check=False, stdin=None)
-            if scope.cancelled_caught:
+            got = await self._run_jailed(
+                argv,
+                network=True,
+                writable=writable,
+                readable=[self.uv, str(tmp / "project"), *certs],
+                env=env,
+                cwd=str(tmp / "project"),
+            )
+            if got is None:
                 raise EnvironmentFailed(
                     f"uv did not finish installing the locked environment within "
                     f"{self.cfg.warm_timeout_seconds:g} s"
                 )
-            out = got.stdout.decode("utf-8", "replace") + got.stderr.decode("utf-8", "replace")
+            out = got[1].decode("utf-8", "replace")
             (tmp / WARM_LOG).write_text(out)
-            if got.returncode != 0:
+            if got[0] != 0:
                 raise EnvironmentFailed(f"uv could not install the locked environment: {tail(out)}")
             venv = tmp / "venv"
             await self._compile(venv, tmp / "uv", tmp / WARM_LOG)
@@ -352,17 +532,58 @@ class EnvCache:
     async def _compile(self, venv: Path, cache: Path, log: Path) -> None:
         """Byte-compile the cache's unpacked wheels with the environment's interpreter. Each job's venv is
         read-only and installed by hard link from the cache, `__pycache__` included, so without this every job
-        would compile every module it imports from source (over a second for a few common packages). Compiling
-        runs no package code; a module that does not compile (a Python 2 leftover) is only logged."""
+        would compile every module it imports from source (over a second for a few common packages).
+
+        Compiling runs no package code: `-S -I` starts the interpreter without site processing (no `.pth` file
+        of an installed wheel is read, no sitecustomize imported) and with the stdlib alone on sys.path
+        (`compileall` only compiles: it imports nothing it compiles); it runs in the build jail too, without
+        network, able to write only the cache. A module that does not compile (a Python 2 leftover) is only
+        logged."""
         archive = cache / "archive-v0"
         if not archive.is_dir():
             return
-        argv = [str(venv / "bin" / "python"), "-I", "-m", "compileall", "-q", "-j", "0", str(archive)]
+        python = str(venv / "bin" / "python")
+        argv = [python, "-S", "-I", "-m", "compileall", "-q", "-j", "0", str(archive)]
+        readable = [str(venv), *([str(self.python_install_dir)] if self.managed_python else [])]
+        got = await self._run_jailed(
+            argv,
+            network=False,
+            writable=[str(cache)],
+            readable=readable,
+            env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"},
+            cwd=str(cache),
+        )
+        if got is not None and got[0] != 0:
+            with log.open("ab") as f:
+                f.write(b"\ncompileall (not fatal):\n" + got[1][-8000:])
+
+    async def _run_jailed(
+        self,
+        argv: list[str],
+        *,
+        network: bool,
+        writable: list[str],
+        readable: list[str],
+        env: dict[str, str],
+        cwd: str,
+    ) -> tuple[int, bytes] | None:
+        """Run one step of the build (uv sync, compileall); (exit status, stdout then stderr), or None past
+        `warm_timeout_seconds` (the process is killed; bwrap's --die-with-parent takes its children).
+
+        What it touches that the agent chose: the lockfile and pyproject uv reads, the wheels it downloads
+        and unpacks, the modules compiled. Containment with jail = "bwrap": `build_bwrap_argv` (only
+        `writable` can be written, only `readable` and the system directories read; the network only for uv).
+        With another jail kind the step runs directly on the host as the kernel's user: then only what the
+        lock checks, `--no-build`, the hashes and `-S -I` guarantee holds (docs/operator.md)."""
+        if self.jail.kind == "bwrap":
+            argv = build_bwrap_argv(
+                self.jail, network=network, writable=writable, readable=readable, env=env, cwd=cwd, argv=argv
+            )
+            env = {"PATH": SAFE_PATH}
         with anyio.move_on_after(self.cfg.warm_timeout_seconds):
-            got = await anyio.run_process(argv, check=False, env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"})
-            if got.returncode != 0:
-                with log.open("ab") as f:
-                    f.write(b"\ncompileall (not fatal):\n" + got.stdout[-4000:] + got.stderr[-4000:])
+            got = await anyio.run_process(argv, env=env, cwd=cwd, check=False, stdin=None)
+            return got.returncode, got.stdout + got.stderr
+        return None
 
     def prune(self, now: float | None = None) -> list[str]:
         """Remove caches unused for `keep_days` (and warm-ups abandoned by a crash); returns their names."""
