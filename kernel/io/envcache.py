@@ -5,7 +5,8 @@ fills a uv cache for that lockfile on the kernel's host, in the build jail, with
 (lockfile, pyproject, interpreter, index, uv version): `<run_dir>/envs/<key>/` holds
 
     uv/           the uv cache (UV_CACHE_DIR) with every wheel the lock names for this interpreter
-    project/      the pyproject.toml and uv.lock the cache was built from (what each job syncs)
+    project/      the pyproject.toml and uv.lock the cache was built from, as the kernel re-serialised them
+                  (what each job syncs)
     ready.json    written last: the interpreter's version and the installed packages (`EnvReady`)
     used          touched at each use; a cache unused for `keep_days` is pruned
     warm.log      uv's output
@@ -14,22 +15,25 @@ Each job then copies (hard links where it can) the cache into node scratch and r
 `uv sync --frozen --offline` into a private venv, bound read-only into the jail (kernel.node.wrapper): no network
 in the jail, and the same lockfile gives every job the same environment across sleeps and workspaces.
 
-The lockfile is the agent's. On the kernel's host only the kernel's own TOML parser reads it (`lock_problem`)
-outside the build jail, and nothing it makes uv download runs at build time (each task's offline `uv sync`,
-on the node, reads the same accepted lock before its jail starts: kernel.node.wrapper):
+The lockfile is the agent's. With jail = "bwrap", on the kernel's host only the kernel's own TOML parser reads it
+outside the build jail (`lock_problem`, `accepted_files`), and nothing it makes uv download runs at build time
+(each task's offline `uv sync`, on the node, reads the same accepted copy before its jail starts:
+kernel.node.wrapper):
 
 - `lock_problem` accepts only packages from the configured index, each file a canonical
   `https://<the index's file host>/<path>` URL (a grammar on which urllib and uv's WHATWG parser read the same
-  host, so the host checked is the host uv fetches from; the lock is handed to uv as written) with a sha256 hash
-  uv verifies, and no other URL; the refusal names the entry (`package "six" wheels[2].url`).
+  host, so the host checked is the host uv fetches from) with a sha256 hash uv verifies, and no other URL; the
+  refusal names the entry (`package "six" wheels[2].url`).
+- uv is given both files re-serialised by the kernel (`accepted_files`, `canonical_toml`), not the agent's bytes:
+  uv's TOML parser reads the very values the kernel's parser read and checked.
 - uv never builds (`--no-build`: a package without a wheel is refused, because building runs its setup code),
   never installs the project itself (`--no-install-project`), reads no configuration file (`--no-config`) and
   gets an environment built from nothing but the proxy and CA settings.
 - With jail = "bwrap", `uv sync` runs in the build jail (`kernel.node.jail.build_bwrap_argv`): it can write only
   the entry being built (its cache, venv and home; the uv-managed Python directory when `environment.python` is
-  a version), read only that entry's lockfile and pyproject, the uv binary, the CA files and the system
-  directories; the network is its only way out. The kernel's state, the run directory and the workspaces are not
-  in it.
+  a version), read only that entry's lockfile and pyproject, the uv binary, the CA files, the job jail's system
+  directories and /etc allowlist and `extra_dirs`; it has the network (it downloads). The kernel's state, the
+  rest of the run directory and the workspaces are not in it.
 - The byte-compilation runs the environment's interpreter with `-S -I` (no site processing: no `.pth` of an
   installed wheel is read, no sitecustomize imported; the stdlib alone on sys.path) in the same jail without the
   network, able to write only the cache: no package code runs.
@@ -44,6 +48,7 @@ run with the kernel's rights. A lockfile that does not resolve is refused before
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import logging
 import os
@@ -161,7 +166,7 @@ def file_url_problem(url: object, authority: str) -> str | None:
     other scheme, no upper case, trailing dot or non-ASCII in the host. Since the authority is followed by `/` and
     the rest holds none of `\\ @ % ? # :` or a character a parser strips (tab, newline, space), every parser
     (urllib's urlsplit, the WHATWG URL standard that uv's `url` crate implements) ends the authority at that
-    same `/` and reads the same host and port: the lock is handed to uv as written."""
+    same `/` and reads the same host and port (and uv gets the lock re-serialised: `accepted_files`)."""
     if not isinstance(url, str):
         return "is not a string"
     prefix = f"https://{authority}/"
@@ -302,6 +307,59 @@ def _package_problem(name: str, pkg: dict[str, object], index: str, authority: s
         if _url_like(text) and text.rstrip("/") != index:
             return _stray_url(_entry(name, where_in), text, index)
     return None
+
+
+def canonical_toml(doc: Mapping[str, object]) -> bytes:
+    """`doc` (what tomllib parsed) as one canonical TOML document: every top-level key on its own line, every
+    table inline, every key a quoted string, every string a basic string of printable ASCII with `\\"`, `\\\\`,
+    `\\uXXXX` and `\\UXXXXXXXX` its only escapes. The kernel hands uv this, not the agent's bytes, so uv's TOML
+    parser reads exactly the values the kernel's did (no multi-line, literal or dotted form, comment, or other
+    spelling that two parsers might read apart). `tomllib.loads(canonical_toml(d)) == d`."""
+    return "".join(f"{_toml_str(k)} = {_toml_value(v)}\n" for k, v in doc.items()).encode("ascii")
+
+
+def _toml_str(text: str) -> str:
+    out = []
+    for c in text:
+        n = ord(c)
+        if c in '"\\':
+            out.append("\\" + c)
+        elif 0x20 <= n < 0x7F:
+            out.append(c)
+        else:
+            out.append(f"\\u{n:04x}" if n <= 0xFFFF else f"\\U{n:08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, str):
+        return _toml_str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # `1.5`, `1e+20`, `inf`, `-inf`, `nan`: TOML floats
+    if isinstance(value, datetime.date | datetime.time):  # datetime is a date; isoformat is TOML's RFC 3339
+        return value.isoformat()
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_str(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"not a TOML value: {type(value).__name__}")
+
+
+def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes]:
+    """The (pyproject.toml, uv.lock) uv is given, in canonical form (`canonical_toml`); EnvironmentFailed when
+    the lock is refused (`lock_problem`) or the pyproject is not TOML."""
+    problem = lock_problem(project.lock, index_url)
+    if problem is not None:
+        raise EnvironmentFailed(problem)
+    try:
+        pyproject = tomllib.loads(project.pyproject.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise EnvironmentFailed(f"pyproject.toml is not valid UTF-8 TOML: {e}") from None
+    return canonical_toml(pyproject), canonical_toml(tomllib.loads(project.lock.decode("utf-8")))
 
 
 def cache_key(project: LockedProject, python: str, index_url: str, uv_version: str) -> str:
@@ -451,29 +509,28 @@ class EnvCache:
     async def ensure(self, project: LockedProject) -> tuple[EnvReady, JobEnvironment, bool]:
         """The warm cache for `project` (built now if missing); (ready, job environment, built now?).
         EnvironmentFailed when the lockfile is refused or uv cannot install it."""
-        problem = lock_problem(project.lock, self.cfg.index_url)
-        if problem is not None:
-            raise EnvironmentFailed(problem)
+        files = accepted_files(project, self.cfg.index_url)
         key = cache_key(project, self.cfg.python, self.cfg.index_url, await self.uv_version())
         lock = self._locks.setdefault(key, anyio.Lock())
         async with lock:
             ready = self.ready(key)
             built = ready is None
             if ready is None:
-                ready = await self._warm(key, project)
+                ready = await self._warm(key, project, files)
             with contextlib.suppress(OSError):
                 (self.entry(key) / USED).touch()
         return ready, self.job_environment(key, project), built
 
-    async def _warm(self, key: str, project: LockedProject) -> EnvReady:
+    async def _warm(self, key: str, project: LockedProject, files: tuple[bytes, bytes]) -> EnvReady:
+        """Build the entry `key` from `files` (`accepted_files`: what uv reads instead of the agent's bytes)."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = self.root / f".{key}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         tmp.mkdir(mode=0o700)
         try:
             for d in ("project", "home", "uv", "venv"):  # the venv empty: uv makes it one
                 (tmp / d).mkdir()
-            (tmp / "project" / PROJECT_FILE).write_bytes(project.pyproject)
-            (tmp / "project" / LOCK_FILE).write_bytes(project.lock)
+            (tmp / "project" / PROJECT_FILE).write_bytes(files[0])
+            (tmp / "project" / LOCK_FILE).write_bytes(files[1])
             extra = {"UV_PROJECT_ENVIRONMENT": str(tmp / "venv")}
             if self.cfg.index_url:
                 extra["UV_INDEX_URL"] = self.cfg.index_url

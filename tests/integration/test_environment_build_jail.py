@@ -29,6 +29,7 @@ import shutil
 import ssl
 import subprocess
 import threading
+import tomllib
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +44,7 @@ from kernelproc import Kernel, make_workspace, run_tool
 from testenv import need
 
 from channel.paths import workspace_key
-from kernel.io.envcache import uv_binary
+from kernel.io.envcache import canonical_toml, uv_binary
 from kernel.node.jail import JailPolicy, build_bwrap_argv
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
@@ -234,6 +235,7 @@ class Setup:
         self.decoy = decoy
         self.markers: list[Path] = []
         self.jail = ""
+        self.lock = ""
 
     def ok(self, name: str, *args: str) -> str:
         done = run_tool(self.spaces[name], *args, timeout=180)
@@ -283,6 +285,7 @@ def setup(
         s = Setup(kernel, spaces, index, decoy)
         s.markers = markers
         s.jail = jail
+        s.lock = lock
         yield s
         assert kernel.stop() == 0
     finally:
@@ -312,6 +315,10 @@ def test_a_wheel_shipping_a_pth_installs_and_its_pth_never_runs_on_the_kernels_h
     assert list(entry.glob("uv/archive-v0/*/hostile/__pycache__/__init__.cpython-*.pyc")), (
         "the warm-up byte-compiled the wheel (so its .pth had every chance to run there)"
     )
+    # uv was given the lock the kernel parsed, re-serialised, not the agent's bytes.
+    given = (entry / "project" / "uv.lock").read_bytes()
+    assert given != setup.lock.encode()
+    assert given == canonical_toml(tomllib.loads(setup.lock))
     ready = json.loads((entry / "ready.json").read_text())
     assert ["hostile", "1.0"] in ready["packages"]
     for marker in setup.markers:

@@ -4,8 +4,10 @@ a task's wrapper is told, and how its environment and memory failures are report
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import re
+import tomllib
 import urllib.parse
 from pathlib import Path
 
@@ -513,3 +515,49 @@ def test_prune_removes_caches_unused_for_keep_days(tmp_path: Path) -> None:
     removed = cache.prune(now)
     assert removed == ["old"]
     assert sorted(p.name for p in root.iterdir()) == ["fresh", E.PYTHON_DIR, "workspaces"]
+
+
+def test_uv_is_given_the_accepted_files_in_canonical_form() -> None:
+    pyproject = (
+        b'[project]\nname = "demo"\n# a comment\ndependencies = [\n  "six==1.16.0",\n]\n[tool.x]\nf = 1.5\n'
+    )
+    got_pyproject, got_lock = E.accepted_files(
+        E.LockedProject(pyproject=pyproject, lock=REGISTRY.encode()), ""
+    )
+    assert tomllib.loads(got_lock.decode()) == tomllib.loads(REGISTRY)
+    assert tomllib.loads(got_pyproject.decode()) == tomllib.loads(pyproject.decode())
+    assert got_lock.splitlines()[3].startswith(b'"package" = [{"name" = "demo", ')
+    assert b"#" not in got_pyproject
+    with pytest.raises(E.EnvironmentFailed, match=r'package "six" sdist\.url'):
+        E.accepted_files(
+            E.LockedProject(
+                pyproject=pyproject, lock=REGISTRY.replace("https://files", "http://files").encode()
+            ),
+            "",
+        )
+    with pytest.raises(E.EnvironmentFailed, match=r"pyproject\.toml is not valid"):
+        E.accepted_files(E.LockedProject(pyproject=b"[project", lock=REGISTRY.encode()), "")
+
+
+_TOML_SCALARS = (
+    st.text()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.booleans()
+    | st.floats(allow_nan=False)
+    | st.datetimes(timezones=st.none() | st.just(datetime.UTC))
+    | st.dates()
+    | st.times()
+)
+_TOML_VALUES = st.recursive(
+    _TOML_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(), _TOML_VALUES, max_size=5))
+def test_canonical_toml_reads_back_as_the_same_document_in_printable_ascii(doc: dict[str, object]) -> None:
+    text = E.canonical_toml(doc)
+    assert all(0x20 <= b < 0x7F or b == 0x0A for b in text)
+    assert tomllib.loads(text.decode("ascii")) == doc
