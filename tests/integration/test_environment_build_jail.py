@@ -11,6 +11,7 @@ a local HTTPS package index this test starts (127.0.0.1 only, its own CA; no int
 - A lock whose wheel URL is `https://127.0.0.1:<other>\\@127.0.0.1:<index>/...` (urllib reads the index's host,
   uv reads `\\` as `/` and the other server's) is refused with `environment.failed` naming the entry, refunded,
   and the other server receives no request at all.
+- A lock whose hash is not the wheel's is refused by uv (environment.failed, refunded).
 - The build jail's profile, run by bwrap: it writes only what it is given, reads the lockfile, and sees neither
   the kernel's state, another entry, /etc/shadow nor the network (when built without it).
 """
@@ -271,12 +272,16 @@ def setup(
             wheel_url, f"https://127.0.0.1:{decoy.port}\\\\@127.0.0.1:{index.port}/files/{WHEEL}"
         )
         assert tricked != lock
+        # A hash that is well-formed but not the wheel's: uv must refuse the download it gets.
+        digest = hashlib.sha256(wheel).hexdigest()
+        rehashed = lock.replace(f"sha256:{digest}", f"sha256:{hashlib.sha256(b'other').hexdigest()}")
+        assert rehashed != lock
         kernel.config.write_text(
             kernel.config.read_text()
             + f'jail = "{jail}"\n[environment]\npython = "{PYTHON}"\nindex_url = "{index.url}/simple"\n'
         )
         spaces = {}
-        for name, text in (("hostile", lock), ("backslash", tricked)):
+        for name, text in (("hostile", lock), ("backslash", tricked), ("rehashed", rehashed)):
             files = {"README": f"workspace {name}\n", "pyproject.toml": PYPROJECT, "uv.lock": text}
             spaces[name] = make_workspace(tmp / "spaces" / name, files)
             kernel.enroll(spaces[name], "--launches", "10", "--sleeps", "10", "--gpu-hours", "1")
@@ -311,14 +316,14 @@ def test_a_wheel_shipping_a_pth_installs_and_its_pth_never_runs_on_the_kernels_h
         assert "hostile.pth" in t["stderr_tail"], t
     assert f"/files/{WHEEL}" in setup.index.requests, "uv downloaded the wheel from the local index"
     envs = setup.kernel.state / "runs" / "envs"
-    [entry] = [p for p in envs.iterdir() if p.name not in ("workspaces", "python")]
+    # uv was given the lock the kernel parsed, re-serialised, not the agent's bytes.
+    given = canonical_toml(tomllib.loads(setup.lock))
+    assert given != setup.lock.encode()
+    [entry] = [p for p in envs.glob("*/project/uv.lock") if p.read_bytes() == given]
+    entry = entry.parent.parent
     assert list(entry.glob("uv/archive-v0/*/hostile/__pycache__/__init__.cpython-*.pyc")), (
         "the warm-up byte-compiled the wheel (so its .pth had every chance to run there)"
     )
-    # uv was given the lock the kernel parsed, re-serialised, not the agent's bytes.
-    given = (entry / "project" / "uv.lock").read_bytes()
-    assert given != setup.lock.encode()
-    assert given == canonical_toml(tomllib.loads(setup.lock))
     ready = json.loads((entry / "ready.json").read_text())
     assert ["hostile", "1.0"] in ready["packages"]
     for marker in setup.markers:
@@ -391,3 +396,17 @@ def test_the_build_jail_writes_only_its_entry_and_sees_nothing_of_the_kernel(
     # The directories above the entry exist in the jail only as mount points on its own /tmp.
     assert (tmp_path / "host-file").read_text() == "the host's\n"
     assert (entry / "project" / "uv.lock").read_text() == "version = 1\n"
+
+
+def test_a_file_whose_hash_is_not_the_locks_is_refused_by_uv_and_refunded(setup: Setup) -> None:
+    """What the lock check relies on: uv verifies every file against the lock's sha256."""
+    before = setup.budget("rehashed")
+    setup.ok("rehashed", "launch", "--name", "never", "--", "echo should not run")
+    done = run_tool(setup.spaces["rehashed"], "sleep", "--json", timeout=180)
+    assert done.returncode == 3, done.stdout + done.stderr
+    ans = json.loads(done.stdout)
+    assert ans["error"]["code"] == "environment.failed"
+    assert "hash" in ans["error"]["message"].lower(), ans["error"]["message"]
+    assert setup.budget("rehashed") == before
+    for marker in setup.markers:
+        assert not marker.exists()
