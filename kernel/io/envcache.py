@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import json
 import logging
 import os
 import re
@@ -59,7 +60,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import anyio
@@ -80,6 +81,8 @@ WARM_LOG: Final = "warm.log"
 # A lockfile or pyproject larger than this is refused (a real uv.lock of a large ML project is ~1 MiB).
 MAX_FILE_BYTES: Final = 8 * 1024 * 1024
 MESSAGE_TAIL: Final = 1500
+# The deepest nesting of arrays and tables accepted in either file (a real uv.lock nests 5 levels).
+MAX_TOML_DEPTH: Final = 32
 # Passed from the kernel's environment to uv when set (a site's proxy and CA bundle); nothing else is.
 PASSED_VARS: Final = (
     "HTTP_PROXY",
@@ -183,7 +186,28 @@ def file_url_problem(url: object, authority: str) -> str | None:
 
 
 def _entry(name: str, where: str) -> str:
-    return f'package "{name}" {where}'
+    return f"package {json.dumps(name)} {where}"  # the agent's name, quoted and escaped
+
+
+def parse_toml(data: bytes, name: str) -> dict[str, Any] | str:
+    """`data` (the agent's `name`) parsed, or why not: not UTF-8, not TOML, or nested deeper than MAX_TOML_DEPTH
+    (checked without recursion; tomllib itself gives up near a thousand levels with RecursionError)."""
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return f"{name} is not UTF-8 text"
+    except tomllib.TOMLDecodeError as e:
+        return f"{name} is not valid TOML: {e}"
+    except RecursionError:
+        return f"{name} nests arrays or tables more than {MAX_TOML_DEPTH} deep"
+    stack: list[tuple[object, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_TOML_DEPTH:
+            return f"{name} nests arrays or tables more than {MAX_TOML_DEPTH} deep"
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack += [(v, depth + 1) for v in children]
+    return doc
 
 
 def _file_problem(name: str, where: str, entry: object, authority: str, index: str) -> str | None:
@@ -236,6 +260,16 @@ def lock_problem(lock: bytes, index_url: str = "") -> str | None:
     grammar on which urllib and uv read the same host) and its hash `sha256:<64 hex>` (uv verifies every file
     against it), and no other URL anywhere in the lock but the index's own. Anything else would make uv read
     files or repositories outside the jail, build code, or fetch a URL the agent chose."""
+    problem = _lock_problem(lock, index_url)
+    return None if problem is None else _printable(problem)
+
+
+def _printable(text: str) -> str:
+    """`text` with every control character escaped (a refusal quotes the agent's keys and names)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _lock_problem(lock: bytes, index_url: str) -> str | None:
     index = (index_url or PYPI_INDEX).rstrip("/")
     authority = file_authority(index_url)
     if not authority:
@@ -243,12 +277,9 @@ def lock_problem(lock: bytes, index_url: str = "") -> str | None:
             f"the kernel's package index {index!r} (the operator's environment.index_url) has no host of the "
             "form `name.domain[:port]` in lower case, so no file URL can be checked against it (ask the operator)"
         )
-    try:
-        doc = tomllib.loads(lock.decode("utf-8"))
-    except UnicodeDecodeError:
-        return "uv.lock is not UTF-8 text"
-    except tomllib.TOMLDecodeError as e:
-        return f"uv.lock is not valid TOML: {e}"
+    doc = parse_toml(lock, LOCK_FILE)
+    if isinstance(doc, str):
+        return doc
     packages = doc.get("package", [])
     if not isinstance(packages, list):
         return "uv.lock has no [[package]] list"
@@ -355,11 +386,13 @@ def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes
     problem = lock_problem(project.lock, index_url)
     if problem is not None:
         raise EnvironmentFailed(problem)
-    try:
-        pyproject = tomllib.loads(project.pyproject.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise EnvironmentFailed(f"pyproject.toml is not valid UTF-8 TOML: {e}") from None
-    return canonical_toml(pyproject), canonical_toml(tomllib.loads(project.lock.decode("utf-8")))
+    out = []
+    for data, name in ((project.pyproject, PROJECT_FILE), (project.lock, LOCK_FILE)):
+        doc = parse_toml(data, name)
+        if isinstance(doc, str):
+            raise EnvironmentFailed(doc)
+        out.append(canonical_toml(doc))
+    return out[0], out[1]
 
 
 def cache_key(project: LockedProject, python: str, index_url: str, uv_version: str) -> str:

@@ -145,6 +145,13 @@ def _toml(text: str) -> str:
     return json.dumps(text)
 
 
+def _refused(lock: str) -> str:
+    """Why lock_problem refuses `lock` (it must)."""
+    problem = E.lock_problem(lock.encode())
+    assert problem is not None, lock
+    return problem
+
+
 @pytest.mark.parametrize("trick", sorted(TRICKS))
 def test_a_file_url_in_any_but_the_canonical_form_is_refused_naming_its_entry(trick: str) -> None:
     url = TRICKS[trick]
@@ -216,9 +223,7 @@ def test_a_url_anywhere_else_in_the_lock_is_refused_by_its_path() -> None:
     meta = REGISTRY.replace(
         '{ name = "six", specifier = "==1.16.0" }', '{ name = "six", url = "https://evil.invalid/six.whl" }'
     )
-    problem = E.lock_problem(meta.encode())
-    assert problem is not None
-    assert 'package "demo" metadata.requires-dist[0].url' in problem
+    assert 'package "demo" metadata.requires-dist[0].url' in _refused(meta)
     top = REGISTRY + '\n[manifest]\noverrides = [{ name = "six", url = "https://evil\\\\@pypi.org/x" }]\n'
     problem = E.lock_problem(top.encode())
     assert problem is not None
@@ -535,7 +540,7 @@ def test_uv_is_given_the_accepted_files_in_canonical_form() -> None:
             ),
             "",
         )
-    with pytest.raises(E.EnvironmentFailed, match=r"pyproject\.toml is not valid"):
+    with pytest.raises(E.EnvironmentFailed, match=r"pyproject\.toml is not valid TOML"):
         E.accepted_files(E.LockedProject(pyproject=b"[project", lock=REGISTRY.encode()), "")
 
 
@@ -561,3 +566,32 @@ def test_canonical_toml_reads_back_as_the_same_document_in_printable_ascii(doc: 
     text = E.canonical_toml(doc)
     assert all(0x20 <= b < 0x7F or b == 0x0A for b in text)
     assert tomllib.loads(text.decode("ascii")) == doc
+
+
+@pytest.mark.parametrize("depth", [E.MAX_TOML_DEPTH + 1, 5000])
+def test_a_file_nested_too_deep_is_refused_not_a_crash(depth: int) -> None:
+    deep = "x = " + "[" * depth + "]" * depth + "\n"
+    problem = E.lock_problem((REGISTRY + deep).encode())
+    assert problem is not None
+    assert f"uv.lock nests arrays or tables more than {E.MAX_TOML_DEPTH} deep" in problem
+    with pytest.raises(E.EnvironmentFailed, match=r"pyproject\.toml nests"):
+        E.accepted_files(E.LockedProject(pyproject=deep.encode(), lock=REGISTRY.encode()), "")
+
+
+def test_a_package_name_is_quoted_and_escaped_in_the_refusal() -> None:
+    lock = REGISTRY.replace('name = "six"\n', 'name = "six\\n\\u001b[2Jok"\n').replace(
+        "https://files", "http://files"
+    )
+    problem = _refused(lock)
+    assert 'package "six\\n\\u001b[2Jok" sdist.url' in problem
+    assert "\n" not in problem
+    assert "\x1b" not in problem
+
+
+def test_a_key_of_the_agents_is_escaped_in_the_refusal() -> None:
+    lock = REGISTRY.replace(
+        'source = { registry = "https://pypi.org/simple" }', 'source = { "git\\u001b[2J\\n" = "x" }'
+    )
+    problem = _refused(lock)
+    assert "git\\x1b[2J\\n source" in problem
+    assert "\x1b" not in problem
