@@ -396,7 +396,8 @@ def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes
 
 
 def cache_key(project: LockedProject, python: str, index_url: str, uv_version: str) -> str:
-    h = hashlib.sha256(b"syscall-uv-env-v1\0")
+    # v2: uv given the re-serialised files, compileall run with -S (a v1 entry holds the agent's bytes).
+    h = hashlib.sha256(b"syscall-uv-env-v2\0")
     for part in (
         project.lock_sha256,
         hashlib.sha256(project.pyproject).hexdigest(),
