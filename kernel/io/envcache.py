@@ -260,7 +260,13 @@ def lock_problem(lock: bytes, index_url: str = "") -> str | None:
     grammar on which urllib and uv read the same host) and its hash `sha256:<64 hex>` (uv verifies every file
     against it), and no other URL anywhere in the lock but the index's own. Anything else would make uv read
     files or repositories outside the jail, build code, or fetch a URL the agent chose."""
-    problem = _lock_problem(lock, index_url)
+    doc = parse_toml(lock, LOCK_FILE)
+    return doc if isinstance(doc, str) else lock_doc_problem(doc, index_url)
+
+
+def lock_doc_problem(doc: Mapping[str, Any], index_url: str) -> str | None:
+    """`lock_problem` of a lock tomllib already parsed (control characters in the reason escaped)."""
+    problem = _lock_problem(doc, index_url)
     return None if problem is None else _printable(problem)
 
 
@@ -269,7 +275,7 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def _lock_problem(lock: bytes, index_url: str) -> str | None:
+def _lock_problem(doc: Mapping[str, Any], index_url: str) -> str | None:
     index = (index_url or PYPI_INDEX).rstrip("/")
     authority = file_authority(index_url)
     if not authority:
@@ -277,9 +283,6 @@ def _lock_problem(lock: bytes, index_url: str) -> str | None:
             f"the kernel's package index {index!r} (the operator's environment.index_url) has no host of the "
             "form `name.domain[:port]` in lower case, so no file URL can be checked against it (ask the operator)"
         )
-    doc = parse_toml(lock, LOCK_FILE)
-    if isinstance(doc, str):
-        return doc
     packages = doc.get("package", [])
     if not isinstance(packages, list):
         return "uv.lock has no [[package]] list"
@@ -382,15 +385,17 @@ def _toml_value(value: object) -> str:
 
 def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes]:
     """The (pyproject.toml, uv.lock) uv is given, in canonical form (`canonical_toml`); EnvironmentFailed when
-    the lock is refused (`lock_problem`) or the pyproject is not TOML."""
-    problem = lock_problem(project.lock, index_url)
-    if problem is not None:
-        raise EnvironmentFailed(problem)
+    the lock is refused (`lock_problem`) or either file is not TOML. Each file is parsed once: the values
+    checked are the values re-serialised."""
     out = []
     for data, name in ((project.pyproject, PROJECT_FILE), (project.lock, LOCK_FILE)):
         doc = parse_toml(data, name)
-        if isinstance(doc, str):
-            raise EnvironmentFailed(doc)
+        problem = doc if isinstance(doc, str) else None
+        if name == LOCK_FILE and not isinstance(doc, str):
+            problem = lock_doc_problem(doc, index_url)
+        if problem is not None:
+            raise EnvironmentFailed(problem)
+        assert not isinstance(doc, str)
         out.append(canonical_toml(doc))
     return out[0], out[1]
 
@@ -543,7 +548,8 @@ class EnvCache:
     async def ensure(self, project: LockedProject) -> tuple[EnvReady, JobEnvironment, bool]:
         """The warm cache for `project` (built now if missing); (ready, job environment, built now?).
         EnvironmentFailed when the lockfile is refused or uv cannot install it."""
-        files = accepted_files(project, self.cfg.index_url)
+        # A thread: checking and re-serialising a lock takes ~0.3 s per MiB (about 2 s at MAX_FILE_BYTES).
+        files = await anyio.to_thread.run_sync(accepted_files, project, self.cfg.index_url)
         key = cache_key(project, self.cfg.python, self.cfg.index_url, await self.uv_version())
         lock = self._locks.setdefault(key, anyio.Lock())
         async with lock:
