@@ -37,6 +37,8 @@ kernel.node.wrapper):
 - The byte-compilation runs the environment's interpreter with `-S -I` (no site processing: no `.pth` of an
   installed wheel is read, no sitecustomize imported; the stdlib alone on sys.path) in the same jail without the
   network, able to write only the cache: no package code runs.
+- What the build wrote to the cache is checked before any task uses it (`stray_entries`: no link leaving the
+  cache, no special file), because each task's offline `uv sync` copies it outside the task's jail.
 
 With another jail kind (`apptainer`, or `none` for tests and a single-user laptop) uv and compileall run on the
 host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`): then the lock checks,
@@ -55,6 +57,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 import tomllib
 from collections.abc import Mapping
@@ -474,6 +477,25 @@ def cert_paths(env: Mapping[str, str]) -> list[str]:
     return [env[k] for k in CERT_VARS if k in env and os.path.isabs(env[k]) and os.path.exists(env[k])]
 
 
+def stray_entries(root: Path) -> list[str]:
+    """What under `root` (a cache the build jail wrote) is neither a directory, a regular file nor a symlink
+    whose target, read as a path, stays below `root` (uv links wheels to archive entries with relative links):
+    each task's offline `uv sync` copies the cache outside the task's jail, and a copy follows a link."""
+    out = []
+    top = os.path.normpath(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.path.normpath(os.path.join(dirpath, os.readlink(path)))
+                if not target.startswith(top + os.sep):
+                    out.append(os.path.relpath(path, root))
+            elif not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                out.append(os.path.relpath(path, root))
+    return out
+
+
 def uv_binary() -> str:
     """The uv the `uv` package installed beside the kernel."""
     import uv
@@ -604,6 +626,13 @@ class EnvCache:
                 raise EnvironmentFailed(f"uv could not install the locked environment: {tail(out)}")
             venv = tmp / "venv"
             await self._compile(venv, tmp / "uv", tmp / WARM_LOG)
+            # What the jail wrote is what each task installs from, outside its jail: no link may leave it.
+            stray = await anyio.to_thread.run_sync(stray_entries, tmp / "uv")
+            if stray:
+                raise EnvironmentFailed(
+                    f"the environment build left {len(stray)} entries in its cache that are not plain files or "
+                    f"links within it (first: {stray[0]!r})"
+                )
             ready = EnvReady(
                 key=key,
                 lock_sha256=project.lock_sha256,

@@ -595,3 +595,25 @@ def test_a_key_of_the_agents_is_escaped_in_the_refusal() -> None:
     problem = _refused(lock)
     assert "git\\x1b[2J\\n source" in problem
     assert "\x1b" not in problem
+
+
+def test_a_cache_link_that_leaves_the_cache_is_found(tmp_path: Path) -> None:
+    """What a subverted build could plant for each task's copy (outside its jail) to follow."""
+    import os
+
+    root = tmp_path / "uv"
+    (root / "archive-v0" / "abc" / "six").mkdir(parents=True)
+    (root / "archive-v0" / "abc" / "six" / "__init__.py").write_text("")
+    (root / "wheels-v8" / "pypi" / "six").mkdir(parents=True)
+    os.symlink("../../../archive-v0/abc", root / "wheels-v8" / "pypi" / "six" / "1.16.0")
+    assert E.stray_entries(root) == [], "uv's own relative links stay inside"
+    os.symlink("/etc/shadow", root / "archive-v0" / "abc" / "six" / "shadow.py")
+    os.symlink("../../../../outside", root / "archive-v0" / "abc" / "six" / "up")
+    os.symlink("../..", root / "archive-v0" / "abc" / "top")  # the cache root itself is not below it
+    os.mkfifo(root / "archive-v0" / "fifo")
+    assert sorted(E.stray_entries(root)) == [
+        "archive-v0/abc/six/shadow.py",
+        "archive-v0/abc/six/up",
+        "archive-v0/abc/top",
+        "archive-v0/fifo",
+    ]
