@@ -38,7 +38,8 @@ kernel.node.wrapper):
   installed wheel is read, no sitecustomize imported; the stdlib alone on sys.path) in the same jail without the
   network, able to write only the cache: no package code runs.
 - What the build wrote to the cache is checked before any task uses it (`stray_entries`: no link leaving the
-  cache, no special file), because each task's offline `uv sync` copies it outside the task's jail.
+  cache, no special file): each task's offline `uv sync` installs from it outside the task's jail, and where uv
+  copies instead of hard-linking it follows a link, so a host file's bytes would land in the task's venv.
 
 With another jail kind (`apptainer`, or `none` for tests and a single-user laptop) uv and compileall run on the
 host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`): then the lock checks,
@@ -480,7 +481,8 @@ def cert_paths(env: Mapping[str, str]) -> list[str]:
 def stray_entries(root: Path) -> list[str]:
     """What under `root` (a cache the build jail wrote) is neither a directory, a regular file nor a symlink
     whose target, read as a path, stays below `root` (uv links wheels to archive entries with relative links):
-    each task's offline `uv sync` copies the cache outside the task's jail, and a copy follows a link."""
+    each task's offline `uv sync` installs from the cache outside the task's jail, and where it copies (its
+    fallback when a hard link fails) it follows a link."""
     out = []
     top = os.path.normpath(root)
     for dirpath, dirnames, filenames in os.walk(root):
