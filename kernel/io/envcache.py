@@ -1,11 +1,12 @@
 """Locked environments: the snapshot's `uv.lock` turned into a warm uv cache before any job is submitted.
 
 When a snapshot holds `pyproject.toml` and `uv.lock` at its root (and `[environment] mode = "uv"`), the kernel
-fills a uv cache for that lockfile OUTSIDE the jail, with the network, once per distinct (lockfile, pyproject,
-interpreter, index, uv version): `<run_dir>/envs/<key>/` holds
+fills a uv cache for that lockfile on the kernel's host, in the build jail, with the network, once per distinct
+(lockfile, pyproject, interpreter, index, uv version): `<run_dir>/envs/<key>/` holds
 
     uv/           the uv cache (UV_CACHE_DIR) with every wheel the lock names for this interpreter
-    project/      the pyproject.toml and uv.lock the cache was built from (what each job syncs)
+    project/      the pyproject.toml and uv.lock the cache was built from, as the kernel re-serialised them
+                  (what each job syncs)
     ready.json    written last: the interpreter's version and the installed packages (`EnvReady`)
     used          touched at each use; a cache unused for `keep_days` is pruned
     warm.log      uv's output
@@ -14,27 +15,56 @@ Each job then copies (hard links where it can) the cache into node scratch and r
 `uv sync --frozen --offline` into a private venv, bound read-only into the jail (kernel.node.wrapper): no network
 in the jail, and the same lockfile gives every job the same environment across sleeps and workspaces.
 
-The lockfile is the agent's, so nothing in it may run code or read files outside the jail: only packages from a
-registry are accepted (a path, directory, git or url source is refused by `lock_problem` before uv sees it), uv
-never builds (`--no-build`: a package without a wheel is refused, because building runs its setup code with the
-kernel's rights and network), never installs the project itself (`--no-install-project`), reads no
-configuration file (`--no-config`) and gets an environment built from nothing but the proxy settings. A lockfile
-that does not resolve is refused before any job is submitted (`environment.failed`, refunded).
+The lockfile is the agent's. With jail = "bwrap", on the kernel's host only the kernel's own TOML parser reads it
+outside the build jail (`lock_problem`, `accepted_files`), and nothing it makes uv download runs at build time
+(each task's offline `uv sync`, on the node, reads the same accepted copy before its jail starts:
+kernel.node.wrapper):
+
+- `lock_problem` accepts only packages from the configured index, each file a canonical
+  `https://<the index's file host>/<path>` URL (a grammar on which urllib and uv's WHATWG parser read the same
+  host, so the host checked is the host uv fetches from) with a sha256 hash uv verifies, and no other URL; the
+  refusal names the entry (`package "six" wheels[2].url`).
+- uv is given both files re-serialised by the kernel (`accepted_files`, `canonical_toml`), not the agent's bytes:
+  uv's TOML parser reads the very values the kernel's parser read and checked.
+- uv never builds (`--no-build`: a package without a wheel is refused, because building runs its setup code),
+  never installs the project itself (`--no-install-project`), reads no configuration file (`--no-config`) and
+  gets an environment built from nothing but the proxy and CA settings.
+- With jail = "bwrap", `uv sync` runs in the build jail (`kernel.node.jail.build_bwrap_argv`): it can write only
+  the entry being built (its cache, venv and home; the uv-managed Python directory when `environment.python` is
+  a version), read only that entry's lockfile and pyproject, the uv binary, the CA files, the job jail's system
+  directories and /etc allowlist and `extra_dirs`; it has the network (it downloads). The kernel's state, the
+  rest of the run directory and the workspaces are not in it.
+- The byte-compilation runs the environment's interpreter with `-S -I` (no site processing: no `.pth` of an
+  installed wheel is read, no sitecustomize imported; the stdlib alone on sys.path) in the same jail without the
+  network, able to write only the cache: no package code runs.
+- What the build wrote to the cache is checked before any task uses it (`stray_entries`: no link leaving the
+  cache, no special file): each task's offline `uv sync` installs from it outside the task's jail, and where uv
+  copies instead of hard-linking it follows a link, so a host file's bytes would land in the task's venv.
+
+With another jail kind (`apptainer`, or `none` for tests and a single-user laptop) uv and compileall run on the
+host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`): then the lock checks,
+`--no-build`, the hashes and `-S -I` are what hold, and a bug in uv's handling of a hostile lock or wheel would
+run with the kernel's rights. A lockfile that does not resolve is refused before any job is submitted
+(`environment.failed`, refunded).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
+import json
+import logging
 import os
 import re
 import shutil
+import stat
 import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import anyio
@@ -42,7 +72,8 @@ import msgspec
 
 from kernel.core.config import EnvironmentConfig
 from kernel.io import hostproc
-from kernel.node.jail import JobEnvironment
+from kernel.io import log as klog
+from kernel.node.jail import JailPolicy, JobEnvironment, build_bwrap_argv
 
 LOCK_FILE: Final = "uv.lock"
 PROJECT_FILE: Final = "pyproject.toml"
@@ -55,6 +86,8 @@ WARM_LOG: Final = "warm.log"
 # A lockfile or pyproject larger than this is refused (a real uv.lock of a large ML project is ~1 MiB).
 MAX_FILE_BYTES: Final = 8 * 1024 * 1024
 MESSAGE_TAIL: Final = 1500
+# The deepest nesting of arrays and tables accepted in either file (a real uv.lock nests 5 levels).
+MAX_TOML_DEPTH: Final = 32
 # Passed from the kernel's environment to uv when set (a site's proxy and CA bundle); nothing else is.
 PASSED_VARS: Final = (
     "HTTP_PROXY",
@@ -69,6 +102,8 @@ PASSED_VARS: Final = (
     "SSL_CERT_DIR",
 )
 SAFE_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
+# Of PASSED_VARS, the files and directories uv reads (bound read-only into the build jail where they exist).
+CERT_VARS: Final = ("SSL_CERT_FILE", "SSL_CERT_DIR")
 _ANSI: Final = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 UV_VERSION: Final = hostproc.declare(
     "uv.version",
@@ -79,17 +114,21 @@ UV_VERSION: Final = hostproc.declare(
 )
 UV_SYNC: Final = hostproc.declare(
     "uv.sync",
-    agent_input="the agent's uv.lock and pyproject.toml, accepted by lock_problem (registry packages from the "
-    "configured index only), installed as wheels only (--no-build, --no-install-project, --no-config)",
-    containment="uv with an environment built from nothing but the proxy settings, writing only the warm-up's "
-    "temporary entry, the deadline environment.warm_timeout_seconds, at most 16 MiB of output",
+    agent_input="the agent's uv.lock and pyproject.toml, accepted by lock_problem and re-serialised by the kernel "
+    "(registry packages from the configured index, canonical https file URLs with sha256 hashes); wheels only "
+    "(--no-build, --no-install-project, --no-config)",
+    containment="jail = bwrap: the build jail (kernel.node.jail.build_bwrap_argv: writes only the entry being "
+    "built, reads only its project files, the uv binary, CA files and system directories; network); otherwise "
+    "unjailed, logged at start (environment_build_unjailed); an environment built from nothing but the proxy "
+    "and CA settings, environment.warm_timeout_seconds, at most 16 MiB of output",
     output_cap=16 << 20,
 )
 COMPILE: Final = hostproc.declare(
     "uv.compile",
-    agent_input="the Python sources of the locked packages' wheels, compiled to bytecode (never run)",
-    containment="the environment's interpreter, a minimal environment, the deadline "
-    "environment.warm_timeout_seconds, at most 16 MiB of output",
+    agent_input="the Python sources of the locked packages' wheels, compiled to bytecode, never run: the "
+    "interpreter starts with -S -I (no .pth, no sitecustomize, the stdlib alone on sys.path)",
+    containment="the build jail without the network, writing only the cache (jail = bwrap; otherwise unjailed, "
+    "logged at start), environment.warm_timeout_seconds, at most 16 MiB of output",
     output_cap=16 << 20,
 )
 
@@ -126,60 +165,275 @@ class LockedProject:
 
 PYPI_INDEX: Final = "https://pypi.org/simple"
 PYPI_FILES: Final = "files.pythonhosted.org"
+# What a host and port must look like to be compared at all: lower-case ASCII labels, no trailing dot.
+_LABEL: Final = r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?"
+_AUTHORITY: Final = re.compile(rf"{_LABEL}(?:\.{_LABEL})*(?::[1-9][0-9]{{0,4}})?")
+# A file's path: `/`-separated non-empty segments of these characters, none of them `.` or `..`.
+_SEGMENT: Final = re.compile(r"[A-Za-z0-9._~+-]+")
+_SHA256: Final = re.compile(r"sha256:[0-9a-f]{64}")
+# What a wheel or sdist entry may hold: where the file is (a URL, nothing else), its hash, and two facts.
+_FILE_KEYS: Final = frozenset({"url", "hash", "size", "upload-time"})
+
+
+def file_authority(index_url: str) -> str:
+    """`host[:port]` the files of the index live on (PyPI's: files.pythonhosted.org), lower-cased, the default
+    port dropped; "" when the configured index has no host of the canonical form (_AUTHORITY)."""
+    index = (index_url or PYPI_INDEX).rstrip("/")
+    if index == PYPI_INDEX:
+        return PYPI_FILES
+    try:
+        parts = urlsplit(index)
+        host, port = (parts.hostname or "").rstrip("."), parts.port
+    except ValueError:
+        return ""
+    authority = host if port in (None, 443) else f"{host}:{port}"
+    return authority if _AUTHORITY.fullmatch(authority) else ""
+
+
+def file_url_problem(url: object, authority: str) -> str | None:
+    """Why `url` is not a canonical file URL of `authority`, or None.
+
+    Canonical: exactly `https://<authority>/<segment>/.../<segment>`, each segment of [A-Za-z0-9._~+-] and not
+    `.` or `..`. Nothing else may appear: no `\\` (WHATWG parsers, uv's among them, read it as `/`, so
+    `https://a\\@b/` is host `a` to uv and `b` to urllib), no `@` (userinfo), no `%` (a percent-escape in
+    a host decodes differently by parser), no `?`, `#`, whitespace or control character, no other port, no
+    other scheme, no upper case, trailing dot or non-ASCII in the host. Since the authority is followed by `/` and
+    the rest holds none of `\\ @ % ? # :` or a character a parser strips (tab, newline, space), every parser
+    (urllib's urlsplit, the WHATWG URL standard that uv's `url` crate implements) ends the authority at that
+    same `/` and reads the same host and port (and uv gets the lock re-serialised: `accepted_files`)."""
+    if not isinstance(url, str):
+        return "is not a string"
+    prefix = f"https://{authority}/"
+    if not url.startswith(prefix):
+        return f"does not start with {prefix}"
+    segments = url[len(prefix) :].split("/")
+    for seg in segments:
+        if seg in (".", "..") or not _SEGMENT.fullmatch(seg):
+            return (
+                f"has a path segment {seg[:80]!r} outside [A-Za-z0-9._~+-] (no `\\`, `@`, `%`, `?`, `#`, `:`, "
+                "space or control character, no empty, `.` or `..` segment)"
+            )
+    return None
+
+
+def _entry(name: str, where: str) -> str:
+    return f"package {json.dumps(name)} {where}"  # the agent's name, quoted and escaped
+
+
+def parse_toml(data: bytes, name: str) -> dict[str, Any] | str:
+    """`data` (the agent's `name`) parsed, or why not: not UTF-8, not TOML, or nested deeper than MAX_TOML_DEPTH
+    (checked without recursion; tomllib itself gives up near a thousand levels with RecursionError)."""
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return f"{name} is not UTF-8 text"
+    except tomllib.TOMLDecodeError as e:
+        return f"{name} is not valid TOML: {e}"
+    except RecursionError:
+        return f"{name} nests arrays or tables more than {MAX_TOML_DEPTH} deep"
+    stack: list[tuple[object, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_TOML_DEPTH:
+            return f"{name} nests arrays or tables more than {MAX_TOML_DEPTH} deep"
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack += [(v, depth + 1) for v in children]
+    return doc
+
+
+def _file_problem(name: str, where: str, entry: object, authority: str, index: str) -> str | None:
+    if not isinstance(entry, dict):
+        return f"uv.lock {_entry(name, where)} is not a table"
+    extra = sorted(set(entry) - _FILE_KEYS)
+    if extra:
+        return (
+            f"uv.lock {_entry(name, where)} has {', '.join(extra)}; a file must be named by its `url` on "
+            f"https://{authority}/ with its `hash` (lock again against {index})"
+        )
+    why = file_url_problem(entry.get("url"), authority)
+    if why is not None:
+        shown = str(entry.get("url"))[:200]
+        return (
+            f"uv.lock {_entry(name, where + '.url')} {shown!r} {why}; files must come from https://{authority}/ "
+            f"in canonical form (lock again against {index}, without editing the URLs)"
+        )
+    digest = entry.get("hash")
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        return (
+            f"uv.lock {_entry(name, where + '.hash')} is {str(digest)[:80]!r}, not `sha256:` and 64 lower-case "
+            "hex digits; every file needs the hash uv verifies it against (lock again with uv)"
+        )
+    return None
+
+
+def _strings(value: object, where: str) -> list[tuple[str, str]]:
+    """Every string in a TOML value with its path (`a.b[2].c`)."""
+    if isinstance(value, str):
+        return [(where, value)]
+    if isinstance(value, dict):
+        return [got for k, v in value.items() for got in _strings(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [got for i, v in enumerate(value) for got in _strings(v, f"{where}[{i}]")]
+    return []
+
+
+def _url_like(text: str) -> bool:
+    return "\\" in text or ":/" in text
 
 
 def lock_problem(lock: bytes, index_url: str = "") -> str | None:
-    """Why the kernel will not install this lockfile, or None. Only packages from the configured index are
-    accepted, with files on that index's host (PyPI: files.pythonhosted.org) over https: any other source would
-    make uv read files or repositories outside the jail, build code with the kernel's rights, or fetch URLs the
-    agent chose from the kernel's host."""
+    """Why the kernel will not install this lockfile, or None; the reason names the entry (`package "six"
+    wheels[2].url`) and how to fix it.
+
+    Accepted: packages whose `source` is `{ registry = <the configured index> }` (the project itself, `virtual`
+    or `editable` ".", is never installed), each wheel and sdist a table of `url`, `hash`, `size` and
+    `upload-time` only, its url canonical (`file_url_problem`: `https://<the index's file host>/<path>`, a
+    grammar on which urllib and uv read the same host) and its hash `sha256:<64 hex>` (uv verifies every file
+    against it), and no other URL anywhere in the lock but the index's own. Anything else would make uv read
+    files or repositories outside the jail, build code, or fetch a URL the agent chose."""
+    doc = parse_toml(lock, LOCK_FILE)
+    return doc if isinstance(doc, str) else lock_doc_problem(doc, index_url)
+
+
+def lock_doc_problem(doc: Mapping[str, Any], index_url: str) -> str | None:
+    """`lock_problem` of a lock tomllib already parsed (control characters in the reason escaped)."""
+    problem = _lock_problem(doc, index_url)
+    return None if problem is None else _printable(problem)
+
+
+def _printable(text: str) -> str:
+    """`text` with every control character escaped (a refusal quotes the agent's keys and names)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _lock_problem(doc: Mapping[str, Any], index_url: str) -> str | None:
     index = (index_url or PYPI_INDEX).rstrip("/")
-    file_host = PYPI_FILES if index == PYPI_INDEX else urlsplit(index).hostname
-    try:
-        doc = tomllib.loads(lock.decode("utf-8"))
-    except UnicodeDecodeError:
-        return "uv.lock is not UTF-8 text"
-    except tomllib.TOMLDecodeError as e:
-        return f"uv.lock is not valid TOML: {e}"
+    authority = file_authority(index_url)
+    if not authority:
+        return (
+            f"the kernel's package index {index!r} (the operator's environment.index_url) has no host of the "
+            "form `name.domain[:port]` in lower case, so no file URL can be checked against it (ask the operator)"
+        )
     packages = doc.get("package", [])
     if not isinstance(packages, list):
         return "uv.lock has no [[package]] list"
     for i, pkg in enumerate(packages):
         if not isinstance(pkg, dict):
             return f"uv.lock package #{i + 1} is not a table"
-        name = pkg.get("name", f"#{i + 1}")
-        source = pkg.get("source")
-        if not isinstance(source, dict) or len(source) != 1:
-            return f"uv.lock package {name!r} has no single `source`"
-        ((kind, where),) = source.items()
-        if kind in ("virtual", "editable") and where == ".":
-            continue  # the project itself: never installed (--no-install-project)
-        if kind != "registry":
-            return (
-                f"uv.lock package {name!r} comes from a {kind} source ({where!r}); the kernel installs only "
-                "packages from a package index (publish it to the index, or vendor its code into the workspace)"
-            )
-        if not isinstance(where, str) or where.rstrip("/") != index:
-            return (
-                f"uv.lock package {name!r} comes from the index {where!r}; this kernel installs only from "
-                f"{index} (lock again without a custom index)"
-            )
-        files = [pkg.get("sdist"), *list(pkg.get("wheels") or [])]
-        for f in files:
-            url = f.get("url") if isinstance(f, dict) else None
-            if url is None:
-                continue
-            parts = urlsplit(str(url))
-            if parts.scheme != "https" or parts.hostname != file_host:
-                return (
-                    f"uv.lock package {name!r} names the file {str(url)[:200]!r}; files must come from "
-                    f"https://{file_host}/ (lock again against {index})"
-                )
+        name = str(pkg.get("name", f"#{i + 1}"))[:100]
+        problem = _package_problem(name, pkg, index, authority)
+        if problem is not None:
+            return problem
+    others = {k: v for k, v in doc.items() if k != "package"}
+    for where, text in _strings(others, ""):
+        if _url_like(text) and text.rstrip("/") != index:
+            return _stray_url(where, text, index)
     return None
 
 
+def _stray_url(where: str, text: str, index: str) -> str:
+    return (
+        f"uv.lock {where} is {text[:200]!r}: the only URL a lock may name outside its files is the kernel's "
+        f"index {index} (lock again against it)"
+    )
+
+
+def _package_problem(name: str, pkg: dict[str, object], index: str, authority: str) -> str | None:
+    source = pkg.get("source")
+    if not isinstance(source, dict) or len(source) != 1:
+        return f"uv.lock {_entry(name, 'source')}: not a single `source`"
+    ((kind, where),) = source.items()
+    files: list[tuple[str, object]] = []
+    if kind in ("virtual", "editable") and where == ".":
+        pass  # the project itself: never installed (--no-install-project); a URL in it is a stray one below
+    elif kind != "registry":
+        return (
+            f"uv.lock {_entry(name, 'source')} is a {kind} source ({str(where)[:200]!r}); the kernel installs "
+            "only packages from a package index (publish it to the index, or vendor its code into the workspace)"
+        )
+    elif not isinstance(where, str) or where.rstrip("/") != index:
+        return (
+            f"uv.lock {_entry(name, 'source.registry')} is the index {str(where)[:200]!r}; this kernel installs "
+            f"only from {index}, written exactly so (lock again without a custom index)"
+        )
+    else:
+        files += [("sdist", pkg["sdist"])] if "sdist" in pkg else []
+        wheels = pkg.get("wheels", [])
+        if not isinstance(wheels, list):
+            return f"uv.lock {_entry(name, 'wheels')} is not a list"
+        files += [(f"wheels[{j}]", w) for j, w in enumerate(wheels)]
+    for where_in, entry in files:
+        problem = _file_problem(name, where_in, entry, authority, index)
+        if problem is not None:
+            return problem
+    checked = {"source", *(["sdist", "wheels"] if kind == "registry" else [])}
+    rest = {k: v for k, v in pkg.items() if k not in checked}
+    for where_in, text in _strings(rest, ""):
+        if _url_like(text) and text.rstrip("/") != index:
+            return _stray_url(_entry(name, where_in), text, index)
+    return None
+
+
+def canonical_toml(doc: Mapping[str, object]) -> bytes:
+    """`doc` (what tomllib parsed) as one canonical TOML document: every top-level key on its own line, every
+    table inline, every key a quoted string, every string a basic string of printable ASCII with `\\"`, `\\\\`,
+    `\\uXXXX` and `\\UXXXXXXXX` its only escapes. The kernel hands uv this, not the agent's bytes, so uv's TOML
+    parser reads exactly the values the kernel's did (no multi-line, literal or dotted form, comment, or other
+    spelling that two parsers might read apart). `tomllib.loads(canonical_toml(d)) == d`."""
+    return "".join(f"{_toml_str(k)} = {_toml_value(v)}\n" for k, v in doc.items()).encode("ascii")
+
+
+def _toml_str(text: str) -> str:
+    out = []
+    for c in text:
+        n = ord(c)
+        if c in '"\\':
+            out.append("\\" + c)
+        elif 0x20 <= n < 0x7F:
+            out.append(c)
+        else:
+            out.append(f"\\u{n:04x}" if n <= 0xFFFF else f"\\U{n:08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, str):
+        return _toml_str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # `1.5`, `1e+20`, `inf`, `-inf`, `nan`: TOML floats
+    if isinstance(value, datetime.date | datetime.time):  # datetime is a date; isoformat is TOML's RFC 3339
+        return value.isoformat()
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_str(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"not a TOML value: {type(value).__name__}")
+
+
+def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes]:
+    """The (pyproject.toml, uv.lock) uv is given, in canonical form (`canonical_toml`); EnvironmentFailed when
+    the lock is refused (`lock_problem`) or either file is not TOML. Each file is parsed once: the values
+    checked are the values re-serialised."""
+    out = []
+    for data, name in ((project.pyproject, PROJECT_FILE), (project.lock, LOCK_FILE)):
+        doc = parse_toml(data, name)
+        problem = doc if isinstance(doc, str) else None
+        if name == LOCK_FILE and not isinstance(doc, str):
+            problem = lock_doc_problem(doc, index_url)
+        if problem is not None:
+            raise EnvironmentFailed(problem)
+        assert not isinstance(doc, str)
+        out.append(canonical_toml(doc))
+    return out[0], out[1]
+
+
 def cache_key(project: LockedProject, python: str, index_url: str, uv_version: str) -> str:
-    h = hashlib.sha256(b"syscall-uv-env-v1\0")
+    # v2: uv given the re-serialised files, compileall run with -S (a v1 entry holds the agent's bytes).
+    h = hashlib.sha256(b"syscall-uv-env-v2\0")
     for part in (
         project.lock_sha256,
         hashlib.sha256(project.pyproject).hexdigest(),
@@ -245,6 +499,32 @@ def sync_argv(uv: str, project: str, python: str, *, offline: bool) -> list[str]
 # --- I/O -----------------------------------------------------------------------------------------------------
 
 
+def cert_paths(env: Mapping[str, str]) -> list[str]:
+    """The CA bundle and directory uv is told of (SSL_CERT_FILE, SSL_CERT_DIR) that exist: bound read-only into
+    the build jail so uv trusts what the kernel's host trusts."""
+    return [env[k] for k in CERT_VARS if k in env and os.path.isabs(env[k]) and os.path.exists(env[k])]
+
+
+def stray_entries(root: Path) -> list[str]:
+    """What under `root` (a cache the build jail wrote) is neither a directory, a regular file nor a symlink
+    whose target, read as a path, stays below `root` (uv links wheels to archive entries with relative links):
+    each task's offline `uv sync` installs from the cache outside the task's jail, and where it copies (its
+    fallback when a hard link fails) it follows a link."""
+    out = []
+    top = os.path.normpath(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.path.normpath(os.path.join(dirpath, os.readlink(path)))
+                if not target.startswith(top + os.sep):
+                    out.append(os.path.relpath(path, root))
+            elif not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                out.append(os.path.relpath(path, root))
+    return out
+
+
 def uv_binary() -> str:
     """The uv the `uv` package installed beside the kernel."""
     import uv
@@ -254,16 +534,31 @@ def uv_binary() -> str:
 
 class EnvCache:
     """The kernel's warm caches under `<run_dir>/envs/` (one kernel per run_dir: warm-ups of one key are
-    serialised in-process; concurrent kernels would only waste a download, as an entry appears by rename)."""
+    serialised in-process; concurrent kernels would only waste a download, as an entry appears by rename).
+    `jail` is the kernel's job jail policy: its kind decides whether the build is jailed (`bwrap`), its system
+    directories, /etc allowlist, `ro_dirs` and `hide` are the build jail's too."""
 
     def __init__(
-        self, cfg: EnvironmentConfig, run_dir: str | os.PathLike[str], *, uv: str | None = None
+        self,
+        cfg: EnvironmentConfig,
+        run_dir: str | os.PathLike[str],
+        *,
+        jail: JailPolicy,
+        uv: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.root = Path(run_dir) / ENVS_DIR
         self.uv = uv or uv_binary()
+        self.jail = jail
         self._uv_version: str | None = None
         self._locks: dict[str, anyio.Lock] = {}
+        if jail.kind != "bwrap":
+            klog.event(
+                "environment_build_unjailed",
+                logging.WARNING,
+                jail=jail.kind,
+                note="uv runs on the kernel's host without a jail; lock checks, --no-build and -S -I still apply",
+            )
 
     @property
     def managed_python(self) -> bool:
@@ -304,54 +599,70 @@ class EnvCache:
     async def ensure(self, project: LockedProject) -> tuple[EnvReady, JobEnvironment, bool]:
         """The warm cache for `project` (built now if missing); (ready, job environment, built now?).
         EnvironmentFailed when the lockfile is refused or uv cannot install it."""
-        problem = lock_problem(project.lock, self.cfg.index_url)
-        if problem is not None:
-            raise EnvironmentFailed(problem)
+        # A thread: checking and re-serialising a lock takes ~0.3 s per MiB (about 2 s at MAX_FILE_BYTES).
+        files = await anyio.to_thread.run_sync(accepted_files, project, self.cfg.index_url)
         key = cache_key(project, self.cfg.python, self.cfg.index_url, await self.uv_version())
         lock = self._locks.setdefault(key, anyio.Lock())
         async with lock:
             ready = self.ready(key)
             built = ready is None
             if ready is None:
-                ready = await self._warm(key, project)
+                ready = await self._warm(key, project, files)
             with contextlib.suppress(OSError):
                 (self.entry(key) / USED).touch()
         return ready, self.job_environment(key, project), built
 
-    async def _warm(self, key: str, project: LockedProject) -> EnvReady:
+    async def _warm(self, key: str, project: LockedProject, files: tuple[bytes, bytes]) -> EnvReady:
+        """Build the entry `key` from `files` (`accepted_files`: what uv reads instead of the agent's bytes)."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = self.root / f".{key}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         tmp.mkdir(mode=0o700)
         try:
-            (tmp / "project").mkdir()
-            (tmp / "home").mkdir()
-            (tmp / "project" / PROJECT_FILE).write_bytes(project.pyproject)
-            (tmp / "project" / LOCK_FILE).write_bytes(project.lock)
+            for d in ("project", "home", "uv", "venv"):  # the venv empty: uv makes it one
+                (tmp / d).mkdir()
+            (tmp / "project" / PROJECT_FILE).write_bytes(files[0])
+            (tmp / "project" / LOCK_FILE).write_bytes(files[1])
             extra = {"UV_PROJECT_ENVIRONMENT": str(tmp / "venv")}
             if self.cfg.index_url:
                 extra["UV_INDEX_URL"] = self.cfg.index_url
+            writable = [str(tmp / d) for d in ("uv", "venv", "home")]
             if self.managed_python:
                 extra["UV_PYTHON_INSTALL_DIR"] = str(self.python_install_dir)
+                self.python_install_dir.mkdir(mode=0o700, exist_ok=True)
+                writable.append(str(self.python_install_dir))
             else:
                 extra["UV_PYTHON_DOWNLOADS"] = "never"
             env = uv_env(os.environ, home=str(tmp / "home"), cache=str(tmp / "uv"), **extra)
+            certs = cert_paths(env)
             argv = sync_argv(self.uv, str(tmp / "project"), self.cfg.python, offline=False)
             started = time.monotonic()
-            try:
-                got = await hostproc.run_async(
-                    UV_SYNC, argv, env=env, cwd=tmp, limit_s=self.cfg.warm_timeout_seconds
-                )
-            except hostproc.TimeoutExpired:
+            got = await self._run_jailed(
+                UV_SYNC,
+                argv,
+                network=True,
+                writable=writable,
+                readable=[self.uv, str(tmp / "project"), *certs],
+                env=env,
+                cwd=str(tmp / "project"),
+            )
+            if got is None:
                 raise EnvironmentFailed(
                     f"uv did not finish installing the locked environment within "
                     f"{self.cfg.warm_timeout_seconds:g} s"
-                ) from None
-            out = got.stdout.decode("utf-8", "replace") + got.stderr.decode("utf-8", "replace")
+                )
+            out = got[1].decode("utf-8", "replace")
             (tmp / WARM_LOG).write_text(out)
-            if got.returncode != 0:
+            if got[0] != 0:
                 raise EnvironmentFailed(f"uv could not install the locked environment: {tail(out)}")
             venv = tmp / "venv"
             await self._compile(venv, tmp / "uv", tmp / WARM_LOG)
+            # What the jail wrote is what each task installs from, outside its jail: no link may leave it.
+            stray = await anyio.to_thread.run_sync(stray_entries, tmp / "uv")
+            if stray:
+                raise EnvironmentFailed(
+                    f"the environment build left {len(stray)} entries in its cache that are not plain files or "
+                    f"links within it (first: {stray[0]!r})"
+                )
             ready = EnvReady(
                 key=key,
                 lock_sha256=project.lock_sha256,
@@ -377,24 +688,69 @@ class EnvCache:
     async def _compile(self, venv: Path, cache: Path, log: Path) -> None:
         """Byte-compile the cache's unpacked wheels with the environment's interpreter. Each job's venv is
         read-only and installed by hard link from the cache, `__pycache__` included, so without this every job
-        would compile every module it imports from source (over a second for a few common packages). Compiling
-        runs no package code; a module that does not compile (a Python 2 leftover) is only logged."""
+        would compile every module it imports from source (over a second for a few common packages).
+
+        Compiling runs no package code: `-S -I` starts the interpreter without site processing (no `.pth` file
+        of an installed wheel is read, no sitecustomize imported) and with the stdlib alone on sys.path
+        (`compileall` only compiles: it imports nothing it compiles); it runs in the build jail too, without
+        network, able to write only the cache. A module that does not compile (a Python 2 leftover) is only
+        logged."""
         archive = cache / "archive-v0"
         if not archive.is_dir():
             return
-        argv = [str(venv / "bin" / "python"), "-I", "-m", "compileall", "-q", "-j", "0", str(archive)]
+        python = str(venv / "bin" / "python")
+        argv = [python, "-S", "-I", "-m", "compileall", "-q", "-j", "0", str(archive)]
+        readable = [str(venv), *([str(self.python_install_dir)] if self.managed_python else [])]
+        got = await self._run_jailed(
+            COMPILE,
+            argv,
+            network=False,
+            writable=[str(cache)],
+            readable=readable,
+            env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"},
+            cwd=str(cache),
+        )
+        if got is not None and got[0] != 0:
+            with log.open("ab") as f:
+                f.write(b"\ncompileall (not fatal):\n" + got[1][-8000:])
+
+    async def _run_jailed(
+        self,
+        site: hostproc.Site,
+        argv: list[str],
+        *,
+        network: bool,
+        writable: list[str],
+        readable: list[str],
+        env: dict[str, str],
+        cwd: str,
+    ) -> tuple[int, bytes] | None:
+        """Run one step of the build (uv sync, compileall) through its hostproc site; (exit status, stdout then
+        stderr), or None past `warm_timeout_seconds` (the process is killed; bwrap's --die-with-parent takes its
+        children); EnvironmentFailed past the site's output cap.
+
+        What it touches that the agent chose: the lockfile and pyproject uv reads, the wheels it downloads
+        and unpacks, the modules compiled. Containment with jail = "bwrap": `build_bwrap_argv` (only
+        `writable` can be written, only `readable` and the system directories read; the network only for uv).
+        With another jail kind the step runs directly on the host as the kernel's user: then only what the
+        lock checks, `--no-build`, the hashes and `-S -I` guarantee holds (docs/operator.md)."""
+        if self.jail.kind == "bwrap":
+            argv = build_bwrap_argv(
+                self.jail, network=network, writable=writable, readable=readable, env=env, cwd=cwd, argv=argv
+            )
+            env = {"PATH": SAFE_PATH}
         try:
             got = await hostproc.run_async(
-                COMPILE,
-                argv,
-                env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"},
-                limit_s=self.cfg.warm_timeout_seconds,
+                site, argv, env=env, cwd=cwd, limit_s=self.cfg.warm_timeout_seconds
             )
         except hostproc.TimeoutExpired:
-            return
-        if got.returncode != 0:
-            with log.open("ab") as f:
-                f.write(b"\ncompileall (not fatal):\n" + got.stdout[-4000:] + got.stderr[-4000:])
+            return None
+        except hostproc.OutputTooLarge:
+            raise EnvironmentFailed(
+                f"{os.path.basename(argv[0])} printed more than {site.output_cap} bytes while building the "
+                "locked environment"
+            ) from None
+        return got.returncode, got.stdout + got.stderr
 
     def prune(self, now: float | None = None) -> list[str]:
         """Remove caches unused for `keep_days` (and warm-ups abandoned by a crash); returns their names."""

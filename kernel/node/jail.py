@@ -10,6 +10,9 @@ live below a directory that is bound (an operator who puts `state_dir` under `/o
 The argv is built here and rendered into the job wrapper by `kernel.backends.jobscript`; paths that only exist on the node
 (the scratch tree) and env values only known there (the array index, `CUDA_VISIBLE_DEVICES`) are filled in by the
 wrapper through the tokens below.
+
+`build_bwrap_argv` is the jail of the kernel's own locked-environment build (kernel.io.envcache), on the kernel's
+host: uv and the byte-compilation read what the agent's lockfile named, so they get this module's rules too.
 """
 
 from __future__ import annotations
@@ -341,6 +344,36 @@ def score_bwrap_argv(
     argv += list(env)
     argv += ["--", "sh", "-c", command]
     return argv
+
+
+def build_bwrap_argv(
+    policy: JailPolicy,
+    *,
+    network: bool,
+    writable: Sequence[str],
+    readable: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    argv: Sequence[str],
+) -> list[str]:
+    """The locked environment's build jail (kernel.io.envcache: `uv sync` and the byte-compilation run in it on
+    the kernel's host): every namespace unshared (the network's too unless `network`: uv downloads, compiling
+    does not), the system directories, the allowlisted /etc files (and resolv.conf, gai.conf with the network),
+    `policy.ro_dirs` and `readable` read-only, `writable` read-write and nothing else of the host: not the
+    kernel's state, not the run directory around the entry being built, not a workspace; a fresh /tmp, /proc
+    and /dev; `env` as the whole environment; `argv` run directly (no shell)."""
+    bound = [*policy.system_dirs, *policy.etc, *(NETWORK_ETC if network else ())]
+    out = _bwrap_start(policy, network=network, hostname="syscall-envbuild", bound=bound)
+    out += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    out += _ro_dir_args(policy)
+    for d in readable:
+        out += ["--ro-bind", _abs(d, "read-only path"), d]
+    for d in writable:
+        out += ["--bind", _abs(d, "writable path"), d]
+    out += ["--chdir", _abs(cwd, "working directory")]
+    out += env_args("bwrap", env)
+    out += ["--", *argv]
+    return out
 
 
 def score_apptainer_argv(

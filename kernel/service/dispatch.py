@@ -71,7 +71,12 @@ class Dispatcher:
         self.heavy = heavy
         self.evaluation = evaluation
         self.tmp_dir = Path(cfg.state_dir) / "tmp"
-        self.envs = envcache.EnvCache(cfg.environment, cfg.run_dir) if cfg.environment.mode == "uv" else None
+        build_jail = JailPolicy(kind=cfg.jail, hide=(cfg.state_dir,), ro_dirs=cfg.environment.extra_dirs)
+        self.envs = (
+            envcache.EnvCache(cfg.environment, cfg.run_dir, jail=build_jail)
+            if cfg.environment.mode == "uv"
+            else None
+        )
 
     def repo_of(self, key: str) -> KernelRepo:
         """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""

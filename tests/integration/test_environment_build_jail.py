@@ -1,0 +1,412 @@
+"""The locked environment's build, end to end against a hostile agent: a real kernel with bwrap, the real uv, and
+a local HTTPS package index this test starts (127.0.0.1 only, its own CA; no internet).
+
+- A package on the configured index ships a `.pth` whose lines try to write marker files on the kernel's host
+  (one in this test's directory, one in the kernel's state directory). It installs, it is byte-compiled, the job
+  imports it; no marker is ever written: the warm-up's uv and compileall run in the build jail, compileall with
+  `-S -I` (no site processing, so no `.pth` runs at all), and in the job's jail the `.pth` does run (the job
+  starts Python with site) but neither path exists there.
+- The same with jail = "none" (the build then runs unjailed on the host): `-S -I` alone keeps the `.pth` from
+  running at build time.
+- A lock whose wheel URL is `https://127.0.0.1:<other>\\@127.0.0.1:<index>/...` (urllib reads the index's host,
+  uv reads `\\` as `/` and the other server's) is refused with `environment.failed` naming the entry, refunded,
+  and the other server receives no request at all.
+- A lock whose hash is not the wheel's is refused by uv (environment.failed, refunded).
+- The build jail's profile, run by bwrap: it writes only what it is given, reads the lockfile, and sees neither
+  the kernel's state, another entry, /etc/shadow nor the network (when built without it).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import http.server
+import io
+import ipaddress
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import threading
+import tomllib
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from kernelproc import Kernel, make_workspace, run_tool
+from testenv import need
+
+from channel.paths import workspace_key
+from kernel.io.envcache import canonical_toml, uv_binary
+from kernel.node.jail import JailPolicy, build_bwrap_argv
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
+
+PYTHON = "/usr/bin/python3"
+WHEEL = "hostile-1.0-py3-none-any.whl"
+# The agent's project: one dependency, the hostile package.
+PYPROJECT = '[project]\nname = "victim"\nversion = "0.1.0"\ndependencies = ["hostile==1.0"]\n'
+
+
+# --- a CA, a certificate for 127.0.0.1, and the servers --------------------------------------------------------
+
+
+def make_tls(tmp: Path) -> tuple[Path, ssl.SSLContext]:
+    """A throwaway CA (its certificate is what SSL_CERT_FILE names) and a server context for 127.0.0.1 signed by
+    it, as a site's own CA bundle would hold."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "syscall test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    leaf = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_file, cert_file, key_file = tmp / "ca.pem", tmp / "server.pem", tmp / "server.key"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_file.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    return ca_file, context
+
+
+def make_wheel(markers: list[Path]) -> bytes:
+    """A pure wheel whose `hostile.pth` tries, line by line, to write each marker (an `import` line of a `.pth`
+    is executed by site processing whenever an interpreter with that site-packages starts with site on)."""
+    pth = "".join(f"import os; open({str(m)!r}, 'w').write('the .pth ran')\n" for m in markers)
+    files = {
+        "hostile/__init__.py": "VALUE = 42\n",
+        "hostile.pth": pth,
+        "hostile-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: hostile\nVersion: 1.0\n",
+        "hostile-1.0.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: syscall-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(text.encode())}")
+    record.append("hostile-1.0.dist-info/RECORD,,")
+    files["hostile-1.0.dist-info/RECORD"] = "\n".join(record) + "\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return buf.getvalue()
+
+
+class Server:
+    """An HTTPS server on 127.0.0.1 that records every request path: a PEP 503 simple index for `hostile` (as
+    `index`), or, as the decoy, a server that answers the wheel to any path."""
+
+    def __init__(self, context: ssl.SSLContext, wheel: bytes, *, index: bool) -> None:
+        self.requests: list[str] = []
+        self.wheel = wheel
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.reply(head=False)
+
+            def do_HEAD(self) -> None:  # uv asks whether the server takes range requests
+                self.reply(head=True)
+
+            def reply(self, *, head: bool) -> None:
+                server.requests.append(self.path)
+                body, kind = server.answer(self.path, index=index)
+                self.send_response(200 if body is not None else 404)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body or b"")))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body or b"")
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def answer(self, path: str, *, index: bool) -> tuple[bytes | None, str]:
+        if not index or path == f"/files/{WHEEL}":
+            return self.wheel, "application/octet-stream"
+        if path.rstrip("/") == "/simple/hostile":
+            digest = hashlib.sha256(self.wheel).hexdigest()
+            link = f'<a href="{self.url}/files/{WHEEL}#sha256={digest}">{WHEEL}</a>'
+            return f"<!DOCTYPE html><html><body>{link}</body></html>".encode(), "text/html"
+        return None, "text/plain"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(10)
+
+
+def uv_lock(tmp: Path, index: str, ca: Path) -> str:
+    """The agent's side: `uv lock` of PYPROJECT against the local index (resolving, not installing)."""
+    proj = tmp / "lockgen"
+    proj.mkdir()
+    (proj / "pyproject.toml").write_text(PYPROJECT)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp),
+        "UV_CACHE_DIR": str(tmp / "lockgen-cache"),
+        "SSL_CERT_FILE": str(ca),
+        "NO_PROXY": "127.0.0.1",
+        "no_proxy": "127.0.0.1",
+    }
+    done = subprocess.run(
+        [uv_binary(), "lock", "--no-config", "--python", PYTHON, "--index-url", f"{index}/simple"],
+        cwd=proj,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    shutil.rmtree(tmp / "lockgen-cache", ignore_errors=True)
+    return (proj / "uv.lock").read_text()
+
+
+# --- the kernel ---------------------------------------------------------------------------------------------
+
+
+class Setup:
+    def __init__(self, kernel: Kernel, spaces: dict[str, Path], index: Server, decoy: Server) -> None:
+        self.kernel = kernel
+        self.spaces = spaces
+        self.index = index
+        self.decoy = decoy
+        self.markers: list[Path] = []
+        self.jail = ""
+        self.lock = ""
+
+    def ok(self, name: str, *args: str) -> str:
+        done = run_tool(self.spaces[name], *args, timeout=180)
+        assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}\n{self.kernel.log_text()[-3000:]}"
+        return done.stdout
+
+    def budget(self, name: str) -> tuple[int, int]:
+        doc = json.loads((self.spaces[name] / ".syscall" / "budget.json").read_text())["budget"]
+        return doc["launches"], doc["sleeps"]
+
+
+@pytest.fixture(scope="module", params=["bwrap", "none"])
+def setup(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, bwrap_available: None
+) -> Iterator[Setup]:
+    """A kernel with jail = bwrap (the build jailed), or jail = none (the build on the host, unjailed: the lock
+    checks and `-S -I` must hold alone)."""
+    need("python3 at /usr/bin/python3", os.path.exists(PYTHON), "the jobs' interpreter")
+    jail = request.param
+    tmp = tmp_path_factory.mktemp(f"envjail-{jail}")
+    kernel = Kernel(tmp, "")  # its state directory is known now; the config is written below
+    markers = [tmp / "marker-on-the-host", kernel.state / "marker-in-the-state-dir"]
+    ca, context = make_tls(tmp)
+    wheel = make_wheel(markers)
+    index = Server(context, wheel, index=True)
+    decoy = Server(context, wheel, index=False)
+    try:
+        lock = uv_lock(tmp, index.url, ca)
+        wheel_url = f"{index.url}/files/{WHEEL}"
+        assert f'url = "{wheel_url}"' in lock, lock
+        # Item 1: urllib reads host 127.0.0.1 (after the `@`), uv reads 127.0.0.1:<decoy> (`\` is `/`).
+        tricked = lock.replace(
+            wheel_url, f"https://127.0.0.1:{decoy.port}\\\\@127.0.0.1:{index.port}/files/{WHEEL}"
+        )
+        assert tricked != lock
+        # A hash that is well-formed but not the wheel's: uv must refuse the download it gets.
+        digest = hashlib.sha256(wheel).hexdigest()
+        rehashed = lock.replace(f"sha256:{digest}", f"sha256:{hashlib.sha256(b'other').hexdigest()}")
+        assert rehashed != lock
+        kernel.config.write_text(
+            kernel.config.read_text()
+            + f'jail = "{jail}"\n[environment]\npython = "{PYTHON}"\nindex_url = "{index.url}/simple"\n'
+        )
+        spaces = {}
+        for name, text in (("hostile", lock), ("backslash", tricked), ("rehashed", rehashed)):
+            files = {"README": f"workspace {name}\n", "pyproject.toml": PYPROJECT, "uv.lock": text}
+            spaces[name] = make_workspace(tmp / "spaces" / name, files)
+            kernel.enroll(spaces[name], "--launches", "10", "--sleeps", "10", "--gpu-hours", "1")
+        index.requests.clear()
+        kernel.start(env={"SSL_CERT_FILE": str(ca), "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"})
+        s = Setup(kernel, spaces, index, decoy)
+        s.markers = markers
+        s.jail = jail
+        s.lock = lock
+        yield s
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+        index.close()
+        decoy.close()
+
+
+def test_a_wheel_shipping_a_pth_installs_and_its_pth_never_runs_on_the_kernels_host(setup: Setup) -> None:
+    if setup.jail == "bwrap":
+        probe = "import hostile, sys; print('hostile', hostile.VALUE, sys.prefix)"
+        command = f'python -c "{probe}"'
+    else:  # no job jail: the job's own Python would run the .pth on the host, as the operator chose
+        command = "python -S -c \"import sys; print('hostile', 42 if sys.prefix else 0)\""
+    setup.ok("hostile", "launch", "--name", "imp", "--minutes", "2", "--", command)
+    wake = json.loads(setup.ok("hostile", "sleep", "--wait", "--json", "--timeout", "170"))
+    [t] = wake["tasks"]
+    assert t["state"] == "COMPLETED", t
+    assert "hostile 42" in t["stdout_tail"], t
+    if setup.jail == "bwrap":
+        # The package installed and the job imported it; in the job's jail the job's own Python does run the
+        # .pth (site on), and neither marker path exists there.
+        assert "hostile.pth" in t["stderr_tail"], t
+    assert f"/files/{WHEEL}" in setup.index.requests, "uv downloaded the wheel from the local index"
+    envs = setup.kernel.state / "runs" / "envs"
+    # uv was given the lock the kernel parsed, re-serialised, not the agent's bytes.
+    given = canonical_toml(tomllib.loads(setup.lock))
+    assert given != setup.lock.encode()
+    [entry] = [p for p in envs.glob("*/project/uv.lock") if p.read_bytes() == given]
+    entry = entry.parent.parent
+    assert list(entry.glob("uv/archive-v0/*/hostile/__pycache__/__init__.cpython-*.pyc")), (
+        "the warm-up byte-compiled the wheel (so its .pth had every chance to run there)"
+    )
+    ready = json.loads((entry / "ready.json").read_text())
+    assert ["hostile", "1.0"] in ready["packages"]
+    for marker in setup.markers:
+        assert not marker.exists(), f"{marker}: {marker.read_text()}"
+
+
+def test_a_backslash_url_is_refused_naming_the_entry_and_the_other_server_is_never_asked(
+    setup: Setup,
+) -> None:
+    before = setup.budget("backslash")
+    setup.ok("backslash", "launch", "--name", "never", "--", "echo should not run")
+    done = run_tool(setup.spaces["backslash"], "sleep", "--json", timeout=180)
+    assert done.returncode == 3, done.stdout + done.stderr
+    ans = json.loads(done.stdout)
+    assert ans["type"] == "rejected"
+    assert ans["error"]["code"] == "environment.failed"
+    message = ans["error"]["message"]
+    assert 'package "hostile" wheels[0].url' in message, message
+    assert f"https://127.0.0.1:{setup.index.port}/" in message, "the refusal says where files must come from"
+    assert setup.budget("backslash") == before, "refunded"
+    key = workspace_key(setup.spaces["backslash"].resolve())
+    assert not list((setup.kernel.state / "runs" / key).glob("*/never")), "nothing may be submitted"
+    assert setup.decoy.requests == [], "the server the backslash pointed at received no request"
+    for marker in setup.markers:
+        assert not marker.exists()
+
+
+def test_the_build_jail_writes_only_its_entry_and_sees_nothing_of_the_kernel(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    """The profile itself, run by real bwrap: what uv and compileall could do if a lock or wheel subverted them."""
+    state = tmp_path / "state"
+    entry = state / "runs" / "envs" / ".k.tmp"
+    (entry / "uv").mkdir(parents=True)
+    (entry / "project").mkdir()
+    (entry / "project" / "uv.lock").write_text("version = 1\n")
+    (state / "kernel.sqlite").write_text("the kernel's store\n")
+    (state / "runs" / "envs" / "other").mkdir()
+    (tmp_path / "host-file").write_text("the host's\n")
+    script = (
+        f"echo x > {entry}/uv/w && echo WROTE-CACHE; "
+        f"echo x > {entry}/project/uv.lock && echo WROTE-LOCK; "
+        f"cat {entry}/project/uv.lock; "
+        f"ls {state}/kernel.sqlite && echo SAW-STATE; "
+        f"ls {state}/runs/envs/other && echo SAW-OTHER; "
+        f"cat {tmp_path}/host-file && echo SAW-HOST; "
+        f"echo x > {tmp_path}/host-file; "
+        "cat /etc/shadow && echo READ-SHADOW; "
+        "python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 53), timeout=3)' && echo NET; "
+        "echo done"
+    )
+    argv = build_bwrap_argv(
+        JailPolicy(hide=(str(state),)),
+        network=False,
+        writable=[str(entry / "uv")],
+        readable=[str(entry / "project")],
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        cwd=str(entry / "uv"),
+        argv=["sh", "-c", script],
+    )
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "WROTE-CACHE" in out
+    assert "version = 1" in out, "the lockfile is readable"
+    for never in ("WROTE-LOCK", "SAW-STATE", "SAW-OTHER", "SAW-HOST", "READ-SHADOW", "NET"):
+        assert never not in out, (never, out, done.stderr)
+    assert "done" in out
+    assert (entry / "uv" / "w").exists()
+    # The directories above the entry exist in the jail only as mount points on its own /tmp.
+    assert (tmp_path / "host-file").read_text() == "the host's\n"
+    assert (entry / "project" / "uv.lock").read_text() == "version = 1\n"
+
+
+def test_a_file_whose_hash_is_not_the_locks_is_refused_by_uv_and_refunded(setup: Setup) -> None:
+    """What the lock check relies on: uv verifies every file against the lock's sha256."""
+    before = setup.budget("rehashed")
+    setup.ok("rehashed", "launch", "--name", "never", "--", "echo should not run")
+    done = run_tool(setup.spaces["rehashed"], "sleep", "--json", timeout=180)
+    assert done.returncode == 3, done.stdout + done.stderr
+    ans = json.loads(done.stdout)
+    assert ans["error"]["code"] == "environment.failed"
+    assert "hash" in ans["error"]["message"].lower(), ans["error"]["message"]
+    assert setup.budget("rehashed") == before
+    for marker in setup.markers:
+        assert not marker.exists()
