@@ -9,7 +9,11 @@ a tree of millions of untracked files makes git print without end. So the listin
   (read from `/proc/<pid>/syscall` and the path from `/proc/<pid>/mem`, git being the kernel's own child) is killed
   at once, naming the path (`ListingBlocked`); where /proc cannot tell, the deadline still holds;
 - keeps at most `max_bytes` of output and `max_records` NUL-terminated records (`ListingTooLarge`), so memory is
-  bounded before the caller counts anything.
+  bounded before the caller counts anything;
+- runs git with its address space capped at `max_memory` (RLIMIT_AS, set by the shell that execs it, before git
+  starts): git reads each `.gitignore` whole into memory, and a sparse one of terabytes would otherwise take as
+  much of the kernel machine's memory as git can read in the deadline. Past the cap git fails ("Out of memory"),
+  which is the caller's exit status, not an exception.
 The exceptions are the agent's to fix (its tree cannot be listed), never the kernel's outage.
 
 This is the one place the snapshot starts a git that reads the live tree (kernel.io.snapshot). It is not jailed:
@@ -111,15 +115,17 @@ def run_listing(
     deadline: float,
     max_bytes: int,
     max_records: int | None,
+    max_memory: int,
 ) -> tuple[int, bytes, str]:
     """(exit status, stdout, last stderr line) of `argv` run in `cwd` (the workspace's root), bounded as the
     module says: ListingBlocked, ListingTimeout or ListingTooLarge, the process group killed first.
 
     Agent-controlled input it touches: the workspace's tree below `cwd` (names, entry types, `.gitignore`
-    contents), read by git; contained by the deadline, the blocked-open watch and the output caps; the process is
-    the caller's git with a complete environment (`env`), no stdin, its own session."""
+    contents), read by git; contained by the deadline, the blocked-open watch, the output caps and the memory cap;
+    the process is the caller's git with a complete environment (`env`), no stdin, its own session."""
     proc = subprocess.Popen(
-        list(argv),
+        # `ulimit -v` (KiB) is RLIMIT_AS of the shell, inherited by the git it execs in its place (same pid).
+        ["/bin/sh", "-c", 'ulimit -v "$0" && exec "$@"', str(max(1, max_memory // 1024)), *argv],
         env=dict(env),
         cwd=cwd,
         stdin=subprocess.DEVNULL,

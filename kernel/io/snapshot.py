@@ -68,6 +68,10 @@ MAX_EXCLUDE_BYTES: Final = 16 * 1024 * 1024
 # most this much output (the untracked names; their count is bounded by the file limit as they come).
 LIST_DEADLINE_S: Final = 60.0
 MAX_LISTING_BYTES: Final = 256 * 1024 * 1024
+# git's address space while it lists (kernel.io.gitlisting): a base for git itself and the .gitignore files it
+# reads whole, and room for the index copy it maps and the entries it builds from it (a few times its size).
+LIST_MEMORY_BASE: Final = 1024 * 1024 * 1024
+LIST_MEMORY_PER_INDEX_BYTE: Final = 4
 
 
 class SnapshotError(Exception):
@@ -284,16 +288,19 @@ def _read_index(git_fd: int, where: str, name: str, max_entries: int | None, bud
     return R.read_fd(fd, cap, f"{where}/{name}")
 
 
-def _scratch_git_dir(git_fd: int, where: str, dst: Path, max_entries: int | None) -> None:
+def _scratch_git_dir(git_fd: int, where: str, dst: Path, max_entries: int | None) -> int:
     """A kernel-owned git directory holding copies of the agent's index (and, for a split index, the one shared
-    index its `link` extension names) and info/exclude, read without links and bounded as `_read_index` says."""
+    index its `link` extension names) and info/exclude, read without links and bounded as `_read_index` says.
+    Returns the bytes of index copied (the index and its shared index)."""
     for d in ("objects", "refs", "info"):
         (dst / d).mkdir(parents=True)
     (dst / "HEAD").write_text("ref: refs/heads/syscall-snapshot\n")
     (dst / "config").write_text("[core]\n\trepositoryformatversion = 0\n\tbare = false\n")
     index = _read_index(git_fd, where, "index", max_entries, MAX_INDEX_BYTES)
+    copied = 0
     if index is not None:
         (dst / "index").write_bytes(index)
+        copied = len(index)
         # A split index (core.splitIndex) keeps most entries in the one `sharedindex.<id>` it names; no other file
         # beside it is read (git reads only that one, and a missing copy makes git refuse the index).
         shared = shared_index_id(index)
@@ -302,21 +309,26 @@ def _scratch_git_dir(git_fd: int, where: str, dst: Path, max_entries: int | None
             data = _read_index(git_fd, where, name, max_entries, MAX_INDEX_BYTES - len(index))
             if data is not None:
                 (dst / name).write_bytes(data)
+                copied += len(data)
     exclude = R.read_file_at(git_fd, "info/exclude", where, MAX_EXCLUDE_BYTES)
     if exclude is not None:
         (dst / "info" / "exclude").write_bytes(exclude)
+    return copied
 
 
-def _listing(env: dict[str, str], ws: str, max_files: int | None, *args: str) -> tuple[int, bytes, str]:
+def _listing(
+    env: dict[str, str], ws: str, max_files: int | None, memory: int, *args: str
+) -> tuple[int, bytes, str]:
     """One bounded git listing of `ws` (kernel.io.gitlisting); its failures are the agent's (SnapshotError)."""
     try:
-        return run_listing(
+        rc, out, why = run_listing(
             R.git_argv(*args),
             env,
             ws,
             deadline=LIST_DEADLINE_S,
             max_bytes=MAX_LISTING_BYTES,
             max_records=max_files,
+            max_memory=memory,
         )
     except ListingBlocked as e:
         raise SnapshotError(
@@ -330,6 +342,9 @@ def _listing(env: dict[str, str], ws: str, max_files: int | None, *args: str) ->
         ) from None
     except ListingTooLarge as e:
         raise SnapshotTooLarge(f"the workspace has {e} unignored, past the snapshot limit; {_FIX}") from None
+    if rc != 0 and "Out of memory" in why:
+        why += f" (git may use {memory} bytes here: is a .gitignore that large?)"
+    return rc, out, why
 
 
 def list_workspace(ws: str, git_fd: int, tmp: Path, max_files: int) -> tuple[list[_Entry], list[bytes]]:
@@ -337,9 +352,10 @@ def list_workspace(ws: str, git_fd: int, tmp: Path, max_files: int) -> tuple[lis
     than `max_files` index entries, or untracked names, is SnapshotTooLarge before either is parsed whole."""
     where = os.path.join(ws, ".git")
     scratch = tmp / "gitdir"
-    _scratch_git_dir(git_fd, where, scratch, max_files)
+    copied = _scratch_git_dir(git_fd, where, scratch, max_files)
+    memory = LIST_MEMORY_BASE + LIST_MEMORY_PER_INDEX_BYTE * copied
     env = R.neutral_env(str(scratch), work_tree=ws, index_file=str(scratch / "index"))
-    rc, out, why = _listing(env, ws, None, "ls-files", "-z", "-s", "--cached", "--full-name")
+    rc, out, why = _listing(env, ws, None, memory, "ls-files", "-z", "-s", "--cached", "--full-name")
     if rc != 0:
         raise SnapshotError(
             f"{where}/index cannot be read: {why} (a sparse index? run `git sparse-checkout disable`)"
@@ -348,7 +364,7 @@ def list_workspace(ws: str, git_fd: int, tmp: Path, max_files: int) -> tuple[lis
     # The channel is excluded on the command line, which no .gitignore of the agent's can re-include (git checks
     # command-line patterns first), so its files never count against the limit.
     others = ("ls-files", "-z", "--others", "--exclude-standard", f"--exclude=/{CHANNEL_DIR}/", "--full-name")
-    rc, out, why = _listing(env, ws, max_files, *others)
+    rc, out, why = _listing(env, ws, max_files, memory, *others)
     if rc != 0:
         raise SnapshotError(f"listing the untracked files of {ws} failed: {why}")
     return tracked, [p for p in out.split(b"\0") if p and not p.endswith(b"/")]

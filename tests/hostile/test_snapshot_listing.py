@@ -123,6 +123,20 @@ def test_the_deadline_holds_where_the_watch_cannot_tell(
     assert leftover.stdout == "", "git was left running"
 
 
+def test_a_sparse_gitignore_of_gigabytes_takes_no_memory(tmp_path: Path) -> None:
+    """git reads a `.gitignore` whole into memory: the old kernel's git allocated and read a sparse 4 GiB one (4 GiB
+    resident, ~11 s, and as many as there are heavy slots at once). Its address space is capped now: malloc fails
+    at once and the snapshot is the agent's SnapshotError saying so."""
+    ws = make_ws(tmp_path, {"a.txt": "a\n"})
+    sparse(ws / ".gitignore", 4096 * MiB)  # 4 GiB of holes: within what malloc grants unlimited
+    t0 = time.monotonic()
+    with pytest.raises(
+        S.SnapshotError, match=r"Out of memory.*git may use \d+ bytes here: is a \.gitignore"
+    ) as e:
+        snap(ws, tmp_path)
+    print(f"refused in {(time.monotonic() - t0) * 1000:.0f} ms: {e.value}")
+
+
 def test_the_untracked_listing_stops_at_the_file_limit(tmp_path: Path) -> None:
     ws = make_ws(tmp_path, {"a.txt": "a\n"})
     for i in range(3000):
