@@ -34,8 +34,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-STALL_S: Final = 0.2
-_POLL_S: Final = 0.02
+STALL_S: Final = 0.05
+_POLL_S: Final = 0.01
 _MAX_STDERR: Final = 64 * 1024
 _AT_FDCWD: Final = -100
 # The open syscalls and which argument is the path, by machine (/proc/<pid>/syscall gives the number and args).
