@@ -9,7 +9,6 @@ The figures each test prints (`-s`) are measured, not asserted against a clock: 
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -69,6 +68,19 @@ def measured(what: str) -> Iterator[dict[str, float]]:
         )
 
 
+def running_in(cwd: Path) -> list[int]:
+    """The live processes (zombies aside) whose working directory is `cwd`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z" and os.readlink(f"/proc/{pid}/cwd") == str(cwd):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
 # --- item 5: a .gitignore git cannot open -----------------------------------------------------------------------
 
 
@@ -119,8 +131,7 @@ def test_the_deadline_holds_where_the_watch_cannot_tell(
     took = time.monotonic() - t0
     print(f"refused at the deadline after {took * 1000:.0f} ms")
     assert took < 30  # far below git's own 600 s timeout: the listing did end at the deadline
-    leftover = subprocess.run(["pgrep", "-f", f"ls-files.*{ws}"], capture_output=True, text=True)
-    assert leftover.stdout == "", "git was left running"
+    assert running_in(ws) == [], "git was left running"
 
 
 def test_a_sparse_gitignore_of_gigabytes_takes_no_memory(tmp_path: Path) -> None:
@@ -143,6 +154,38 @@ def test_the_untracked_listing_stops_at_the_file_limit(tmp_path: Path) -> None:
         (ws / f"u{i}").write_text("")
     with pytest.raises(S.SnapshotTooLarge, match="more than 100 files unignored, past the snapshot limit"):
         snap(ws, tmp_path, max_files=100)
+
+
+def listing(argv: list[str], cwd: Path, **kw: int) -> tuple[int, bytes, str]:
+    limits = {"deadline": 30, "max_bytes": MiB, "max_records": None, "max_memory": 1024 * MiB, **kw}
+    return gitlisting.run_listing(argv, {"PATH": os.environ["PATH"]}, str(cwd), **limits)  # type: ignore[arg-type]
+
+
+def test_the_runner_names_what_any_child_blocks_on_and_kills_its_group(tmp_path: Path) -> None:
+    (tmp_path / "x").mkdir()
+    os.mkfifo(tmp_path / "x" / "pipe")
+    script = "sleep 300 & exec cat x/pipe"  # a grandchild in the same process group, then a blocking open
+    with pytest.raises(gitlisting.ListingBlocked) as got:
+        listing(["sh", "-c", script], tmp_path)
+    assert got.value.path == "x/pipe"
+    assert running_in(tmp_path) == [], "the process group was left running"
+
+
+def test_the_runner_stops_output_at_its_caps(tmp_path: Path) -> None:
+    with pytest.raises(gitlisting.ListingTooLarge, match=f"more than {MiB} bytes of file names"):
+        listing(["yes"], tmp_path)  # endless output without a NUL
+    with pytest.raises(gitlisting.ListingTooLarge, match="more than 1000 files"):
+        listing(["sh", "-c", "while :; do printf 'f\\0'; done"], tmp_path, max_records=1000)
+
+
+def test_the_runner_caps_the_childs_memory(tmp_path: Path) -> None:
+    rc, _, why = listing(
+        ["python3", "-c", "b = bytearray(512 * 1024 * 1024)"], tmp_path, max_memory=128 * MiB
+    )
+    assert rc != 0, why
+    assert "MemoryError" in why
+    rc, _, _ = listing(["python3", "-c", "b = bytearray(16 * 1024 * 1024)"], tmp_path, max_memory=256 * MiB)
+    assert rc == 0
 
 
 # --- item 6: sharedindex files ----------------------------------------------------------------------------------
