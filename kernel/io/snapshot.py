@@ -333,7 +333,7 @@ def _listing(
     except ListingBlocked as e:
         raise SnapshotError(
             f"{e.path!r} in the workspace is a FIFO, socket or device, and git blocks opening it while listing the "
-            "files (a .gitignore must be a regular file); remove it or make it a regular file"
+            "files (git reads every .gitignore it meets); remove it or make it a regular file"
         ) from None
     except ListingTimeout:
         raise SnapshotError(
