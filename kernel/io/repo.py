@@ -527,6 +527,18 @@ def read_file_at(dfd: int, rel: str, where: str, cap: int = MAX_REF_BYTES) -> by
     return None if fd is None else _read_fd(fd, cap, f"{where}/{rel}")
 
 
+def open_file_at(dfd: int, rel: str, where: str) -> int | None:
+    """An fd (the caller's to close) on the regular file `rel` below `dfd`, opened as `read_file_at` opens it
+    (no symlink followed, O_NONBLOCK, fstat-checked regular); None when absent. For a caller that looks at the
+    file (its size, a header) before deciding to read it whole with `read_fd`."""
+    return _open_at(dfd, rel, where)
+
+
+def read_fd(fd: int, cap: int, what: str) -> bytes:
+    """The rest of `fd` (closed here), UntrustedGit naming `what` once more than `cap` bytes come."""
+    return _read_fd(fd, cap, what)
+
+
 def _valid_ref_name(name: str) -> bool:
     parts = name.split("/")
     return (

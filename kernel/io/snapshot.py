@@ -5,14 +5,23 @@ working tree as it is on disk, dirty and untracked-but-not-ignored files include
 as a root commit under `refs/snapshots/<seq>` of the workspace's kernel repository (`<run_dir>/repos/<key>.git`).
 
 The workspace, `.git` included, is hostile (docs/threat-model.md). So:
-- git never reads the agent's `.git`. The kernel copies what the listing needs (the index and `info/exclude`)
-  through fds opened with `O_NOFOLLOW` into a kernel-owned scratch git directory, and git only LISTS files
-  against that copy: the tracked ones (`ls-files --cached`) and every file not ignored (`ls-files --others`).
-  No config, hook, filter, alternate or object of the agent's is ever read, and nothing is written to its
+- git never reads the agent's `.git`. The kernel copies what the listing needs (the index, the one
+  `sharedindex.<id>` a split index's link extension names, and `info/exclude`) through fds opened with
+  `O_NOFOLLOW` into a kernel-owned scratch git directory, and git only LISTS files against that copy: the tracked
+  ones (`ls-files --cached`) and every file not ignored (`ls-files --others`, which reads the tree's `.gitignore`
+  files). No config, hook, filter, alternate or object of the agent's is ever read, and nothing is written to its
   `.git` (no index refresh, no lock, no ref, no reflog, no object).
-- The kernel reads every file itself, walking directory fds with `O_NOFOLLOW`, so a directory swapped for a
-  symlink mid-snapshot cannot make it read outside the workspace, and the content goes to `git fast-import`
-  (into the kernel's repository) byte for byte: no clean filter, no eol conversion.
+- Every limit is on the total and applied before the expensive step: an index whose header declares more entries
+  than the file limit is refused before its entries are read (`_read_index`), an index larger than its entry
+  count allows is refused from its size, and the untracked listing stops at the file limit and at
+  MAX_LISTING_BYTES of names.
+- Listing the live tree never blocks the kernel: git runs under a deadline with a watch for an open() blocked on a
+  FIFO, socket or device (kernel.io.gitlisting), and a tree that cannot be listed is the agent's SnapshotError
+  naming the path when known, never the kernel's outage.
+- The kernel reads every file itself, walking directory fds with `O_NOFOLLOW` (and opening files `O_NONBLOCK`,
+  fstat-checked regular), so a directory swapped for a symlink mid-snapshot cannot make it read outside the
+  workspace, a FIFO cannot block it, and the content goes to `git fast-import` (into the kernel's repository)
+  byte for byte: no clean filter, no eol conversion.
 - `.git` must be a real directory. HEAD is read without git, and only to name the snapshot's parent in its
   message (the snapshot is a root commit: the agent's history is not the kernel's).
 """
@@ -21,7 +30,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import stat
 import tempfile
 from collections import OrderedDict
@@ -32,8 +40,10 @@ from typing import Final
 
 import anyio.to_thread
 
-from kernel.core.gitindex import surely_untracked
+from channel.paths import CHANNEL_DIR
+from kernel.core.gitindex import entry_count, shared_index_id, surely_untracked
 from kernel.io import repo as R
+from kernel.io.gitlisting import ListingBlocked, ListingTimeout, ListingTooLarge, run_listing
 from kernel.io.repo import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_TOTAL_BYTES,
@@ -46,8 +56,22 @@ from kernel.io.repo import (
 
 __all__ = ["DEFAULT_MAX_FILE_BYTES", "DEFAULT_MAX_TOTAL_BYTES", "is_channel_path", "valid_repo_path"]
 
+# What the agent's index (and the shared index a split one names) may take together. Within that, an index is
+# read at most at INDEX_EXTENSIONS_BYTES + INDEX_ENTRY_BYTES per entry its header declares (an entry is 62 bytes
+# and its path; the extensions, cache tree and untracked cache, grow with the directories), so a sparse file of
+# a few entries and hundreds of megabytes is refused from its size alone.
 MAX_INDEX_BYTES: Final = 512 * 1024 * 1024
-SHARED_INDEX: Final = re.compile(r"sharedindex\.[0-9a-f]{40}(?:[0-9a-f]{24})?")
+INDEX_EXTENSIONS_BYTES: Final = 32 * 1024 * 1024
+INDEX_ENTRY_BYTES: Final = 4096
+MAX_EXCLUDE_BYTES: Final = 16 * 1024 * 1024
+# A listing of the live tree ends by then (kernel.io.gitlisting), well inside the heavy deadline, and holds at
+# most this much output (the untracked names; their count is bounded by the file limit as they come).
+LIST_DEADLINE_S: Final = 60.0
+MAX_LISTING_BYTES: Final = 256 * 1024 * 1024
+# git's address space while it lists (kernel.io.gitlisting): a base for git itself and the .gitignore files it
+# reads whole, and room for the index copy it maps and the entries it builds from it (a few times its size).
+LIST_MEMORY_BASE: Final = 1024 * 1024 * 1024
+LIST_MEMORY_PER_INDEX_BYTE: Final = 4
 
 
 class SnapshotError(Exception):
@@ -230,43 +254,120 @@ def _files(
         yield FileEntry(entry.path, mode, data=data)
 
 
-def _scratch_git_dir(git_fd: int, where: str, dst: Path) -> None:
-    """A kernel-owned git directory holding copies of the agent's index and info/exclude (read without links)."""
+def _index_cap(entries: int | None, budget: int) -> int:
+    """The most bytes an index declaring `entries` entries is read at here (within `budget`, what the index and
+    its shared index may take together)."""
+    return min(budget, INDEX_EXTENSIONS_BYTES + (entries or 0) * INDEX_ENTRY_BYTES)
+
+
+def _read_index(git_fd: int, where: str, name: str, max_entries: int | None, budget: int) -> bytes | None:
+    """The bytes of `<.git>/<name>` (an index), or None when absent. Before a byte past the header is read: more
+    entries than `max_entries` is SnapshotTooLarge, a file larger than an index of that many entries can be
+    (`_index_cap`) is SnapshotError, so neither the kernel nor git spends memory, disk or time on the entries."""
+    fd = R.open_file_at(git_fd, name, where)
+    if fd is None:
+        return None
+    try:
+        entries = entry_count(os.pread(fd, 12, 0))
+        if entries is not None and max_entries is not None and entries > max_entries:
+            raise SnapshotTooLarge(
+                f"{where}/{name} holds {entries} entries (a conflicted path counts once per stage), more than the "
+                f"snapshot limit of {max_entries} files; untrack what need not be snapshotted (`git rm -r --cached "
+                f"<dir>`) and {_FIX}"
+            )
+        cap = _index_cap(entries, budget)
+        size = os.fstat(fd).st_size
+        if size > cap:
+            raise SnapshotError(
+                f"{where}/{name} is {size} bytes, more than the {cap} bytes an index of {entries or 0} entries may "
+                "take here (a corrupt or planted index?); rebuild it with `rm .git/index && git reset`"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return R.read_fd(fd, cap, f"{where}/{name}")
+
+
+def _scratch_git_dir(git_fd: int, where: str, dst: Path, max_entries: int | None) -> int:
+    """A kernel-owned git directory holding copies of the agent's index (and, for a split index, the one shared
+    index its `link` extension names) and info/exclude, read without links and bounded as `_read_index` says.
+    Returns the bytes of index copied (the index and its shared index)."""
     for d in ("objects", "refs", "info"):
         (dst / d).mkdir(parents=True)
     (dst / "HEAD").write_text("ref: refs/heads/syscall-snapshot\n")
     (dst / "config").write_text("[core]\n\trepositoryformatversion = 0\n\tbare = false\n")
-    index = R.read_file_at(git_fd, "index", where, MAX_INDEX_BYTES)
+    index = _read_index(git_fd, where, "index", max_entries, MAX_INDEX_BYTES)
+    copied = 0
     if index is not None:
         (dst / "index").write_bytes(index)
-        # A split index (core.splitIndex) keeps most entries in `sharedindex.<id>` beside it.
-        for name in os.listdir(git_fd):
-            if SHARED_INDEX.fullmatch(name):
-                shared = R.read_file_at(git_fd, name, where, MAX_INDEX_BYTES)
-                if shared is not None:
-                    (dst / name).write_bytes(shared)
-    exclude = R.read_file_at(git_fd, "info/exclude", where, 16 * 1024 * 1024)
+        copied = len(index)
+        # A split index (core.splitIndex) keeps most entries in the one `sharedindex.<id>` it names; no other file
+        # beside it is read (git reads only that one, and a missing copy makes git refuse the index).
+        shared = shared_index_id(index)
+        if shared is not None:
+            name = f"sharedindex.{shared}"
+            data = _read_index(git_fd, where, name, max_entries, MAX_INDEX_BYTES - len(index))
+            if data is not None:
+                (dst / name).write_bytes(data)
+                copied += len(data)
+    exclude = R.read_file_at(git_fd, "info/exclude", where, MAX_EXCLUDE_BYTES)
     if exclude is not None:
         (dst / "info" / "exclude").write_bytes(exclude)
+    return copied
 
 
-def list_workspace(ws: str, git_fd: int, tmp: Path) -> tuple[list[_Entry], list[bytes]]:
-    """(tracked entries, untracked-not-ignored paths) of the workspace, listed against a copy of its index."""
+def _listing(
+    env: dict[str, str], ws: str, max_files: int | None, memory: int, *args: str
+) -> tuple[int, bytes, str]:
+    """One bounded git listing of `ws` (kernel.io.gitlisting); its failures are the agent's (SnapshotError)."""
+    try:
+        rc, out, why = run_listing(
+            R.git_argv(*args),
+            env,
+            ws,
+            deadline=LIST_DEADLINE_S,
+            max_bytes=MAX_LISTING_BYTES,
+            max_records=max_files,
+            max_memory=memory,
+        )
+    except ListingBlocked as e:
+        raise SnapshotError(
+            f"{e.path!r} in the workspace is a FIFO, socket or device, and git blocks opening it while listing the "
+            "files (git reads every .gitignore it meets); remove it or make it a regular file"
+        ) from None
+    except ListingTimeout:
+        raise SnapshotError(
+            f"the files of {ws} could not be listed within {LIST_DEADLINE_S:g} s (a .gitignore that is a FIFO, "
+            "or a directory that does not answer?); make every .gitignore a regular file"
+        ) from None
+    except ListingTooLarge as e:
+        raise SnapshotTooLarge(f"the workspace has {e} unignored, past the snapshot limit; {_FIX}") from None
+    if rc != 0 and "Out of memory" in why:
+        why += f" (git may use {memory} bytes here: is a .gitignore that large?)"
+    return rc, out, why
+
+
+def list_workspace(ws: str, git_fd: int, tmp: Path, max_files: int) -> tuple[list[_Entry], list[bytes]]:
+    """(tracked entries, untracked-not-ignored paths) of the workspace, listed against a copy of its index; more
+    than `max_files` index entries, or untracked names, is SnapshotTooLarge before either is parsed whole."""
     where = os.path.join(ws, ".git")
     scratch = tmp / "gitdir"
-    _scratch_git_dir(git_fd, where, scratch)
+    copied = _scratch_git_dir(git_fd, where, scratch, max_files)
+    memory = LIST_MEMORY_BASE + LIST_MEMORY_PER_INDEX_BYTE * copied
     env = R.neutral_env(str(scratch), work_tree=ws, index_file=str(scratch / "index"))
-    out = R.run_git(env, ws, "ls-files", "-z", "-s", "--cached", "--full-name")
-    if out.returncode != 0:
+    rc, out, why = _listing(env, ws, None, memory, "ls-files", "-z", "-s", "--cached", "--full-name")
+    if rc != 0:
         raise SnapshotError(
-            f"{where}/index cannot be read: {R.first_line(out)} (a sparse index? run "
-            "`git sparse-checkout disable`)"
+            f"{where}/index cannot be read: {why} (a sparse index? run `git sparse-checkout disable`)"
         )
-    tracked = parse_ls_files_stage(out.stdout)
-    out = R.run_git(env, ws, "ls-files", "-z", "--others", "--exclude-standard", "--full-name")
-    if out.returncode != 0:
-        raise SnapshotError(f"listing the untracked files of {ws} failed: {R.first_line(out)}")
-    return tracked, [p for p in out.stdout.split(b"\0") if p and not p.endswith(b"/")]
+    tracked = parse_ls_files_stage(out)
+    # The channel is excluded on the command line, which no .gitignore of the agent's can re-include (git checks
+    # command-line patterns first), so its files never count against the limit.
+    others = ("ls-files", "-z", "--others", "--exclude-standard", f"--exclude=/{CHANNEL_DIR}/", "--full-name")
+    rc, out, why = _listing(env, ws, max_files, memory, *others)
+    if rc != 0:
+        raise SnapshotError(f"listing the untracked files of {ws} failed: {why}")
+    return tracked, [p for p in out.split(b"\0") if p and not p.endswith(b"/")]
 
 
 def tracked_under(workspace: str, prefix: str) -> list[str]:
@@ -280,8 +381,8 @@ def tracked_under(workspace: str, prefix: str) -> list[str]:
         # copy for git reads is read here too, so a planted link is refused the same way on either path.
         where = os.path.join(workspace, ".git")
         try:
-            index = R.read_file_at(git_fd, "index", where, MAX_INDEX_BYTES)
-            R.read_file_at(git_fd, "info/exclude", where, 16 * 1024 * 1024)
+            index = _read_index(git_fd, where, "index", None, MAX_INDEX_BYTES)
+            R.read_file_at(git_fd, "info/exclude", where, MAX_EXCLUDE_BYTES)
         except UntrustedGit:
             index = b""  # not settled here: the copy below refuses it, saying why
         if surely_untracked(index, prefix):
@@ -289,7 +390,7 @@ def tracked_under(workspace: str, prefix: str) -> list[str]:
         with tempfile.TemporaryDirectory(prefix="syscall-ls-") as t:
             scratch = Path(t) / "gitdir"
             try:
-                _scratch_git_dir(git_fd, os.path.join(workspace, ".git"), scratch)
+                _scratch_git_dir(git_fd, os.path.join(workspace, ".git"), scratch, None)
             except UntrustedGit as e:
                 raise SnapshotError(str(e)) from None
             env = R.neutral_env(str(scratch), work_tree=workspace, index_file=str(scratch / "index"))
@@ -331,7 +432,7 @@ def snapshot_sync(
         Path(tmp_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="syscall-snap-", dir=tmp_dir) as t:
             try:
-                tracked, others = list_workspace(ws, git_fd, Path(t))
+                tracked, others = list_workspace(ws, git_fd, Path(t), max_files)
             except UntrustedGit as e:
                 raise SnapshotError(str(e)) from None
             entries = {e.path: e for e in tracked}

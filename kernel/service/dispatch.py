@@ -5,7 +5,9 @@ Step 1 of a sleep's life (kernel.service.execute): snapshot the workspace into t
 the commit and tree with the sleep `snapshotted`; write each launch's run directory (`jobscript.write_launch`) and
 hand it to the backend (`submit` is idempotent per launch: a local launch already on disk or a Slurm job found by
 name is not submitted again); record every task's job id with the sleep `submitted`. A `SnapshotError` is the
-agent's (`DispatchRefused`, code `snapshot.failed`, the charge is refunded); so is a `BackendRefused` (code
+agent's (`DispatchRefused`, code `snapshot.failed`, or `snapshot.too_large` past a limit; the charge is refunded),
+a tree git cannot list included (a FIFO `.gitignore`, the listing's deadline: kernel.io.gitlisting), so it is
+answered at once and never retried as an outage; so is a `BackendRefused` (code
 `backend.refused`: the launches already submitted are cancelled, the charge refunded); a `BackendUnavailable`
 is the world's (`ExecutorUnavailable`, retried later with a per-workspace backoff). Cancelling sends the backend's cancel for submitted tasks.
 

@@ -382,7 +382,7 @@ def test_the_walk_holds_a_bounded_number_of_fds(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("files", "limits", "needle"),
     [
-        ({f"f{i}.txt": "x" for i in range(12)}, {"max_files": 10}, "12 unignored files"),
+        ({f"f{i}.txt": "x" for i in range(12)}, {"max_files": 10}, "more than 10 files unignored"),
         ({"a/b/c/d/e/f.txt": "x"}, {"max_depth": 5}, "6 directories deep"),
         ({"big.bin": "x" * 5000}, {"max_total_bytes": 4096}, "4096 bytes"),
     ],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel.core.gitindex import surely_untracked
+from kernel.core.gitindex import entry_count, shared_index_id, surely_untracked
 from kernel.io.enroll import EnrollError, check_workspace
 from kernel.io.snapshot import tracked_under
 
@@ -107,3 +107,53 @@ def test_enrollment_refuses_a_tracked_channel_and_accepts_the_rest(tmp_path: Pat
         check_workspace(str(ws))
     git(ws, "rm", "-q", "--cached", ".syscall/tool")
     assert check_workspace(str(ws)) == str(ws.resolve())
+
+
+# --- entry_count and shared_index_id (issue 23: the header and the link extension, read before git) -------------
+
+
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_the_header_count_and_the_named_shared_index_match_what_git_wrote(
+    tmp_path: Path, version: int
+) -> None:
+    names = ["a.txt", "d/" + "/".join(["y" * 100] * 3), "d/f.py", "z"]
+    ws = repo(tmp_path, *names, version=version)
+    if version == 3:
+        (ws / "later.py").write_text("x")
+        git(ws, "add", "-N", "later.py")  # an entry with extended flags (2 more bytes before its name)
+    git(ws, "update-index", "--split-index")
+    (ws / "z").write_text("changed")
+    git(ws, "add", "z")  # an entry in the split index itself, beside the shared one's
+    data = index_of(ws)
+    [shared] = (ws / ".git").glob("sharedindex.*")
+    versions = {int.from_bytes(d[4:8], "big") for d in (data, shared.read_bytes())}
+    assert max(versions) == version  # (the extended entry may sit in the shared index only)
+    assert shared_index_id(data) == shared.name.removeprefix("sharedindex.")
+    assert entry_count(shared.read_bytes()) == len(names) + (version == 3)
+    assert shared_index_id(shared.read_bytes()) is None  # the shared index has no link of its own
+
+
+def test_an_index_without_a_link_names_no_shared_index(tmp_path: Path) -> None:
+    ws = repo(tmp_path, "link", "links/link.txt")  # the bytes `link` in paths are not the extension
+    data = index_of(ws)
+    assert entry_count(data) == 2
+    assert shared_index_id(data) is None
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"DIRC",
+        b"XXXX\0\0\0\2\0\0\0\1",
+        b"DIRC\0\0\0\5\0\0\0\1",
+        b"DIRC\0\0\0\2\xff\xff\xff\xfflink" + bytes(40),
+    ],
+)
+def test_what_is_not_an_index_names_nothing(data: bytes) -> None:
+    assert shared_index_id(data) is None
+    assert entry_count(data) is None or data[8:12] == b"\xff\xff\xff\xff"
+
+
+def test_the_count_is_the_headers_without_reading_on() -> None:
+    assert entry_count(b"DIRC\0\0\0\2" + (3_000_000).to_bytes(4, "big")) == 3_000_000
