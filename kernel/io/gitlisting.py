@@ -29,11 +29,20 @@ import os
 import selectors
 import signal
 import stat
-import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from kernel.io import hostproc
+
+LISTING: Final = hostproc.declare(
+    "git.listing",
+    agent_input="the workspace's live tree: names, entry types and `.gitignore` contents, read by git (file "
+    "contents are read by the kernel itself, through O_NOFOLLOW directory fds)",
+    containment="the caller's git with an environment built from nothing against a kernel-owned copy of the "
+    "index (never the agent's .git), its own session, a deadline (LIST_DEADLINE_S), a watch that kills it 50 ms "
+    "into an open() of a FIFO, socket or device, caps on files and bytes listed, RLIMIT_AS",
+)
 STALL_S: Final = 0.05
 _POLL_S: Final = 0.01
 _MAX_STDERR: Final = 64 * 1024
@@ -123,14 +132,15 @@ def run_listing(
     Agent-controlled input it touches: the workspace's tree below `cwd` (names, entry types, `.gitignore`
     contents), read by git; contained by the deadline, the blocked-open watch, the output caps and the memory cap;
     the process is the caller's git with a complete environment (`env`), no stdin, its own session."""
-    proc = subprocess.Popen(
+    proc = hostproc.popen(
+        LISTING,
         # `ulimit -v` (KiB) is RLIMIT_AS of the shell, inherited by the git it execs in its place (same pid).
         ["/bin/sh", "-c", 'ulimit -v "$0" && exec "$@"', str(max(1, max_memory // 1024)), *argv],
         env=dict(env),
         cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdin=hostproc.DEVNULL,
+        stdout=hostproc.PIPE,
+        stderr=hostproc.PIPE,
         start_new_session=True,
     )
     assert proc.stdout is not None
@@ -170,7 +180,7 @@ def run_listing(
                 elif now - seen[1] >= STALL_S and (rel := special_in(cwd, got[1])) is not None:
                     raise ListingBlocked(rel)
         rc = proc.wait(max(0.0, end - time.monotonic()))
-    except subprocess.TimeoutExpired:
+    except hostproc.TimeoutExpired:
         raise ListingTimeout(f"did not finish within {deadline:g} s") from None
     finally:
         if proc.poll() is None:
