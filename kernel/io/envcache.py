@@ -105,13 +105,6 @@ SAFE_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
 # Of PASSED_VARS, the files and directories uv reads (bound read-only into the build jail where they exist).
 CERT_VARS: Final = ("SSL_CERT_FILE", "SSL_CERT_DIR")
 _ANSI: Final = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-UV_VERSION: Final = hostproc.declare(
-    "uv.version",
-    agent_input="none",
-    containment="the uv beside the kernel, an environment built from nothing, a deadline of 30 s",
-    timeout_s=30,
-    output_cap=1 << 16,
-)
 UV_SYNC: Final = hostproc.declare(
     "uv.sync",
     agent_input="the agent's uv.lock and pyproject.toml, accepted by lock_problem and re-serialised by the kernel "
@@ -571,7 +564,9 @@ class EnvCache:
     async def uv_version(self) -> str:
         if self._uv_version is None:
             got = await hostproc.run_async(
-                UV_VERSION, [self.uv, "--version"], env=uv_env({}, home="/nonexistent", cache="/nonexistent")
+                hostproc.TOOL_QUERY,
+                [self.uv, "--version"],
+                env=uv_env({}, home="/nonexistent", cache="/nonexistent"),
             )
             self._uv_version = got.stdout.decode().strip()
         return self._uv_version

@@ -76,6 +76,19 @@ def declare(
     return site
 
 
+def _captured(
+    input: bytes | None, env: Mapping[str, str] | None, cwd: str | os.PathLike[str] | None
+) -> dict[str, Any]:
+    """The pipes and place of a process whose output the gate captures."""
+    return {
+        "stdin": subprocess.PIPE if input is not None else subprocess.DEVNULL,
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.PIPE,
+        "env": None if env is None else dict(env),
+        "cwd": cwd,
+    }
+
+
 def run(
     site: Site,
     argv: Sequence[str],
@@ -121,14 +134,7 @@ def _run_capped(
     cap = site.output_cap
     deadline = None if limit is None else time.monotonic() + limit
     proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=None if env is None else dict(env),
-        cwd=cwd,
-        pass_fds=tuple(pass_fds),
-        start_new_session=start_new_session,
+        argv, **_captured(input, env, cwd), pass_fds=tuple(pass_fds), start_new_session=start_new_session
     )
     chunks: dict[int, list[bytes]] = {1: [], 2: []}
     total = 0
@@ -204,14 +210,7 @@ async def run_async(
     chunks: dict[int, list[bytes]] = {1: [], 2: []}
     total = 0
     too_large = False
-    async with await anyio.open_process(
-        args,
-        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=None if env is None else dict(env),
-        cwd=cwd,
-    ) as proc:
+    async with await anyio.open_process(args, **_captured(input, env, cwd)) as proc:
 
         async def drain(stream: Any, which: int) -> None:
             nonlocal total, too_large
@@ -249,3 +248,15 @@ async def run_async(
 def spawn(site: Site, path: str, argv: Sequence[str], env: Mapping[str, str], **kw: Any) -> int:
     """`os.posix_spawn` of a detached process (the local backend's job wrapper); returns its pid."""
     return os.posix_spawn(path, list(argv), dict(env), **kw)
+
+
+# A question to a program of the operator's installation (bwrap's `true`, scontrol, sacctmgr, `uv --version`):
+# shared by every module that asks one, since the containment is the same.
+TOOL_QUERY: Final = declare(
+    "tool.query",
+    agent_input="none: the operator's installation asked about itself (bwrap's `true`, scontrol, sacctmgr, "
+    "uv --version)",
+    containment="a deadline of 30 s, stdin /dev/null, at most 1 MiB of output",
+    timeout_s=30,
+    output_cap=1 << 20,
+)

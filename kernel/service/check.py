@@ -12,21 +12,13 @@ import resource
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import Literal
 
 from kernel.backends.slurm.query import partition_argv, sacctmgr_argv
 from kernel.core.config import Config
 from kernel.io import hostproc, statedir
 from kernel.io.enroll import expand_globs
 from kernel.io.store import Store, StoreError
-
-PROBE: Final = hostproc.declare(
-    "check.probe",
-    agent_input="none: bwrap's `true`, scontrol and sacctmgr about the operator's config",
-    containment="the operator's own command, a deadline of 30 s, stdin /dev/null, at most 1 MiB of output",
-    timeout_s=30,
-    output_cap=1 << 20,
-)
 
 Level = Literal["ok", "warn", "error"]
 
@@ -259,7 +251,7 @@ def _workspace_accounts(cfg: Config) -> dict[str, str]:
 
 def _run(argv: list[str], env: dict[str, str] | None = None) -> hostproc.CompletedProcess[str] | None:
     try:
-        got = hostproc.run(PROBE, argv, env=env)
+        got = hostproc.run(hostproc.TOOL_QUERY, argv, env=env)
     except (OSError, hostproc.TimeoutExpired, hostproc.OutputTooLarge):
         return None
     return hostproc.CompletedProcess(
