@@ -12,6 +12,12 @@ to the wrapper's process group (the wrapper records `timeout` and stops the jail
 Cancel: SIGTERM likewise (`terminated`); queued tasks are finished at once as `cancelled`. Exits are noticed at
 once through a pidfd; `wait_any_exit` hands them to the kernel.
 
+A full disk (or any other failure to write in the run directory) never raises out of the service loop or
+`recover`: an exit record the backend cannot write is held in memory (`disk_full` when the disk had no room) and
+read by `outcome_of` like one on disk; a task whose claim cannot be written is not started and ends so. After a
+restart such a task has no record and no live wrapper: it is classified `lost`, or `disk_full` when even that
+cannot be written.
+
 `run()` is the backend's service loop: start it in the kernel's task group; every watcher runs inside it.
 """
 
@@ -37,9 +43,13 @@ from kernel.backends import jobscript
 from kernel.backends.base import Backend, BackendUnavailable, JobSpec, Recovered, TaskExit, TaskRef
 from kernel.core import exits
 from kernel.core.exits import Outcome
+from kernel.node import wrapper as W
 
 SPEC_FILE: Final = "local.json"
 PID_FILE: Final = "local.pid"
+# A task whose wrapper could not be started (its end, unless a full disk explains it: held_record).
+EXIT_NOT_STARTED: Final = jobscript.EXIT_WRAPPER_ERROR
+KIND_NOT_STARTED: Final = "wrapper_error"
 
 
 class PidRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -82,12 +92,31 @@ def job_id(spec: JobSpec, task: int) -> str:
 
 
 def _write(path: Path, data: bytes) -> None:
+    """`path` replaced whole by `data`; a failed write (a full disk) leaves no temp file behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def held_record(record: jobscript.ExitRecord, error: OSError) -> jobscript.ExitRecord:
+    """The end of a task whose exit record could not be written (`error`): on a full disk, `disk_full` unless
+    the record says the task was stopped for another reason (a walltime, a cancel), which stays the end."""
+    if error.errno not in W.DISK_ERRNOS or record.kind in ("timeout", "terminated", jobscript.KIND_CANCELLED):
+        return record
+    why = record.detail or record.kind
+    return jobscript.ExitRecord(
+        jobscript.EXIT_DISK_FULL,
+        W.KIND_DISK_FULL,
+        detail=f"the run directory's disk is full: the task's exit record ({why}) could not be written",
+    )
 
 
 def _reap(pid: int) -> int | None:
@@ -144,6 +173,8 @@ class LocalBackend:
         self._to_watch: list[tuple[_Launch, _Proc]] = []
         self._exits_in, self._exits_out = anyio.create_memory_object_stream[TaskExit](math.inf)
         self._tg: TaskGroup | None = None
+        # Exit records that could not be written (a full disk), by task directory; read like those on disk.
+        self._held: dict[Path, jobscript.ExitRecord] = {}
 
     # --- queries (sync: they do not block) ------------------------------------------------------------------
 
@@ -189,13 +220,37 @@ class LocalBackend:
                     if self.running_count >= self.max_parallel:
                         return
 
+    def _finish(self, la: _Launch, task: int, record: jobscript.ExitRecord) -> None:
+        """End a task that will not run (or ran no wrapper) with `record`, at once."""
+        tdir = la.spec.task_dir(task)
+        self._record(tdir, record)
+        la.finished.add(task)
+        self._exits_in.send_nowait(TaskExit(key=la.spec.key, task=task, task_dir=os.fspath(tdir)))
+
+    def _record(self, tdir: Path, record: jobscript.ExitRecord) -> None:
+        """Write `record` as the task's exit record; one that cannot be written is held instead (see the module's
+        note)."""
+        try:
+            jobscript.write_exit(tdir, record)
+        except OSError as e:
+            self._held[tdir] = held_record(record, e)
+
+    def _exit_of(self, tdir: Path) -> jobscript.ExitRecord | None:
+        rec = jobscript.read_exit(tdir)
+        return self._held.get(tdir) if rec is None else rec
+
     def _start(self, la: _Launch, task: int) -> None:
         spec = la.spec
         tdir = spec.task_dir(task)
-        tdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         pid_path = tdir / PID_FILE
-        # The claim comes before the spawn: a kernel dying in between leaves a task that is never run twice.
-        _write(pid_path, msgspec.json.encode(PidRecord(pid=None)))
+        try:
+            tdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # The claim comes before the spawn: a kernel dying in between leaves a task that is never run twice.
+            _write(pid_path, msgspec.json.encode(PidRecord(pid=None)))
+        except OSError as e:
+            detail = f"the task could not be started: its run directory could not be written: {e}"
+            self._finish(la, task, jobscript.ExitRecord(EXIT_NOT_STARTED, KIND_NOT_STARTED, detail=detail))
+            return
         job_sh = spec.paths.launch_dir / jobscript.NAMES.JOB_SCRIPT
         out = os.fspath(tdir / jobscript.NAMES.SCHEDULER_OUT)
         # Jobs' scratch is the kernel's TMPDIR (the unit points it outside PrivateTmp=, which systemd empties when
@@ -218,10 +273,7 @@ class LocalBackend:
         except OSError as e:
             # The world's fault (no interpreter, no file descriptors): the task ends, explained; the kernel serves on.
             detail = f"the job wrapper could not be started: {e}"
-            rec0 = jobscript.ExitRecord(jobscript.EXIT_WRAPPER_ERROR, "wrapper_error", detail=detail)
-            jobscript.write_exit(tdir, rec0)
-            la.finished.add(task)
-            self._exits_in.send_nowait(TaskExit(key=spec.key, task=task, task_dir=os.fspath(tdir)))
+            self._finish(la, task, jobscript.ExitRecord(EXIT_NOT_STARTED, KIND_NOT_STARTED, detail=detail))
             return
         pidfd = os.pidfd_open(pid)
         walltime = spec.minutes * self.seconds_per_minute
@@ -231,7 +283,10 @@ class LocalBackend:
             boot_id=boot_id(),
             deadline_wall=time.time() + walltime,
         )
-        _write(pid_path, msgspec.json.encode(rec))
+        with contextlib.suppress(
+            OSError
+        ):  # a full disk: the claim stays (never run twice), the pid is in memory
+            _write(pid_path, msgspec.json.encode(rec))
         proc = _Proc(task=task, pid=pid, pidfd=pidfd, deadline=self._clock() + walltime, child=True)
         la.running[task] = proc
         self._to_watch.append((la, proc))
@@ -258,17 +313,19 @@ class LocalBackend:
             os.close(proc.pidfd)
         tdir = la.spec.task_dir(proc.task)
         if jobscript.read_exit(tdir) is None:
-            self._write_missing_exit(tdir, proc, status)
+            self._record(tdir, self._missing_exit(proc, status))
         del la.running[proc.task]
         la.finished.add(proc.task)
         self._exits_in.send_nowait(TaskExit(key=la.spec.key, task=proc.task, task_dir=os.fspath(tdir)))
         self._poke()
 
     @staticmethod
-    def _write_missing_exit(tdir: Path, proc: _Proc, status: int | None) -> None:
+    def _missing_exit(proc: _Proc, status: int | None) -> jobscript.ExitRecord:
         detail = "the job wrapper ended without writing exit-code"
         if status is not None and os.WIFSIGNALED(status):
             detail += f" (killed by {signal.Signals(os.WTERMSIG(status)).name})"
+        elif status is not None and os.WEXITSTATUS(status) == jobscript.EXIT_DISK_FULL:
+            detail += " (the run directory's disk is full)"
         if proc.stop == "timeout":
             rec = jobscript.ExitRecord(jobscript.EXIT_TIMEOUT, "timeout", signal="SIGKILL", detail=detail)
         elif proc.stop == "cancelled":
@@ -277,7 +334,7 @@ class LocalBackend:
             )
         else:
             rec = jobscript.ExitRecord(jobscript.EXIT_LOST, jobscript.KIND_LOST, detail=detail)
-        jobscript.write_exit(tdir, rec)
+        return rec
 
     @staticmethod
     def _signal(proc: _Proc, sig: signal.Signals) -> None:
@@ -335,16 +392,14 @@ class LocalBackend:
         out: list[TaskRef] = []
         for t in [t for t in la.pending if t in wanted]:
             la.pending.remove(t)
-            tdir = la.spec.task_dir(t)
-            jobscript.write_exit(
-                tdir,
+            self._finish(
+                la,
+                t,
                 jobscript.ExitRecord(
                     jobscript.EXIT_TERMINATED, jobscript.KIND_CANCELLED, detail="cancelled before it started"
                 ),
             )
-            la.finished.add(t)
             out.append(TaskRef(key=key, task=t, job_id=job_id(la.spec, t)))
-            self._exits_in.send_nowait(TaskExit(key=key, task=t, task_dir=os.fspath(tdir)))
         for t, proc in la.running.items():
             if t in wanted and proc.stop is None:
                 proc.stop = "cancelled"
@@ -357,9 +412,10 @@ class LocalBackend:
         return out
 
     def outcome_of(self, task_dir: Path) -> Outcome | None:
-        """The exit record read through the one table (kernel.core.exits); no scheduler adds to it."""
-        rec = jobscript.read_exit(task_dir)
-        return None if rec is None else exits.outcome(rec.kind, rec.code, rec.signal)
+        """The exit record (on disk, or held: see the module's note) read through the one table
+        (kernel.core.exits); no scheduler adds to it."""
+        rec = self._exit_of(task_dir)
+        return None if rec is None else exits.outcome(rec.kind, rec.code, rec.signal, detail=rec.detail)
 
     def hint_of(self, task_dir: Path) -> str | None:
         """The local backend adds nothing to what the exit record says."""
@@ -395,6 +451,8 @@ class LocalBackend:
                 rec: PidRecord | None = msgspec.json.decode((tdir / PID_FILE).read_bytes(), type=PidRecord)
             except FileNotFoundError:
                 rec = None
+            except (OSError, msgspec.DecodeError):  # a claim it cannot read may have started: never run twice
+                rec = PidRecord(pid=None)
             if rec is None:
                 la.pending.append(t)
                 found["requeued"].append(ref)
@@ -406,7 +464,7 @@ class LocalBackend:
                 la.finished.add(t)
                 found["finished"].append(ref)
             else:
-                jobscript.write_exit(
+                self._record(
                     tdir,
                     jobscript.ExitRecord(
                         jobscript.EXIT_LOST,

@@ -2,7 +2,7 @@
 
 Every finished task has exactly one exit record (`kernel.backends.jobscript.ExitRecord`), written by the wrapper
 (`exited`, `signaled`, `timeout`, `terminated`, `empty_command`, `materialise_failed`, `wrapper_error`,
-`environment_failed`, `out_of_memory`) or, for
+`environment_failed`, `out_of_memory`, `disk_full`, `disk_limit`) or, for
 a task whose wrapper left none, by its backend (`lost`, `cancelled`; Slurm: `out_of_memory`, `failed`,
 `node_fail`, `preempted`, `vanished`, `stuck`, `submit_failed`). `KINDS` maps each kind to the lifecycle event
 the executor applies, the TaskState the wake shows, which of the record's exit code and signal are kept, and the
@@ -45,6 +45,15 @@ HINT_OOM: Final = (
     "the task went over its memory limit and was killed (`syscall env` shows the limit); use less memory, "
     "smaller batches or fewer workers"
 )
+HINT_DISK_FULL: Final = (
+    "the disk of the kernel's run directory was full, so this task's output or result could not be stored "
+    "and it was stopped (or never started); the output shown may be cut short; relaunch once the operator "
+    "has freed space"
+)
+HINT_DISK_LIMIT: Final = (
+    "the job put more on disk in its tree, home and work directories than the per-task disk limit allows and "
+    "was stopped; write less (or delete what you no longer need) while the job runs"
+)
 HINT_LOST: Final = "the job ended without leaving a result (its wrapper was killed); relaunch it"
 HINT_CANCELLED_EARLY: Final = "cancelled before it started"
 
@@ -69,6 +78,8 @@ class End:
     keep_code: bool
     keep_signal: bool
     hint: str | None
+    # The record's own `detail` is the hint where it has one (it names the limit and the amount).
+    detail_hint: bool = False
 
 
 _F, _C, _L = TaskEvent.FINISH, TaskEvent.CANCEL, TaskEvent.LOSE
@@ -87,6 +98,10 @@ KINDS: Final[Mapping[str, End]] = {
     # written by the wrapper when its task's memory cgroup saw an OOM kill (the local backend's limits), and by
     # the Slurm backend from Slurm's own account (whose hint in slurm-state.json comes first)
     "out_of_memory": End(_F, "OUT_OF_MEMORY", True, True, HINT_OOM),
+    # written by the wrapper (or, when even that could not be written, held by the local backend): the run
+    # directory's disk was full; and the job's tree past the local backend's `tree_mb`
+    "disk_full": End(_F, "FAILED", True, False, HINT_DISK_FULL, detail_hint=True),
+    "disk_limit": End(_F, "FAILED", True, False, HINT_DISK_LIMIT, detail_hint=True),
     # written by a backend for a task whose wrapper left no record
     "lost": End(_L, "VANISHED", False, True, HINT_LOST),
     "cancelled": End(_C, "CANCELLED", False, False, HINT_CANCELLED_EARLY),
@@ -124,10 +139,14 @@ def signum(name: str | None) -> int | None:
 
 
 def outcome(
-    kind: str, code: int | None, signal_name: str | None, scheduler: TaskState | None = None
+    kind: str,
+    code: int | None,
+    signal_name: str | None,
+    scheduler: TaskState | None = None,
+    detail: str | None = None,
 ) -> Outcome:
-    """What an exit record (`kind`, exit `code`, `signal_name`) means, from `KINDS`; `scheduler` is the state
-    the scheduler gave the task, where it has one (see the module's note)."""
+    """What an exit record (`kind`, exit `code`, `signal_name`, `detail`) means, from `KINDS`; `scheduler` is
+    the state the scheduler gave the task, where it has one (see the module's note)."""
     if kind == "exited" and code == 0:
         return Outcome(TaskEvent.FINISH, "COMPLETED", 0, None, None)
     end = KINDS.get(kind, _UNKNOWN)
@@ -137,6 +156,8 @@ def outcome(
     ):
         end = KINDS[over]
     hint = end.hint
+    if end.detail_hint and detail:
+        hint = f"{detail}; {hint}"
     if hint == HINT_SIGNALED:
         hint = hint.format(signal=signal_name or "a signal")
     return Outcome(

@@ -24,6 +24,7 @@ or one of the EXIT_* codes below; exit-code's `kind` tells them apart unambiguou
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -37,6 +38,8 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import subprocess
 
+EXIT_DISK_FULL = 118
+EXIT_DISK_LIMIT = 119
 EXIT_EMPTY_COMMAND = 120
 EXIT_MATERIALISE_FAILED = 121
 EXIT_TERMINATED = 122
@@ -53,6 +56,20 @@ KIND_TIMEOUT = "timeout"
 KIND_WRAPPER = "wrapper_error"
 KIND_ENVIRONMENT = "environment_failed"
 KIND_OOM = "out_of_memory"
+KIND_DISK_FULL = "disk_full"  # the task directory's filesystem had no room left (ENOSPC, EDQUOT)
+KIND_DISK_LIMIT = "disk_limit"  # the job's tree, home and work held more than the `tree_mb` limit
+
+# The errors that mean "no room on this filesystem": a handled end of the task, never a crash.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# Room for the exit record, allocated in the task directory before the job runs (see write_record).
+RESERVE = ".exit-code.reserve"
+RESERVE_BYTES = 16384
+# How often the tree watchdog sums the job's disk use: every TREE_WATCH_MIN_S, or ten times as long as a sum
+# takes (at most a tenth of a core on a big tree), up to TREE_WATCH_MAX_S.
+TREE_WATCH_MIN_S = 0.02
+TREE_WATCH_MAX_S = 1.0
+# A file this close to the per-file limit was stopped by it (glibc's posix_fallocate writes one byte a block).
+FSIZE_SLACK = 65536
 
 TREE_TOKEN = "@@SYSCALL_TREE@@"
 HOME_TOKEN = "@@SYSCALL_HOME@@"
@@ -84,21 +101,85 @@ def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # noqa: UP017 (datetime.UTC is 3.11+)
 
 
-def write_atomic(directory: str, name: str, data: bytes) -> None:
-    """Create `directory/name` with `data` via a fresh temp file and rename, fsyncing file and directory."""
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(directory, name))
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in DISK_ERRNOS
+
+
+def write_all(fd: int, data: bytes, offset: int | None = None) -> None:
+    """Write all of `data` (a short write on a filing-up disk is followed by the write that raises ENOSPC)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset + len(data) - len(view))
+        view = view[n:]
+
+
+def _fsync_dir(directory: str) -> None:
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def write_atomic(directory: str, name: str, data: bytes, mode: int = 0o644) -> None:
+    """Create `directory/name` with `data` via a fresh temp file and rename, fsyncing file and directory; a write
+    that fails (a full disk) leaves no temp file behind."""
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        try:
+            write_all(fd, data)
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def reserve_record(directory: str) -> None:
+    """Allocate room for the exit record in `directory` now (RESERVE): on a disk that fills up later, the record
+    is still written (write_record), so a task ended by a full disk says so. Raises OSError (ENOSPC) when even
+    that much room is not there."""
+    fd = os.open(
+        os.path.join(directory, RESERVE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+    )
+    try:
+        os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, RESERVE))
+        raise
+    os.close(fd)
+
+
+def write_record(directory: str, name: str, data: bytes, mode: int = 0o644) -> None:
+    """Write `directory/name` whole and atomically like write_atomic; with a reserve in `directory` the bytes go
+    into the reserve's already allocated blocks (overwritten in place, cut to size, renamed over `name`), so a
+    full disk does not stop it. The reserve is used once."""
+    reserve = os.path.join(directory, RESERVE)
+    try:
+        fd = os.open(reserve, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        write_atomic(directory, name, data, mode)
+        return
+    try:
+        if len(data) > RESERVE_BYTES:  # never longer in practice (a few hundred bytes): it just may allocate
+            os.ftruncate(fd, 0)
+        write_all(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(reserve, os.path.join(directory, name))
+    _fsync_dir(directory)
 
 
 def task_index(array: int, environ: dict[str, str]) -> int:
@@ -540,6 +621,9 @@ class Limiter:
     def __init__(self, limits: dict[str, Any], name: str, root: str = CGROUP_ROOT) -> None:
         self.mem_mb = int(limits.get("mem_mb") or 0)
         self.max_procs = int(limits.get("max_procs") or 0)
+        self.tree_mb = int(
+            limits.get("tree_mb") or 0
+        )  # also the largest file the job may write (RLIMIT_FSIZE)
         self.gpus = int(limits.get("gpus") or 0)
         self.name = name
         self.root = root
@@ -550,10 +634,11 @@ class Limiter:
 
     @property
     def wanted(self) -> bool:
-        return bool(self.mem_mb or self.max_procs)
+        """Whether `enter` has something to do in the jail's process."""
+        return bool(self.mem_mb or self.max_procs or self.tree_mb)
 
     def setup(self) -> str:
-        if not self.wanted:
+        if not (self.mem_mb or self.max_procs):
             return "none"
         for attempt in (self._v2, self._v1):
             try:
@@ -619,6 +704,10 @@ class Limiter:
         """In the jail's process, before exec (so everything it starts is inside)."""
         import resource
 
+        if self.tree_mb:
+            # Inherited by bwrap and everything the job starts: a write or fallocate past it fails with EFBIG
+            # (and SIGXFSZ), so one file never outgrows the tree limit whatever the watchdog's interval.
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.tree_mb << 20, self.tree_mb << 20))
         if self.mechanism == "cgroup":
             for group in self.groups:
                 self._write(os.path.join(group, "cgroup.procs"), str(os.getpid()))
@@ -817,10 +906,18 @@ class Runner:
         self.grace = grace
         self.reason: str | None = None
         self.signal_name: str | None = None
+        self.limited: tuple[str, str] | None = None  # (kind, message) of a limit that stopped the jail
         self.proc: subprocess.Popen[bytes] | None = None
 
     def stopped_for(self) -> str | None:
         return self.reason
+
+    def limit(self, kind: str, message: str) -> None:
+        """Stop the jail for a limit it reached (KIND_DISK_FULL, KIND_DISK_LIMIT); the first one is kept (any
+        thread)."""
+        if self.limited is None:
+            self.limited = (kind, message)
+        self._stop()
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
@@ -846,6 +943,13 @@ class Runner:
         timer.daemon = True
         timer.start()
 
+    def _disk_full(self, written: int) -> None:
+        self.limit(
+            KIND_DISK_FULL,
+            "the run directory's disk is full: the job's output could not be stored past "
+            f"{written} bytes of one stream, so the job was stopped",
+        )
+
     @staticmethod
     def _kill(pgid: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -860,9 +964,10 @@ class Runner:
         stderr: int,
         cap: int,
         preexec: Any = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> int:
         """Run the jail with its output copied into `stdout`/`stderr`, each capped at `cap` bytes; `preexec`
-        runs in the child before the exec (Limiter.enter)."""
+        runs in the child before the exec (Limiter.enter); `pass_fds` are inherited by it."""
         import subprocess
         import threading
 
@@ -878,6 +983,7 @@ class Runner:
                 stderr=pipes[1][1],
                 start_new_session=True,
                 preexec_fn=preexec,
+                pass_fds=pass_fds,
             )
         except BaseException:
             for r, w in pipes:
@@ -887,7 +993,7 @@ class Runner:
         copiers = []
         for (r, w), dest in ((pipes[0], stdout), (pipes[1], stderr)):
             os.close(w)
-            t = threading.Thread(target=drain, args=(r, dest, cap), daemon=True)
+            t = threading.Thread(target=drain, args=(r, dest, cap, self._disk_full), daemon=True)
             t.start()
             copiers.append(t)
         if self.reason is not None:
@@ -899,27 +1005,100 @@ class Runner:
         return status
 
 
-def drain(src: int, dest: int, cap: int) -> None:
-    """Copy `src` into `dest` up to `cap` bytes, then keep reading (so the job never blocks) and count."""
+def drain(src: int, dest: int, cap: int, full: Any = None) -> None:
+    """Copy `src` into `dest` up to `cap` bytes, then keep reading (so the job never blocks) and count. When
+    `dest`'s disk is full (ENOSPC, EDQUOT) nothing more is written and `full(bytes written)` is called once."""
     written = dropped = 0
+    no_room = False
     try:
         while True:
             chunk = os.read(src, 1 << 16)
             if not chunk:
                 break
-            room = cap - written
+            room = 0 if no_room else cap - written
             if room > 0:
                 part = chunk[:room]
-                view = memoryview(part)
-                while view:
-                    view = view[os.write(dest, view) :]
-                written += len(part)
-            dropped += max(0, len(chunk) - max(room, 0))
-        if dropped:
+                try:
+                    write_all(dest, part)
+                except OSError as e:
+                    if not is_disk_full(e):
+                        raise
+                    no_room = True
+                    if full is not None:
+                        full(written)
+                else:
+                    written += len(part)
+                    chunk = chunk[len(part) :]
+            dropped += len(chunk)
+        if dropped and not no_room:
             note = f"\n[syscall-wrapper] output truncated: {dropped} bytes beyond the cap of {cap} were dropped\n"
-            os.write(dest, note.encode())
+            with contextlib.suppress(
+                OSError
+            ):  # the disk may fill up in between: the note is all that is lost
+                write_all(dest, note.encode())
     finally:
         os.close(src)
+
+
+def tree_usage(top: str) -> tuple[int, int]:
+    """(the bytes the files below `top` take on disk (st_blocks, each inode once), the largest file's size),
+    walked through directory fds without following a symlink; what vanishes while it is walked is not counted."""
+    seen: set[tuple[int, int]] = set()
+    total = largest = 0
+    with contextlib.suppress(OSError):
+        for _root, dirs, files, dfd in os.fwalk(top, follow_symlinks=False):
+            for name in dirs + files:
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+                    if stat.S_ISREG(st.st_mode):
+                        largest = max(largest, st.st_size)
+    return total, largest
+
+
+class TreeWatch:
+    """Sums what the job has put on disk in its writable directories every TREE_WATCH_MIN_S..TREE_WATCH_MAX_S
+    seconds and calls `over(used)` once when it is past `limit` bytes (the job is then stopped: it may have
+    written what it can write in one interval beyond the limit). One big file is refused at once, by
+    RLIMIT_FSIZE (Limiter)."""
+
+    def __init__(self, dirs: list[str], limit: int, over: Any) -> None:
+        import threading
+
+        self.dirs, self.limit, self.over = dirs, limit, over
+        self.peak = self.largest = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def used(self) -> int:
+        sums = [tree_usage(d) for d in self.dirs]
+        used = sum(u for u, _ in sums)
+        self.peak = max(self.peak, used)
+        self.largest = max([self.largest, *(big for _, big in sums)])
+        return used
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import time
+
+        interval = TREE_WATCH_MIN_S
+        while not self._done.wait(interval):
+            began = time.monotonic()
+            used = self.used()
+            if used > self.limit:
+                self.over(used)
+                return
+            interval = min(TREE_WATCH_MAX_S, max(TREE_WATCH_MIN_S, 10 * (time.monotonic() - began)))
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def run_score(
@@ -982,6 +1161,89 @@ def run_score(
     return status if status >= 0 else 128 - status
 
 
+# fallocate(2) by architecture (audit arch -> syscall numbers, x32's with its bit): refused in a jail with a tree
+# limit, since it can reserve gigabytes per call faster than any watchdog sums them.
+FALLOCATE_SYSCALLS = {
+    0xC000003E: (285, 0x40000000 | 285),  # x86_64 (and x32)
+    0x40000003: (324,),  # i386
+    0xC00000B7: (47,),  # aarch64
+    0x40000028: (352,),  # arm
+    0xC0000015: (309,),  # ppc64le
+    0x80000016: (314,),  # s390x
+}
+
+
+def no_fallocate_filter(errno_value: int = errno.EOPNOTSUPP) -> bytes:
+    """A classic-BPF seccomp program (bwrap --seccomp) that makes fallocate(2) fail with `errno_value` and lets
+    every other call through. A program using it falls back to writing (glibc's posix_fallocate does), which
+    the tree watchdog sees at the disk's write rate."""
+    import struct
+
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno_value  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+    # (code, jt, jf, k) with "DENY" as a jump target resolved below; seccomp_data: nr at 0, arch at 4.
+    prog: list[tuple[int, Any, int, int]] = []
+    for arch, numbers in FALLOCATE_SYSCALLS.items():
+        prog.append((ld, 0, 0, 4))
+        prog.append((jeq, 0, len(numbers) + 2, arch))  # another arch: on to the next block
+        prog.append((ld, 0, 0, 0))
+        prog += [(jeq, "DENY", 0, n) for n in numbers]
+        prog.append((ret, 0, 0, allow))
+    prog.append((ret, 0, 0, allow))
+    deny_at = len(prog)
+    prog.append((ret, 0, 0, deny))
+    out = b""
+    for pc, (code, jt, jf, k) in enumerate(prog):
+        out += struct.pack("=HBBI", code, deny_at - pc - 1 if jt == "DENY" else jt, jf, k)
+    return out
+
+
+def seccomp_fd(program: bytes) -> int:
+    """A readable fd holding `program` from its start (bwrap reads it whole), inherited by the jail's start."""
+    r, w = os.pipe()
+    try:
+        write_all(w, program)  # a few hundred bytes: below the pipe's buffer
+    finally:
+        os.close(w)
+    return r
+
+
+def tree_watch(tree_mb: int, dirs: list[str], runner: Runner) -> TreeWatch | None:
+    """The watchdog of a task with a tree limit: over it, the jail is stopped with KIND_DISK_LIMIT."""
+    if not tree_mb:
+        return None
+
+    def over(used: int) -> None:
+        runner.limit(KIND_DISK_LIMIT, tree_message(tree_mb, used))
+
+    return TreeWatch(dirs, tree_mb << 20, over)
+
+
+def tree_message(tree_mb: int, used: int) -> str:
+    return (
+        f"the job's tree exceeded its {tree_mb} MiB disk limit (its tree, home and work directories held "
+        f"{used >> 20} MiB when it was stopped)"
+    )
+
+
+def tree_verdict(watch: TreeWatch | None, tree_mb: int, cmd_code: int) -> tuple[str, str] | None:
+    """After the jail: the tree limit's end when the watchdog missed it (the job ended within one interval of
+    passing it), or when a failed command had a file stopped at the limit by RLIMIT_FSIZE (killed by SIGXFSZ,
+    the shell's 128+25, or a write refused with EFBIG: the file is within a block of the limit)."""
+    if watch is None:
+        return None
+    used = watch.used()
+    if used > tree_mb << 20:
+        return KIND_DISK_LIMIT, tree_message(tree_mb, used)
+    at_limit = watch.largest >= (tree_mb << 20) - FSIZE_SLACK
+    if cmd_code == 128 + signal.SIGXFSZ or (cmd_code != 0 and at_limit):
+        return KIND_DISK_LIMIT, (
+            f"the job's tree exceeded its {tree_mb} MiB disk limit: a file it wrote reached {tree_mb} MiB, "
+            "the most one file may hold, and the write past it was refused (EFBIG, SIGXFSZ)"
+        )
+    return None
+
+
 def exit_record(kind: str, code: int, **extra: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {"code": code, "kind": kind}
     rec.update(extra)
@@ -1005,7 +1267,15 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
     os.makedirs(tdir, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):  # a rerun (requeue) must not look finished
         os.unlink(os.path.join(tdir, "exit-code"))
-    write_atomic(tdir, "started", (now_rfc3339() + "\n").encode())
+    try:
+        reserve_record(tdir)
+        write_atomic(tdir, "started", (now_rfc3339() + "\n").encode())
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        sys.stderr.write(f"syscall job wrapper: the run directory's disk is full: {e}\n")
+        detail = "the run directory's disk is full: the task could not be started"
+        return tdir, exit_record(KIND_DISK_FULL, EXIT_DISK_FULL, detail=detail)
     preload()
     out_fd = os.open(
         os.path.join(tdir, "stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644
@@ -1015,7 +1285,12 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
     )
 
     def note(text: str) -> None:
-        os.write(err_fd, (f"[syscall-wrapper] {text}\n").encode("utf-8", "replace"))
+        with contextlib.suppress(OSError):  # a full disk: the exit record (reserved) still says what happened
+            write_all(err_fd, (f"[syscall-wrapper] {text}\n").encode("utf-8", "replace"))
+
+    def stamp_ended() -> None:
+        with contextlib.suppress(OSError):  # without it, the kernel takes the exit record's time
+            write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
 
     scratch = None
     try:
@@ -1065,8 +1340,15 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
 
         limits = dict(config.get("limits") or {}, gpus=gpu.get("count", 0))
         limiter = Limiter(limits, "{}-{}-{}".format(str(config["key"]).replace("/", "-"), index, os.getpid()))
+        watch = tree_watch(limiter.tree_mb, [tree, home, work], runner)
+        filter_fd = None
+        if watch is not None and kind == "bwrap":
+            filter_fd = seccomp_fd(no_fallocate_filter())
+            argv[1:1] = ["--seccomp", str(filter_fd)]
         try:
             limiter.setup()
+            if watch is not None:
+                watch.start()
             status = runner.run(
                 argv,
                 tree,
@@ -1075,17 +1357,28 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
                 err_fd,
                 int(config.get("output_max_bytes", 64 << 20)),
                 limiter.enter if limiter.wanted else None,
+                () if filter_fd is None else (filter_fd,),
             )
         except (OSError, subprocess.SubprocessError) as e:
             note(f"the jail could not be started: {e}")
             limiter.finish()
             return tdir, exit_record(KIND_WRAPPER, EXIT_WRAPPER_ERROR)
+        finally:
+            if watch is not None:
+                watch.stop()
+            if filter_fd is not None:
+                os.close(filter_fd)
         oom = limiter.oom_killed()
         limiter.finish()
-        write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
+        stamp_ended()
         cmd_code = status if status >= 0 else 128 - status
         reason = runner.stopped_for()  # a signal handler may have set it while the jail ran
-        if oom and reason is None:
+        limited = runner.limited or tree_verdict(watch, limiter.tree_mb, cmd_code)
+        if limited is not None and reason is None:
+            note(limited[1])
+            code = EXIT_DISK_FULL if limited[0] == KIND_DISK_FULL else EXIT_DISK_LIMIT
+            rec = exit_record(limited[0], code, command_code=cmd_code, detail=limited[1])
+        elif oom and reason is None:
             note(f"the task went over its memory limit of {limiter.mem_mb} MB and was killed")
             rec = exit_record(KIND_OOM, cmd_code, command_code=cmd_code)
         elif reason is not None:
@@ -1100,7 +1393,7 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
             # Every process of `command` is gone by now: its jail's pid namespace died with it (bwrap
             # --unshare-pid), so nothing it left behind can print into the score's output or touch the tree.
             rec["score_code"] = run_score(score, config, index, scratch, tree, tdir, runner, note)
-            write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
+            stamp_ended()
             reason = runner.stopped_for()
             if reason is not None:
                 code = EXIT_TIMEOUT if reason == KIND_TIMEOUT else EXIT_TERMINATED
@@ -1146,7 +1439,11 @@ def main() -> int:
         return e.code
     rec["finished_at"] = now_rfc3339()
     rec["host"] = os.uname().nodename
-    write_atomic(tdir, "exit-code", (json.dumps(rec, sort_keys=True) + "\n").encode())
+    try:
+        write_record(tdir, "exit-code", (json.dumps(rec, sort_keys=True) + "\n").encode())
+    except OSError as e:  # no reserve and no room: the backend records the end (kernel.backends.local)
+        sys.stderr.write(f"syscall job wrapper: the exit record could not be written: {e}\n")
+        return EXIT_DISK_FULL if is_disk_full(e) else EXIT_WRAPPER_ERROR
     return int(rec["code"])
 
 

@@ -212,7 +212,7 @@ def exit_record_for(res: Resolution, stuck: bool = False) -> jobscript.ExitRecor
 def outcome_with(rec: jobscript.ExitRecord, slurm: TaskState | None) -> Outcome:
     """How a finished task ended: its exit record through the one table (kernel.core.exits), with Slurm's own
     state (`slurm`) where Slurm explained the end (a SIGTERM at the walltime, a preemption, the memory limit)."""
-    return exits.outcome(rec.kind, rec.code, rec.signal, slurm)
+    return exits.outcome(rec.kind, rec.code, rec.signal, slurm, rec.detail)
 
 
 def outcome_of(task_dir: Path) -> Outcome | None:
