@@ -14,40 +14,23 @@ stops the job; either way the task is FAILED with kind `disk_limit` and the mess
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kernelproc import Kernel, git_workspace, put_request, read_answer, wait_for
-from testenv import need
+from testenv import fill, tmpfs
 
 pytestmark = pytest.mark.bwrap
 
 
-def _mount_tmpfs(where: Path, size: str) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    need("a tmpfs mount", done.returncode == 0, f"mount -t tmpfs needs root: {done.stderr.strip()}")
-
-
 @pytest.fixture
 def small_run_dir(tmp_path: Path) -> Iterator[Path]:
-    run = tmp_path / "runs"
-    _mount_tmpfs(run, "64m")
-    try:
+    with tmpfs(tmp_path / "runs", "64m") as run:
         yield run
-    finally:
-        subprocess.run(["umount", "-l", str(run)], check=False)
 
 
 def sleep_request(rid: str, command: str, minutes: int = 5) -> dict[str, Any]:
@@ -72,18 +55,6 @@ def accepted(ws: Path, rid: str) -> None:
 
 # ~200 MiB of output: three times the run directory's filesystem, more than the per-stream cap (64 MiB) too.
 FLOOD = "yes xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx | head -c 209715200"
-
-
-def fill(path: Path) -> None:
-    """Take every byte left on `path`'s filesystem."""
-    with contextlib.suppress(OSError), open(path, "wb") as f:
-        while True:
-            f.write(b"\0" * 65536)
-            f.flush()
-    with contextlib.suppress(OSError), open(path, "ab") as f:
-        while True:
-            f.write(b"\0" * 512)
-            f.flush()
 
 
 def alive(k: Kernel) -> None:
@@ -124,6 +95,7 @@ def test_a_job_printing_past_the_run_directorys_free_space_fails_its_task_and_th
         accepted(b, "s1")
         [other] = wake_of(b, "s1")["tasks"]
         assert (other["state"], other["stdout_tail"]) == ("COMPLETED", "hello\n"), other
+        k.wait_log(f"event=woken ws={b.name}-", 30)  # the sleep is over (its wake file comes first)
 
         # A restart with the disk full again (a sleep waiting to be written out) recovers and serves.
         fill(small_run_dir / "filler")
@@ -148,12 +120,8 @@ def test_a_job_printing_past_the_run_directorys_free_space_fails_its_task_and_th
 @pytest.fixture
 def scratch_fs(tmp_path: Path) -> Iterator[Path]:
     """The jobs' scratch (the kernel's TMPDIR) on a filesystem of its own, so what a job writes is measured."""
-    where = tmp_path / "scratch"
-    _mount_tmpfs(where, "1g")
-    try:
+    with tmpfs(tmp_path / "scratch", "1g") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 class PeakUse:
