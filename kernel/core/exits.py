@@ -45,14 +45,16 @@ HINT_OOM: Final = (
     "the task went over its memory limit and was killed (`syscall env` shows the limit); use less memory, "
     "smaller batches or fewer workers"
 )
+# What follows the record's own detail (which says what happened, with the amounts) in the hint of a disk end.
+AFTER_DISK_FULL: Final = "the output shown may be cut short; relaunch once the operator has freed space"
+AFTER_DISK_LIMIT: Final = "write less (or delete what you no longer need) while the job runs"
 HINT_DISK_FULL: Final = (
-    "the disk of the kernel's run directory was full, so this task's output or result could not be stored "
-    "and it was stopped (or never started); the output shown may be cut short; relaunch once the operator "
-    "has freed space"
+    "the disk of the kernel's run directory was full, so this task's output or result could not be stored; "
+    + AFTER_DISK_FULL
 )
 HINT_DISK_LIMIT: Final = (
     "the job put more on disk in its tree, home and work directories than the per-task disk limit allows and "
-    "was stopped; write less (or delete what you no longer need) while the job runs"
+    "was stopped; " + AFTER_DISK_LIMIT
 )
 HINT_LOST: Final = "the job ended without leaving a result (its wrapper was killed); relaunch it"
 HINT_CANCELLED_EARLY: Final = "cancelled before it started"
@@ -78,8 +80,8 @@ class End:
     keep_code: bool
     keep_signal: bool
     hint: str | None
-    # The record's own `detail` is the hint where it has one (it names the limit and the amount).
-    detail_hint: bool = False
+    # Where set, the record's own `detail` (it names the limit and the amount), then this, is the hint.
+    after_detail: str | None = None
 
 
 _F, _C, _L = TaskEvent.FINISH, TaskEvent.CANCEL, TaskEvent.LOSE
@@ -100,8 +102,8 @@ KINDS: Final[Mapping[str, End]] = {
     "out_of_memory": End(_F, "OUT_OF_MEMORY", True, True, HINT_OOM),
     # written by the wrapper (or, when even that could not be written, held by the local backend): the run
     # directory's disk was full; and the job's tree past the local backend's `tree_mb`
-    "disk_full": End(_F, "FAILED", True, False, HINT_DISK_FULL, detail_hint=True),
-    "disk_limit": End(_F, "FAILED", True, False, HINT_DISK_LIMIT, detail_hint=True),
+    "disk_full": End(_F, "FAILED", True, False, HINT_DISK_FULL, AFTER_DISK_FULL),
+    "disk_limit": End(_F, "FAILED", True, False, HINT_DISK_LIMIT, AFTER_DISK_LIMIT),
     # written by a backend for a task whose wrapper left no record
     "lost": End(_L, "VANISHED", False, True, HINT_LOST),
     "cancelled": End(_C, "CANCELLED", False, False, HINT_CANCELLED_EARLY),
@@ -156,8 +158,8 @@ def outcome(
     ):
         end = KINDS[over]
     hint = end.hint
-    if end.detail_hint and detail:
-        hint = f"{detail}; {hint}"
+    if end.after_detail is not None and detail:
+        hint = f"{detail}; {end.after_detail}"
     if hint == HINT_SIGNALED:
         hint = hint.format(signal=signal_name or "a signal")
     return Outcome(

@@ -68,6 +68,7 @@ def test_a_job_printing_past_the_run_directorys_free_space_fails_its_task_and_th
 ) -> None:
     k = Kernel(tmp_path, f'run_dir = "{small_run_dir}"\nrescan_seconds = 1\n[environment]\nmode = "none"\n')
     a, b = git_workspace(tmp_path / "a"), git_workspace(tmp_path / "b")
+    (b / "data.txt").write_text("b's own file\n" * 10000)  # its snapshot writes objects on the full disk
     k.enroll(a)
     k.enroll(b)
     scratch = tmp_path / "scratch"  # the jobs' trees live on the kernel's TMPDIR, not on the small disk
@@ -95,6 +96,7 @@ def test_a_job_printing_past_the_run_directorys_free_space_fails_its_task_and_th
         accepted(b, "s1")
         [other] = wake_of(b, "s1")["tasks"]
         assert (other["state"], other["stdout_tail"]) == ("COMPLETED", "hello\n"), other
+        assert "snapshot.failed" not in k.log_text()  # a full disk is the world's fault, not the agent's
         k.wait_log(f"event=woken ws={b.name}-", 30)  # the sleep is over (its wake file comes first)
 
         # A restart with the disk full again (a sleep waiting to be written out) recovers and serves.

@@ -113,7 +113,7 @@ def test_a_disk_end_says_what_its_record_says() -> None:
     out = exits.outcome("disk_limit", 119, None, detail=detail)
     assert (out.state, out.exit_code) == ("FAILED", 119)
     assert out.hint is not None
-    assert out.hint.startswith(detail + "; ")
+    assert out.hint == f"{detail}; {exits.AFTER_DISK_LIMIT}"
     assert exits.outcome("disk_full", 118, None).hint == exits.HINT_DISK_FULL
     # only the disk kinds take their record's detail as their hint
     assert exits.outcome("exited", 1, None, detail="anything").hint == exits.HINT_FAILED
