@@ -1040,46 +1040,94 @@ def drain(src: int, dest: int, cap: int, full: Any = None) -> None:
         os.close(src)
 
 
-def tree_usage(top: str) -> tuple[int, int]:
-    """(the bytes the files below `top` take on disk (st_blocks, each inode once), the largest file's size),
-    walked through directory fds without following a symlink; what vanishes while it is walked is not counted."""
-    seen: set[tuple[int, int]] = set()
-    total = largest = 0
-    with contextlib.suppress(OSError):
-        for _root, dirs, files, dfd in os.fwalk(top, follow_symlinks=False):
-            for name in dirs + files:
+# Every inode counts at least one block: a flood of empty files is bounded by the limit too.
+MIN_FILE_BYTES = 4096
+
+
+class DiskUse:
+    """One sum of what a job holds on disk: the files below its directories (walked through directory fds
+    without following a symlink) and the deleted files its processes still hold open (through /proc/PID/fd),
+    each inode once, each at least MIN_FILE_BYTES; what vanishes while it is summed is not counted."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+        self.total = 0
+        self.largest = 0  # the largest regular file's size
+
+    def add(self, st: os.stat_result) -> None:
+        if (st.st_dev, st.st_ino) in self.seen:
+            return
+        self.seen.add((st.st_dev, st.st_ino))
+        self.total += max(st.st_blocks * 512, MIN_FILE_BYTES)
+        if stat.S_ISREG(st.st_mode):
+            self.largest = max(self.largest, st.st_size)
+
+    def walk(self, top: str) -> None:
+        with contextlib.suppress(OSError):
+            for _root, dirs, files, dfd in os.fwalk(top, follow_symlinks=False):
+                for name in dirs + files:
+                    try:
+                        self.add(os.stat(name, dir_fd=dfd, follow_symlinks=False))
+                    except OSError:
+                        continue
+
+    def open_deleted(self, pid: int) -> None:
+        """The deleted regular files `pid` and its descendants hold open (unlinked, so no walk finds them)."""
+        for p in descendants(pid):
+            try:
+                fds = os.listdir(f"/proc/{p}/fd")
+            except OSError:
+                continue
+            for fd in fds:
                 try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    st = os.stat(f"/proc/{p}/fd/{fd}")
                 except OSError:
                     continue
-                if (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    total += st.st_blocks * 512
-                    if stat.S_ISREG(st.st_mode):
-                        largest = max(largest, st.st_size)
-    return total, largest
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 0:
+                    self.add(st)
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (/proc/PID/task/TID/children), as far as they can be read."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError, ValueError), open(f"/proc/{p}/task/{tid}/children") as f:
+                todo += [int(x) for x in f.read().split()]
+    return out
 
 
 class TreeWatch:
-    """Sums what the job has put on disk in its writable directories every TREE_WATCH_MIN_S..TREE_WATCH_MAX_S
-    seconds and calls `over(used)` once when it is past `limit` bytes (the job is then stopped: it may have
-    written what it can write in one interval beyond the limit). One big file is refused at once, by
-    RLIMIT_FSIZE (Limiter)."""
+    """Sums what the job holds on disk (DiskUse: its writable directories, and the deleted files its processes
+    hold open) every TREE_WATCH_MIN_S..TREE_WATCH_MAX_S seconds and calls `over(used)` once when it is past
+    `limit` bytes (the job is then stopped: it may have written what it can write in one interval beyond the
+    limit). One big file is refused at once, by RLIMIT_FSIZE (Limiter). `pid()` is the jail's pid, or None
+    before it started."""
 
-    def __init__(self, dirs: list[str], limit: int, over: Any) -> None:
+    def __init__(self, dirs: list[str], limit: int, over: Any, pid: Any = None) -> None:
         import threading
 
-        self.dirs, self.limit, self.over = dirs, limit, over
+        self.dirs, self.limit, self.over, self.pid = dirs, limit, over, pid
         self.peak = self.largest = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def used(self) -> int:
-        sums = [tree_usage(d) for d in self.dirs]
-        used = sum(u for u, _ in sums)
-        self.peak = max(self.peak, used)
-        self.largest = max([self.largest, *(big for _, big in sums)])
-        return used
+        use = DiskUse()
+        for d in self.dirs:
+            use.walk(d)
+        pid = None if self.pid is None else self.pid()
+        if pid is not None:
+            use.open_deleted(pid)
+        self.peak = max(self.peak, use.total)
+        self.largest = max(self.largest, use.largest)
+        return use.total
 
     def start(self) -> None:
         self._thread.start()
@@ -1216,7 +1264,11 @@ def tree_watch(tree_mb: int, dirs: list[str], runner: Runner) -> TreeWatch | Non
     def over(used: int) -> None:
         runner.limit(KIND_DISK_LIMIT, tree_message(tree_mb, used))
 
-    return TreeWatch(dirs, tree_mb << 20, over)
+    def jail_pid() -> int | None:
+        proc = runner.proc
+        return None if proc is None or proc.returncode is not None else proc.pid
+
+    return TreeWatch(dirs, tree_mb << 20, over, jail_pid)
 
 
 def tree_message(tree_mb: int, used: int) -> str:

@@ -172,6 +172,26 @@ LIMIT_HINT = f"the job's tree exceeded its {TREE_MB} MiB disk limit"
         # glibc's posix_fallocate then writes the file, which RLIMIT_FSIZE stops at the limit (SIGXFSZ)
         ("one-posix-fallocate", PY_FALLOCATE.format(n=1, mb=6144), f"a file it wrote reached {TREE_MB} MiB"),
         ("many-posix-fallocates", PY_FALLOCATE.format(n=400, mb=16), "held"),
+        # 20 MiB files deleted while held open: no walk of the tree sees them, /proc/PID/fd does
+        (
+            "deleted-open-files",
+            'python3 -c "import os, time\n'
+            "fds = []\n"
+            "for i in range(20):\n"
+            " fd = os.open('d', os.O_CREAT | os.O_WRONLY | os.O_TRUNC)\n"
+            " os.write(fd, bytes(20 << 20))\n"
+            " os.unlink('d')\n"
+            " fds.append(fd)\n"
+            " time.sleep(0.05)\n"
+            '" && echo wrote all',
+            "held",
+        ),
+        # every inode counts at least a block: 8192 empty files are 32 MiB
+        (
+            "empty-files",
+            "python3 -c \"[open('e%d' % i, 'w').close() for i in range(200000)]\" && echo wrote all",
+            "held",
+        ),
         (
             "many-files",
             "i=0; while [ $i -lt 400 ]; do head -c 1048576 /dev/zero > f$i; i=$((i+1)); done; echo wrote all",
