@@ -805,11 +805,13 @@ def open_contained(tree: str, rel: str) -> int:
 def copy_artifacts(
     tree: str, declared: list[str], out_dir: str, log_path: str, max_bytes: int, max_total: int
 ) -> list[dict[str, Any]]:
-    """Copy each declared artifact out of the (no longer running) job's tree; log one JSON line per artifact."""
+    """Copy each declared artifact out of the (no longer running) job's tree; log one JSON line per artifact.
+    Raises OSError (ENOSPC) once the log is written when an artifact could not be stored for a full disk."""
     import hashlib
 
     records: list[dict[str, Any]] = []
     total = 0
+    no_room = False  # an artifact met a full disk: raised after the log (ENOSPC), so the task says so
     real_tree = os.path.realpath(tree)
     for rel in declared:
         rec: dict[str, Any] = {"path": rel}
@@ -861,6 +863,7 @@ def copy_artifacts(
                             write_atomic(dest_dir, os.path.basename(rel), b"".join(chunks))
                         except OSError as e:  # e.g. "a" and "a/b" both declared
                             reason = f"could not be stored: {e.strerror}"
+                            no_room = no_room or is_disk_full(e)
                         else:
                             total += size
                             rec.update(status="copied", size=size, sha256=h.hexdigest())
@@ -872,6 +875,8 @@ def copy_artifacts(
     with open(log_path, "w") as log:
         for rec in records:
             log.write(json.dumps(rec, sort_keys=True) + "\n")
+    if no_room:
+        raise OSError(errno.ENOSPC, "an artifact could not be stored: the run directory's disk is full")
     return records
 
 
@@ -1296,6 +1301,10 @@ def tree_verdict(watch: TreeWatch | None, tree_mb: int, cmd_code: int) -> tuple[
     return None
 
 
+def disk_full_record(detail: str, cmd_code: int) -> dict[str, Any]:
+    return exit_record(KIND_DISK_FULL, EXIT_DISK_FULL, command_code=cmd_code, detail=detail)
+
+
 def exit_record(kind: str, code: int, **extra: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {"code": code, "kind": kind}
     rec.update(extra)
@@ -1450,6 +1459,8 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
             if reason is not None:
                 code = EXIT_TIMEOUT if reason == KIND_TIMEOUT else EXIT_TERMINATED
                 rec = exit_record(reason, code, signal=runner.signal_name, command_code=cmd_code)
+            elif runner.limited is not None:  # the score's output met a full disk: its result is not whole
+                rec = disk_full_record(runner.limited[1], cmd_code)
         try:
             copy_artifacts(
                 tree,
@@ -1461,6 +1472,10 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
             )
         except OSError as e:
             note(f"copying artifacts failed: {e}")
+            if is_disk_full(e) and rec["kind"] == KIND_EXITED and rec["code"] == 0:
+                # A success whose artifacts were not stored is not one: the agent would look for them.
+                detail = "the run directory's disk is full: the job's artifacts could not be stored"
+                rec = disk_full_record(detail, cmd_code)
         return tdir, rec
     except Exception:  # a wrapper bug must still leave an exit-code that says so
         import traceback

@@ -549,3 +549,25 @@ def test_a_wrapper_killed_on_a_full_disk_still_leaves_its_exit_record(small_worl
     assert (rec.code, rec.kind) == (jobscript.EXIT_LOST, jobscript.KIND_LOST)
     assert "killed by SIGKILL" in (rec.detail or "")
     assert not (tdir / ".exit-code.reserve").exists()
+
+
+def test_a_success_whose_artifact_meets_a_full_disk_ends_disk_full(small_world: World) -> None:
+    go = small_world.root / "go"
+    spec = small_world.spec(
+        "art",
+        f"head -c 1048576 /dev/zero > out.bin; while [ ! -e {go} ]; do sleep 0.05; done",
+        artifacts=("out.bin",),
+    )
+    tdir = spec.task_dir(0)
+
+    async def run(b: L.LocalBackend) -> list[TaskExit]:
+        await b.submit(spec)
+        await wait_for(lambda: (tdir / "started").exists())
+        fill(small_world.run_dir / "filler")  # after the wrapper reserved its record's room
+        go.touch()
+        return await exits(b, 1)
+
+    with_backend(run)
+    rec = result(spec)
+    assert (rec.code, rec.kind, rec.command_code) == (jobscript.EXIT_DISK_FULL, "disk_full", 0)
+    assert rec.detail == "the run directory's disk is full: the job's artifacts could not be stored"
