@@ -47,7 +47,10 @@ HINT_OOM: Final = (
 )
 # What follows the record's own detail (which says what happened, with the amounts) in the hint of a disk end.
 AFTER_DISK_FULL: Final = "the output shown may be cut short; relaunch once the operator has freed space"
-AFTER_DISK_LIMIT: Final = "write less (or delete what you no longer need) while the job runs"
+AFTER_DISK_LIMIT: Final = (
+    "keep what the job writes in its tree, home and work directories under the limit (delete what it no longer "
+    "needs while it runs) and its directories readable: the limit is checked by reading them"
+)
 HINT_DISK_FULL: Final = (
     "the disk of the kernel's run directory was full, so this task's output or result could not be stored; "
     + AFTER_DISK_FULL

@@ -895,10 +895,55 @@ def remove_tree(path: str) -> None:
         except OSError:
             pass
 
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=fix)  # onerror is deprecated from 3.12 on
-    else:
-        shutil.rmtree(path, onerror=fix)
+    try:
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=fix)  # onerror is deprecated from 3.12 on
+        else:
+            shutil.rmtree(path, onerror=fix)
+    except RecursionError:  # shutil recurses once a level: a job's chain of ~1000 directories
+        remove_deep(path)
+
+
+def remove_deep(path: str) -> None:
+    """Remove the tree at `path` without recursion or path lengths: depth-first through directory fds, each
+    directory's permissions restored before it is entered; one that cannot be emptied is left (and skipped)."""
+    stuck: set[tuple[int, int]] = set()
+    fds, names = [os.open(path, _O_DIR)], [""]
+    try:
+        while fds:
+            fd, child = fds[-1], None
+            for entry in os.scandir(fd):
+                if entry.is_dir(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) in stuck:
+                        continue
+                    with contextlib.suppress(OSError):
+                        os.chmod(entry.name, 0o700, dir_fd=fd, follow_symlinks=False)
+                    try:
+                        child = os.open(entry.name, _O_DIR, dir_fd=fd)
+                    except OSError:
+                        stuck.add((st.st_dev, st.st_ino))
+                        continue
+                    names.append(entry.name)
+                    break
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.name, dir_fd=fd)
+            if child is not None:
+                fds.append(child)
+                continue
+            st = os.fstat(fd)
+            os.close(fds.pop())
+            name = names.pop()
+            if fds:
+                try:
+                    os.rmdir(name, dir_fd=fds[-1])
+                except OSError:
+                    stuck.add((st.st_dev, st.st_ino))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 # --- running -----------------------------------------------------------------------------------------------
@@ -1052,12 +1097,20 @@ MIN_FILE_BYTES = 4096
 class DiskUse:
     """One sum of what a job holds on disk: the files below its directories (walked through directory fds
     without following a symlink) and the deleted files its processes still hold open (through /proc/PID/fd),
-    each inode once, each at least MIN_FILE_BYTES; what vanishes while it is summed is not counted."""
+    each inode once, each at least MIN_FILE_BYTES; what vanishes while it is summed is not counted. What cannot
+    be read otherwise (a directory the job made unreadable, one too deep for the wrapper's descriptors) would
+    hide what is below it: `unmeasured` says so, and the job is stopped for it."""
 
     def __init__(self) -> None:
         self.seen: set[tuple[int, int]] = set()
         self.total = 0
         self.largest = 0  # the largest regular file's size
+        self.unmeasured: OSError | None = None
+
+    def _error(self, e: OSError) -> None:
+        # ENOENT, ENOTDIR: an entry gone or replaced while it was walked; what replaced it is seen next time
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR) and self.unmeasured is None:
+            self.unmeasured = e
 
     def add(self, st: os.stat_result) -> None:
         if (st.st_dev, st.st_ino) in self.seen:
@@ -1068,13 +1121,17 @@ class DiskUse:
             self.largest = max(self.largest, st.st_size)
 
     def walk(self, top: str) -> None:
-        with contextlib.suppress(OSError):
-            for _root, dirs, files, dfd in os.fwalk(top, follow_symlinks=False):
+        try:
+            for _root, dirs, files, dfd in os.fwalk(top, follow_symlinks=False, onerror=self._error):
                 for name in dirs + files:
                     try:
                         self.add(os.stat(name, dir_fd=dfd, follow_symlinks=False))
-                    except OSError:
-                        continue
+                    except OSError as e:
+                        self._error(e)
+        except OSError as e:
+            self._error(e)
+        except RecursionError:  # os.fwalk recurses once a level: a chain of ~1000 directories
+            self._error(OSError(errno.ELOOP, "nested too deep to measure", top))
 
     def open_deleted(self, pid: int) -> None:
         """The deleted regular files `pid` and its descendants hold open (unlinked, so no walk finds them)."""
@@ -1120,10 +1177,12 @@ class TreeWatch:
 
         self.dirs, self.limit, self.over, self.pid = dirs, limit, over, pid
         self.peak = self.largest = 0
+        self.unmeasured: OSError | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def used(self) -> int:
+        """The bytes the job holds now; -1 when part of its tree could not be read (`unmeasured`)."""
         use = DiskUse()
         for d in self.dirs:
             use.walk(d)
@@ -1132,7 +1191,8 @@ class TreeWatch:
             use.open_deleted(pid)
         self.peak = max(self.peak, use.total)
         self.largest = max(self.largest, use.largest)
-        return use.total
+        self.unmeasured = use.unmeasured
+        return -1 if use.unmeasured is not None else use.total
 
     def start(self) -> None:
         self._thread.start()
@@ -1144,7 +1204,7 @@ class TreeWatch:
         while not self._done.wait(interval):
             began = time.monotonic()
             used = self.used()
-            if used > self.limit:
+            if used < 0 or used > self.limit:
                 self.over(used)
                 return
             interval = min(TREE_WATCH_MAX_S, max(TREE_WATCH_MIN_S, 10 * (time.monotonic() - began)))
@@ -1267,16 +1327,23 @@ def tree_watch(tree_mb: int, dirs: list[str], runner: Runner) -> TreeWatch | Non
         return None
 
     def over(used: int) -> None:
-        runner.limit(KIND_DISK_LIMIT, tree_message(tree_mb, used))
+        runner.limit(KIND_DISK_LIMIT, tree_message(tree_mb, used, watch.unmeasured))
 
     def jail_pid() -> int | None:
         proc = runner.proc
         return None if proc is None or proc.returncode is not None else proc.pid
 
-    return TreeWatch(dirs, tree_mb << 20, over, jail_pid)
+    watch = TreeWatch(dirs, tree_mb << 20, over, jail_pid)
+    return watch
 
 
-def tree_message(tree_mb: int, used: int) -> str:
+def tree_message(tree_mb: int, used: int, unmeasured: OSError | None = None) -> str:
+    if unmeasured is not None:
+        return (
+            f"the job's tree could not be measured against its {tree_mb} MiB disk limit, so the job was stopped: "
+            f"{unmeasured.strerror} ({os.path.basename(unmeasured.filename or '') or 'a directory'}): a "
+            "directory the job made unreadable, or nested too deep"
+        )
     return (
         f"the job's tree exceeded its {tree_mb} MiB disk limit (its tree, home and work directories held "
         f"{used >> 20} MiB when it was stopped)"
@@ -1290,8 +1357,8 @@ def tree_verdict(watch: TreeWatch | None, tree_mb: int, cmd_code: int) -> tuple[
     if watch is None:
         return None
     used = watch.used()
-    if used > tree_mb << 20:
-        return KIND_DISK_LIMIT, tree_message(tree_mb, used)
+    if used < 0 or used > tree_mb << 20:
+        return KIND_DISK_LIMIT, tree_message(tree_mb, used, watch.unmeasured)
     at_limit = watch.largest >= (tree_mb << 20) - FSIZE_SLACK
     if cmd_code == 128 + signal.SIGXFSZ or (cmd_code != 0 and at_limit):
         return KIND_DISK_LIMIT, (

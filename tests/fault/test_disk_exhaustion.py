@@ -186,6 +186,21 @@ LIMIT_HINT = f"the job's tree exceeded its {TREE_MB} MiB disk limit"
             '" && echo wrote all',
             "held",
         ),
+        # a file below 1500 nested directories (deeper than the walk goes): the job is stopped, unmeasured
+        (
+            "too-deep",
+            'python3 -c "import os\n'
+            "fd = os.open('.', os.O_RDONLY)\n"
+            "for i in range(1500):\n"
+            " os.mkdir('d', dir_fd=fd)\n"
+            " fd = os.open('d', os.O_RDONLY, dir_fd=fd)\n"
+            "out = os.open('big', os.O_CREAT | os.O_WRONLY, dir_fd=fd)\n"
+            "for i in range(100):\n"
+            " os.write(out, bytes(1 << 20))\n"
+            " os.fsync(out)\n"
+            '" && sleep 5 && echo wrote all',
+            "could not be measured",
+        ),
         # every inode counts at least a block: 8192 empty files are 32 MiB
         (
             "empty-files",
@@ -223,7 +238,9 @@ def test_a_job_writing_past_its_tree_limit_is_stopped_and_the_disk_does_not_grow
     if says is None:
         assert "fallocate failed: Operation not supported" in task["stderr_tail"], task
     else:
-        assert task["hint"].startswith(LIMIT_HINT), task
+        assert task["hint"].startswith(LIMIT_HINT if says != "could not be measured" else "the job's tree"), (
+            task
+        )
         assert says in task["hint"], task
     assert "wrote all" not in task["stdout_tail"], task
     print(f"{name}: the scratch filesystem grew by at most {grown / (1 << 20):.1f} MiB (limit {TREE_MB} MiB)")
