@@ -872,6 +872,8 @@ def copy_artifacts(
         if reason is not None:
             rec.update(status="skipped", reason=reason)
         records.append(rec)
+    if not declared:  # nothing to account for: no file (which a full disk may not have room for)
+        return records
     with open(log_path, "w") as log:
         for rec in records:
             log.write(json.dumps(rec, sort_keys=True) + "\n")
@@ -1395,22 +1397,23 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
     os.makedirs(tdir, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):  # a rerun (requeue) must not look finished
         os.unlink(os.path.join(tdir, "exit-code"))
+    logs: list[int] = []
     try:
         reserve_record(tdir)
         write_atomic(tdir, "started", (now_rfc3339() + "\n").encode())
+        for name in ("stdout", "stderr"):
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+            logs.append(os.open(os.path.join(tdir, name), flags, 0o644))
     except OSError as e:
+        for fd in logs:
+            os.close(fd)
         if not is_disk_full(e):
             raise
         sys.stderr.write(f"syscall job wrapper: the run directory's disk is full: {e}\n")
         detail = "the run directory's disk is full: the task could not be started"
         return tdir, exit_record(KIND_DISK_FULL, EXIT_DISK_FULL, detail=detail)
     preload()
-    out_fd = os.open(
-        os.path.join(tdir, "stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644
-    )
-    err_fd = os.open(
-        os.path.join(tdir, "stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644
-    )
+    out_fd, err_fd = logs
 
     def note(text: str) -> None:
         with contextlib.suppress(OSError):  # a full disk: the exit record (reserved) still says what happened

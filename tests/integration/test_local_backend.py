@@ -571,3 +571,48 @@ def test_a_success_whose_artifact_meets_a_full_disk_ends_disk_full(small_world: 
     rec = result(spec)
     assert (rec.code, rec.kind, rec.command_code) == (jobscript.EXIT_DISK_FULL, "disk_full", 0)
     assert rec.detail == "the run directory's disk is full: the job's artifacts could not be stored"
+
+
+def fill_inodes(where: Path) -> None:
+    """Take every inode left on `where`'s filesystem (empty files: no data blocks are freed or needed)."""
+    where.mkdir()
+    with contextlib.suppress(OSError):
+        for i in itertools.count():
+            (where / str(i)).touch()
+
+
+def test_a_task_that_cannot_be_claimed_on_a_full_disk_ends_disk_full_in_memory(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "runs", "16m,nr_inodes=4000"):
+        w = make_world(tmp_path)
+        try:
+            _claim_on_a_full_disk(w)
+        finally:
+            kill_leftovers(w.run_dir)
+
+
+def _claim_on_a_full_disk(w: World) -> None:
+    go = w.root / "go"
+    first = w.spec("first", f"while [ ! -e {go} ]; do sleep 0.05; done")
+    second = w.spec("second", "echo never")
+
+    async def run(b: L.LocalBackend) -> tuple[list[TaskExit], Any, Any]:
+        await b.submit(first)
+        await b.submit(second)  # queued behind `first` (max_parallel=1)
+        await wait_for(lambda: (first.task_dir(0) / "started").exists())
+        fill_inodes(
+            w.run_dir / "filler"
+        )  # no new file can be created: the claim of `second` cannot be written
+        go.touch()
+        done = await exits(b, 2)
+        return done, b.outcome_of(first.task_dir(0)), b.outcome_of(second.task_dir(0))
+
+    done, out1, out2 = with_backend(run, max_parallel=1)
+    assert sorted(e.key for e in done) == sorted([first.key, second.key])
+    assert out1.state == "COMPLETED"  # its record went into the room reserved before it ran
+    assert jobscript.read_exit(second.task_dir(0)) is None  # no room for it: held by the backend
+    assert out2.state == "FAILED"
+    assert out2.hint.startswith(
+        "the run directory's disk is full: the task's exit record (the task could not"
+    )
+    assert not (second.task_dir(0) / "started").exists()
+    assert not list(second.task_dir(0).glob(".*.tmp")), "a temp file was left behind"
