@@ -65,7 +65,8 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 RESERVE = ".exit-code.reserve"
 RESERVE_BYTES = 16384
 # How often the tree watchdog sums the job's disk use: every TREE_WATCH_MIN_S, or ten times as long as a sum
-# takes (at most a tenth of a core on a big tree), up to TREE_WATCH_MAX_S.
+# takes (a tenth of a core on a big tree), up to TREE_WATCH_MAX_S; never sooner than a sum takes (half a core
+# at most, on a tree of hundreds of thousands of files).
 TREE_WATCH_MIN_S = 0.02
 TREE_WATCH_MAX_S = 1.0
 # A file this close to the per-file limit was stopped by it (glibc's posix_fallocate writes one byte a block).
@@ -1209,7 +1210,8 @@ class TreeWatch:
             if used < 0 or used > self.limit:
                 self.over(used)
                 return
-            interval = min(TREE_WATCH_MAX_S, max(TREE_WATCH_MIN_S, 10 * (time.monotonic() - began)))
+            took = time.monotonic() - began
+            interval = max(TREE_WATCH_MIN_S, min(TREE_WATCH_MAX_S, 10 * took), took)
 
     def stop(self) -> None:
         self._done.set()
