@@ -194,6 +194,25 @@ def read_exit(task_dir: Path) -> ExitRecord | None:
         return unreadable_exit(f"the exit-code record is not valid ({len(data)} bytes): {e}")
 
 
+def held_record(record: ExitRecord, error: OSError) -> ExitRecord:
+    """The end a backend keeps in memory for a task whose exit record it could not write (`error`). On a full
+    disk: a task gone without a record, or one that never started (`lost`, `wrapper_error`), is `disk_full` (the
+    full disk is what the record would have said, or what stopped it); any other end (a walltime, a cancel,
+    Slurm's own account) stays, its detail saying the record could not be written."""
+    if error.errno not in W.DISK_ERRNOS:
+        return record
+    why = record.detail or record.kind
+    if record.kind in (KIND_LOST, W.KIND_WRAPPER):
+        return ExitRecord(
+            EXIT_DISK_FULL,
+            W.KIND_DISK_FULL,
+            detail=f"the run directory's disk is full: the task's exit record ({why}) could not be written",
+        )
+    return msgspec.structs.replace(
+        record, detail=f"{why}; its exit record could not be written: the run directory's disk is full"
+    )
+
+
 def unreadable_exit(detail: str) -> ExitRecord:
     return ExitRecord(EXIT_WRAPPER_ERROR, W.KIND_WRAPPER, detail=detail)
 

@@ -43,11 +43,10 @@ from kernel.backends import jobscript
 from kernel.backends.base import Backend, BackendUnavailable, JobSpec, Recovered, TaskExit, TaskRef
 from kernel.core import exits
 from kernel.core.exits import Outcome
-from kernel.node import wrapper as W
 
 SPEC_FILE: Final = "local.json"
 PID_FILE: Final = "local.pid"
-# A task whose wrapper could not be started (its end, unless a full disk explains it: held_record).
+# A task whose wrapper could not be started (its end, unless a full disk explains it: jobscript.held_record).
 EXIT_NOT_STARTED: Final = jobscript.EXIT_WRAPPER_ERROR
 KIND_NOT_STARTED: Final = "wrapper_error"
 
@@ -104,19 +103,6 @@ def _write(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def held_record(record: jobscript.ExitRecord, error: OSError) -> jobscript.ExitRecord:
-    """The end of a task whose exit record could not be written (`error`): on a full disk, `disk_full` unless
-    the record says the task was stopped for another reason (a walltime, a cancel), which stays the end."""
-    if error.errno not in W.DISK_ERRNOS or record.kind in ("timeout", "terminated", jobscript.KIND_CANCELLED):
-        return record
-    why = record.detail or record.kind
-    return jobscript.ExitRecord(
-        jobscript.EXIT_DISK_FULL,
-        W.KIND_DISK_FULL,
-        detail=f"the run directory's disk is full: the task's exit record ({why}) could not be written",
-    )
 
 
 def _reap(pid: int) -> int | None:
@@ -233,7 +219,7 @@ class LocalBackend:
         try:
             jobscript.write_exit(tdir, record)
         except OSError as e:
-            self._held[tdir] = held_record(record, e)
+            self._held[tdir] = jobscript.held_record(record, e)
 
     def _exit_of(self, tdir: Path) -> jobscript.ExitRecord | None:
         rec = jobscript.read_exit(tdir)
