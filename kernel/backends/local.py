@@ -269,9 +269,8 @@ class LocalBackend:
             boot_id=boot_id(),
             deadline_wall=time.time() + walltime,
         )
-        with contextlib.suppress(
-            OSError
-        ):  # a full disk: the claim stays (never run twice), the pid is in memory
+        # On a full disk the claim stays (the task is never run twice) and the pid is known from memory.
+        with contextlib.suppress(OSError):
             _write(pid_path, msgspec.json.encode(rec))
         proc = _Proc(task=task, pid=pid, pidfd=pidfd, deadline=self._clock() + walltime, child=True)
         la.running[task] = proc
