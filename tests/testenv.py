@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,37 @@ def need(component: str, available: bool, why: str) -> None:
     if IN_CI:
         pytest.fail(f"{message} (CI=true: tests needing {component} must run)")
     pytest.skip(message)
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's syntax: "64m") mounted at `where` for the block (root only: skipped locally
+    without it, failed in CI)."""
+    import subprocess
+
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    need("a tmpfs mount", done.returncode == 0, f"mount -t tmpfs needs root: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Take every byte left on `path`'s filesystem (into the file `path`)."""
+    # suppress outermost: closing the file flushes what the last write left buffered, which fails too
+    with contextlib.suppress(OSError), open(path, "wb") as f:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+    # the last partial block too
+    with contextlib.suppress(OSError), open(path, "ab") as f:
+        while True:
+            f.write(b"\0" * 512)
+            f.flush()

@@ -35,6 +35,8 @@ NAMES: Final = RunPaths(Path("/"), "-", 0, "-")
 CONFIG_LINE: Final = "CONFIG_JSON: str | None = None  # @@SYSCALL_CONFIG@@"
 
 # Exit codes: the command's own status, 128+N for a signal, or these (exit-code's `kind` disambiguates).
+EXIT_DISK_FULL: Final = W.EXIT_DISK_FULL  # the run directory's disk was full (ENOSPC, EDQUOT)
+EXIT_DISK_LIMIT: Final = W.EXIT_DISK_LIMIT  # the job's tree went over its `tree_mb` limit
 EXIT_EMPTY_COMMAND: Final = W.EXIT_EMPTY_COMMAND  # command.txt empty or blank
 EXIT_MATERIALISE_FAILED: Final = W.EXIT_MATERIALISE_FAILED  # the snapshot could not be written to scratch
 EXIT_TERMINATED: Final = W.EXIT_TERMINATED  # SIGTERM/SIGINT/SIGHUP: cancel or the scheduler
@@ -119,7 +121,11 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         # A task without GPUs gets neither device nodes nor the node's GPU list.
         "forward_vars": list(J.FORWARD_VARS) if spec.gpus > 0 else [],
         "gpu": {"count": spec.gpus, "constrained": spec.gpus_constrained},
-        "limits": {"mem_mb": spec.jail.mem_mb, "max_procs": spec.jail.max_procs},
+        "limits": {
+            "mem_mb": spec.jail.mem_mb,
+            "max_procs": spec.jail.max_procs,
+            "tree_mb": spec.jail.tree_mb,
+        },
         "environment": msgspec.to_builtins(spec.environment) if spec.environment is not None else None,
         "artifacts": list(spec.artifacts),
         "artifact_max_bytes": spec.artifact_max_bytes,
@@ -168,21 +174,9 @@ def render_job_script(spec: JobSpec, source: str | None = None) -> str:
 
 
 def write_atomic(directory: Path, name: str, data: bytes, mode: int) -> None:
-    """Write `directory/name` durably and whole (a temp file fsynced, then renamed over it) with `mode`."""
-    tmp = directory / f".{name}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        os.write(fd, data)
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, directory / name)
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    """Write `directory/name` durably and whole (a temp file fsynced, then renamed over it) with `mode`; a failed
+    write (a full disk) leaves no temp file."""
+    W.write_atomic(os.fspath(directory), name, data, mode)
 
 
 def write_launch(spec: JobSpec) -> Path:
@@ -195,18 +189,49 @@ def write_launch(spec: JobSpec) -> Path:
 
 
 def read_exit(task_dir: Path) -> ExitRecord | None:
-    """The task's exit record, or None while it has none."""
+    """The task's exit record, or None while it has none. A record that cannot be read or decoded (cut short, an
+    I/O error) is an end too: a wrapper failure saying so, never an exception."""
     try:
         data = (task_dir / NAMES.EXIT_CODE).read_bytes()
     except FileNotFoundError:
         return None
-    return msgspec.json.decode(data, type=ExitRecord)
+    except OSError as e:
+        return unreadable_exit(f"the exit-code record could not be read: {e}")
+    try:
+        return msgspec.json.decode(data, type=ExitRecord)
+    except msgspec.DecodeError as e:
+        return unreadable_exit(f"the exit-code record is not valid ({len(data)} bytes): {e}")
+
+
+def held_record(record: ExitRecord, error: OSError) -> ExitRecord:
+    """The end a backend keeps in memory for a task whose exit record it could not write (`error`). On a full
+    disk: a task gone without a record, or one that never started (`lost`, `wrapper_error`), is `disk_full` (the
+    full disk is what the record would have said, or what stopped it); any other end (a walltime, a cancel,
+    Slurm's own account) stays, its detail saying the record could not be written."""
+    if error.errno not in W.DISK_ERRNOS:
+        return record
+    why = record.detail or record.kind
+    if record.kind in (KIND_LOST, W.KIND_WRAPPER):
+        return ExitRecord(
+            EXIT_DISK_FULL,
+            W.KIND_DISK_FULL,
+            detail=f"the run directory's disk is full: the task's exit record ({why}) could not be written",
+        )
+    return msgspec.structs.replace(
+        record, detail=f"{why}; its exit record could not be written: the run directory's disk is full"
+    )
+
+
+def unreadable_exit(detail: str) -> ExitRecord:
+    return ExitRecord(EXIT_WRAPPER_ERROR, W.KIND_WRAPPER, detail=detail)
 
 
 def write_exit(task_dir: Path, record: ExitRecord) -> None:
-    """Write an exit record on the wrapper's behalf (it died without one, or never started)."""
+    """Write an exit record on the wrapper's behalf (it died without one, or never started), into the room the
+    wrapper reserved for it when there is one (so a full disk does not stop it). Raises OSError (ENOSPC) when
+    it cannot be written; the caller decides what that end is."""
     task_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_atomic(task_dir, NAMES.EXIT_CODE, msgspec.json.encode(record) + b"\n", 0o644)
+    W.write_record(os.fspath(task_dir), NAMES.EXIT_CODE, msgspec.json.encode(record) + b"\n", 0o644)
 
 
 def read_timestamp(task_dir: Path, name: str) -> datetime | None:

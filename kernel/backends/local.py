@@ -12,6 +12,12 @@ to the wrapper's process group (the wrapper records `timeout` and stops the jail
 Cancel: SIGTERM likewise (`terminated`); queued tasks are finished at once as `cancelled`. Exits are noticed at
 once through a pidfd; `wait_any_exit` hands them to the kernel.
 
+A full disk (or any other failure to write in the run directory) never raises out of the service loop or
+`recover`: an exit record the backend cannot write is held in memory (`disk_full` when the disk had no room) and
+read by `outcome_of` like one on disk; a task whose claim cannot be written is not started and ends so. After a
+restart such a task has no record and no live wrapper: it is classified `lost`, or `disk_full` when even that
+cannot be written.
+
 `run()` is the backend's service loop: start it in the kernel's task group; every watcher runs inside it.
 """
 
@@ -47,6 +53,9 @@ WRAPPER: Final = hostproc.declare(
     "/dev/null, output to the task's scheduler log; the wrapper jails the command and enforces its walltime",
 )
 PID_FILE: Final = "local.pid"
+# A task whose wrapper could not be started (its end, unless a full disk explains it: jobscript.held_record).
+EXIT_NOT_STARTED: Final = jobscript.EXIT_WRAPPER_ERROR
+KIND_NOT_STARTED: Final = "wrapper_error"
 
 
 class PidRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -89,12 +98,18 @@ def job_id(spec: JobSpec, task: int) -> str:
 
 
 def _write(path: Path, data: bytes) -> None:
+    """`path` replaced whole by `data`; a failed write (a full disk) leaves no temp file behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _reap(pid: int) -> int | None:
@@ -151,6 +166,8 @@ class LocalBackend:
         self._to_watch: list[tuple[_Launch, _Proc]] = []
         self._exits_in, self._exits_out = anyio.create_memory_object_stream[TaskExit](math.inf)
         self._tg: TaskGroup | None = None
+        # Exit records that could not be written (a full disk), by task directory; read like those on disk.
+        self._held: dict[Path, jobscript.ExitRecord] = {}
 
     # --- queries (sync: they do not block) ------------------------------------------------------------------
 
@@ -196,13 +213,37 @@ class LocalBackend:
                     if self.running_count >= self.max_parallel:
                         return
 
+    def _finish(self, la: _Launch, task: int, record: jobscript.ExitRecord) -> None:
+        """End a task that will not run (or ran no wrapper) with `record`, at once."""
+        tdir = la.spec.task_dir(task)
+        self._record(tdir, record)
+        la.finished.add(task)
+        self._exits_in.send_nowait(TaskExit(key=la.spec.key, task=task, task_dir=os.fspath(tdir)))
+
+    def _record(self, tdir: Path, record: jobscript.ExitRecord) -> None:
+        """Write `record` as the task's exit record; one that cannot be written is held instead (see the module's
+        note)."""
+        try:
+            jobscript.write_exit(tdir, record)
+        except OSError as e:
+            self._held[tdir] = jobscript.held_record(record, e)
+
+    def _exit_of(self, tdir: Path) -> jobscript.ExitRecord | None:
+        rec = jobscript.read_exit(tdir)
+        return self._held.get(tdir) if rec is None else rec
+
     def _start(self, la: _Launch, task: int) -> None:
         spec = la.spec
         tdir = spec.task_dir(task)
-        tdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         pid_path = tdir / PID_FILE
-        # The claim comes before the spawn: a kernel dying in between leaves a task that is never run twice.
-        _write(pid_path, msgspec.json.encode(PidRecord(pid=None)))
+        try:
+            tdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # The claim comes before the spawn: a kernel dying in between leaves a task that is never run twice.
+            _write(pid_path, msgspec.json.encode(PidRecord(pid=None)))
+        except OSError as e:
+            detail = f"the task could not be started: its run directory could not be written: {e}"
+            self._finish(la, task, jobscript.ExitRecord(EXIT_NOT_STARTED, KIND_NOT_STARTED, detail=detail))
+            return
         job_sh = spec.paths.launch_dir / jobscript.NAMES.JOB_SCRIPT
         out = os.fspath(tdir / jobscript.NAMES.SCHEDULER_OUT)
         # Jobs' scratch is the kernel's TMPDIR (the unit points it outside PrivateTmp=, which systemd empties when
@@ -226,10 +267,7 @@ class LocalBackend:
         except OSError as e:
             # The world's fault (no interpreter, no file descriptors): the task ends, explained; the kernel serves on.
             detail = f"the job wrapper could not be started: {e}"
-            rec0 = jobscript.ExitRecord(jobscript.EXIT_WRAPPER_ERROR, "wrapper_error", detail=detail)
-            jobscript.write_exit(tdir, rec0)
-            la.finished.add(task)
-            self._exits_in.send_nowait(TaskExit(key=spec.key, task=task, task_dir=os.fspath(tdir)))
+            self._finish(la, task, jobscript.ExitRecord(EXIT_NOT_STARTED, KIND_NOT_STARTED, detail=detail))
             return
         pidfd = os.pidfd_open(pid)
         walltime = spec.minutes * self.seconds_per_minute
@@ -239,7 +277,9 @@ class LocalBackend:
             boot_id=boot_id(),
             deadline_wall=time.time() + walltime,
         )
-        _write(pid_path, msgspec.json.encode(rec))
+        # On a full disk the claim stays (the task is never run twice) and the pid is known from memory.
+        with contextlib.suppress(OSError):
+            _write(pid_path, msgspec.json.encode(rec))
         proc = _Proc(task=task, pid=pid, pidfd=pidfd, deadline=self._clock() + walltime, child=True)
         la.running[task] = proc
         self._to_watch.append((la, proc))
@@ -266,17 +306,19 @@ class LocalBackend:
             os.close(proc.pidfd)
         tdir = la.spec.task_dir(proc.task)
         if jobscript.read_exit(tdir) is None:
-            self._write_missing_exit(tdir, proc, status)
+            self._record(tdir, self._missing_exit(proc, status))
         del la.running[proc.task]
         la.finished.add(proc.task)
         self._exits_in.send_nowait(TaskExit(key=la.spec.key, task=proc.task, task_dir=os.fspath(tdir)))
         self._poke()
 
     @staticmethod
-    def _write_missing_exit(tdir: Path, proc: _Proc, status: int | None) -> None:
+    def _missing_exit(proc: _Proc, status: int | None) -> jobscript.ExitRecord:
         detail = "the job wrapper ended without writing exit-code"
         if status is not None and os.WIFSIGNALED(status):
             detail += f" (killed by {signal.Signals(os.WTERMSIG(status)).name})"
+        elif status is not None and os.WEXITSTATUS(status) == jobscript.EXIT_DISK_FULL:
+            detail += " (the run directory's disk is full)"
         if proc.stop == "timeout":
             rec = jobscript.ExitRecord(jobscript.EXIT_TIMEOUT, "timeout", signal="SIGKILL", detail=detail)
         elif proc.stop == "cancelled":
@@ -285,7 +327,7 @@ class LocalBackend:
             )
         else:
             rec = jobscript.ExitRecord(jobscript.EXIT_LOST, jobscript.KIND_LOST, detail=detail)
-        jobscript.write_exit(tdir, rec)
+        return rec
 
     @staticmethod
     def _signal(proc: _Proc, sig: signal.Signals) -> None:
@@ -343,16 +385,14 @@ class LocalBackend:
         out: list[TaskRef] = []
         for t in [t for t in la.pending if t in wanted]:
             la.pending.remove(t)
-            tdir = la.spec.task_dir(t)
-            jobscript.write_exit(
-                tdir,
+            self._finish(
+                la,
+                t,
                 jobscript.ExitRecord(
                     jobscript.EXIT_TERMINATED, jobscript.KIND_CANCELLED, detail="cancelled before it started"
                 ),
             )
-            la.finished.add(t)
             out.append(TaskRef(key=key, task=t, job_id=job_id(la.spec, t)))
-            self._exits_in.send_nowait(TaskExit(key=key, task=t, task_dir=os.fspath(tdir)))
         for t, proc in la.running.items():
             if t in wanted and proc.stop is None:
                 proc.stop = "cancelled"
@@ -365,9 +405,10 @@ class LocalBackend:
         return out
 
     def outcome_of(self, task_dir: Path) -> Outcome | None:
-        """The exit record read through the one table (kernel.core.exits); no scheduler adds to it."""
-        rec = jobscript.read_exit(task_dir)
-        return None if rec is None else exits.outcome(rec.kind, rec.code, rec.signal)
+        """The exit record (on disk, or held: see the module's note) read through the one table
+        (kernel.core.exits); no scheduler adds to it."""
+        rec = self._exit_of(task_dir)
+        return None if rec is None else exits.outcome(rec.kind, rec.code, rec.signal, detail=rec.detail)
 
     def hint_of(self, task_dir: Path) -> str | None:
         """The local backend adds nothing to what the exit record says."""
@@ -403,6 +444,8 @@ class LocalBackend:
                 rec: PidRecord | None = msgspec.json.decode((tdir / PID_FILE).read_bytes(), type=PidRecord)
             except FileNotFoundError:
                 rec = None
+            except (OSError, msgspec.DecodeError):  # a claim it cannot read may have started: never run twice
+                rec = PidRecord(pid=None)
             if rec is None:
                 la.pending.append(t)
                 found["requeued"].append(ref)
@@ -414,7 +457,7 @@ class LocalBackend:
                 la.finished.add(t)
                 found["finished"].append(ref)
             else:
-                jobscript.write_exit(
+                self._record(
                     tdir,
                     jobscript.ExitRecord(
                         jobscript.EXIT_LOST,

@@ -126,6 +126,9 @@ class SlurmConfig(_Strict, frozen=True, kw_only=True):
             )
 
 
+DEFAULT_TREE_MB: Final = 10240
+
+
 class LocalConfig(_Strict, frozen=True, kw_only=True):
     """The embedded local backend (used by the execution layer, kernel.service.execute)."""
 
@@ -138,6 +141,9 @@ class LocalConfig(_Strict, frozen=True, kw_only=True):
     mem_mb: Annotated[int, Meta(ge=0, le=2**31)] = 0
     max_procs: Annotated[int, Meta(ge=0, le=2**22)] = 0
     tmp_mb: Annotated[int, Meta(ge=0, le=2**31)] = 0
+    # Per task: what a job may put on disk in its tree, home and work directories (MiB; also the largest file it
+    # may write). Over it the job is stopped and its task FAILED (`disk_limit`). 0 = no limit.
+    tree_mb: Annotated[int, Meta(ge=0, le=2**31)] = DEFAULT_TREE_MB
 
 
 EnvironmentMode = Literal["uv", "none"]

@@ -2,7 +2,7 @@
 
 Every finished task has exactly one exit record (`kernel.backends.jobscript.ExitRecord`), written by the wrapper
 (`exited`, `signaled`, `timeout`, `terminated`, `empty_command`, `materialise_failed`, `wrapper_error`,
-`environment_failed`, `out_of_memory`) or, for
+`environment_failed`, `out_of_memory`, `disk_full`, `disk_limit`) or, for
 a task whose wrapper left none, by its backend (`lost`, `cancelled`; Slurm: `out_of_memory`, `failed`,
 `node_fail`, `preempted`, `vanished`, `stuck`, `submit_failed`). `KINDS` maps each kind to the lifecycle event
 the executor applies, the TaskState the wake shows, which of the record's exit code and signal are kept, and the
@@ -45,6 +45,20 @@ HINT_OOM: Final = (
     "the task went over its memory limit and was killed (`syscall env` shows the limit); use less memory, "
     "smaller batches or fewer workers"
 )
+# What follows the record's own detail (which says what happened, with the amounts) in the hint of a disk end.
+AFTER_DISK_FULL: Final = "the output shown may be cut short; relaunch once the operator has freed space"
+AFTER_DISK_LIMIT: Final = (
+    "keep what the job writes in its tree, home and work directories under the limit (delete what it no longer "
+    "needs while it runs) and its directories readable: the limit is checked by reading them"
+)
+HINT_DISK_FULL: Final = (
+    "the disk of the kernel's run directory was full, so this task's output or result could not be stored; "
+    + AFTER_DISK_FULL
+)
+HINT_DISK_LIMIT: Final = (
+    "the job put more on disk in its tree, home and work directories than the per-task disk limit allows and "
+    "was stopped; " + AFTER_DISK_LIMIT
+)
 HINT_LOST: Final = "the job ended without leaving a result (its wrapper was killed); relaunch it"
 HINT_CANCELLED_EARLY: Final = "cancelled before it started"
 
@@ -69,6 +83,8 @@ class End:
     keep_code: bool
     keep_signal: bool
     hint: str | None
+    # Where set, the record's own `detail` (it names the limit and the amount), then this, is the hint.
+    after_detail: str | None = None
 
 
 _F, _C, _L = TaskEvent.FINISH, TaskEvent.CANCEL, TaskEvent.LOSE
@@ -87,6 +103,10 @@ KINDS: Final[Mapping[str, End]] = {
     # written by the wrapper when its task's memory cgroup saw an OOM kill (the local backend's limits), and by
     # the Slurm backend from Slurm's own account (whose hint in slurm-state.json comes first)
     "out_of_memory": End(_F, "OUT_OF_MEMORY", True, True, HINT_OOM),
+    # written by the wrapper (or, when even that could not be written, held by the local backend): the run
+    # directory's disk was full; and the job's tree past the local backend's `tree_mb`
+    "disk_full": End(_F, "FAILED", True, False, HINT_DISK_FULL, AFTER_DISK_FULL),
+    "disk_limit": End(_F, "FAILED", True, False, HINT_DISK_LIMIT, AFTER_DISK_LIMIT),
     # written by a backend for a task whose wrapper left no record
     "lost": End(_L, "VANISHED", False, True, HINT_LOST),
     "cancelled": End(_C, "CANCELLED", False, False, HINT_CANCELLED_EARLY),
@@ -124,10 +144,14 @@ def signum(name: str | None) -> int | None:
 
 
 def outcome(
-    kind: str, code: int | None, signal_name: str | None, scheduler: TaskState | None = None
+    kind: str,
+    code: int | None,
+    signal_name: str | None,
+    scheduler: TaskState | None = None,
+    detail: str | None = None,
 ) -> Outcome:
-    """What an exit record (`kind`, exit `code`, `signal_name`) means, from `KINDS`; `scheduler` is the state
-    the scheduler gave the task, where it has one (see the module's note)."""
+    """What an exit record (`kind`, exit `code`, `signal_name`, `detail`) means, from `KINDS`; `scheduler` is
+    the state the scheduler gave the task, where it has one (see the module's note)."""
     if kind == "exited" and code == 0:
         return Outcome(TaskEvent.FINISH, "COMPLETED", 0, None, None)
     end = KINDS.get(kind, _UNKNOWN)
@@ -137,6 +161,8 @@ def outcome(
     ):
         end = KINDS[over]
     hint = end.hint
+    if end.after_detail is not None and detail:
+        hint = f"{detail}; {end.after_detail}"
     if hint == HINT_SIGNALED:
         hint = hint.format(signal=signal_name or "a signal")
     return Outcome(

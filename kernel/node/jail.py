@@ -106,6 +106,9 @@ class JailPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Per task, enforced by the wrapper (kernel.node.wrapper.Limiter), 0 = none: memory (MB) and processes.
     mem_mb: int = 0
     max_procs: int = 0
+    # What a job may put on disk in its tree, home and work directories together (MiB), and the largest file it
+    # may write anywhere; 0 = none (kernel.node.wrapper.TreeWatch, RLIMIT_FSIZE). The local backend's.
+    tree_mb: int = 0
 
 
 class JobEnvironment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

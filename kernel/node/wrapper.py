@@ -24,6 +24,7 @@ or one of the EXIT_* codes below; exit-code's `kind` tells them apart unambiguou
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     import subprocess
     from collections.abc import Callable
 
+EXIT_DISK_FULL = 118
+EXIT_DISK_LIMIT = 119
 EXIT_EMPTY_COMMAND = 120
 EXIT_MATERIALISE_FAILED = 121
 EXIT_TERMINATED = 122
@@ -54,6 +57,21 @@ KIND_TIMEOUT = "timeout"
 KIND_WRAPPER = "wrapper_error"
 KIND_ENVIRONMENT = "environment_failed"
 KIND_OOM = "out_of_memory"
+KIND_DISK_FULL = "disk_full"  # the task directory's filesystem had no room left (ENOSPC, EDQUOT)
+KIND_DISK_LIMIT = "disk_limit"  # the job's tree, home and work held more than the `tree_mb` limit
+
+# The errors that mean "no room on this filesystem": a handled end of the task, never a crash.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# Room for the exit record, allocated in the task directory before the job runs (see write_record).
+RESERVE = ".exit-code.reserve"
+RESERVE_BYTES = 16384
+# How often the tree watchdog sums the job's disk use: every TREE_WATCH_MIN_S, or ten times as long as a sum
+# takes (a tenth of a core on a big tree), up to TREE_WATCH_MAX_S; never sooner than a sum takes (half a core
+# at most, on a tree of hundreds of thousands of files).
+TREE_WATCH_MIN_S = 0.02
+TREE_WATCH_MAX_S = 1.0
+# A file this close to the per-file limit was stopped by it (glibc's posix_fallocate writes one byte a block).
+FSIZE_SLACK = 65536
 
 TREE_TOKEN = "@@SYSCALL_TREE@@"
 HOME_TOKEN = "@@SYSCALL_HOME@@"
@@ -85,21 +103,85 @@ def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # noqa: UP017 (datetime.UTC is 3.11+)
 
 
-def write_atomic(directory: str, name: str, data: bytes) -> None:
-    """Create `directory/name` with `data` via a fresh temp file and rename, fsyncing file and directory."""
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(directory, name))
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in DISK_ERRNOS
+
+
+def write_all(fd: int, data: bytes, offset: int | None = None) -> None:
+    """Write all of `data` (a short write on a filing-up disk is followed by the write that raises ENOSPC)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset + len(data) - len(view))
+        view = view[n:]
+
+
+def _fsync_dir(directory: str) -> None:
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def write_atomic(directory: str, name: str, data: bytes, mode: int = 0o644) -> None:
+    """Create `directory/name` with `data` via a fresh temp file and rename, fsyncing file and directory; a write
+    that fails (a full disk) leaves no temp file behind."""
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        try:
+            write_all(fd, data)
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def reserve_record(directory: str) -> None:
+    """Allocate room for the exit record in `directory` now (RESERVE): on a disk that fills up later, the record
+    is still written (write_record), so a task ended by a full disk says so. Raises OSError (ENOSPC) when even
+    that much room is not there."""
+    fd = os.open(
+        os.path.join(directory, RESERVE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+    )
+    try:
+        os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, RESERVE))
+        raise
+    os.close(fd)
+
+
+def write_record(directory: str, name: str, data: bytes, mode: int = 0o644) -> None:
+    """Write `directory/name` whole and atomically like write_atomic; with a reserve in `directory` the bytes go
+    into the reserve's already allocated blocks (overwritten in place, cut to size, renamed over `name`), so a
+    full disk does not stop it. The reserve is used once."""
+    reserve = os.path.join(directory, RESERVE)
+    try:
+        fd = os.open(reserve, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        write_atomic(directory, name, data, mode)
+        return
+    try:
+        if len(data) > RESERVE_BYTES:  # never longer in practice (a few hundred bytes): it just may allocate
+            os.ftruncate(fd, 0)
+        write_all(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(reserve, os.path.join(directory, name))
+    _fsync_dir(directory)
 
 
 def task_index(array: int, environ: dict[str, str]) -> int:
@@ -645,6 +727,9 @@ class Limiter:
     def __init__(self, limits: dict[str, Any], name: str, root: str = CGROUP_ROOT) -> None:
         self.mem_mb = int(limits.get("mem_mb") or 0)
         self.max_procs = int(limits.get("max_procs") or 0)
+        self.tree_mb = int(
+            limits.get("tree_mb") or 0
+        )  # also the largest file the job may write (RLIMIT_FSIZE)
         self.gpus = int(limits.get("gpus") or 0)
         self.name = name
         self.root = root
@@ -655,10 +740,11 @@ class Limiter:
 
     @property
     def wanted(self) -> bool:
-        return bool(self.mem_mb or self.max_procs)
+        """Whether `enter` has something to do in the jail's process."""
+        return bool(self.mem_mb or self.max_procs or self.tree_mb)
 
     def setup(self) -> str:
-        if not self.wanted:
+        if not (self.mem_mb or self.max_procs):
             return "none"
         for attempt in (self._v2, self._v1):
             try:
@@ -724,6 +810,10 @@ class Limiter:
         """In the jail's process, before exec (so everything it starts is inside)."""
         import resource
 
+        if self.tree_mb:
+            # Inherited by bwrap and everything the job starts: a write or fallocate past it fails with EFBIG
+            # (and SIGXFSZ), so one file never outgrows the tree limit whatever the watchdog's interval.
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.tree_mb << 20, self.tree_mb << 20))
         if self.mechanism == "cgroup":
             for group in self.groups:
                 self._write(os.path.join(group, "cgroup.procs"), str(os.getpid()))
@@ -821,11 +911,13 @@ def open_contained(tree: str, rel: str) -> int:
 def copy_artifacts(
     tree: str, declared: list[str], out_dir: str, log_path: str, max_bytes: int, max_total: int
 ) -> list[dict[str, Any]]:
-    """Copy each declared artifact out of the (no longer running) job's tree; log one JSON line per artifact."""
+    """Copy each declared artifact out of the (no longer running) job's tree; log one JSON line per artifact.
+    Raises OSError (ENOSPC) once the log is written when an artifact could not be stored for a full disk."""
     import hashlib
 
     records: list[dict[str, Any]] = []
     total = 0
+    no_room = False  # an artifact met a full disk: raised after the log (ENOSPC), so the task says so
     real_tree = os.path.realpath(tree)
     for rel in declared:
         rec: dict[str, Any] = {"path": rel}
@@ -877,6 +969,7 @@ def copy_artifacts(
                             write_atomic(dest_dir, os.path.basename(rel), b"".join(chunks))
                         except OSError as e:  # e.g. "a" and "a/b" both declared
                             reason = f"could not be stored: {e.strerror}"
+                            no_room = no_room or is_disk_full(e)
                         else:
                             total += size
                             rec.update(status="copied", size=size, sha256=h.hexdigest())
@@ -885,9 +978,13 @@ def copy_artifacts(
         if reason is not None:
             rec.update(status="skipped", reason=reason)
         records.append(rec)
+    if not declared:  # nothing to account for: no file (which a full disk may not have room for)
+        return records
     with open(log_path, "w") as log:
         for rec in records:
             log.write(json.dumps(rec, sort_keys=True) + "\n")
+    if no_room:
+        raise OSError(errno.ENOSPC, "an artifact could not be stored: the run directory's disk is full")
     return records
 
 
@@ -906,10 +1003,55 @@ def remove_tree(path: str) -> None:
         except OSError:
             pass
 
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=fix)  # onerror is deprecated from 3.12 on
-    else:
-        shutil.rmtree(path, onerror=fix)
+    try:
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=fix)  # onerror is deprecated from 3.12 on
+        else:
+            shutil.rmtree(path, onerror=fix)
+    except RecursionError:  # shutil recurses once a level: a job's chain of ~1000 directories
+        remove_deep(path)
+
+
+def remove_deep(path: str) -> None:
+    """Remove the tree at `path` without recursion or path lengths: depth-first through directory fds, each
+    directory's permissions restored before it is entered; one that cannot be emptied is left (and skipped)."""
+    stuck: set[tuple[int, int]] = set()
+    fds, names = [os.open(path, _O_DIR)], [""]
+    try:
+        while fds:
+            fd, child = fds[-1], None
+            for entry in os.scandir(fd):
+                if entry.is_dir(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) in stuck:
+                        continue
+                    with contextlib.suppress(OSError):
+                        os.chmod(entry.name, 0o700, dir_fd=fd, follow_symlinks=False)
+                    try:
+                        child = os.open(entry.name, _O_DIR, dir_fd=fd)
+                    except OSError:
+                        stuck.add((st.st_dev, st.st_ino))
+                        continue
+                    names.append(entry.name)
+                    break
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.name, dir_fd=fd)
+            if child is not None:
+                fds.append(child)
+                continue
+            st = os.fstat(fd)
+            os.close(fds.pop())
+            name = names.pop()
+            if fds:
+                try:
+                    os.rmdir(name, dir_fd=fds[-1])
+                except OSError:
+                    stuck.add((st.st_dev, st.st_ino))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 # --- running -----------------------------------------------------------------------------------------------
@@ -922,10 +1064,18 @@ class Runner:
         self.grace = grace
         self.reason: str | None = None
         self.signal_name: str | None = None
+        self.limited: tuple[str, str] | None = None  # (kind, message) of a limit that stopped the jail
         self.proc: subprocess.Popen[bytes] | None = None
 
     def stopped_for(self) -> str | None:
         return self.reason
+
+    def limit(self, kind: str, message: str) -> None:
+        """Stop the jail for a limit it reached (KIND_DISK_FULL, KIND_DISK_LIMIT); the first one is kept (any
+        thread)."""
+        if self.limited is None:
+            self.limited = (kind, message)
+        self._stop()
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
@@ -951,6 +1101,13 @@ class Runner:
         timer.daemon = True
         timer.start()
 
+    def _disk_full(self, written: int) -> None:
+        self.limit(
+            KIND_DISK_FULL,
+            "the run directory's disk is full: the job's output could not be stored past "
+            f"{written} bytes of one stream, so the job was stopped",
+        )
+
     @staticmethod
     def _kill(pgid: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -965,9 +1122,10 @@ class Runner:
         stderr: int,
         cap: int,
         preexec: Any = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> int:
         """Run the jail with its output copied into `stdout`/`stderr`, each capped at `cap` bytes; `preexec`
-        runs in the child before the exec (Limiter.enter)."""
+        runs in the child before the exec (Limiter.enter); `pass_fds` are inherited by it."""
         import subprocess
         import threading
 
@@ -983,6 +1141,7 @@ class Runner:
                 stderr=pipes[1][1],
                 start_new_session=True,
                 preexec_fn=preexec,
+                pass_fds=pass_fds,
             )
         except BaseException:
             for r, w in pipes:
@@ -992,7 +1151,7 @@ class Runner:
         copiers = []
         for (r, w), dest in ((pipes[0], stdout), (pipes[1], stderr)):
             os.close(w)
-            t = threading.Thread(target=drain, args=(r, dest, cap), daemon=True)
+            t = threading.Thread(target=drain, args=(r, dest, cap, self._disk_full), daemon=True)
             t.start()
             copiers.append(t)
         if self.reason is not None:
@@ -1004,27 +1163,164 @@ class Runner:
         return status
 
 
-def drain(src: int, dest: int, cap: int) -> None:
-    """Copy `src` into `dest` up to `cap` bytes, then keep reading (so the job never blocks) and count."""
+def drain(src: int, dest: int, cap: int, full: Any = None) -> None:
+    """Copy `src` into `dest` up to `cap` bytes, then keep reading (so the job never blocks) and count. When
+    `dest`'s disk is full (ENOSPC, EDQUOT) nothing more is written and `full(bytes written)` is called once."""
     written = dropped = 0
+    no_room = False
     try:
         while True:
             chunk = os.read(src, 1 << 16)
             if not chunk:
                 break
-            room = cap - written
+            room = 0 if no_room else cap - written
             if room > 0:
                 part = chunk[:room]
-                view = memoryview(part)
-                while view:
-                    view = view[os.write(dest, view) :]
-                written += len(part)
-            dropped += max(0, len(chunk) - max(room, 0))
-        if dropped:
+                try:
+                    write_all(dest, part)
+                except OSError as e:
+                    if not is_disk_full(e):
+                        raise
+                    no_room = True
+                    if full is not None:
+                        full(written)
+                else:
+                    written += len(part)
+                    chunk = chunk[len(part) :]
+            dropped += len(chunk)
+        if dropped and not no_room:
             note = f"\n[syscall-wrapper] output truncated: {dropped} bytes beyond the cap of {cap} were dropped\n"
-            os.write(dest, note.encode())
+            with contextlib.suppress(
+                OSError
+            ):  # the disk may fill up in between: the note is all that is lost
+                write_all(dest, note.encode())
     finally:
         os.close(src)
+
+
+# Every inode counts at least one block: a flood of empty files is bounded by the limit too.
+MIN_FILE_BYTES = 4096
+
+
+class DiskUse:
+    """One sum of what a job holds on disk: the files below its directories (walked through directory fds
+    without following a symlink) and the deleted files its processes still hold open (through /proc/PID/fd),
+    each inode once, each at least MIN_FILE_BYTES; what vanishes while it is summed is not counted. What cannot
+    be read otherwise (a directory the job made unreadable, one too deep for the wrapper's descriptors) would
+    hide what is below it: `unmeasured` says so, and the job is stopped for it."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+        self.total = 0
+        self.largest = 0  # the largest regular file's size
+        self.unmeasured: OSError | None = None
+
+    def _error(self, e: OSError) -> None:
+        # ENOENT, ENOTDIR: an entry gone or replaced while it was walked; what replaced it is seen next time
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR) and self.unmeasured is None:
+            self.unmeasured = e
+
+    def add(self, st: os.stat_result) -> None:
+        if (st.st_dev, st.st_ino) in self.seen:
+            return
+        self.seen.add((st.st_dev, st.st_ino))
+        self.total += max(st.st_blocks * 512, MIN_FILE_BYTES)
+        if stat.S_ISREG(st.st_mode):
+            self.largest = max(self.largest, st.st_size)
+
+    def walk(self, top: str) -> None:
+        try:
+            for _root, dirs, files, dfd in os.fwalk(top, follow_symlinks=False, onerror=self._error):
+                for name in dirs + files:
+                    try:
+                        self.add(os.stat(name, dir_fd=dfd, follow_symlinks=False))
+                    except OSError as e:
+                        self._error(e)
+        except OSError as e:
+            self._error(e)
+        except RecursionError:  # os.fwalk recurses once a level: a chain of ~1000 directories
+            self._error(OSError(errno.ELOOP, "nested too deep to measure", top))
+
+    def open_deleted(self, pid: int) -> None:
+        """The deleted regular files `pid` and its descendants hold open (unlinked, so no walk finds them)."""
+        for p in descendants(pid):
+            try:
+                fds = os.listdir(f"/proc/{p}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    st = os.stat(f"/proc/{p}/fd/{fd}")
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 0:
+                    self.add(st)
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (/proc/PID/task/TID/children), as far as they can be read."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError, ValueError), open(f"/proc/{p}/task/{tid}/children") as f:
+                todo += [int(x) for x in f.read().split()]
+    return out
+
+
+class TreeWatch:
+    """Sums what the job holds on disk (DiskUse: its writable directories, and the deleted files its processes
+    hold open) every TREE_WATCH_MIN_S..TREE_WATCH_MAX_S seconds and calls `over(used)` once when it is past
+    `limit` bytes (the job is then stopped: it may have written what it can write in one interval beyond the
+    limit). One big file is refused at once, by RLIMIT_FSIZE (Limiter). `pid()` is the jail's pid, or None
+    before it started."""
+
+    def __init__(self, dirs: list[str], limit: int, over: Any, pid: Any = None) -> None:
+        import threading
+
+        self.dirs, self.limit, self.over, self.pid = dirs, limit, over, pid
+        self.peak = self.largest = 0
+        self.unmeasured: OSError | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def used(self) -> int:
+        """The bytes the job holds now; -1 when part of its tree could not be read (`unmeasured`)."""
+        use = DiskUse()
+        for d in self.dirs:
+            use.walk(d)
+        pid = None if self.pid is None else self.pid()
+        if pid is not None:
+            use.open_deleted(pid)
+        self.peak = max(self.peak, use.total)
+        self.largest = max(self.largest, use.largest)
+        self.unmeasured = use.unmeasured
+        return -1 if use.unmeasured is not None else use.total
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import time
+
+        interval = TREE_WATCH_MIN_S
+        while not self._done.wait(interval):
+            began = time.monotonic()
+            used = self.used()
+            if used < 0 or used > self.limit:
+                self.over(used)
+                return
+            took = time.monotonic() - began
+            interval = max(TREE_WATCH_MIN_S, min(TREE_WATCH_MAX_S, 10 * took), took)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def run_score(
@@ -1246,6 +1542,104 @@ def copy_for_scorer(
     return unseen, count
 
 
+# fallocate(2) by architecture (audit arch -> syscall numbers, x32's with its bit): refused in a jail with a tree
+# limit, since it can reserve gigabytes per call faster than any watchdog sums them.
+FALLOCATE_SYSCALLS = {
+    0xC000003E: (285, 0x40000000 | 285),  # x86_64 (and x32)
+    0x40000003: (324,),  # i386
+    0xC00000B7: (47,),  # aarch64
+    0x40000028: (352,),  # arm
+    0xC0000015: (309,),  # ppc64le
+    0x80000016: (314,),  # s390x
+}
+
+
+def no_fallocate_filter(errno_value: int = errno.EOPNOTSUPP) -> bytes:
+    """A classic-BPF seccomp program (bwrap --seccomp) that makes fallocate(2) fail with `errno_value` and lets
+    every other call through. A program using it falls back to writing (glibc's posix_fallocate does), which
+    the tree watchdog sees at the disk's write rate."""
+    import struct
+
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno_value  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+    # (code, jt, jf, k) with "DENY" as a jump target resolved below; seccomp_data: nr at 0, arch at 4.
+    prog: list[tuple[int, Any, int, int]] = []
+    for arch, numbers in FALLOCATE_SYSCALLS.items():
+        prog.append((ld, 0, 0, 4))
+        prog.append((jeq, 0, len(numbers) + 2, arch))  # another arch: on to the next block
+        prog.append((ld, 0, 0, 0))
+        prog += [(jeq, "DENY", 0, n) for n in numbers]
+        prog.append((ret, 0, 0, allow))
+    prog.append((ret, 0, 0, allow))
+    deny_at = len(prog)
+    prog.append((ret, 0, 0, deny))
+    out = b""
+    for pc, (code, jt, jf, k) in enumerate(prog):
+        out += struct.pack("=HBBI", code, deny_at - pc - 1 if jt == "DENY" else jt, jf, k)
+    return out
+
+
+def seccomp_fd(program: bytes) -> int:
+    """A readable fd holding `program` from its start (bwrap reads it whole), inherited by the jail's start."""
+    r, w = os.pipe()
+    try:
+        write_all(w, program)  # a few hundred bytes: below the pipe's buffer
+    finally:
+        os.close(w)
+    return r
+
+
+def tree_watch(tree_mb: int, dirs: list[str], runner: Runner) -> TreeWatch | None:
+    """The watchdog of a task with a tree limit: over it, the jail is stopped with KIND_DISK_LIMIT."""
+    if not tree_mb:
+        return None
+
+    def over(used: int) -> None:
+        runner.limit(KIND_DISK_LIMIT, tree_message(tree_mb, used, watch.unmeasured))
+
+    def jail_pid() -> int | None:
+        proc = runner.proc
+        return None if proc is None or proc.returncode is not None else proc.pid
+
+    watch = TreeWatch(dirs, tree_mb << 20, over, jail_pid)
+    return watch
+
+
+def tree_message(tree_mb: int, used: int, unmeasured: OSError | None = None) -> str:
+    if unmeasured is not None:
+        return (
+            f"the job's tree could not be measured against its {tree_mb} MiB disk limit, so the job was stopped: "
+            f"{unmeasured.strerror} ({os.path.basename(unmeasured.filename or '') or 'a directory'}): a "
+            "directory the job made unreadable, or nested too deep"
+        )
+    return (
+        f"the job's tree exceeded its {tree_mb} MiB disk limit (its tree, home and work directories held "
+        f"{used >> 20} MiB when it was stopped)"
+    )
+
+
+def tree_verdict(watch: TreeWatch | None, tree_mb: int, cmd_code: int) -> tuple[str, str] | None:
+    """After the jail: the tree limit's end when the watchdog missed it (the job ended within one interval of
+    passing it), or when a failed command had a file stopped at the limit by RLIMIT_FSIZE (killed by SIGXFSZ,
+    the shell's 128+25, or a write refused with EFBIG: the file is within a block of the limit)."""
+    if watch is None:
+        return None
+    used = watch.used()
+    if used < 0 or used > tree_mb << 20:
+        return KIND_DISK_LIMIT, tree_message(tree_mb, used, watch.unmeasured)
+    at_limit = watch.largest >= (tree_mb << 20) - FSIZE_SLACK
+    if cmd_code == 128 + signal.SIGXFSZ or (cmd_code != 0 and at_limit):
+        return KIND_DISK_LIMIT, (
+            f"the job's tree exceeded its {tree_mb} MiB disk limit: a file it wrote reached {tree_mb} MiB, "
+            "the most one file may hold, and the write past it was refused (EFBIG, SIGXFSZ)"
+        )
+    return None
+
+
+def disk_full_record(detail: str, cmd_code: int) -> dict[str, Any]:
+    return exit_record(KIND_DISK_FULL, EXIT_DISK_FULL, command_code=cmd_code, detail=detail)
+
+
 def exit_record(kind: str, code: int, **extra: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {"code": code, "kind": kind}
     rec.update(extra)
@@ -1269,17 +1663,31 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
     os.makedirs(tdir, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):  # a rerun (requeue) must not look finished
         os.unlink(os.path.join(tdir, "exit-code"))
-    write_atomic(tdir, "started", (now_rfc3339() + "\n").encode())
+    logs: list[int] = []
+    try:
+        reserve_record(tdir)
+        write_atomic(tdir, "started", (now_rfc3339() + "\n").encode())
+        for name in ("stdout", "stderr"):
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+            logs.append(os.open(os.path.join(tdir, name), flags, 0o644))
+    except OSError as e:
+        for fd in logs:
+            os.close(fd)
+        if not is_disk_full(e):
+            raise
+        sys.stderr.write(f"syscall job wrapper: the run directory's disk is full: {e}\n")
+        detail = "the run directory's disk is full: the task could not be started"
+        return tdir, exit_record(KIND_DISK_FULL, EXIT_DISK_FULL, detail=detail)
     preload()
-    out_fd = os.open(
-        os.path.join(tdir, "stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644
-    )
-    err_fd = os.open(
-        os.path.join(tdir, "stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644
-    )
+    out_fd, err_fd = logs
 
     def note(text: str) -> None:
-        os.write(err_fd, (f"[syscall-wrapper] {text}\n").encode("utf-8", "replace"))
+        with contextlib.suppress(OSError):  # a full disk: the exit record (reserved) still says what happened
+            write_all(err_fd, (f"[syscall-wrapper] {text}\n").encode("utf-8", "replace"))
+
+    def stamp_ended() -> None:
+        with contextlib.suppress(OSError):  # without it, the kernel takes the exit record's time
+            write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
 
     scratch = None
     try:
@@ -1329,8 +1737,15 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
 
         limits = dict(config.get("limits") or {}, gpus=gpu.get("count", 0))
         limiter = Limiter(limits, "{}-{}-{}".format(str(config["key"]).replace("/", "-"), index, os.getpid()))
+        watch = tree_watch(limiter.tree_mb, [tree, home, work], runner)
+        filter_fd = None
+        if watch is not None and kind == "bwrap":
+            filter_fd = seccomp_fd(no_fallocate_filter())
+            argv[1:1] = ["--seccomp", str(filter_fd)]
         try:
             limiter.setup()
+            if watch is not None:
+                watch.start()
             status = runner.run(
                 argv,
                 tree,
@@ -1339,17 +1754,28 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
                 err_fd,
                 int(config.get("output_max_bytes", 64 << 20)),
                 limiter.enter if limiter.wanted else None,
+                () if filter_fd is None else (filter_fd,),
             )
         except (OSError, subprocess.SubprocessError) as e:
             note(f"the jail could not be started: {e}")
             limiter.finish()
             return tdir, exit_record(KIND_WRAPPER, EXIT_WRAPPER_ERROR)
+        finally:
+            if watch is not None:
+                watch.stop()
+            if filter_fd is not None:
+                os.close(filter_fd)
         oom = limiter.oom_killed()
         limiter.finish()
-        write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
+        stamp_ended()
         cmd_code = status if status >= 0 else 128 - status
         reason = runner.stopped_for()  # a signal handler may have set it while the jail ran
-        if oom and reason is None:
+        limited = runner.limited or tree_verdict(watch, limiter.tree_mb, cmd_code)
+        if limited is not None and reason is None:
+            note(limited[1])
+            code = EXIT_DISK_FULL if limited[0] == KIND_DISK_FULL else EXIT_DISK_LIMIT
+            rec = exit_record(limited[0], code, command_code=cmd_code, detail=limited[1])
+        elif oom and reason is None:
             note(f"the task went over its memory limit of {limiter.mem_mb} MB and was killed")
             rec = exit_record(KIND_OOM, cmd_code, command_code=cmd_code)
         elif reason is not None:
@@ -1365,11 +1791,13 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
             # --unshare-pid), so nothing it left behind can print into the score's output or touch the tree.
             rec["score_code"], seen = run_score(score, config, index, scratch, tree, tdir, runner, note)
             rec.update(seen)
-            write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
+            stamp_ended()
             reason = runner.stopped_for()
             if reason is not None:
                 code = EXIT_TIMEOUT if reason == KIND_TIMEOUT else EXIT_TERMINATED
                 rec = exit_record(reason, code, signal=runner.signal_name, command_code=cmd_code)
+            elif runner.limited is not None:  # the score's output met a full disk: its result is not whole
+                rec = disk_full_record(runner.limited[1], cmd_code)
         try:
             copy_artifacts(
                 tree,
@@ -1381,6 +1809,10 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
             )
         except OSError as e:
             note(f"copying artifacts failed: {e}")
+            if is_disk_full(e) and rec["kind"] == KIND_EXITED and rec["code"] == 0:
+                # A success whose artifacts were not stored is not one: the agent would look for them.
+                detail = "the run directory's disk is full: the job's artifacts could not be stored"
+                rec = disk_full_record(detail, cmd_code)
         return tdir, rec
     except Exception:  # a wrapper bug must still leave an exit-code that says so
         import traceback
@@ -1411,7 +1843,11 @@ def main() -> int:
         return e.code
     rec["finished_at"] = now_rfc3339()
     rec["host"] = os.uname().nodename
-    write_atomic(tdir, "exit-code", (json.dumps(rec, sort_keys=True) + "\n").encode())
+    try:
+        write_record(tdir, "exit-code", (json.dumps(rec, sort_keys=True) + "\n").encode())
+    except OSError as e:  # no reserve and no room: the backend records the end (kernel.backends.local)
+        sys.stderr.write(f"syscall job wrapper: the exit record could not be written: {e}\n")
+        return EXIT_DISK_FULL if is_disk_full(e) else EXIT_WRAPPER_ERROR
     return int(rec["code"])
 
 

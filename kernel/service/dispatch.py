@@ -132,6 +132,7 @@ class Dispatcher:
             shm_mb=local.mem_mb // 2 if local is not None else 0,
             mem_mb=local.mem_mb if local is not None else 0,
             max_procs=local.max_procs if local is not None else 0,
+            tree_mb=local.tree_mb if local is not None else 0,
         )
         specs: dict[str, JobSpec] = {}
         for j in jobs:

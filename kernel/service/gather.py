@@ -53,7 +53,7 @@ OutcomeOf = Callable[[Path], Outcome | None]
 
 def outcome(rec: jobscript.ExitRecord) -> Outcome:
     """The task's end as the lifecycle and the wake see it (pure: `kernel.core.exits`)."""
-    return exits.outcome(rec.kind, rec.code, rec.signal)
+    return exits.outcome(rec.kind, rec.code, rec.signal, detail=rec.detail)
 
 
 def stamp(dt: datetime | None) -> float | None:
@@ -347,10 +347,12 @@ def task_result(
     backend reads (`outcome_of`: the row of the state the task was recorded with), else the exit record's row."""
     hint: str | None = None
     if task_dir is not None:
-        rec = jobscript.read_exit(task_dir)
-        if rec is not None:
-            read = None if outcome_of is None else outcome_of(task_dir)
-            hint = backend_hint(task_dir, hint_of) or (read if read is not None else outcome(rec)).hint
+        # The backend's reading first: it also knows an end it could not write down (a full disk).
+        read = None if outcome_of is None else outcome_of(task_dir)
+        if read is None and (rec := jobscript.read_exit(task_dir)) is not None:
+            read = outcome(rec)
+        if read is not None:
+            hint = backend_hint(task_dir, hint_of) or read.hint
     elif job.state == "CANCELLED":
         hint = HINT_CANCELLED_EARLY
     return TaskResult(

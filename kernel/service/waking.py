@@ -23,7 +23,6 @@ from channel.lifecycle import TERMINAL_TASK_STATES, SleepEvent, sleep_can
 from channel.messages import SkippedArtifact, Wake, encode
 from channel.paths import ChannelPaths
 from channel.render import render_wake
-from kernel.backends import jobscript
 from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, RunnableBackend
 from kernel.core import ledger
 from kernel.core.config import Config
@@ -87,7 +86,7 @@ class Waker:
             with safefs.open_channel(ws.path, ws.identity) as ch:
                 for j in jobs:
                     tdir = Path(j.run_dir) if j.run_dir else None
-                    if tdir is not None and jobscript.read_exit(tdir) is None:
+                    if tdir is not None and self.backend.outcome_of(tdir) is None:
                         tdir = None  # cancelled before it was ever handed over
                     elapsed = None
                     if tdir is not None:

@@ -7,47 +7,21 @@ and once space returns every request is answered exactly once, without a restart
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sqlite3
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kernelproc import Kernel, git_workspace, put_request, read_answer, status, wait_for
-from testenv import need
+from testenv import fill, tmpfs
 
 
 @pytest.fixture
 def tmpfs_state(tmp_path: Path) -> Iterator[Path]:
-    state = tmp_path / "kernel" / "state"
-    state.mkdir(parents=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(state)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    need("a tmpfs mount", done.returncode == 0, f"mount -t tmpfs needs root: {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "kernel" / "state", "2m") as state:
         yield state
-    finally:
-        subprocess.run(["umount", "-l", str(state)], check=False)
-
-
-def fill(path: Path) -> None:
-    # suppress outermost: closing the file flushes what the last write left buffered, which fails too
-    with contextlib.suppress(OSError), open(path, "wb") as f:
-        while True:
-            f.write(b"\0" * 65536)
-            f.flush()
-    # the last partial block too
-    with contextlib.suppress(OSError), open(path, "ab") as f:
-        while True:
-            f.write(b"\0" * 512)
-            f.flush()
 
 
 def test_a_full_state_disk_degrades_and_recovers_without_losing_or_repeating(

@@ -23,6 +23,7 @@ import anyio
 import msgspec
 import pytest
 from kernelproc import PLAIN_GIT
+from testenv import fill, tmpfs
 
 from kernel.backends import jobscript
 from kernel.backends import local as L
@@ -76,7 +77,7 @@ def make_world(root: Path, files: dict[str, str] | None = None) -> World:
     (ws / "dirty.txt").write_text("measured as it is\n")
     kernel_tmp = root / "kernel-tmp"
     kernel_tmp.mkdir()
-    (root / "runs").mkdir()
+    (root / "runs").mkdir(exist_ok=True)  # a test may have mounted a filesystem of its own there
     repo = KernelRepo.at(root / "runs", "ws-test")
     snap = anyio.run(lambda: S.take_snapshot(ws, repo, 1, tmp_dir=kernel_tmp))
     (root / "scratch").mkdir()
@@ -502,3 +503,116 @@ def test_a_wrapper_that_cannot_start_ends_its_task_with_an_explanation(world: Wo
     rec = result(spec)
     assert (rec.code, rec.kind) == (jobscript.EXIT_WRAPPER_ERROR, "wrapper_error")
     assert "could not be started" in (rec.detail or "")
+
+
+@pytest.fixture
+def small_world(tmp_path: Path) -> Iterator[World]:
+    """A world whose run directory is a 16 MiB filesystem of its own (to be filled)."""
+    with tmpfs(tmp_path / "runs", "16m"):
+        w = make_world(tmp_path)
+        yield w
+        kill_leftovers(w.run_dir)
+
+
+def test_recovery_on_a_full_disk_classifies_the_end_it_cannot_write(small_world: World) -> None:
+    spec = small_world.spec("ghost", "true")
+    tdir = spec.task_dir(0)
+    L._write(spec.paths.launch_dir / L.SPEC_FILE, msgspec.json.encode(spec))
+    L._write(tdir / L.PID_FILE, msgspec.json.encode(L.PidRecord(pid=None)))
+    fill(small_world.run_dir / "filler")
+
+    async def go(b: L.LocalBackend) -> tuple[L.Recovered, Any]:
+        return await b.recover(small_world.run_dir), b.outcome_of(tdir)
+
+    found, out = with_backend(go)
+    assert [(r.key, r.task) for r in found.lost] == [(spec.key, 0)]
+    assert jobscript.read_exit(tdir) is None  # no room for it
+    assert out.state == "FAILED"
+    assert out.hint.startswith("the run directory's disk is full: the task's exit record"), out.hint
+
+
+def test_a_wrapper_killed_on_a_full_disk_still_leaves_its_exit_record(small_world: World) -> None:
+    spec = small_world.spec("killed", f"touch {small_world.root}/running; sleep 60")
+    tdir = spec.task_dir(0)
+
+    async def go(b: L.LocalBackend) -> list[TaskExit]:
+        await b.submit(spec)
+        await wait_for(lambda: (small_world.root / "running").exists())
+        fill(small_world.run_dir / "filler")
+        rec = msgspec.json.decode((tdir / L.PID_FILE).read_bytes(), type=L.PidRecord)
+        assert rec.pid is not None
+        os.killpg(rec.pid, signal.SIGKILL)  # no exit-code from the wrapper: the backend writes one
+        return await exits(b, 1)
+
+    with_backend(go)
+    rec = result(spec)  # written into the room the wrapper reserved before the job ran
+    assert (rec.code, rec.kind) == (jobscript.EXIT_LOST, jobscript.KIND_LOST)
+    assert "killed by SIGKILL" in (rec.detail or "")
+    assert not (tdir / ".exit-code.reserve").exists()
+
+
+def test_a_success_whose_artifact_meets_a_full_disk_ends_disk_full(small_world: World) -> None:
+    go = small_world.root / "go"
+    spec = small_world.spec(
+        "art",
+        f"head -c 1048576 /dev/zero > out.bin; while [ ! -e {go} ]; do sleep 0.05; done",
+        artifacts=("out.bin",),
+    )
+    tdir = spec.task_dir(0)
+
+    async def run(b: L.LocalBackend) -> list[TaskExit]:
+        await b.submit(spec)
+        await wait_for(lambda: (tdir / "started").exists())
+        fill(small_world.run_dir / "filler")  # after the wrapper reserved its record's room
+        go.touch()
+        return await exits(b, 1)
+
+    with_backend(run)
+    rec = result(spec)
+    assert (rec.code, rec.kind, rec.command_code) == (jobscript.EXIT_DISK_FULL, "disk_full", 0)
+    assert rec.detail == "the run directory's disk is full: the job's artifacts could not be stored"
+
+
+def fill_inodes(where: Path) -> None:
+    """Take every inode left on `where`'s filesystem (empty files: no data blocks are freed or needed)."""
+    where.mkdir()
+    with contextlib.suppress(OSError):
+        for i in itertools.count():
+            (where / str(i)).touch()
+
+
+def test_a_task_that_cannot_be_claimed_on_a_full_disk_ends_disk_full_in_memory(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "runs", "16m,nr_inodes=4000"):
+        w = make_world(tmp_path)
+        try:
+            _claim_on_a_full_disk(w)
+        finally:
+            kill_leftovers(w.run_dir)
+
+
+def _claim_on_a_full_disk(w: World) -> None:
+    go = w.root / "go"
+    first = w.spec("first", f"while [ ! -e {go} ]; do sleep 0.05; done")
+    second = w.spec("second", "echo never")
+
+    async def run(b: L.LocalBackend) -> tuple[list[TaskExit], Any, Any]:
+        await b.submit(first)
+        await b.submit(second)  # queued behind `first` (max_parallel=1)
+        await wait_for(lambda: (first.task_dir(0) / "started").exists())
+        fill_inodes(
+            w.run_dir / "filler"
+        )  # no new file can be created: the claim of `second` cannot be written
+        go.touch()
+        done = await exits(b, 2)
+        return done, b.outcome_of(first.task_dir(0)), b.outcome_of(second.task_dir(0))
+
+    done, out1, out2 = with_backend(run, max_parallel=1)
+    assert sorted(e.key for e in done) == sorted([first.key, second.key])
+    assert out1.state == "COMPLETED"  # its record went into the room reserved before it ran
+    assert jobscript.read_exit(second.task_dir(0)) is None  # no room for it: held by the backend
+    assert out2.state == "FAILED"
+    assert out2.hint.startswith(
+        "the run directory's disk is full: the task's exit record (the task could not"
+    )
+    assert not (second.task_dir(0) / "started").exists()
+    assert not list(second.task_dir(0).glob(".*.tmp")), "a temp file was left behind"

@@ -464,7 +464,7 @@ def test_the_wrapper_is_told_the_job_variables_environment_gpus_and_limits() -> 
         "lock_sha256": "",
     }
     assert cfg["gpu"] == {"count": 2, "constrained": False}
-    assert cfg["limits"] == {"mem_mb": 512, "max_procs": 100}
+    assert cfg["limits"] == {"mem_mb": 512, "max_procs": 100, "tree_mb": 0}
     assert cfg["forward_vars"] == ["CUDA_VISIBLE_DEVICES"]
     argv = cfg["jail"]["argv"]  # type: ignore[index]
     assert argv[argv.index("--ro-bind") + 1 : argv.index("--ro-bind") + 3] == [J.VENV_TOKEN, J.VENV_TOKEN]

@@ -104,3 +104,16 @@ def test_the_scheduler_state_applies_the_row_of_its_end(
     tdir = _record(tmp_path, "t", jobscript.ExitRecord(code, kind, signal="SIGTERM"))
     slurm._write_json(tdir, slurm.STATE_FILE, slurm.TaskSlurmState("5", scheduler))
     assert slurm.outcome_of(tdir) == out
+
+
+def test_a_disk_end_says_what_its_record_says() -> None:
+    detail = (
+        "the job's tree exceeded its 2048 MiB disk limit (its tree, home and work directories held 2050 MiB)"
+    )
+    out = exits.outcome("disk_limit", 119, None, detail=detail)
+    assert (out.state, out.exit_code) == ("FAILED", 119)
+    assert out.hint is not None
+    assert out.hint == f"{detail}; {exits.AFTER_DISK_LIMIT}"
+    assert exits.outcome("disk_full", 118, None).hint == exits.HINT_DISK_FULL
+    # only the disk kinds take their record's detail as their hint
+    assert exits.outcome("exited", 1, None, detail="anything").hint == exits.HINT_FAILED

@@ -233,3 +233,62 @@ def test_private_score_data_below_a_bound_directory_is_masked_from_the_command_o
         bound = score.index(data, masked + 1)  # ...and the score's jail binds the data on top, read-only
         assert score[bound - 1 : bound + 2] == ["--ro-bind", data, "@@SYSCALL_SCORE_DATA@@"]
         assert cfg["score"]["env"]["SCORE_DATA"] == "@@SYSCALL_SCORE_DATA@@"  # type: ignore[index]
+
+
+def _run_bpf(program: bytes, arch: int, nr: int) -> int:
+    """A classic-BPF interpreter for the instructions a seccomp filter here uses (ld abs, jeq k, ret k)."""
+    import struct
+
+    insns = [struct.unpack("=HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
+    data = struct.pack("=iI", nr, arch) + bytes(56)
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = insns[pc]
+        if code == 0x20:
+            acc = struct.unpack_from("=I", data, k)[0]
+        elif code == 0x15:
+            pc += jt if acc == k else jf
+        elif code == 0x06:
+            return k
+        else:
+            raise AssertionError(f"unexpected instruction {code:#x}")
+        pc += 1
+
+
+def test_the_tree_limits_seccomp_filter_refuses_fallocate_only() -> None:
+    import errno
+
+    prog = W.no_fallocate_filter()
+    deny, allow = 0x00050000 | errno.EOPNOTSUPP, 0x7FFF0000
+    for arch, numbers in W.FALLOCATE_SYSCALLS.items():
+        for nr in numbers:
+            assert _run_bpf(prog, arch, nr) == deny, (hex(arch), nr)
+        assert _run_bpf(prog, arch, 1) == allow  # write(2) on x86_64, and some call on the others
+    assert _run_bpf(prog, 0xC000003E, 47) == allow  # aarch64's fallocate number is another call on x86_64
+    assert _run_bpf(prog, 0x12345678, 285) == allow  # an unknown architecture is not second-guessed
+
+
+def test_an_exit_record_cut_short_is_a_wrapper_failure_not_an_exception(tmp_path: Path) -> None:
+    (tmp_path / RunPaths.EXIT_CODE).write_bytes(b'{"code": 0, "ki')
+    rec = jobscript.read_exit(tmp_path)
+    assert rec is not None
+    assert (rec.code, rec.kind) == (jobscript.EXIT_WRAPPER_ERROR, "wrapper_error")
+    assert "the exit-code record is not valid (15 bytes)" in (rec.detail or "")
+
+
+def test_a_record_is_written_into_its_reserve_in_place(tmp_path: Path) -> None:
+    W.reserve_record(str(tmp_path))
+    reserve = tmp_path / W.RESERVE
+    assert reserve.stat().st_blocks * 512 >= W.RESERVE_BYTES
+    W.write_record(str(tmp_path), "exit-code", b'{"code": 0, "kind": "exited"}\n')
+    assert not reserve.exists()
+    assert (tmp_path / "exit-code").read_bytes() == b'{"code": 0, "kind": "exited"}\n'
+    assert oct((tmp_path / "exit-code").stat().st_mode & 0o777) == "0o644"
+    W.write_record(str(tmp_path), "exit-code", b"again\n")  # no reserve left: an ordinary atomic write
+    assert (tmp_path / "exit-code").read_bytes() == b"again\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exit-code"]
+
+
+def test_the_tree_limit_reaches_the_wrapper(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, jail=JailPolicy(kind="bwrap", tree_mb=2048))
+    assert jobscript.wrapper_config(spec)["limits"] == {"mem_mb": 0, "max_procs": 0, "tree_mb": 2048}

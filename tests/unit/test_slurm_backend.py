@@ -16,6 +16,7 @@ import anyio
 import msgspec
 import pytest
 from fakes.fake_slurm import FakeSlurm
+from testenv import fill, tmpfs
 
 from channel.lifecycle import next_task_state
 from kernel.backends import jobscript
@@ -721,3 +722,35 @@ def test_recover_before_run_as_the_service_calls_them_resubmits_once_run_starts(
     found = run(go)
     assert [r.key for r in found.requeued] == [never.key]
     assert w.calls()["sbatch"] == 1
+
+
+def test_ends_written_on_a_full_run_directory_disk_are_held_not_raised(tmp_path: Path) -> None:
+    w = World(tmp_path, accounting=True)
+    try:
+        with tmpfs(w.run_dir, "4m"):
+            check_full_disk(w)
+    finally:
+        w.close()
+
+
+def check_full_disk(w: World) -> None:
+    b, specs, ids = adopt_many(w, 2)
+    fill(w.run_dir / "filler")
+
+    async def go() -> None:
+        await b.recover(w.run_dir)
+        for job_id in ids:
+            w.fake.set_state(job_id, None, "RUNNING")
+        await b.poll_once()
+        for job_id, state in zip(ids, ("OUT_OF_MEMORY", "NODE_FAIL"), strict=True):
+            w.fake.set_state(job_id, None, state, exit_code="0:125" if state == "OUT_OF_MEMORY" else "0:0")
+            w.fake.purge(job_id)
+        await b.poll_once()  # each end's record cannot be written: held, the poll goes on
+
+    run(go)
+    assert sorted(e.key for e in drain(b)) == sorted(s.key for s in specs)
+    for spec, state in zip(specs, ("OUT_OF_MEMORY", "NODE_FAIL"), strict=True):
+        assert jobscript.read_exit(spec.task_dir(0)) is None
+        out = b.outcome_of(spec.task_dir(0))
+        assert out is not None
+        assert out.state == state  # Slurm's account of the end stays the end

@@ -218,7 +218,7 @@ def exit_record_for(res: Resolution, stuck: bool = False) -> jobscript.ExitRecor
 def outcome_with(rec: jobscript.ExitRecord, slurm: TaskState | None) -> Outcome:
     """How a finished task ended: its exit record through the one table (kernel.core.exits), with Slurm's own
     state (`slurm`) where Slurm explained the end (a SIGTERM at the walltime, a preemption, the memory limit)."""
-    return exits.outcome(rec.kind, rec.code, rec.signal, slurm)
+    return exits.outcome(rec.kind, rec.code, rec.signal, slurm, rec.detail)
 
 
 def outcome_of(task_dir: Path) -> Outcome | None:
@@ -351,6 +351,8 @@ class SlurmBackend:
         self._poll_now = False
         self._exits_in, self._exits_out = anyio.create_memory_object_stream[TaskExit](math.inf)
         self._tg: TaskGroup | None = None
+        # Exit records this backend could not write (a full disk), by task directory: read by `outcome_of`.
+        self._held: dict[Path, jobscript.ExitRecord] = {}
         # Work recover() found before run() started (resubmissions): run() starts it first.
         self._deferred: list[Callable[[], Coroutine[Any, Any, None]]] = []
 
@@ -593,8 +595,7 @@ class SlurmBackend:
                     jobscript.KIND_CANCELLED,
                     detail="cancelled before it was submitted",
                 )
-                # the kernel's own run_dir: a plain thread (see File I/O above)
-                await anyio.to_thread.run_sync(jobscript.write_exit, la.spec.task_dir(t), rec)
+                await self._write_exit(la.spec.task_dir(t), rec)
                 self._report(la, t, Resolution("done", "CANCELLED"))
             return refs
         # The whole job when asked for all: one scancel also stops tasks Slurm has not split off yet.
@@ -856,10 +857,18 @@ class SlurmBackend:
         # the kernel's own run_dir: a plain thread (see File I/O above)
         rec = await anyio.to_thread.run_sync(jobscript.read_exit, tdir)
         if rec is None:
-            rec = exit_record_for(res, stuck=stuck)
+            rec = await self._write_exit(tdir, exit_record_for(res, stuck=stuck))
+        self._report(la, t, res, rec)
+
+    async def _write_exit(self, tdir: Path, rec: jobscript.ExitRecord) -> jobscript.ExitRecord:
+        """Write `rec` as the task's exit record; one that cannot be written (a full disk) is held in memory
+        instead (`jobscript.held_record`) and read by `outcome_of`, never raised. Returns the record kept."""
+        try:
             # the kernel's own run_dir: a plain thread (see File I/O above)
             await anyio.to_thread.run_sync(jobscript.write_exit, tdir, rec)
-        self._report(la, t, res, rec)
+        except OSError as e:
+            rec = self._held[tdir] = jobscript.held_record(rec, e)
+        return rec
 
     def _report(self, la: _Launch, t: int, res: Resolution, rec: jobscript.ExitRecord | None = None) -> None:
         if t not in la.open:
@@ -887,7 +896,11 @@ class SlurmBackend:
         ended (the walltime, the memory limit, a preemption, scancel), and the backend reports it through
         `wait_any_exit` at its next file tick or poll (a SIGTERM the kernel did not send: once Slurm says which,
         within TERMINATED_WAIT_S while Slurm shows the job running). So the state the kernel records is the state
-        in `slurm-state.json`. Called from the store worker's thread: it only reads the launch table."""
+        in `slurm-state.json`. A record this backend could not write is read from memory. Called from the store
+        worker's thread: it only reads the launch and held-record tables."""
+        held = self._held.get(task_dir)
+        if held is not None and jobscript.read_exit(task_dir) is None:
+            return outcome_with(held, None)
         out = outcome_of(task_dir)
         if out is None or out.state == "COMPLETED" or (task_dir / STATE_FILE).exists():
             return out
@@ -964,8 +977,7 @@ class SlurmBackend:
                     rec = jobscript.ExitRecord(
                         jobscript.EXIT_WRAPPER_ERROR, KIND_SUBMIT_FAILED, detail=f"resubmission failed: {e}"
                     )
-                    # the kernel's own run_dir: a plain thread (see File I/O above)
-                    await anyio.to_thread.run_sync(jobscript.write_exit, la.spec.task_dir(t), rec)
+                    rec = await self._write_exit(la.spec.task_dir(t), rec)
                     self._report(la, t, Resolution("done", "FAILED", str(e)), rec)
             self._poke()
 
