@@ -221,6 +221,9 @@ class Config(_Strict, frozen=True, kw_only=True):
     # `retention_days`; older ones are pruned. 0 and 0 (the default): everything is kept.
     retention_days: Annotated[float, Meta(ge=0, le=100 * 365)] = 0.0
     retention_sleeps: Annotated[int, Meta(ge=0, le=10**9)] = 0
+    # The most a workspace's woken sleeps may hold in `run_dir` (MiB): past it its oldest woken sleeps are pruned,
+    # whatever retention_days and retention_sleeps keep (the newest is always kept). 0: no cap.
+    retention_run_mb: Annotated[int, Meta(ge=0, le=1 << 40)] = 51200
     # The most of each task's stdout and stderr delivered into results/ (its end, when longer); kernel.json
     # publishes it as limits.log_max_bytes.
     log_max_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = L.LOG_MAX_BYTES

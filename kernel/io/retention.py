@@ -14,11 +14,13 @@ import contextlib
 import os
 import shutil
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 from channel import safefs
 from channel.paths import ChannelPaths, RunPaths
 from kernel.core.records import WorkspaceRow
+from kernel.core.retention import SleepAge
 
 # `status` walks at most this many entries per tree; past it the figure is a lower bound ("at least").
 USAGE_MAX_ENTRIES = 200_000
@@ -47,6 +49,16 @@ def _tree_bytes(top: str, dir_fd: int | None = None, limit: int = USAGE_MAX_ENTR
 
 def sleep_run_dir(run_dir: str, key: str, seq: int) -> Path:
     return RunPaths(Path(run_dir), key, seq, "_").sleep_dir
+
+
+def run_bytes(run_dir: str, key: str) -> int:
+    """What the workspace's run directories hold (counted up to USAGE_MAX_ENTRIES files)."""
+    return _tree_bytes(os.fspath(Path(run_dir) / key))[0]
+
+
+def with_run_bytes(run_dir: str, key: str, ages: list[SleepAge]) -> list[SleepAge]:
+    """`ages` with each sleep's run-directory bytes."""
+    return [replace(a, run_bytes=_tree_bytes(os.fspath(sleep_run_dir(run_dir, key, a.seq)))[0]) for a in ages]
 
 
 def remove_run_dir(run_dir: str, key: str, seq: int) -> int:

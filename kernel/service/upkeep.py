@@ -1,7 +1,8 @@
 """Upkeep: the executor's slow background work, off the hot path: repository gc and retention.
 
 Each workspace's kernel repository is packed and pruned every `repo_gc_hours`; retention removes the run
-directories and results of old sleeps (`retention_days`, `retention_sleeps`) and the records of read requests.
+directories and results of old sleeps (`retention_days`, `retention_sleeps`, and past `retention_run_mb` of run
+directories) and the records of read requests.
 Both go through the heavy pool, one workspace at a time.
 """
 
@@ -13,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Final
 
 import anyio
+import anyio.to_thread
 
 from channel import safefs
 from kernel.core import retention
@@ -35,11 +37,12 @@ class Upkeep:
         self.worker = worker
         self.store = worker.store
         self.heavy = heavy
+        self._measuring = anyio.CapacityLimiter(1)
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.gc_loop)
-            if self.cfg.retention_days > 0 or self.cfg.retention_sleeps > 0:
+            if self.cfg.retention_days > 0 or self.cfg.retention_sleeps > 0 or self.cfg.retention_run_mb > 0:
                 tg.start_soon(self.retention_loop)
 
     async def gc_loop(self) -> None:
@@ -69,13 +72,33 @@ class Upkeep:
         less to remove."""
         now = datetime.now(UTC)
         pruned = 0
+        keep_bytes = self.cfg.retention_run_mb << 20
+        by_rules = self.cfg.retention_days > 0 or self.cfg.retention_sleeps > 0
         for ws in await self.worker.call(self.store.workspaces):
-            ages = await self.worker.call(self.store.sleep_ages, ws.key)
+            # The size cap measures on a thread of its own, one workspace at a time: never a heavy slot or the
+            # store worker for a workspace under its cap (the common case, and every workspace at start).
+            over = keep_bytes > 0 and (
+                await anyio.to_thread.run_sync(
+                    rfiles.run_bytes, self.cfg.run_dir, ws.key, limiter=self._measuring
+                )
+                > keep_bytes
+            )
+            if not (by_rules or over):
+                continue
+            ages = [
+                retention.SleepAge(seq, state, _when(woken or made))
+                for seq, state, made, woken in await self.worker.call(self.store.sleep_ages, ws.key)
+            ]
+            if over:
+                ages = await anyio.to_thread.run_sync(
+                    rfiles.with_run_bytes, self.cfg.run_dir, ws.key, ages, limiter=self._measuring
+                )
             seqs = retention.to_prune(
-                [retention.SleepAge(seq, state, _when(woken or made)) for seq, state, made, woken in ages],
+                ages,
                 keep_sleeps=self.cfg.retention_sleeps,
                 keep_days=self.cfg.retention_days,
                 now=now,
+                keep_bytes=keep_bytes if over else 0,
             )
             for seq in seqs:
                 try:

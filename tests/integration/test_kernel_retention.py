@@ -99,3 +99,36 @@ def test_retention_prunes_old_evidence_keeps_wakes_and_live_sleeps_and_follows_n
     # The pruned sleeps' request bodies are gone; their ids and answers stay (a replay is answered the same).
     assert bodies == {"s1": 0, "s2": 0, "s3": 1, "s4": 1}
     assert answers == {"s1": 1, "s2": 1, "s3": 1, "s4": 1}
+
+
+def test_a_workspace_past_its_run_directory_cap_loses_its_oldest_woken_sleeps(tmp_path: Path) -> None:
+    """`retention_run_mb = 1` (retention_sleeps and retention_days unset: they would keep everything): three
+    sleeps each leave ~600 KiB in the run directory; at the next look the two oldest are pruned, the newest kept,
+    and another workspace under the cap is untouched."""
+    kernel = Kernel(tmp_path, 'jail = "none"\nretention_run_mb = 1\n')
+    big, small = git_workspace(tmp_path / "big"), git_workspace(tmp_path / "small")
+    keys = {ws.name: workspace_key(ws.resolve()) for ws in (big, small)}
+    for ws in (big, small):
+        kernel.enroll(ws, "--launches", "10", "--sleeps", "10")
+    try:
+        kernel.start()
+        for i in (1, 2, 3):
+            put_request(big, f"s{i}", sleep_request(f"s{i}", "head -c 600000 /dev/zero > out.txt"))
+            kernel.wait_log(f"event=woken ws={keys['big']} seq={i} ", 60)
+        put_request(small, "t1", sleep_request("t1", "echo small > out.txt"))
+        kernel.wait_log(f"event=woken ws={keys['small']} seq=1 ", 60)
+        assert kernel.stop() == 0
+        kernel.start()  # retention looks at start
+        kernel.wait_log("event=pruned", 30, count=2)
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+    runs = kernel.state / "runs"
+    assert sorted(p.name for p in (runs / keys["big"]).iterdir()) == ["3"]
+    assert sorted(p.name for p in (runs / keys["small"]).iterdir()) == ["1"]
+    pruned = [line for line in kernel.log_text().splitlines() if "event=pruned" in line]
+    assert [f"ws={keys['big']} seq={n} " in line for n, line in zip((1, 2), pruned, strict=True)] == [
+        True,
+        True,
+    ]
+    assert (big / ".syscall" / "wakes" / "s1.json").exists()  # every wake stays

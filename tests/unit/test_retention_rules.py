@@ -41,3 +41,35 @@ def test_what_goes(keep_sleeps: int, keep_days: float, gone: list[int]) -> None:
 def test_a_sleep_in_flight_never_goes_however_old(state: str) -> None:
     s = ages((state, 3650), ("woken", 1), ("woken", 0))
     assert 1 not in to_prune(s, keep_sleeps=1, keep_days=0.001, now=NOW)
+
+
+def sized(*spec: tuple[str, int]) -> list[SleepAge]:
+    """(state, run-directory bytes) for seq 1, 2, ...; every sleep ended now."""
+    return [SleepAge(i + 1, state, NOW, run_bytes=b) for i, (state, b) in enumerate(spec)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "keep_bytes", "gone"),
+    [
+        # newest first: 6 (1) + 4 (4) = 5 fits in 6; 3 brings it to 8: 3 and everything older go
+        (
+            (("woken", 9), ("woken", 1), ("woken", 3), ("woken", 4), ("executing", 0), ("woken", 1)),
+            6,
+            [1, 2, 3],
+        ),
+        # a sleep in flight counts first and never goes: 5 (executing, 5) + 4 (2) = 7 > 6, 4 kept as the newest
+        ((("woken", 1), ("woken", 1), ("woken", 1), ("woken", 2), ("executing", 5)), 6, [1, 2, 3]),
+        # the newest woken sleep stays even alone past the cap
+        ((("woken", 1), ("woken", 100)), 6, [1]),
+        ((("woken", 1), ("woken", 1)), 0, []),  # no cap
+    ],
+)
+def test_the_size_cap_keeps_the_newest_woken_sleeps_that_fit(
+    spec: tuple[tuple[str, int], ...], keep_bytes: int, gone: list[int]
+) -> None:
+    assert to_prune(sized(*spec), keep_sleeps=0, keep_days=0, now=NOW, keep_bytes=keep_bytes) == gone
+
+
+def test_the_size_cap_prunes_what_the_count_and_the_age_would_keep() -> None:
+    s = sized(("woken", 5), ("woken", 5), ("woken", 5))
+    assert to_prune(s, keep_sleeps=10, keep_days=100, now=NOW, keep_bytes=12) == [1]
