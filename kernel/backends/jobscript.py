@@ -126,7 +126,9 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
             "max_procs": spec.jail.max_procs,
             "tree_mb": spec.jail.tree_mb,
         },
-        "environment": msgspec.to_builtins(spec.environment) if spec.environment is not None else None,
+        "environment": None
+        if spec.environment is None
+        else dict(msgspec.to_builtins(spec.environment), sync=J.sync_template(jail, spec.environment)),
         "artifacts": list(spec.artifacts),
         "artifact_max_bytes": spec.artifact_max_bytes,
         "artifact_total_max_bytes": spec.artifact_total_max_bytes,

@@ -16,9 +16,9 @@ Each job then copies (hard links where it can) the cache into node scratch and r
 in the jail, and the same lockfile gives every job the same environment across sleeps and workspaces.
 
 The lockfile is the agent's. With jail = "bwrap", on the kernel's host only the kernel's own TOML parser reads it
-outside the build jail (`lock_problem`, `accepted_files`), and nothing it makes uv download runs at build time
-(each task's offline `uv sync`, on the node, reads the same accepted copy before its jail starts:
-kernel.node.wrapper):
+outside the build jail (`lock_problem`, `accepted_files`), and nothing it makes uv download runs at build time;
+on the node each task's offline `uv sync` reads the same accepted copy in a jail of its own too
+(kernel.node.jail.sync_template: no network, writing only the task's sync directory in scratch):
 
 - `lock_problem` accepts only packages from the configured index, each file a canonical
   `https://<the index's file host>/<path>` URL (a grammar on which urllib and uv's WHATWG parser read the same
@@ -38,11 +38,12 @@ kernel.node.wrapper):
   installed wheel is read, no sitecustomize imported; the stdlib alone on sys.path) in the same jail without the
   network, able to write only the cache: no package code runs.
 - What the build wrote to the cache is checked before any task uses it (`stray_entries`: no link leaving the
-  cache, no special file): each task's offline `uv sync` installs from it outside the task's jail, and where uv
-  copies instead of hard-linking it follows a link, so a host file's bytes would land in the task's venv.
+  cache, no special file): where uv copies instead of hard-linking it follows a link, so a host file's bytes
+  would land in the task's venv (a task's sync is unjailed with apptainer or none).
 
 With another jail kind (`apptainer`, or `none` for tests and a single-user laptop) uv and compileall run on the
-host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`): then the lock checks,
+host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`), and each task's sync
+on the node as the job's user, without a jail: then the lock checks,
 `--no-build`, the hashes and `-S -I` are what hold, and a bug in uv's handling of a hostile lock or wheel would
 run with the kernel's rights. A lockfile that does not resolve is refused before any job is submitted
 (`environment.failed`, refunded).
@@ -73,7 +74,7 @@ import msgspec
 from kernel.core.config import EnvironmentConfig
 from kernel.io import hostproc
 from kernel.io import log as klog
-from kernel.node.jail import JailPolicy, JobEnvironment, build_bwrap_argv
+from kernel.node.jail import JailPolicy, JobEnvironment, build_bwrap_argv, sync_argv
 
 LOCK_FILE: Final = "uv.lock"
 PROJECT_FILE: Final = "pyproject.toml"
@@ -480,15 +481,6 @@ def uv_env(base: Mapping[str, str], *, home: str, cache: str, **extra: str) -> d
     return env
 
 
-def sync_argv(uv: str, project: str, python: str, *, offline: bool) -> list[str]:
-    """`uv sync` as the kernel (warm-up) and the wrapper (per job) run it; the wrapper keeps a stdlib copy."""
-    argv = [uv, "sync", "--frozen", "--no-build", "--no-install-project", "--no-config", "--project", project]
-    argv += ["--python", python]
-    if offline:
-        argv.append("--offline")
-    return argv
-
-
 # --- I/O -----------------------------------------------------------------------------------------------------
 
 
@@ -501,8 +493,8 @@ def cert_paths(env: Mapping[str, str]) -> list[str]:
 def stray_entries(root: Path) -> list[str]:
     """What under `root` (a cache the build jail wrote) is neither a directory, a regular file nor a symlink
     whose target, read as a path, stays below `root` (uv links wheels to archive entries with relative links):
-    each task's offline `uv sync` installs from the cache outside the task's jail, and where it copies (its
-    fallback when a hard link fails) it follows a link."""
+    each task's offline `uv sync` installs from the cache (unjailed with apptainer or none), and where it copies
+    (its fallback when a hard link fails) it follows a link."""
     out = []
     top = os.path.normpath(root)
     for dirpath, dirnames, filenames in os.walk(root):

@@ -13,6 +13,8 @@ wrapper through the tokens below.
 
 `build_bwrap_argv` is the jail of the kernel's own locked-environment build (kernel.io.envcache), on the kernel's
 host: uv and the byte-compilation read what the agent's lockfile named, so they get this module's rules too.
+`sync_template` is each task's offline `uv sync` on the node (kernel.node.wrapper.prepare_environment), in that
+same jail (without the network) when the job's jail is bwrap; the wrapper fills SYNC_TOKEN with its scratch path.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ SCORER_TOKEN: Final = "@@SYSCALL_SCORER@@"
 SCORE_DATA_TOKEN: Final = "@@SYSCALL_SCORE_DATA@@"
 # The job's private venv (kernel.io.envcache): a whole argument, or the start of an env value (`<venv>/bin:...`).
 VENV_TOKEN: Final = "@@SYSCALL_VENV@@"
+# The directory in the node's scratch where a task's private venv is synced (kernel.node.wrapper.prepare_environment):
+# a whole argument, or the start of one (`<sync>/env`). It holds SYNC_CACHE, SYNC_VENV and SYNC_HOME, nothing else.
+SYNC_TOKEN: Final = "@@SYSCALL_SYNC@@"
+SYNC_CACHE: Final = "uv-cache"  # the task's link copy of the kernel's warm cache (UV_CACHE_DIR)
+SYNC_VENV: Final = (
+    "env"  # the venv uv installs into (UV_PROJECT_ENVIRONMENT), bound read-only into the job's jail
+)
+SYNC_HOME: Final = "uv-home"  # uv's HOME
 # Expands to the bind arguments of the GPU device nodes the node gave the task (kernel.node.wrapper.gpu_binds).
 GPU_TOKEN: Final = "@@SYSCALL_GPUS@@"
 
@@ -201,6 +211,7 @@ def _abs(path: str, what: str) -> str:
         WORK_TOKEN,
         SCORER_TOKEN,
         VENV_TOKEN,
+        SYNC_TOKEN,
     ):
         raise ValueError(f"jail {what} must be an absolute path, got {path!r}")
     return path
@@ -377,6 +388,78 @@ def build_bwrap_argv(
     out += env_args("bwrap", env)
     out += ["--", *argv]
     return out
+
+
+def sync_argv(uv: str, project: str, python: str, *, offline: bool) -> list[str]:
+    """`uv sync` as the kernel's warm-up (kernel.io.envcache) and each task (`sync_template`) run it: the frozen
+    lock, wheels only, never the project itself, no configuration file."""
+    argv = [uv, "sync", "--frozen", "--no-build", "--no-install-project", "--no-config", "--project", project]
+    argv += ["--python", python]
+    if offline:
+        argv.append("--offline")
+    return argv
+
+
+def sync_paths(root: str) -> tuple[str, str, str]:
+    """The task's (cache, venv, home) below its sync directory `root`."""
+    return f"{root}/{SYNC_CACHE}", f"{root}/{SYNC_VENV}", f"{root}/{SYNC_HOME}"
+
+
+def sync_env(environment: JobEnvironment, root: str) -> dict[str, str]:
+    """The whole environment of a task's offline `uv sync` into `root` (the node's sync directory): nothing
+    inherited; hard links from the cache into the venv (both below `root`, so on one mount in the jail too)."""
+    cache, venv, home = sync_paths(root)
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "LANG": DEFAULT_LANG,
+        "NO_COLOR": "1",
+        "UV_NO_CONFIG": "1",
+        "UV_NO_PROGRESS": "1",
+        "UV_CACHE_DIR": cache,
+        "UV_PROJECT_ENVIRONMENT": venv,
+        "UV_LINK_MODE": "hardlink",
+        "UV_OFFLINE": "1",
+    }
+    if environment.python_install_dir:
+        env["UV_PYTHON_INSTALL_DIR"] = environment.python_install_dir
+    else:
+        env["UV_PYTHON_DOWNLOADS"] = "never"
+    return env
+
+
+def sync_bwrap_argv(policy: JailPolicy, environment: JobEnvironment, *, root: str) -> list[str]:
+    """A task's offline `uv sync` in the build jail (`build_bwrap_argv`) without the network: it reads the uv
+    binary, the warm cache's project directory (the lock and pyproject the kernel re-serialised) and, read-only,
+    `policy.ro_dirs` (the job jail's: extra_dirs and the uv-managed Python directory) besides the system
+    directories and /etc allowlist; it writes only `root`, the task's sync directory in scratch (the cache's link
+    copy, the venv, uv's home: one mount, so uv's hard links from cache to venv work). Not the job's tree (a
+    subverted uv could otherwise rewrite protected files after they were checked), not the run directory, the
+    kernel's state or a workspace (`policy.hide` masks them below a bound directory). Every path is bound at its
+    own path: the venv embeds it, and the job's jail binds it there too."""
+    return build_bwrap_argv(
+        policy,
+        network=False,
+        writable=[root],
+        readable=[environment.uv, environment.project],
+        env=sync_env(environment, root),
+        cwd=root,
+        argv=sync_argv(environment.uv, environment.project, environment.python, offline=True),
+    )
+
+
+def sync_template(policy: JailPolicy, environment: JobEnvironment) -> dict[str, object]:
+    """What the wrapper runs to build a task's venv, with SYNC_TOKEN for its sync directory: `argv` and the `env`
+    it is started with, and the `cache`, `venv` and `home` paths it prepares and uses. With `policy.kind` bwrap
+    the sync runs in `sync_bwrap_argv`'s jail; with apptainer or none it runs on the node unjailed, as the job's
+    user with the node's network (the lock checks, `--no-build`, `--offline` and the hashes are what hold)."""
+    cache, venv, home = sync_paths(SYNC_TOKEN)
+    if policy.kind == "bwrap":
+        argv, env = sync_bwrap_argv(policy, environment, root=SYNC_TOKEN), {"PATH": JAIL_PATH}
+    else:
+        argv = sync_argv(environment.uv, environment.project, environment.python, offline=True)
+        env = sync_env(environment, SYNC_TOKEN)
+    return {"argv": argv, "env": env, "cache": cache, "venv": venv, "home": home}
 
 
 def score_apptainer_argv(

@@ -12,7 +12,9 @@ right here than in sh. Everything it writes goes into the kernel-owned task dire
 Steps: find the task index (SLURM_ARRAY_TASK_ID or SWEEP_INDEX); read command.txt; materialise the snapshot into
 node scratch straight from the objects of the KERNEL's repository of the workspace (`<run_dir>/repos/<key>.git`;
 ls-tree + cat-file: no checkout machinery, so no hook, no filter, no `.git` in the tree; every blob re-hashed
-and the tree id recomputed; the workspace's own `.git` is never read); run `sh -c COMMAND` in the jail;
+and the tree id recomputed; the workspace's own `.git` is never read); build the locked environment's venv
+(`prepare_environment`: an offline `uv sync`, in a bwrap jail of its own when the job's is bwrap); run
+`sh -c COMMAND` in the jail;
 copy declared artifacts out of the tree (contained, regular files, size-capped, every skip logged); remove the
 scratch; write exit-code. SIGTERM/SIGINT/SIGHUP (cancel, scheduler) and SIGUSR2 (the walltime warning) stop the
 jail and are recorded, so a killed job still leaves an exit-code that says why.
@@ -82,6 +84,7 @@ SCORER_TOKEN = "@@SYSCALL_SCORER@@"
 SCORE_DATA_TOKEN = "@@SYSCALL_SCORE_DATA@@"
 VENV_TOKEN = "@@SYSCALL_VENV@@"
 GPU_TOKEN = "@@SYSCALL_GPUS@@"
+SYNC_TOKEN = "@@SYSCALL_SYNC@@"
 GPU_CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 
 # Replaced by kernel.backends.jobscript with the JSON text of this task's configuration.
@@ -651,42 +654,39 @@ def link_tree(src: str, dest: str) -> int:
     return count
 
 
-def prepare_environment(env: dict[str, Any], scratch: str, stderr_fd: int) -> str:
-    """Build the task's private venv from the kernel's warm cache, offline, outside the jail; returns its path.
+def prepare_environment(env: dict[str, Any], scratch: str, stderr_fd: int, path: str | None = None) -> str:
+    """Build the task's private venv from the kernel's warm cache, offline; returns its path.
 
-    The cache is linked into node scratch, then `uv sync --frozen --offline` (the flags of kernel.io.envcache's
-    sync_argv) installs by hard link into `<scratch>/env`; the jail binds that venv read-only, so a job cannot
-    change files it shares (by link) with the cache other jobs use."""
+    The cache is linked into `<scratch>/uv-sync/uv-cache`, then the kernel's `env["sync"]` (kernel.node.jail.
+    sync_template, SYNC_TOKEN filled with `<scratch>/uv-sync`) runs `uv sync --frozen --offline`, installing by
+    hard link into `<scratch>/uv-sync/env`. When the job's jail is bwrap that sync runs in a bwrap jail of its own
+    (no network, every namespace unshared, the system directories read-only, only `<scratch>/uv-sync` writable:
+    not the job's tree, not the task directory, the run directory or the kernel's state); with apptainer or none it
+    runs here unjailed, as the job's user. The job's jail then binds the venv read-only at the same path, so a job
+    cannot change files it shares (by link) with the cache other jobs use. `path` is the wrapper's own PATH (where
+    the jail program is looked up, as for the job's jail)."""
     import subprocess
 
-    cache, venv, home = (os.path.join(scratch, n) for n in ("uv-cache", "env", "uv-home"))
+    sync = env["sync"]
+    root = os.path.join(scratch, "uv-sync")
+
+    def fill(value: str) -> str:
+        return value.replace(SYNC_TOKEN, root)
+
+    cache, venv, home = (fill(sync[n]) for n in ("cache", "venv", "home"))
     try:
+        os.mkdir(root, 0o700)
         link_tree(env["cache"], cache)
         os.mkdir(home, 0o700)
     except OSError as e:
         raise WrapperError(
             KIND_ENVIRONMENT, EXIT_ENVIRONMENT_FAILED, f"copying the environment cache to scratch failed: {e}"
         ) from None
-    uv_env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": home,
-        "LANG": "C.UTF-8",
-        "NO_COLOR": "1",
-        "UV_NO_CONFIG": "1",
-        "UV_NO_PROGRESS": "1",
-        "UV_CACHE_DIR": cache,
-        "UV_PROJECT_ENVIRONMENT": venv,
-        "UV_LINK_MODE": "hardlink",
-        "UV_OFFLINE": "1",
-    }
-    if env.get("python_install_dir"):
-        uv_env["UV_PYTHON_INSTALL_DIR"] = env["python_install_dir"]
-    else:
-        uv_env["UV_PYTHON_DOWNLOADS"] = "never"
-    argv = [env["uv"], "sync", "--frozen", "--no-build", "--no-install-project", "--no-config"]
-    argv += ["--project", env["project"], "--python", env["python"], "--offline"]
+    argv = [fill(a) for a in sync["argv"]]
+    argv[0] = jail_program(argv[0], path)
+    sync_env = {k: fill(v) for k, v in sync["env"].items()}
     try:
-        got = subprocess.run(argv, env=uv_env, cwd=scratch, stdin=subprocess.DEVNULL, capture_output=True)
+        got = subprocess.run(argv, env=sync_env, cwd=root, stdin=subprocess.DEVNULL, capture_output=True)
     except OSError as e:
         raise WrapperError(
             KIND_ENVIRONMENT, EXIT_ENVIRONMENT_FAILED, f"uv could not be started: {e}"
@@ -1719,7 +1719,7 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         venv = ""
         if config.get("environment"):
             try:
-                venv = prepare_environment(config["environment"], scratch, err_fd)
+                venv = prepare_environment(config["environment"], scratch, err_fd, environ.get("PATH"))
             except WrapperError as e:
                 note(str(e))
                 return tdir, exit_record(e.kind, e.code)

@@ -14,6 +14,11 @@ a local HTTPS package index this test starts (127.0.0.1 only, its own CA; no int
 - A lock whose hash is not the wheel's is refused by uv (environment.failed, refunded).
 - The build jail's profile, run by bwrap: it writes only what it is given, reads the lockfile, and sees neither
   the kernel's state, another entry, /etc/shadow nor the network (when built without it).
+- Each task's offline `uv sync` on the node runs in a bwrap jail too: the operator's interpreter is a launcher
+  that uv runs (it queries the interpreter on every sync); asked to, it reports from inside a task's sync that
+  pid 1 is bwrap, that the kernel's state, the job's tree and the host's directories are out of sight, that the
+  index on the host's loopback cannot be reached, and that only the sync directory is writable; without the
+  request the same sync installs the package and the job imports it.
 """
 
 from __future__ import annotations
@@ -410,3 +415,100 @@ def test_a_file_whose_hash_is_not_the_locks_is_refused_by_uv_and_refunded(setup:
     assert setup.budget("rehashed") == before
     for marker in setup.markers:
         assert not marker.exists()
+
+
+# The operator's interpreter as uv runs it. When `report` exists beside it (the test creates it between two
+# launches), it prints what it sees to stderr and fails: uv's error, and so the task's stderr, carries the report.
+LAUNCHER = """#!/bin/sh
+if [ -e {site}/report ]; then
+    r="pid1=$(basename "$(tr '\\0' ' ' < /proc/1/cmdline | cut -d' ' -f1)")"
+    [ -e {state}/marker ] && r="$r state=visible" || r="$r state=absent"
+    r="$r runs=$(ls -A {state}/runs | tr '\\n' ,)"
+    [ -e "$UV_PROJECT_ENVIRONMENT/../../tree" ] && r="$r tree=visible" || r="$r tree=absent"
+    r="$r $(cat {tmp}/host-file 2>/dev/null || echo host=unseen)"
+    echo x > {tmp}/written-by-sync 2>/dev/null
+    (echo x > "$UV_CACHE_DIR/probe") 2>/dev/null && r="$r cache=writable" || r="$r cache=unwritable"
+    /usr/bin/python3 -S -I -c 'import socket; socket.create_connection(("127.0.0.1", {port}), timeout=3)' \\
+        2>/dev/null && r="$r index=reachable" || r="$r index=unreachable"
+    echo "report: $r ." >&2
+    exit 7
+fi
+exec {python} "$@"
+"""
+
+
+def test_a_tasks_uv_sync_runs_in_a_jail_and_the_job_imports_what_it_installed(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    need("python3 at /usr/bin/python3", os.path.exists(PYTHON), "the jobs' interpreter")
+    kernel = Kernel(tmp_path, "")
+    site = tmp_path / "site"
+    site.mkdir()
+    ca, context = make_tls(tmp_path)
+    index = Server(context, make_wheel([]), index=True)
+    try:
+        launcher = site / "python"
+        launcher.write_text(
+            LAUNCHER.format(site=site, state=kernel.state, tmp=tmp_path, port=index.port, python=PYTHON)
+        )
+        launcher.chmod(0o755)
+        lock = uv_lock(tmp_path, index.url, ca)
+        kernel.config.write_text(
+            kernel.config.read_text()
+            + f'jail = "bwrap"\n[environment]\npython = "{launcher}"\nextra_dirs = ["{site}"]\n'
+            + f'index_url = "{index.url}/simple"\n'
+        )
+        files = {"README": "the sync\n", "pyproject.toml": PYPROJECT, "uv.lock": lock}
+        ws = make_workspace(tmp_path / "spaces" / "sync", files)
+        kernel.enroll(ws, "--launches", "10", "--sleeps", "10", "--gpu-hours", "1")
+        kernel.start(env={"SSL_CERT_FILE": str(ca), "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"})
+        kernel.state.joinpath("marker").write_text("the kernel's state\n")
+        (tmp_path / "host-file").write_text("host=seen\n")
+
+        def task(name: str, command: str) -> dict[str, Any]:
+            for args in (
+                ("launch", "--name", name, "--minutes", "2", "--", command),
+                ("sleep", "--wait", "--json", "--timeout", "170"),
+            ):
+                done = run_tool(ws, *args, timeout=180)
+                assert done.returncode == 0, (
+                    f"{args}: {done.stdout}{done.stderr}\n{kernel.log_text()[-3000:]}"
+                )
+            [t] = json.loads(done.stdout)["tasks"]
+            return t  # type: ignore[no-any-return]
+
+        # The sync installs into the venv (built in the jail at its own path), the job's jail binds it there.
+        probe = "import hostile, os, sys; print('hostile', hostile.VALUE, sys.prefix, os.stat(hostile.__file__).st_nlink)"
+        t = task("imp", f'python -c "{probe}"')
+        assert t["state"] == "COMPLETED", t
+        [(value, prefix, links)] = [
+            line.split()[1:] for line in t["stdout_tail"].splitlines() if "hostile" in line
+        ]
+        assert value == "42", t
+        # uv hard-linked the module from the cache's link copy into the venv (both on the jail's one writable
+        # mount), rather than falling back to a copy.
+        assert int(links) >= 2, t
+        # Asked to report, the interpreter uv runs in the next task's sync says what that sync can see.
+        (site / "report").write_text("")
+        t = task("probe", "echo never")
+        assert t["state"] == "FAILED", t
+        err = t["stderr_tail"]
+        assert "uv sync --offline failed on the node" in err, err
+        assert "never" not in t["stdout_tail"], "the command never ran"
+        [report] = [line.split("report: ", 1)[1] for line in err.splitlines() if "report: " in line]
+        assert report.split() == [
+            "pid1=bwrap",
+            "state=absent",
+            "runs=envs,",  # only the mount point of the project: no repository, no task directory
+            "tree=absent",
+            "host=unseen",
+            "cache=writable",
+            "index=unreachable",
+            ".",
+        ], err
+        assert not (tmp_path / "written-by-sync").exists()
+        assert "/uv-sync/env" in prefix, "the job's venv is the one synced in the jail's writable directory"
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+        index.close()

@@ -455,7 +455,11 @@ def test_the_wrapper_is_told_the_job_variables_environment_gpus_and_limits() -> 
     assert env["SYSCALL_SNAPSHOT"] == "c" * 40
     assert env["PATH"].startswith(J.VENV_TOKEN + "/bin:/opt/site:")
     assert cfg["index_vars"] == ["SWEEP_INDEX", "SLURM_ARRAY_TASK_ID", "SYSCALL_TASK"]
-    assert cfg["environment"] == {
+    environment = dict(cfg["environment"])  # type: ignore[call-overload]
+    assert environment.pop("sync") == J.sync_template(
+        J.JailPolicy(), envspec
+    )  # the policy's jail kind: bwrap
+    assert environment == {
         "uv": "/k/uv",
         "cache": "/runs/envs/k/uv",
         "project": "/runs/envs/k/project",
