@@ -18,6 +18,10 @@ The workspace, `.git` included, is hostile (docs/threat-model.md). So:
 - Listing the live tree never blocks the kernel: git runs under a deadline with a watch for an open() blocked on a
   FIFO, socket or device (kernel.io.gitlisting), and a tree that cannot be listed is the agent's SnapshotError
   naming the path when known, never the kernel's outage.
+- With a `jail` (the kernel's jail is bwrap) both listings run in the listing jail (kernel.node.jail
+  `listing_bwrap_argv`): git parses the index copy and the tree's `.gitignore` files with the workspace and the
+  scratch git directory read-only and nothing else of the host in sight. Without one (jail = none or apptainer)
+  they run on the host as the kernel's user, unjailed, under the same bounds.
 - The kernel reads every file itself, walking directory fds with `O_NOFOLLOW` (and opening files `O_NONBLOCK`,
   fstat-checked regular), so a directory swapped for a symlink mid-snapshot cannot make it read outside the
   workspace, a FIFO cannot block it, and the content goes to `git fast-import` (into the kernel's repository)
@@ -43,16 +47,24 @@ import anyio.to_thread
 from channel.paths import CHANNEL_DIR
 from kernel.core.gitindex import entry_count, shared_index_id, surely_untracked
 from kernel.io import repo as R
-from kernel.io.gitlisting import ListingBlocked, ListingTimeout, ListingTooLarge, run_listing
+from kernel.io.gitlisting import (
+    ListingBlocked,
+    ListingJailFailed,
+    ListingTimeout,
+    ListingTooLarge,
+    run_listing,
+)
 from kernel.io.repo import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_TOTAL_BYTES,
     FileEntry,
     KernelRepo,
+    RepoError,
     UntrustedGit,
     is_channel_path,
     valid_repo_path,
 )
+from kernel.node.jail import JailPolicy
 
 __all__ = ["DEFAULT_MAX_FILE_BYTES", "DEFAULT_MAX_TOTAL_BYTES", "is_channel_path", "valid_repo_path"]
 
@@ -316,20 +328,36 @@ def _scratch_git_dir(git_fd: int, where: str, dst: Path, max_entries: int | None
     return copied
 
 
-def _listing(
-    env: dict[str, str], ws: str, max_files: int | None, memory: int, *args: str
-) -> tuple[int, bytes, str]:
-    """One bounded git listing of `ws` (kernel.io.gitlisting); its failures are the agent's (SnapshotError)."""
+@dataclass(frozen=True, slots=True)
+class _Lister:
+    """How the workspace `ws` is listed: git's environment (against the scratch git directory `scratch`), its
+    memory cap, and the listing jail (None: unjailed)."""
+
+    ws: str
+    scratch: Path
+    env: dict[str, str]
+    memory: int
+    jail: JailPolicy | None
+
+
+def _listing(how: _Lister, max_files: int | None, *args: str) -> tuple[int, bytes, str]:
+    """One bounded git listing of the workspace (kernel.io.gitlisting); its failures are the agent's
+    (SnapshotError), but for a jail that cannot start (RepoError: the kernel's side)."""
+    ws, memory = how.ws, how.memory
     try:
         rc, out, why = run_listing(
             R.git_argv(*args),
-            env,
+            how.env,
             ws,
             deadline=LIST_DEADLINE_S,
             max_bytes=MAX_LISTING_BYTES,
             max_records=max_files,
             max_memory=memory,
+            jail=how.jail,
+            readable=[str(how.scratch)],
         )
+    except ListingJailFailed as e:
+        raise RepoError(f"the jail of the snapshot's git listing of {ws} could not start: {e}") from None
     except ListingBlocked as e:
         raise SnapshotError(
             f"{e.path!r} in the workspace is a FIFO, socket or device, and git blocks opening it while listing the "
@@ -347,15 +375,19 @@ def _listing(
     return rc, out, why
 
 
-def list_workspace(ws: str, git_fd: int, tmp: Path, max_files: int) -> tuple[list[_Entry], list[bytes]]:
-    """(tracked entries, untracked-not-ignored paths) of the workspace, listed against a copy of its index; more
-    than `max_files` index entries, or untracked names, is SnapshotTooLarge before either is parsed whole."""
+def list_workspace(
+    ws: str, git_fd: int, tmp: Path, max_files: int, jail: JailPolicy | None = None
+) -> tuple[list[_Entry], list[bytes]]:
+    """(tracked entries, untracked-not-ignored paths) of the workspace, listed against a copy of its index (in
+    `jail` when given); more than `max_files` index entries, or untracked names, is SnapshotTooLarge before either
+    is parsed whole."""
     where = os.path.join(ws, ".git")
     scratch = tmp / "gitdir"
     copied = _scratch_git_dir(git_fd, where, scratch, max_files)
     memory = LIST_MEMORY_BASE + LIST_MEMORY_PER_INDEX_BYTE * copied
     env = R.neutral_env(str(scratch), work_tree=ws, index_file=str(scratch / "index"))
-    rc, out, why = _listing(env, ws, None, memory, "ls-files", "-z", "-s", "--cached", "--full-name")
+    how = _Lister(ws, scratch, env, memory, jail)
+    rc, out, why = _listing(how, None, "ls-files", "-z", "-s", "--cached", "--full-name")
     if rc != 0:
         raise SnapshotError(
             f"{where}/index cannot be read: {why} (a sparse index? run `git sparse-checkout disable`)"
@@ -364,7 +396,7 @@ def list_workspace(ws: str, git_fd: int, tmp: Path, max_files: int) -> tuple[lis
     # The channel is excluded on the command line, which no .gitignore of the agent's can re-include (git checks
     # command-line patterns first), so its files never count against the limit.
     others = ("ls-files", "-z", "--others", "--exclude-standard", f"--exclude=/{CHANNEL_DIR}/", "--full-name")
-    rc, out, why = _listing(env, ws, max_files, memory, *others)
+    rc, out, why = _listing(how, max_files, *others)
     if rc != 0:
         raise SnapshotError(f"listing the untracked files of {ws} failed: {why}")
     return tracked, [p for p in out.split(b"\0") if p and not p.endswith(b"/")]
@@ -413,10 +445,12 @@ def snapshot_sync(
     max_files: int = DEFAULT_MAX_FILES,
     max_depth: int = DEFAULT_MAX_DEPTH,
     message: str | None = None,
+    jail: JailPolicy | None = None,
 ) -> Snapshot:
     """Commit the workspace's current content under `refs/snapshots/<seq>` of `repo` (overwriting that ref).
 
-    `tmp_dir` must be kernel-owned (outside every workspace). SnapshotError: the agent's to fix; RepoError or
+    `tmp_dir` must be kernel-owned (outside every workspace). `jail`: the bwrap policy git lists the workspace in
+    (the kernel's jail is bwrap), or None to list it unjailed. SnapshotError: the agent's to fix; RepoError or
     OSError: the kernel's side failed."""
     ws = os.path.realpath(workspace)
     ref = R.snapshot_ref(seq)
@@ -432,7 +466,7 @@ def snapshot_sync(
         Path(tmp_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="syscall-snap-", dir=tmp_dir) as t:
             try:
-                tracked, others = list_workspace(ws, git_fd, Path(t), max_files)
+                tracked, others = list_workspace(ws, git_fd, Path(t), max_files, jail)
             except UntrustedGit as e:
                 raise SnapshotError(str(e)) from None
             entries = {e.path: e for e in tracked}
@@ -463,6 +497,7 @@ async def take_snapshot(
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     max_files: int = DEFAULT_MAX_FILES,
     max_depth: int = DEFAULT_MAX_DEPTH,
+    jail: JailPolicy | None = None,
 ) -> Snapshot:
     """`snapshot_sync` in a worker thread."""
 
@@ -476,6 +511,7 @@ async def take_snapshot(
             max_total_bytes=max_total_bytes,
             max_files=max_files,
             max_depth=max_depth,
+            jail=jail,
         )
 
     return await anyio.to_thread.run_sync(run)

@@ -15,6 +15,8 @@ wrapper through the tokens below.
 host: uv and the byte-compilation read what the agent's lockfile named, so they get this module's rules too.
 `sync_template` is each task's offline `uv sync` on the node (kernel.node.wrapper.prepare_environment), in that
 same jail (without the network) when the job's jail is bwrap; the wrapper fills SYNC_TOKEN with its scratch path.
+`listing_bwrap_argv` is the jail of the snapshot's git listing (kernel.io.gitlisting), on the kernel's host too:
+git walks the agent's live tree there.
 """
 
 from __future__ import annotations
@@ -460,6 +462,39 @@ def sync_template(policy: JailPolicy, environment: JobEnvironment) -> dict[str, 
         argv = sync_argv(environment.uv, environment.project, environment.python, offline=True)
         env = sync_env(environment, SYNC_TOKEN)
     return {"argv": argv, "env": env, "cache": cache, "venv": venv, "home": home}
+
+
+def listing_bwrap_argv(
+    policy: JailPolicy,
+    *,
+    workspace: str,
+    workspace_fd: int,
+    readable: Sequence[str],
+    env: Mapping[str, str],
+    info_fd: int,
+    argv: Sequence[str],
+) -> list[str]:
+    """The jail of a snapshot's git listing (kernel.io.gitlisting) on the kernel's host, where git walks the
+    agent's live tree and parses its index copy and `.gitignore` files: every namespace unshared, the network's
+    too; the system directories and the allowlisted /etc files read-only; the workspace read-only at its own path,
+    bound from `workspace_fd` (the directory the kernel opened, so a workspace path swapped for a link meanwhile
+    binds nothing else); `readable` (the kernel's scratch git directory) read-only; a fresh /dev (git reads
+    /dev/null as its global config); no /proc, no /tmp, the jail's root read-only, and nothing else of the host:
+    not the kernel's state, not the run directory, not another workspace. `argv` runs as pid 1 of its namespace
+    (`--as-pid-1`), so the host pid bwrap writes to `info_fd` (`child-pid`) is the listing process itself, the one
+    the kernel watches and kills (the namespace goes with it); `env` is its whole environment."""
+    ws = _abs(workspace, "workspace")
+    out = _bwrap_start(
+        policy, network=False, hostname="syscall-listing", bound=(*policy.system_dirs, *policy.etc)
+    )
+    out += ["--as-pid-1", "--info-fd", str(info_fd), "--dev", "/dev"]
+    out += ["--ro-bind-fd", str(workspace_fd), ws]
+    for d in readable:
+        out += ["--ro-bind", _abs(d, "read-only path"), d]
+    out += ["--remount-ro", "/", "--chdir", ws]
+    out += env_args("bwrap", env)
+    out += ["--", *argv]
+    return out
 
 
 def score_apptainer_argv(

@@ -55,6 +55,15 @@ def _write_launches(specs: list[JobSpec]) -> None:
         jobscript.write_launch(spec)
 
 
+def listing_jail(cfg: Config) -> JailPolicy | None:
+    """The jail a snapshot's git listing runs in on the kernel's host (kernel.io.gitlisting): bwrap when the
+    kernel's jail is, with the state and run directories masked where a system directory would show them; None
+    (unjailed) with jail = none or apptainer (apptainer jails jobs on the nodes, not the kernel's own processes)."""
+    if cfg.jail != "bwrap":
+        return None
+    return JailPolicy(kind="bwrap", hide=(cfg.state_dir, cfg.run_dir))
+
+
 class Dispatcher:
     """Snapshot, build, submit and cancel a sleep's launches (recording each step in the store)."""
 
@@ -79,6 +88,15 @@ class Dispatcher:
             if cfg.environment.mode == "uv"
             else None
         )
+        self.listing_jail = listing_jail(cfg)
+        if self.listing_jail is None:
+            klog.event(
+                "snapshot_listing_unjailed",
+                logging.WARNING,
+                jail=cfg.jail,
+                note="git lists each workspace's live tree on the kernel's host without a jail; its deadline, "
+                "blocked-open watch and caps still apply",
+            )
 
     def repo_of(self, key: str) -> KernelRepo:
         """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""
@@ -280,6 +298,7 @@ class Dispatcher:
                         max_total_bytes=self.cfg.snapshot.max_bytes,
                         max_files=self.cfg.snapshot.max_files,
                         max_depth=self.cfg.snapshot.max_depth,
+                        jail=self.listing_jail,
                     ),
                     order.workspace.path,
                     self.repo_of(key),

@@ -6,7 +6,8 @@ in a subdirectory) and commit a sleep through the tool; a fifth, honest workspac
 old kernel `git ls-files --others` blocked in open() of the FIFO for its 600 s timeout, held all four heavy slots
 past the 300 s heavy deadline, and the timeout was the kernel's outage (retried): the honest sleep was not answered
 for minutes. Now each listing is watched (kernel.io.gitlisting): git blocked in opening a FIFO is killed within
-STALL_S and the sleep refused, so the honest sleep is answered at once.
+STALL_S and the sleep refused, so the honest sleep is answered at once; with jail = bwrap each listing git runs in
+the listing jail (kernel.node.jail.listing_bwrap_argv), watched and killed there the same way.
 
 A real kernel process, bwrap, the local backend, the workspace's installed tool.
 """
@@ -87,6 +88,9 @@ def test_fifo_gitignores_are_refused_naming_the_path_and_hold_no_one_else(
             assert f"{HOSTILE[name]!r} in the workspace is a FIFO" in said, said
             assert budget(spaces[name]) == before[name], "a refused snapshot is charged nothing"
         log = k.log_text()
+        assert "snapshot_listing_unjailed" not in log, log[
+            -3000:
+        ]  # jail = bwrap: each listing ran in its jail
         assert "executor_unavailable" not in log, log[-3000:]  # never the kernel's outage, never retried
         assert "heavy_overdue" not in log, log[-3000:]  # no heavy slot held past its deadline
         assert k.stop() == 0

@@ -4,10 +4,27 @@ from __future__ import annotations
 
 import pytest
 
+from kernel.core.config import Config
 from kernel.node import jail as J
 from kernel.node import wrapper as W
+from kernel.service.dispatch import listing_jail
 
 PATHS = J.JailPaths(tree="/scratch/j1/tree", home="/scratch/j1/home", work="/scratch/j1/work")
+
+
+# Every bwrap jail: each namespace unshared (the network's too, without a network policy), bound to its parent's
+# life, a session of its own, an empty environment.
+ISOLATION = (
+    "--unshare-user",
+    "--unshare-ipc",
+    "--unshare-pid",
+    "--unshare-net",
+    "--unshare-uts",
+    "--unshare-cgroup",
+    "--die-with-parent",
+    "--new-session",
+    "--clearenv",
+)
 
 
 def _pairs(argv: list[str], flag: str, n: int = 2) -> list[tuple[str, ...]]:
@@ -20,17 +37,7 @@ def _bwrap(policy: J.JailPolicy | None = None, env: dict[str, str] | None = None
 
 def _assert_isolated(head: list[str]) -> None:
     """Every namespace unshared (the network's too), no capability, a new session, an empty environment."""
-    for flag in (
-        "--unshare-user",
-        "--unshare-ipc",
-        "--unshare-pid",
-        "--unshare-net",
-        "--unshare-uts",
-        "--unshare-cgroup",
-        "--die-with-parent",
-        "--new-session",
-        "--clearenv",
-    ):
+    for flag in ISOLATION:
         assert head.count(flag) == 1, flag
     assert _pairs(head, "--cap-drop", 1) == [("ALL",)]
 
@@ -394,3 +401,55 @@ def test_a_tasks_uv_sync_without_a_bwrap_jail_runs_unjailed_as_before(kind: J.Ja
     assert sync["argv"] == J.sync_argv(SYNC_ENV.uv, SYNC_ENV.project, SYNC_ENV.python, offline=True)
     assert sync["env"] == J.sync_env(SYNC_ENV, J.SYNC_TOKEN)
     assert sync["venv"] == f"{J.SYNC_TOKEN}/env"
+
+
+def test_the_listing_jail_binds_the_workspace_and_scratch_read_only_without_network_state_or_run_dir() -> (
+    None
+):
+    """The snapshot's git listing on the kernel's host (kernel.io.gitlisting): nothing of the host is writable,
+    the workspace is bound from the kernel's directory fd at its own path, the state directory is masked where a
+    system directory would show it, and the run directory, /proc and /tmp are simply not there."""
+    policy = J.JailPolicy(hide=("/opt/syscall/state", "/srv/runs"), ro_dirs=("/site/bin",))
+    env = {"GIT_DIR": "/opt/syscall/state/tmp/s1/gitdir", "PATH": "/usr/bin"}
+    argv = J.listing_bwrap_argv(
+        policy,
+        workspace="/home/agent/ws",
+        workspace_fd=7,
+        readable=["/opt/syscall/state/tmp/s1/gitdir"],
+        env=env,
+        info_fd=9,
+        argv=["git", "ls-files", "--others"],
+    )
+    head = argv[: argv.index("--")]
+    assert argv[argv.index("--") + 1 :] == ["git", "ls-files", "--others"]
+    # --as-pid-1: the pid bwrap reports is git's own, the one the watch reads and whose kill ends the namespace.
+    for flag in (*ISOLATION, "--disable-userns", "--as-pid-1"):
+        assert head.count(flag) == 1, flag
+    assert _pairs(head, "--cap-drop", 1) == [("ALL",)]
+    assert _pairs(head, "--info-fd", 1) == [("9",)]
+    assert _pairs(head, "--ro-bind-fd") == [("7", "/home/agent/ws")]
+    assert _pairs(head, "--ro-bind") == [("/opt/syscall/state/tmp/s1/gitdir",) * 2]
+    assert not {"--bind", "--bind-try", "--bind-fd", "--dev-bind", "--proc"} & set(head), (
+        "nothing writable, no /proc"
+    )
+    assert {src for src, _ in _pairs(head, "--ro-bind-try")} == {*policy.system_dirs, *policy.etc}
+    assert "/etc/resolv.conf" not in head, "no resolver"
+    assert "/site/bin" not in head, "no extra directories"
+    assert "/srv/runs" not in head, "the run directory is never bound (nor masked: nothing shows it)"
+    tmpfs = [a for (a,) in _pairs(head, "--tmpfs", 1)]
+    assert tmpfs == ["/opt/syscall/state"], "the state directory masked below /opt; no /tmp"
+    assert head.index("/opt/syscall/state") < head.index("/opt/syscall/state/tmp/s1/gitdir"), "scratch on top"
+    assert _pairs(head, "--remount-ro", 1) == [("/",)]
+    assert _pairs(head, "--chdir", 1) == [("/home/agent/ws",)]
+    assert {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "--setenv"} == env
+    with pytest.raises(ValueError, match="workspace must be an absolute path"):
+        J.listing_bwrap_argv(
+            policy, workspace="ws", workspace_fd=7, readable=[], env=env, info_fd=9, argv=["git"]
+        )
+
+
+@pytest.mark.parametrize("kind", ["bwrap", "apptainer", "none"])
+def test_the_kernel_lists_snapshots_in_the_jail_exactly_when_its_jail_is_bwrap(kind: J.JailKind) -> None:
+    cfg = Config(state_dir="/opt/k/state", run_dir="/srv/runs", jail=kind, apptainer_image="/img.sif")
+    expected = J.JailPolicy(kind="bwrap", hide=("/opt/k/state", "/srv/runs")) if kind == "bwrap" else None
+    assert listing_jail(cfg) == expected
