@@ -287,13 +287,33 @@ def _canonical_escape(m: re.Match[str]) -> str:
     return f"\\u{int(m.group(1) or m.group(2), 16):04x}"
 
 
+def _canonical(text: str) -> str:
+    return _ESCAPE.sub(_canonical_escape, text)
+
+
 def as_escaped(text: str) -> str:
     """`text` with every control character of 8.3 item 5 written as an escape, and every `\\xNN` / `\\uNNNN`
     escape in one form (`\\u` and four lowercase digits): two renderings that escape alike compare equal."""
-    text = CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-    return _ESCAPE.sub(_canonical_escape, text)
+    return _canonical(CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text))
 
 
 def raw_controls(md: str) -> list[str]:
     """The control characters of 8.3 item 5 that `md` holds unescaped, as U+XXXX, in order of appearance."""
     return list(dict.fromkeys(f"U+{ord(c):04X}" for c in CONTROL.findall(md)))
+
+
+def escape_problem(md: str, text: str, what: str) -> str | None:
+    """None when `md` holds none of 8.3 item 5's control characters raw and shows each one of `text` (agent- or
+    job-written) as its visible escape, `\\xNN` or `\\uNNNN`, neither dropped nor replaced."""
+    raw = raw_controls(md)
+    if raw:
+        return f"it holds unescaped control characters {', '.join(raw)}"
+    shown = _canonical(md)
+    missing = [
+        f"U+{ord(c):04X}" for c in dict.fromkeys(CONTROL.findall(text)) if f"\\u{ord(c):04x}" not in shown
+    ]
+    if missing:
+        return (
+            f"the {what}'s control characters {', '.join(missing)} are not shown as \\xNN or \\uNNNN escapes"
+        )
+    return None

@@ -438,11 +438,11 @@ class KernelRun:
         fence = checks.fence_problem(checks.as_escaped(md), checks.as_escaped(HOSTILE_NOTE), "sleep's note")
         s, n = names[1]
         self._add(failed(s, n, fence) if fence else passed(s, n, "the note is fenced and labelled as data"))
-        raw = checks.raw_controls(md)
+        escape = checks.escape_problem(md, HOSTILE_NOTE, "sleep's note")
         n = "the markdown wake escapes control characters"
         self._add(
-            failed("8.3", n, f"wakes/{wm.name} holds unescaped control characters {', '.join(raw)}")
-            if raw
+            failed("8.3", n, f"wakes/{wm.name}: {escape}")
+            if escape
             else passed("8.3", n, "every control character of the note is a visible escape")
         )
         self._add(self._replay_sleep(p, rid, data, ans, wj, wm, names[2]))
@@ -669,6 +669,7 @@ class KernelRun:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        written = time.time()
         probe = self._id("after-inflight")
         if self._ask(p, probe, _compact({"protocol": 1, "id": probe, "type": "status"})) is None:
             self._add(failed("3.1", name, f"no answer to {probe} within {self.opts.deadline:g} s"))
@@ -680,7 +681,9 @@ class KernelRun:
         if os.path.lexists(self._answer_path(p, rid)):
             found.append(f"answers/{rid}.json was written for the in-flight {tmp.name}")
         if _read(tmp) != data:
-            found.append(f"the in-flight {tmp.name} (seconds old) was removed or changed")
+            found.append(
+                f"the in-flight {tmp.name}, {time.time() - written:.1f} s old, was removed or changed"
+            )
         self._add(
             failed("3.1", name, "; ".join(found))
             if found
@@ -744,6 +747,7 @@ class KernelRun:
         p, rid = self.main, self._id("replaced")
         req = p.sub(ChannelPaths.REQUESTS)
         aside = p.workspace / f".syscall-conformance-{self.token}-requests"
+        found: list[str] = []
         try:
             os.rename(req, aside)
         except OSError as exc:
@@ -755,7 +759,6 @@ class KernelRun:
             end = time.monotonic() + self.opts.deadline
             while time.monotonic() < end and not os.path.lexists(self._answer_path(p, rid)):
                 time.sleep(0.05)
-            found = []
             if os.path.lexists(self._answer_path(p, rid)):
                 found.append(f"answers/{rid}.json was written for a request in the replaced requests/")
             if set(os.listdir(req)) != {ChannelPaths.request(rid)}:
@@ -779,8 +782,8 @@ class KernelRun:
             with contextlib.suppress(ValueError):
                 seen.setdefault((what, data), json.loads(data))
         judged: tuple[tuple[str, str, Callable[[object], list[str]]], ...] = (
-            ("1.5", BEHAVIOURS[-3][1], lambda d: [p] if (p := checks.protocol_problem(d)) else []),
-            ("7.3", BEHAVIOURS[-2][1], checks.timestamp_problems),
+            ("1.5", PROTOCOL_CHECK, lambda d: [p] if (p := checks.protocol_problem(d)) else []),
+            ("7.3", TIMESTAMP_CHECK, checks.timestamp_problems),
         )
         for section, name, problems in judged:
             if not self._wants(section):
@@ -794,7 +797,7 @@ class KernelRun:
             )
         if not self._wants("4.0.3"):
             return
-        name = BEHAVIOURS[-1][1]
+        name = QUOTE_CHECK
         quoted = []
         for rid, sent, ans in self.exchanges:
             decoded, _ = vectors.decode_answer(ans)
@@ -930,6 +933,10 @@ class KernelRun:
             shutil.rmtree(self.marker_dir, ignore_errors=True)
 
 
+# Judged at the end, on every document and answer the run read.
+PROTOCOL_CHECK: Final = 'every answer, wake and channel file carries "protocol": 1'
+TIMESTAMP_CHECK: Final = "timestamps are RFC 3339 UTC with milliseconds"
+QUOTE_CHECK: Final = "messages quote at most 64 characters of the request"
 # Prerequisites of everything else: run and reported whatever --only says.
 ALWAYS: Final = frozenset({"9.1", "9.2", "2.1", "7.1"})
 HOSTILE: Final = (
@@ -956,9 +963,9 @@ BEHAVIOURS: Final = (
     ("2.3", "a replaced requests/ stops service"),
     ("3.4", "answered requests are removed"),
     ("2.4", "answers and wakes arrive atomically"),
-    ("1.5", 'every answer, wake and channel file carries "protocol": 1'),
-    ("7.3", "timestamps are RFC 3339 UTC with milliseconds"),
-    ("4.0.3", "messages quote at most 64 characters of the request"),
+    ("1.5", PROTOCOL_CHECK),
+    ("7.3", TIMESTAMP_CHECK),
+    ("4.0.3", QUOTE_CHECK),
 )
 
 

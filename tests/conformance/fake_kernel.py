@@ -29,6 +29,7 @@ writes their wakes. Flaws (each breaks one MUST the runner must catch):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -176,10 +177,14 @@ class FakeKernel:
 
     def serve_once(self) -> None:
         req = self.ch / ChannelPaths.REQUESTS
-        st = os.lstat(req)
+        try:  # requests/ may be missing for a moment while the runner replaces it
+            st = os.lstat(req)
+            names = sorted(os.listdir(req))
+        except FileNotFoundError:
+            return
         if (st.st_dev, st.st_ino) != self.requests_id and self.flaw != "follow-replaced":
             return
-        for name in sorted(os.listdir(req)):
+        for name in names:
             path = req / name
             if ChannelPaths.is_temp(name):
                 # a moment old, not minutes: so the runner's own temps, renamed within milliseconds, get through
@@ -189,7 +194,7 @@ class FakeKernel:
                         self.ch / ChannelPaths.ANSWERS / ChannelPaths.answer(rid),
                         self.answer(rid, self.read(path)),
                     )
-                    os.unlink(path)
+                    _remove(path)
                 continue
             rid = ChannelPaths.committed_request_id(name)
             if rid is None:
@@ -197,7 +202,7 @@ class FakeKernel:
                     stem = name.split(".")[0] or "junk"
                     out = self.refuse(stem, "request.id.invalid", f"the file name {name!r} is not <id>.json")
                     self.write(self.ch / ChannelPaths.ANSWERS / f"{stem}.json", out)
-                os.unlink(path)
+                _remove(path)
                 continue
             try:
                 st = os.lstat(path)
@@ -210,8 +215,8 @@ class FakeKernel:
             self.write(self.ch / ChannelPaths.ANSWERS / ChannelPaths.answer(rid), answer)
             if self.flaw == "keep-requests":
                 self.handled.add(mark)
-            elif os.lstat(path).st_ino == st.st_ino:  # not a request committed again since it was read
-                os.unlink(path)
+            elif _inode(path) == st.st_ino:  # not a request committed again since it was read
+                _remove(path)
 
     def answer(self, rid: str, data: bytes | None) -> bytes:
         if data is None:
@@ -291,6 +296,18 @@ class FakeKernel:
         if isinstance(req, TailRequest):  # nothing ever runs here: no task to tail (a stage-6 refusal)
             return self.refuse(rid, "tail.unknown_task", "this fake kernel runs nothing", "$.launch")
         return encode(StatusAnswer(protocol=1, id=rid, kernel=REF, budget=self.budget))
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):  # the runner may have withdrawn it meanwhile
+        os.unlink(path)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_ino
+    except FileNotFoundError:
+        return None
 
 
 def _age(path: Path) -> float:
