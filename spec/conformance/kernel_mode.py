@@ -106,6 +106,8 @@ class KernelRun:
         self.first_status: tuple[str, bytes, bytes] | None = None
         # the runner's own in-flight temps that vanished before their rename (section 3.1)
         self.temps_taken: list[str] = []
+        # the marker and names of the badly named requests committed, judged after the vectors
+        self.junk_names: tuple[str, list[str]] | None = None
         self.state_changed = False
 
     # --- the run ---------------------------------------------------------------------------------------
@@ -148,6 +150,7 @@ class KernelRun:
                     self._temps_left_alone()
                     self._junk_names()
                 self._vectors(usable)
+                self._junk_settled()
                 # last of all: a kernel may stop serving the workspace for good once it saw the replacement
                 if self._wants("2.3"):
                     self._replaced_subdir()
@@ -693,9 +696,8 @@ class KernelRun:
             os.unlink(tmp)
 
     def _junk_names(self) -> None:
-        name = "badly named requests are removed unanswered, never echoed"
         p = self.main
-        req, answers = p.sub(ChannelPaths.REQUESTS), p.sub(ChannelPaths.ANSWERS)
+        req = p.sub(ChannelPaths.REQUESTS)
         mark = f"j{self.token}x"
         names = [
             f"Upper-{mark}0.json",  # not lowercase
@@ -712,8 +714,19 @@ class KernelRun:
             os.rename(tmp, req / junk)
         probe = self._id("after-junk")
         if self._ask(p, probe, _compact({"protocol": 1, "id": probe, "type": "status"})) is None:
-            self._add(failed("3.1", name, f"no answer to {probe} within {self.opts.deadline:g} s"))
+            self._add(failed("3.1", JUNK_CHECK, f"no answer to {probe} within {self.opts.deadline:g} s"))
             return
+        self.junk_names = (mark, names)
+
+    def _junk_settled(self) -> None:
+        """The verdict on the names `_junk_names` committed, given after the vectors: the protocol sets no time
+        for the removal, so a kernel that removes them in a periodic listing has had the vectors' time too."""
+        if self.junk_names is None:
+            return
+        name = JUNK_CHECK
+        p = self.main
+        req, answers = p.sub(ChannelPaths.REQUESTS), p.sub(ChannelPaths.ANSWERS)
+        mark, names = self.junk_names
         end = time.monotonic() + self.opts.deadline
         while (left := [n for n in names if os.path.lexists(req / n)]) and time.monotonic() < end:
             time.sleep(0.05)
@@ -730,7 +743,9 @@ class KernelRun:
         if echoed:
             found.append(f"answers/{echoed[0]} echoes a bad request name")
         if left:
-            found.append(f"{len(left)} still in requests/ {self.opts.deadline:g} s later: {left[0]!r}")
+            found.append(
+                f"{len(left)} still in requests/ after the vectors and {self.opts.deadline:g} s: {left[0]!r}"
+            )
         self._add(
             failed("3.1", name, "; ".join(found))
             if found
@@ -933,6 +948,7 @@ class KernelRun:
             shutil.rmtree(self.marker_dir, ignore_errors=True)
 
 
+JUNK_CHECK: Final = "badly named requests are removed unanswered, never echoed"
 # Judged at the end, on every document and answer the run read.
 PROTOCOL_CHECK: Final = 'every answer, wake and channel file carries "protocol": 1'
 TIMESTAMP_CHECK: Final = "timestamps are RFC 3339 UTC with milliseconds"
@@ -959,7 +975,7 @@ BEHAVIOURS: Final = (
     ("4.0.1", "a refused sleep charges nothing"),
     *(("4.1" if k == "oversized" else "2.3", label) for k, label in HOSTILE),
     ("3.1", "in-flight temp files are neither read nor answered"),
-    ("3.1", "badly named requests are removed unanswered, never echoed"),
+    ("3.1", JUNK_CHECK),
     ("2.3", "a replaced requests/ stops service"),
     ("3.4", "answered requests are removed"),
     ("2.4", "answers and wakes arrive atomically"),
