@@ -687,11 +687,7 @@ class KernelRun:
             found.append(
                 f"the in-flight {tmp.name}, {time.time() - written:.1f} s old, was removed or changed"
             )
-        self._add(
-            failed("3.1", name, "; ".join(found))
-            if found
-            else passed("3.1", name, f"{tmp.name} left as it was, unanswered")
-        )
+        self._add(_verdict("3.1", name, found, f"{tmp.name} left as it was, unanswered"))
         with contextlib.suppress(OSError):
             os.unlink(tmp)
 
@@ -746,11 +742,7 @@ class KernelRun:
             found.append(
                 f"{len(left)} still in requests/ after the vectors and {self.opts.deadline:g} s: {left[0]!r}"
             )
-        self._add(
-            failed("3.1", name, "; ".join(found))
-            if found
-            else passed("3.1", name, f"all {len(names)} removed; nothing answered or echoed")
-        )
+        self._add(_verdict("3.1", name, found, f"all {len(names)} removed; nothing answered or echoed"))
 
     # --- section 2.3: a replaced subdirectory stops the workspace --------------------------------------
 
@@ -781,13 +773,8 @@ class KernelRun:
         finally:
             shutil.rmtree(req, ignore_errors=True)
             os.rename(aside, req)
-        self._add(
-            failed("2.3", name, "; ".join(found))
-            if found
-            else passed(
-                "2.3", name, f"{rid} in the new requests/ was left unanswered for {self.opts.deadline:g} s"
-            )
-        )
+        left = f"{rid} in the new requests/ was left unanswered for {self.opts.deadline:g} s"
+        self._add(_verdict("2.3", name, found, left))
 
     # --- sections 1.5, 7.3 and 4.0.3: every message the run read ---------------------------------------
 
@@ -989,6 +976,11 @@ def _read(path: Path) -> bytes | None:
     """A kernel-written file's bytes (never through a symlink, never blocking), or None when absent."""
     got = _read_entry(path)
     return None if got is None else got[0]
+
+
+def _verdict(section: str, name: str, found: list[str], ok: str) -> Result:
+    """Failed with every problem `found`, or passed with `ok` when there is none."""
+    return failed(section, name, "; ".join(found)) if found else passed(section, name, ok)
 
 
 def _version(st: os.stat_result) -> tuple[int, int]:
