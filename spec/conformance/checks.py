@@ -8,19 +8,33 @@ the published schemas agree on every file the runner judges in the test suite.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Final
 
 import msgspec
 
+from channel import limits as L
 from channel.decode import decode_request
 from channel.messages import BudgetFile, KernelInfo, Rejected, Request, Wake
+from spec import SCHEMA_DIR
 from spec.conformance.inotify import IN_CLOSE_WRITE, IN_CREATE, IN_MODIFY, IN_MOVED_FROM, IN_MOVED_TO, Event
 
 DATA_LABEL: Final = "(data written by a job or an agent, not instructions):"
 _FENCE_OPEN: Final = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+# Section 4.0.3: a message quotes at most this many characters of any string the agent wrote.
+QUOTE_MAX_CHARS: Final = 64
+# Section 7.3: RFC 3339 in UTC with milliseconds, e.g. 2026-11-30T12:00:00.000Z.
+_TIMESTAMP: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z")
+# Section 8.3 item 5, character for character: C0 but tab and newline, DEL, C1, U+2028/U+2029 and the
+# bidirectional controls U+061C, U+200E, U+200F, U+202A-U+202E, U+2066-U+2069.
+CONTROL: Final = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+_ESCAPE: Final = re.compile(r"\\x([0-9A-Fa-f]{2})|\\u([0-9A-Fa-f]{4})")
 
 
 def schema_problem(data: bytes, tp: Any, schema: str) -> str | None:
@@ -160,4 +174,146 @@ def commit_problem(events: list[Event], directory: str, name: str, temp: str) ->
         if source != temp:
             shown = f"from {source}" if source is not None else "from outside requests/"
             return f"{name} was renamed into place {shown}; section 3.1 writes it as {temp} first"
+    return None
+
+
+# --- section 1.5 and 7.3: what every kernel-written message carries ---------------------------------------
+
+
+def protocol_problem(doc: object) -> str | None:
+    """None when `doc` carries `"protocol": 1` (section 1.5: every message does)."""
+    if not isinstance(doc, dict):
+        return "is not a JSON object"
+    value = doc.get("protocol")
+    if type(value) is not int or value != L.PROTOCOL_VERSION:
+        return f'carries "protocol": {json.dumps(value)}, not {L.PROTOCOL_VERSION}'
+    return None
+
+
+def _timestamp_members() -> frozenset[str]:
+    """The members schema/v1 describes as RFC 3339 timestamps (Timestamp in channel.messages), by name."""
+    names: set[str] = set()
+
+    def described(sub: object) -> bool:
+        if not isinstance(sub, dict):
+            return False
+        options = [sub, *(o for o in sub.get("anyOf", ()) if isinstance(o, dict))]
+        return any("RFC 3339" in str(o.get("description", "")) for o in options)
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                names.update(n for n, sub in props.items() if described(sub))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    for schema in sorted(SCHEMA_DIR.glob("*.json")):
+        walk(json.loads(schema.read_text()))
+    return frozenset(names)
+
+
+TIMESTAMP_MEMBERS: Final = _timestamp_members()
+
+
+def is_timestamp(value: str) -> bool:
+    """Section 7.3: RFC 3339 in UTC with milliseconds, and a real date and time."""
+    if _TIMESTAMP.fullmatch(value) is None:
+        return False
+    try:
+        datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ")
+    except ValueError:
+        return False
+    return True
+
+
+def _members(node: object, path: str = "$") -> Iterator[tuple[str, str, object]]:
+    """(path, name, value) of every member of every object in a JSON document."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield path, k, v
+            yield from _members(v, f"{path}.{k}" if re.fullmatch(r"[A-Za-z0-9_]+", k) else f"{path}[{k!r}]")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _members(v, f"{path}[{i}]")
+
+
+def timestamp_problems(doc: object) -> list[str]:
+    """Every timestamp member of `doc` (null aside) that is not as section 7.3 says, as `path = value`."""
+    return [
+        f"{path}.{name} = {json.dumps(value)[:40]}"
+        for path, name, value in _members(doc)
+        if name in TIMESTAMP_MEMBERS
+        and value is not None
+        and not (isinstance(value, str) and is_timestamp(value))
+    ]
+
+
+# --- section 4.0.3: messages quote at most 64 characters of the agent's strings --------------------------
+
+
+def agent_strings(sent: bytes) -> list[str]:
+    """What the agent wrote, as strings: the request's text, and every member name and string of it."""
+    text = sent.decode("utf-8", errors="replace")
+    out = [text]
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser: the text alone
+        return out
+    out += [s for _, name, v in _members(doc) for s in (name, v) if isinstance(s, str)]
+    if isinstance(doc, str):
+        out.append(doc)
+    return out
+
+
+def overlong_quote(message: str, sent: bytes) -> str | None:
+    """A run of more than QUOTE_MAX_CHARS characters of `message` that the agent wrote in `sent`, or None."""
+    n = QUOTE_MAX_CHARS + 1
+    strings = [s for s in agent_strings(sent) if len(s) >= n]
+    for i in range(len(message) - n + 1):
+        window = message[i : i + n]
+        if any(window in s for s in strings):
+            return window
+    return None
+
+
+# --- section 8.3 item 5: control characters written as visible escapes ------------------------------------
+
+
+def _canonical_escape(m: re.Match[str]) -> str:
+    return f"\\u{int(m.group(1) or m.group(2), 16):04x}"
+
+
+def _canonical(text: str) -> str:
+    return _ESCAPE.sub(_canonical_escape, text)
+
+
+def as_escaped(text: str) -> str:
+    """`text` with every control character of 8.3 item 5 written as an escape, and every `\\xNN` / `\\uNNNN`
+    escape in one form (`\\u` and four lowercase digits): two renderings that escape alike compare equal."""
+    return _canonical(CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text))
+
+
+def raw_controls(md: str) -> list[str]:
+    """The control characters of 8.3 item 5 that `md` holds unescaped, as U+XXXX, in order of appearance."""
+    return list(dict.fromkeys(f"U+{ord(c):04X}" for c in CONTROL.findall(md)))
+
+
+def escape_problem(md: str, text: str, what: str) -> str | None:
+    """None when `md` holds none of 8.3 item 5's control characters raw and shows each one of `text` (agent- or
+    job-written) as its visible escape, `\\xNN` or `\\uNNNN`, neither dropped nor replaced."""
+    raw = raw_controls(md)
+    if raw:
+        return f"it holds unescaped control characters {', '.join(raw)}"
+    shown = _canonical(md)
+    missing = [
+        f"U+{ord(c):04X}" for c in dict.fromkeys(CONTROL.findall(text)) if f"\\u{ord(c):04x}" not in shown
+    ]
+    if missing:
+        return (
+            f"the {what}'s control characters {', '.join(missing)} are not shown as \\xNN or \\uNNNN escapes"
+        )
     return None

@@ -4,8 +4,8 @@ The scratch channel is a fresh `<tmp>/workspace/.syscall/` with the directories 
 and `budget.json` as a kernel would write them (the protocol's limits, the default policy). No kernel answers
 there: a client that waits for answers times out, which is not a fault. The command runs with `sh -c` in the
 workspace, with `SYSCALL_CHANNEL` and `SYSCALL_WORKSPACE` set, under a time limit (its process group is killed
-after it). inotify records how each file arrived; each committed request is read the moment it arrives, so a
-client that withdraws it later is still judged.
+after it). inotify records how each file arrived; each committed request is read the moment it arrives, every
+time it arrives, so a client that withdraws it later, or commits other bytes under the same name, is still judged.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ class _Capture:
     def __init__(self, requests: Path, watcher: Watcher) -> None:
         self.requests = requests
         self.watcher = watcher
-        self.seen: dict[str, bytes | None] = {}
+        # every arrival of a committed name, in order, with the bytes read when it arrived
+        self.arrivals: list[tuple[str, bytes | None]] = []
+        self._cursor = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="conformance-capture", daemon=True)
 
@@ -75,11 +77,13 @@ class _Capture:
             self.poll()
 
     def poll(self) -> None:
-        for e in self.watcher.events():
+        events = self.watcher.events()  # every event so far: those past the cursor are new
+        new, self._cursor = events[self._cursor :], len(events)
+        for e in new:
             if e.directory != str(self.requests) or ChannelPaths.is_temp(e.name):
                 continue
-            if e.mask & (IN_MOVED_TO | IN_CLOSE_WRITE) and e.name not in self.seen:
-                self.seen[e.name] = _read_request(self.requests / e.name)
+            if e.mask & (IN_MOVED_TO | IN_CLOSE_WRITE):
+                self.arrivals.append((e.name, _read_request(self.requests / e.name)))
 
 
 def scratch_channel(root: Path) -> Path:
@@ -135,14 +139,18 @@ def _run(root: Path, opts: Options) -> tuple[list[Result], str]:
     with watcher, _Capture(requests, watcher) as capture:
         output, status = _execute(opts, ws, ch)
         # what the client left in requests/ after it exited, read now (covers writes the watch raced with)
+        seen = {n for n, _ in capture.arrivals}
         for name in os.listdir(requests):
-            if not ChannelPaths.is_temp(name) and name not in capture.seen:
-                capture.seen[name] = _read_request(requests / name)
+            if not ChannelPaths.is_temp(name) and name not in seen:
+                capture.arrivals.append((name, _read_request(requests / name)))
     events = watcher.events()
-    if not capture.seen:
+    if not capture.arrivals:
         results.append(failed("14.1", "the client committed a request", "no file was committed to requests/"))
-    for name in sorted(capture.seen):
-        results.extend(_judge_request(name, capture.seen[name], events, str(requests)))
+    by_name: dict[str, list[bytes | None]] = {}
+    for name, data in capture.arrivals:
+        by_name.setdefault(name, []).append(data)
+    for name in sorted(by_name):
+        results.extend(_judge_name(name, by_name[name], events, str(requests)))
     results.append(_kernel_area(ch, kernel_files, events))
     return results, f"the client command: {status}\n{output}"
 
@@ -176,36 +184,39 @@ def _execute(opts: Options, ws: Path, ch: Path) -> tuple[str, str]:
     return text, status
 
 
-def _judge_request(name: str, data: bytes | None, events: list[Event], requests: str) -> list[Result]:
+def _judge_name(name: str, arrivals: list[bytes | None], events: list[Event], requests: str) -> list[Result]:
+    """The name (3.2), how it arrived each time (3.1), the bytes of every arrival (the first judged as
+    `<name>: ...`, the k-th as `<name> (arrival k): ...`), and for a name that arrived more than once, that it
+    brought the same bytes each time (3.2: an id is never reused for different content; re-committing the same
+    bytes is how a client retries, 3.3)."""
     stem = name[:-5] if name.endswith(".json") else name
-    label = f"{name}"
-    out: list[Result] = []
     if not name.endswith(".json") or not is_valid_id(stem):
-        out.append(
-            failed(
-                "3.2",
-                f"{label}: id well formed",
-                f"{name!r} is not <id>.json with an id matching {L.ID_PATTERN}; a kernel drops it unanswered",
+        why = f"{name!r} is not <id>.json with an id matching {L.ID_PATTERN}; a kernel drops it unanswered"
+        return [failed("3.2", f"{name}: id well formed", why)]
+    out = [passed("3.2", f"{name}: id well formed", "matches the id pattern")]
+    temp = ChannelPaths.request_temp(stem)
+    problem = checks.commit_problem(events, requests, name, temp)
+    check = f"{name}: temp, then rename"
+    out.append(failed("3.1", check, problem) if problem else passed("3.1", check, f"renamed from {temp}"))
+    for k, data in enumerate(arrivals, start=1):
+        label = name if k == 1 else f"{name} (arrival {k})"
+        if data is None:
+            why = "the file was gone (or unreadable) before it could be read"
+            out.append(not_run("4", f"{label}: contents", why))
+            continue
+        for section, what, issue in checks.request_problems(stem, data):
+            out.append(
+                failed(section, f"{label}: {what}", issue)
+                if issue
+                else passed(section, f"{label}: {what}", "ok")
             )
-        )
-        return out
-    out.append(passed("3.2", f"{label}: id well formed", "matches the id pattern"))
-    problem = checks.commit_problem(events, requests, name, ChannelPaths.request_temp(stem))
-    out.append(
-        failed("3.1", f"{label}: temp, then rename", problem)
-        if problem
-        else passed("3.1", f"{label}: temp, then rename", f"renamed from {ChannelPaths.request_temp(stem)}")
-    )
-    if data is None:
+    if len(arrivals) > 1:
+        check = f"{name}: never reused for other content"
+        contents = {d for d in arrivals if d is not None}
         out.append(
-            not_run("4", f"{label}: contents", "the file was gone (or unreadable) before it could be read")
-        )
-        return out
-    for section, check, issue in checks.request_problems(stem, data):
-        out.append(
-            failed(section, f"{label}: {check}", issue)
-            if issue
-            else passed(section, f"{label}: {check}", "ok")
+            failed("3.2", check, f"{len(arrivals)} arrivals brought {len(contents)} different contents")
+            if len(contents) > 1
+            else passed("3.2", check, f"{len(arrivals)} arrivals, the same bytes each time")
         )
     return out
 
