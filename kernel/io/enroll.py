@@ -42,8 +42,9 @@ from kernel.io import submit as S
 from kernel.io.budgetorder import BudgetOrder
 from kernel.io.install import ToolSource, install
 from kernel.io.repo import KernelRepo
-from kernel.io.snapshot import SnapshotError, tracked_under
+from kernel.io.snapshot import SnapshotError, listing_jail, tracked_under
 from kernel.io.store import AdminRow, Store, timestamp
+from kernel.node.jail import JailPolicy
 
 KERNEL_NAME: Final = "syscall-kernel"
 
@@ -132,17 +133,17 @@ class Enrolled:
     budget_shown: Published | None = None
 
 
-def tracked_channel_files(workspace: str) -> list[str]:
-    """Paths under `.syscall/` that the workspace's git index tracks (should be none)."""
+def tracked_channel_files(workspace: str, jail: JailPolicy | None = None) -> list[str]:
+    """Paths under `.syscall/` that the workspace's git index tracks (should be none); git lists them in `jail`."""
     try:
-        return tracked_under(workspace, CHANNEL_DIR)
+        return tracked_under(workspace, CHANNEL_DIR, jail)
     except SnapshotError as exc:
         raise EnrollError(f"{workspace}: {exc}") from None
     except R.RepoError as exc:
         raise EnrollError(str(exc)) from None
 
 
-def check_workspace(path: str, *, resolved_already: bool = False) -> str:
+def check_workspace(path: str, *, resolved_already: bool = False, jail: JailPolicy | None = None) -> str:
     """The resolved workspace path, or EnrollError saying why this kernel may not use it (`resolved_already`:
     `path` is already resolved, e.g. by `expand_globs`)."""
     if not path:
@@ -172,7 +173,7 @@ def check_workspace(path: str, *, resolved_already: bool = False) -> str:
             f"{path}: .git is a {'symlink' if stat.S_ISLNK(git.st_mode) else 'file'}, not a directory; the "
             "kernel snapshots only repositories whose .git is a real directory (no worktrees or links)"
         )
-    tracked = tracked_channel_files(resolved)
+    tracked = tracked_channel_files(resolved, jail)
     if tracked:
         shown = ", ".join(tracked[:3]) + (" ..." if len(tracked) > 3 else "")
         raise EnrollError(
@@ -365,7 +366,7 @@ def enroll(
     for name, v in (("launches", grant.launches), ("sleeps", grant.sleeps), ("gpu-hours", grant.gpu_hours)):
         if v is not None and v < 0:
             raise EnrollError(f"--{name} must be >= 0, got {v}")
-    resolved = check_workspace(path) if checked is None else checked
+    resolved = check_workspace(path, jail=listing_jail(cfg)) if checked is None else checked
     key = workspace_key(resolved)
     existing = store.workspace(key)
     chosen = contract or S.contract_of(store, key) or cfg.defaults.submit
@@ -515,7 +516,7 @@ def prepare_new(
     Every channel file is written with `durable=False`; one sync per filesystem (`sync_workspace_fs`) makes a
     batch of them durable, and then `record_new` (on the store's thread) commits their rows. EnrollError when refused. `path`
     comes resolved from `expand_globs`."""
-    resolved = check_workspace(path, resolved_already=True)
+    resolved = check_workspace(path, resolved_already=True, jail=listing_jail(cfg))
     key = workspace_key(resolved)
     admin = facts.admins.get(key, AdminRow())
     own = dict(admin.overrides)

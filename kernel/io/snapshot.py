@@ -45,6 +45,7 @@ from typing import Final
 import anyio.to_thread
 
 from channel.paths import CHANNEL_DIR
+from kernel.core.config import Config
 from kernel.core.gitindex import entry_count, shared_index_id, surely_untracked
 from kernel.io import repo as R
 from kernel.io.gitlisting import (
@@ -402,8 +403,18 @@ def list_workspace(
     return tracked, [p for p in out.split(b"\0") if p and not p.endswith(b"/")]
 
 
-def tracked_under(workspace: str, prefix: str) -> list[str]:
-    """Paths below `prefix` that the workspace's index tracks, listed against a kernel-owned copy of the index."""
+def listing_jail(cfg: Config) -> JailPolicy | None:
+    """The jail a git listing of a workspace runs in on the kernel's host (kernel.io.gitlisting): bwrap when the
+    kernel's jail is, with the state and run directories masked where a system directory would show them; None
+    (unjailed) with jail = none or apptainer (apptainer jails jobs on the nodes, not the kernel's own processes)."""
+    if cfg.jail != "bwrap":
+        return None
+    return JailPolicy(kind="bwrap", hide=(cfg.state_dir, cfg.run_dir))
+
+
+def tracked_under(workspace: str, prefix: str, jail: JailPolicy | None = None) -> list[str]:
+    """Paths below `prefix` that the workspace's index tracks, listed against a kernel-owned copy of the index (a
+    bounded listing, in `jail` when given)."""
     try:
         git_fd = R.open_dot_git(workspace)
     except UntrustedGit as e:
@@ -422,16 +433,19 @@ def tracked_under(workspace: str, prefix: str) -> list[str]:
         with tempfile.TemporaryDirectory(prefix="syscall-ls-") as t:
             scratch = Path(t) / "gitdir"
             try:
-                _scratch_git_dir(git_fd, os.path.join(workspace, ".git"), scratch, None)
+                copied = _scratch_git_dir(git_fd, os.path.join(workspace, ".git"), scratch, None)
             except UntrustedGit as e:
                 raise SnapshotError(str(e)) from None
             env = R.neutral_env(str(scratch), work_tree=workspace, index_file=str(scratch / "index"))
-            out = R.run_git(env, workspace, "ls-files", "-z", "--cached", "--", prefix)
-            if out.returncode != 0:
-                raise SnapshotError(f"{workspace}/.git/index cannot be read: {R.first_line(out)}")
+            how = _Lister(
+                workspace, scratch, env, LIST_MEMORY_BASE + LIST_MEMORY_PER_INDEX_BYTE * copied, jail
+            )
+            rc, out, why = _listing(how, None, "ls-files", "-z", "--cached", "--", prefix)
+            if rc != 0:
+                raise SnapshotError(f"{workspace}/.git/index cannot be read: {why}")
     finally:
         os.close(git_fd)
-    return [p.decode("utf-8", "replace") for p in out.stdout.split(b"\0") if p]
+    return [p.decode("utf-8", "replace") for p in out.split(b"\0") if p]
 
 
 def snapshot_sync(

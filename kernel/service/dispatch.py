@@ -40,7 +40,7 @@ from kernel.io import crash, envcache, jobenv
 from kernel.io import log as klog
 from kernel.io.crash import crash_point
 from kernel.io.repo import KernelRepo, RepoError
-from kernel.io.snapshot import Snapshot, SnapshotError, SnapshotTooLarge, snapshot_sync
+from kernel.io.snapshot import Snapshot, SnapshotError, SnapshotTooLarge, listing_jail, snapshot_sync
 from kernel.io.store import StoreWorker, timestamp
 from kernel.node.jail import JailPolicy, JobEnvironment
 from kernel.service.evaluation import Evaluation
@@ -53,15 +53,6 @@ def _write_launches(specs: list[JobSpec]) -> None:
     for spec in specs:
         crash.hang_point("launches", spec.workspace_path)
         jobscript.write_launch(spec)
-
-
-def listing_jail(cfg: Config) -> JailPolicy | None:
-    """The jail a snapshot's git listing runs in on the kernel's host (kernel.io.gitlisting): bwrap when the
-    kernel's jail is, with the state and run directories masked where a system directory would show them; None
-    (unjailed) with jail = none or apptainer (apptainer jails jobs on the nodes, not the kernel's own processes)."""
-    if cfg.jail != "bwrap":
-        return None
-    return JailPolicy(kind="bwrap", hide=(cfg.state_dir, cfg.run_dir))
 
 
 class Dispatcher:

@@ -43,7 +43,7 @@ def make_ws(tmp_path: Path, files: dict[str, str]) -> Path:
 
 @pytest.fixture(params=["none", pytest.param("bwrap", marks=pytest.mark.bwrap)])
 def jail(request: pytest.FixtureRequest, tmp_path: Path) -> JailPolicy | None:
-    """The listing's jail: None (unjailed), or bwrap's as the kernel builds it (kernel.service.dispatch)."""
+    """The listing's jail: None (unjailed), or bwrap's as the kernel builds it (kernel.io.snapshot.listing_jail)."""
     if request.param == "none":
         return None
     request.getfixturevalue("bwrap_available")
@@ -411,3 +411,15 @@ def test_a_listing_runs_beside_another_without_sharing_its_wait(
     for th in threads:
         th.join(60)
     assert len(errors) == 2, errors
+
+
+def test_the_enrollments_tracked_channel_check_is_a_bounded_listing_too(
+    tmp_path: Path, jail: JailPolicy | None
+) -> None:
+    """`enroll` asks which `.syscall/` paths the index tracks through the same bounded (and, with bwrap, jailed)
+    listing as a snapshot, not a plain git on the host."""
+    ws = make_ws(tmp_path, {"a.txt": "a\n", ".syscall/leak.json": "{}\n"})
+    assert S.tracked_under(str(ws), ".syscall", jail) == [".syscall/leak.json"]
+    (ws / ".git" / "index").write_bytes(b"DIRC\0\0\0\2\0\0\0\1" + b"\0" * 200)
+    with pytest.raises(S.SnapshotError, match="index cannot be read"):
+        S.tracked_under(str(ws), ".syscall", jail)

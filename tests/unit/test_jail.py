@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kernel.core.config import Config
+from kernel.io.snapshot import listing_jail
 from kernel.node import jail as J
 from kernel.node import wrapper as W
-from kernel.service.dispatch import listing_jail
 
 PATHS = J.JailPaths(tree="/scratch/j1/tree", home="/scratch/j1/home", work="/scratch/j1/work")
 
