@@ -260,6 +260,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         watch=cfg.watch,
         pid=os.getpid(),
     )
+    if cfg.backend == "local" and cfg.jail == "bwrap":
+        # Jobs run here, in bwrap: a host (or a unit) where it cannot jail them would fail every task after ready.
+        from kernel.service.check import bwrap_problem
+
+        problem = bwrap_problem()
+        if problem is not None:
+            log.event("jail_unusable", logging.ERROR, jail=cfg.jail, problem=problem)
+            print(f"syscall-kernel serve: the configured jail cannot run jobs: {problem}", file=sys.stderr)
+            lock.release()
+            return 2
     try:
         anyio.run(functools.partial(serve, cfg, publish=lock.publish))
     except Exception as exc:

@@ -179,21 +179,27 @@ def _jail(cfg: Config) -> list[Finding]:
         ok = found is not None and Path(cfg.apptainer_image).exists()
         why = "apptainer and the image are there" if ok else "apptainer or apptainer_image is missing"
         return [Finding("ok" if ok else "error", "jail", why)]
+    problem = bwrap_problem()
+    if problem is not None:
+        return [Finding("error", "jail", problem)]
+    return [Finding("ok", "jail", f"bwrap works ({shutil.which('bwrap')})")]
+
+
+def bwrap_problem() -> str | None:
+    """Why bwrap cannot jail a job on this host (it is missing, or cannot make its namespaces: its own message), or
+    None when a jailed `true` (every namespace unshared, as a job's) runs."""
     exe = shutil.which("bwrap")
     if exe is None:
-        return [Finding("error", "jail", "bwrap is not installed (apt-get install bubblewrap)")]
+        return "bwrap is not installed (apt-get install bubblewrap)"
     probe = _run([exe, "--unshare-all", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "true"])
-    if probe is None or probe.returncode != 0:
-        detail = "did not answer" if probe is None else (probe.stderr.strip().splitlines() or ["?"])[-1]
-        return [
-            Finding(
-                "error",
-                "jail",
-                f"bwrap cannot make its namespaces here: {detail} (sysctl kernel.unprivileged_userns_clone=1, or "
-                "kernel.apparmor_restrict_unprivileged_userns=0)",
-            )
-        ]
-    return [Finding("ok", "jail", f"bwrap works ({exe})")]
+    if probe is not None and probe.returncode == 0:
+        return None
+    detail = "did not answer" if probe is None else (probe.stderr.strip().splitlines() or ["?"])[-1]
+    return (
+        f"bwrap cannot make its namespaces here: {detail} (sysctl kernel.unprivileged_userns_clone=1, or "
+        "kernel.apparmor_restrict_unprivileged_userns=0; under systemd, a unit setting that hides /proc/sys or "
+        "forbids AF_NETLINK sockets)"
+    )
 
 
 def _slurm(cfg: Config, env: dict[str, str]) -> list[Finding]:

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernelproc import Kernel
 from testenv import IN_CI
 
 from kernel.node import jail as J
@@ -117,6 +118,7 @@ def under_unit(argv: list[str], settings: dict[str, str]) -> subprocess.Complete
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=ROOT,
     )
 
 
@@ -159,3 +161,24 @@ def test_a_job_jail_runs_under_the_units_sandboxing(
     got = under_unit(argv, settings)
     assert got.returncode == 0, f"the job jail failed under the unit's settings {settings}:\n{got.stderr}"
     assert (tree / "proof").read_text() == "ran\n"
+
+
+def test_serve_refuses_to_start_where_its_jail_cannot_run_jobs(
+    tmp_path: Path, can_make_namespaces: None, bwrap_available: None
+) -> None:
+    """Under the old unit's settings the kernel said `ready` and then failed every task; now `serve` tries the
+    jail first and stops with bwrap's own message (a local backend with jail = "bwrap", the defaults)."""
+    old = {
+        "ProtectProc": "invisible",
+        "ProcSubset": "pid",
+        "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+    }
+    k = Kernel(tmp_path)
+    got = under_unit([sys.executable, "-m", "kernel.cli", "serve", "--config", str(k.config)], old)
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert "event=jail_unusable" in got.stderr
+    assert "Can't read /proc/sys/kernel/overflowuid" in got.stderr
+    assert "event=ready" not in got.stderr
+    # The same kernel starts where bwrap works.
+    k.start()
+    k.stop()
