@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kernelproc import Kernel, make_workspace, run_tool
+from kernelproc import Kernel, make_workspace, run_tool, wait_for
 
 from channel.paths import workspace_key
 
@@ -76,7 +76,13 @@ def test_fifo_gitignores_are_refused_naming_the_path_and_hold_no_one_else(
         answered = time.monotonic() - t0
         assert good.returncode == 0, good.stdout + good.stderr
         key = workspace_key(str(spaces["good"].resolve()))
-        [line] = [ln for ln in k.log_text().splitlines() if "event=answered" in ln and f"ws={key} " in ln]
+        # The answer is in the channel before its log line is written: wait for the line.
+        lines = wait_for(
+            lambda: [ln for ln in k.log_text().splitlines() if "event=answered" in ln and f"ws={key} " in ln],
+            30,
+            "the honest sleep's answer in the kernel log",
+        )
+        [line] = lines
         print(f"the honest sleep was answered {answered * 1000:.0f} ms after the tool started ({line})")
         assert answered < 30, answered  # the old kernel: 300 s and more (all four heavy slots held)
 
