@@ -217,8 +217,12 @@ async def run_async(
             async for data in stream:
                 total += len(data)
                 if site.output_cap is not None and total > site.output_cap:
+                    # Stop reading both streams now: a child that outlives the killed process (a pipeline's
+                    # other half) may hold the other pipe open, and waiting for its EOF would turn the cap
+                    # into the deadline.
                     too_large = True
                     proc.kill()
+                    tg.cancel_scope.cancel()
                     return
                 chunks[which].append(data)
 

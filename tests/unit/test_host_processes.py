@@ -128,6 +128,9 @@ def test_run_async_kills_a_process_past_its_deadline_and_past_its_output_cap() -
             await hostproc.run_async(site, ["sleep", "30"])
         with pytest.raises(hostproc.OutputTooLarge):
             await hostproc.run_async(site, ["sh", "-c", "yes | head -c 100000; sleep 30"])
+        # a child that outlives the killed process holds the other pipe open: the cap still ends the wait
+        with pytest.raises(hostproc.OutputTooLarge):
+            await hostproc.run_async(site, ["sh", "-c", "(sleep 5) & yes"])
         done = await hostproc.run_async(site, ["sh", "-c", "cat; echo err >&2"], input=b"y" * 500)
         assert (done.returncode, done.stdout, done.stderr) == (0, b"y" * 500, b"err\n")
 
