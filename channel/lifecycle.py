@@ -53,6 +53,10 @@ SLEEP_TRANSITIONS: Final[dict[tuple[SleepState, SleepEvent], SleepState]] = {
 }
 
 SLEEP_TERMINAL: Final = frozenset({"woken", "rejected"})
+# A sleep whose wake is recorded (its exact bytes in the store) is over for the agent: its wake files may be
+# readable before the kernel records `woken`, and they are (re)written from those bytes whatever happens, so a next
+# sleep decided in between must not be told this one "has not woken".
+SLEEP_OVER_FOR_AGENT: Final = frozenset({"gathered", *SLEEP_TERMINAL})
 
 _ENDED_ON_ITS_OWN: Final[frozenset[TaskState]] = frozenset(
     {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}

@@ -20,7 +20,7 @@ import msgspec
 
 from channel import limits as L
 from channel.decode import RequestError, at_a_time, check_policy, clamp_note
-from channel.lifecycle import LIVE_TASK_STATES
+from channel.lifecycle import LIVE_TASK_STATES, SLEEP_OVER_FOR_AGENT
 from channel.messages import (
     CancelRequest,
     HistoryAnswer,
@@ -84,7 +84,7 @@ def accept_sleep(
     Cheap refusals in the spec's order: policy, then kernel state, then budget.
     """
     check_policy(req, ws.policy)
-    if current is not None:
+    if current is not None and current.state not in SLEEP_OVER_FOR_AGENT:
         raise RequestError(
             "sleep.in_progress",
             f"sleep {current.id!r} (seq {current.seq}) has not woken yet; one sleep at a time per workspace "

@@ -68,6 +68,20 @@ def test_refusals(policy: Policy, launch: Launch, current: SleepRow | None, code
     assert info.value.code == code
 
 
+@pytest.mark.parametrize("state", ["validated", "snapshotted", "submitted", "running"])
+def test_a_sleep_whose_wake_is_not_recorded_is_in_progress(state: str) -> None:
+    with pytest.raises(RequestError) as info:
+        accept_sleep(ws(), sleep_row(state=state), sleep_req(), 2, NOW)
+    assert info.value.code == "sleep.in_progress"
+
+
+def test_a_gathered_sleep_is_over_for_the_next_one() -> None:
+    # its wake files may already be readable (they are written before `woken` is recorded): the agent that
+    # commits its next sleep the moment it reads the wake is not told the sleep "has not woken yet"
+    acc = accept_sleep(ws(), sleep_row(state="gathered"), sleep_req(Launch(name="a", command="x")), 2, NOW)
+    assert [(j.seq, j.launch) for j in acc.jobs] == [(2, "a")]
+
+
 def test_budget_is_checked_after_state() -> None:
     with pytest.raises(RequestError) as info:
         accept_sleep(ws(Balance(0, 0, 0)), None, sleep_req(), 1, NOW)
