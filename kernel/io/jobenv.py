@@ -79,9 +79,9 @@ def locked_of(ready: EnvReady, built_at: str) -> LockedEnvironment:
     )
 
 
-def document(
-    cfg: Config, policy: Policy, locked: LockedEnvironment | None, now: str, *, enforced_by: str = "none"
-) -> JobEnvFile:
+def document(cfg: Config, policy: Policy, locked: LockedEnvironment | None, now: str) -> JobEnvFile:
+    """The job environment document as of `now` (its limits say what enforces them here: one answer for every
+    writer of the file)."""
     return JobEnvFile(
         protocol=L.PROTOCOL_VERSION,
         backend=cfg.backend,
@@ -91,7 +91,7 @@ def document(
         python=cfg.environment.python if cfg.environment.mode == "uv" else SYSTEM_PYTHON,
         locked=locked if cfg.environment.mode == "uv" else None,
         max_gpus_per_task=policy.max_gpus,
-        limits=limits_of(cfg, enforced_by),
+        limits=limits_of(cfg, enforcement(cfg)),
         path_dirs=cfg.environment.extra_dirs,
         variables=tuple(JobVariable(name=n, meaning=m) for n, m in JOB_VARIABLES),
         snapshot=SnapshotRules(
@@ -106,7 +106,7 @@ def document(
 
 def for_workspace(cfg: Config, key: str, policy: Policy, now: str) -> JobEnvFile:
     """The workspace's document as of now (its latest locked environment from the run directory)."""
-    return document(cfg, policy, recall(cfg.run_dir, key), now, enforced_by=enforcement(cfg))
+    return document(cfg, policy, recall(cfg.run_dir, key), now)
 
 
 def _record_path(run_dir: str, key: str) -> Path:

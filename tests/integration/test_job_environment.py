@@ -189,6 +189,9 @@ def test_a_locked_environment_is_built_once_and_imported_offline(env: Env) -> No
     assert "six 1.16.0" in text
     assert "network:      off" in text
     assert f"memory {MEM_MB} MB" in text
+    # rewritten by the sleep, it still says what enforces the limits (it said "none" once a sleep ran)
+    assert doc["limits"]["enforced_by"] == limits_mechanism()
+    assert f"(enforced by {limits_mechanism()})" in text
 
     # A hostile job tries to poison the environment other jobs share (the venv's files are hard links of the
     # kernel's cache): every write fails, the venv is read-only in the jail.
