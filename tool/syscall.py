@@ -2128,14 +2128,20 @@ ENV_PACKAGES_SHOWN = 25
 
 
 def lock_packages(text: str) -> list[tuple[str, str]]:
-    """(name, version) of every [[package]] in a uv.lock (a line reader: tomllib is Python 3.11+)."""
+    """(name, version) of every [[package]] a uv.lock installs (a line reader: tomllib is Python 3.11+). The
+    project itself (`source = { virtual = ... }` or `{ editable = ... }`) is not installed as a package and is
+    left out; a package the resolver forked (one version per Python or platform) appears once per version."""
     out: list[tuple[str, str]] = []
     cur: dict[str, str] | None = None
+
+    def close() -> None:
+        if cur is not None and "name" in cur and "own" not in cur:
+            out.append((cur["name"], cur.get("version", "")))
+
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("["):
-            if cur is not None and "name" in cur:
-                out.append((cur["name"], cur.get("version", "")))
+            close()
             cur = {} if line == "[[package]]" else None
             continue
         if cur is None:
@@ -2143,11 +2149,19 @@ def lock_packages(text: str) -> list[tuple[str, str]]:
         m = re.match(r"^(name|version|source)\s*=\s*(.*)$", line)
         if m and m.group(1) not in cur:
             cur[m.group(1)] = m.group(2).strip().strip('"')
-            if m.group(1) == "source" and "virtual" in m.group(2):
-                cur["virtual"] = "1"
-    if cur is not None and "name" in cur:
-        out.append((cur["name"], cur.get("version", "")))
+            if m.group(1) == "source" and re.match(r"^\{\s*(virtual|editable)\s*=", m.group(2).strip()):
+                cur["own"] = "1"
+    close()
     return sorted(set(out))
+
+
+def shown_packages(pairs: List[Tuple[str, str]]) -> List[str]:
+    """`name version` per package; a forked one as `name v1 | v2` (which one a job gets depends on its Python
+    and platform)."""
+    versions: Dict[str, List[str]] = {}
+    for name, version in pairs:
+        versions.setdefault(name, []).append(version)
+    return ["{} {}".format(n, " | ".join(v)) for n, v in sorted(versions.items())]
 
 
 def workspace_lock(ch: Channel) -> dict[str, Any]:
@@ -2193,7 +2207,7 @@ def _env_lines(doc: dict[str, Any], local: dict[str, Any], show: Callable[[str],
                 "interpreter:  python of a private venv that the next sleep builds from uv.lock on "
                 f"{doc.get('python')}"
             )
-            pkgs = [f"{n} {v}" for n, v in local.get("packages", [])]
+            pkgs = shown_packages([(str(n), str(v)) for n, v in local.get("packages", [])])
             add(
                 "environment:  locked from uv.lock (sha256 {}), not built yet: the next sleep installs it "
                 "before any job starts (a lock that does not install rejects the sleep, refunded); "

@@ -796,3 +796,56 @@ def test_env_without_jobenv_json_lists_the_job_variables(
     data = json.loads(run(python, kernel, "env", "--json", cwd=elsewhere).stdout)
     assert data["jobenv"] is None
     assert data["workspace"]["uv_lock"] is False
+
+
+FORKED_LOCK = """version = 1
+requires-python = ">=3.9"
+resolution-markers = ["python_full_version >= '3.11'", "python_full_version < '3.11'"]
+
+[[package]]
+name = "exp"
+version = "0.1.0"
+source = { virtual = "." }
+dependencies = [{ name = "numpy" }]
+
+[[package]]
+name = "numpy"
+version = "2.0.2"
+source = { registry = "https://pypi.org/simple" }
+resolution-markers = ["python_full_version < '3.11'"]
+
+[[package]]
+name = "numpy"
+version = "2.3.5"
+source = { registry = "https://pypi.org/simple" }
+resolution-markers = ["python_full_version >= '3.11'"]
+
+[[package]]
+name = "tool-pkg"
+version = "1.0"
+source = { editable = "tools/pkg" }
+
+[[package]]
+name = "six"
+version = "1.16.0"
+source = { registry = "https://pypi.org/simple" }
+"""
+
+
+def test_env_lists_what_a_lock_installs_once_per_package(
+    python: str, kernel: FakeKernel, elsewhere: Path
+) -> None:
+    # not the project itself (virtual, editable: never installed as a package), and a package the resolver
+    # forked by Python version once, with both versions
+    ws = kernel.channel.parent
+    (ws / "pyproject.toml").write_text('[project]\nname = "exp"\nversion = "0.1.0"\n')
+    (ws / "uv.lock").write_text(FORKED_LOCK)
+    doc = {"protocol": 1, "backend": "local", "jail": "bwrap", "environment": "uv", "python": "3.11"}
+    (kernel.channel / "jobenv.json").write_text(json.dumps(doc))
+    r = run(python, kernel, "env", cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert "not built yet" in r.stdout
+    assert "2 packages" in r.stdout, r.stdout
+    assert "numpy 2.0.2 | 2.3.5, six 1.16.0" in r.stdout, r.stdout
+    assert "exp 0.1.0" not in r.stdout
+    assert "tool-pkg" not in r.stdout
