@@ -186,6 +186,9 @@ def render_task(t: TaskResult, tails: bool = True) -> str:
             if marker:
                 out.append(marker)
             out.append(data_block(f"{stream} (tail)", text))
+        elif text:
+            where = _log_where(log) if log is not None else "the full log was not delivered"
+            out += [f"{stream}: its tail is left out here (it is in the JSON wake); {where}", ""]
         elif log is not None and log.delivered and log.size:
             out += [f"{stream}: {size_text(log.size)}; {_log_where(log)}", ""]
     return "\n".join(out)
@@ -292,9 +295,17 @@ def render_verdict(v: Verdict) -> str:
     return "\n".join(out) + "\n"
 
 
-# Failed (or otherwise notable) tasks whose tails the markdown shows; later ones get their header, hint and log
-# paths only (every tail stays in the JSON wake and every full log in results/).
+# Notable tasks whose tails the markdown shows, those that ended badly first (a failure's tail is what the reader
+# needs; a completed task with a skipped artifact or a cancelled one rarely); the others get their header, hint and
+# a line saying where their tails are (every tail stays in the JSON wake and every full log in results/).
 TAILS_SHOWN: Final = 3
+_TAILS_FIRST: Final = frozenset({"FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "VANISHED"})
+
+
+def tails_shown(notable: list[TaskResult]) -> set[int]:
+    """The indexes (into `notable`) of the tasks whose tails the markdown shows."""
+    ranked = sorted(range(len(notable)), key=lambda i: (notable[i].state not in _TAILS_FIRST, i))
+    return set(ranked[:TAILS_SHOWN])
 
 
 def render_header(w: Wake) -> str:
@@ -381,7 +392,13 @@ def render_wake(w: Wake) -> str:
         out.append(render_launches(w))
         out.append(render_table(w.tasks))
         notable = [t for t in w.tasks if not routine(t)]
-        out += [render_task(t, tails=i < TAILS_SHOWN) for i, t in enumerate(notable)]
+        shown = tails_shown(notable)
+        out += [render_task(t, tails=i in shown) for i, t in enumerate(notable)]
+        if len(notable) > len(shown):
+            out.append(
+                f"Tails shown for {len(shown)} of the {len(notable)} tasks above (those that ended badly first); "
+                "the others' tails are in the JSON wake, their full logs in results/.\n"
+            )
         out.append(render_files(w))
     refund = f" Refunded {w.refunded_gpu_hours:.2f} GPU-hours not used." if w.refunded_gpu_hours else ""
     out.append(render_budget(w.budget) + refund)

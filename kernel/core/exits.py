@@ -27,7 +27,7 @@ from channel.lifecycle import TaskEvent
 from channel.messages import TaskState
 
 # What a task's state means for the agent, where channel.render's generic hints do not say enough.
-HINT_FAILED: Final = "the command exited with a non-zero status; the stderr tail below usually says why"
+HINT_FAILED: Final = "the command exited with a non-zero status; its stderr usually says why"
 HINT_SIGNALED: Final = "the command was killed by {signal}"
 HINT_EMPTY: Final = "the command was empty; nothing ran"
 HINT_MATERIALISE: Final = (
