@@ -483,6 +483,11 @@ def artifact_path_problem(path: str) -> str | None:
     if _PATH_CONTROL_RE.search(path):
         return "must not contain control characters"
     parts = path.split("/")
+    if len(parts) > 1 and parts[-1] == "" and all(p not in ("", ".", "..") for p in parts[:-1]):
+        return (
+            "ends with '/', naming a directory; artifacts are single files: name each file, or archive the "
+            "directory in your command (e.g. tar czf {0}.tgz {0}) and name the archive".format(path[:-1])
+        )
     if "" in parts:
         return "must not contain empty parts ('//' or a trailing '/')"
     if "." in parts or ".." in parts:
