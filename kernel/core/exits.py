@@ -18,6 +18,7 @@ first three (a preemption does not make a command fail). Each backend's `outcome
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -171,4 +172,35 @@ def outcome(
         code if end.keep_code else None,
         signum(signal_name) if end.keep_signal else None,
         hint,
+    )
+
+
+# The last import a Python traceback says failed (job-written text: only a plain dotted name is taken from it).
+_NO_MODULE: Final = re.compile(r"ModuleNotFoundError: No module named '([A-Za-z_][A-Za-z0-9_.]{0,63})'")
+
+
+def import_hint(stderr_tail: str, environment_mode: str) -> str | None:
+    """The hint of a command that failed on a missing import (its stderr's last `ModuleNotFoundError`), for a
+    kernel whose `environment.mode` is `environment_mode`; None when its stderr shows none."""
+    found = _NO_MODULE.findall(stderr_tail)
+    if not found:
+        return None
+    module = found[-1]
+    top = module.split(".")[0]
+    own = (
+        "if it is a module of your own, it must be in the snapshot (committed, or untracked and not ignored) "
+        "and importable from the job's working directory"
+    )
+    if environment_mode == "uv":
+        return (
+            f"the command could not import `{module}` (ModuleNotFoundError): no package of the job's environment "
+            f"provides it. If it is a package, add it with `uv add {top}` (its package name may differ from the "
+            "import name; `uv init --bare` first where the workspace has no pyproject.toml), commit "
+            "pyproject.toml and uv.lock and sleep again (jobs have no network to install it; `syscall env` lists "
+            f"what they get); {own}"
+        )
+    return (
+        f"the command could not import `{module}` (ModuleNotFoundError): jobs run the system's python3 with only "
+        "its own packages, and this kernel does not build environments from uv.lock (ask the operator for a "
+        f"package); {own}"
     )

@@ -42,7 +42,7 @@ from channel.paths import ChannelPaths, RunPaths
 from kernel.backends import jobscript
 from kernel.core import exits, rules
 from kernel.core.budget import Balance, gpu_hours
-from kernel.core.exits import HINT_CANCELLED_EARLY, Outcome
+from kernel.core.exits import HINT_CANCELLED_EARLY, HINT_FAILED, Outcome, import_hint
 from kernel.core.records import JobRow
 from kernel.node import wrapper as W
 
@@ -342,9 +342,12 @@ def task_result(
     files: TaskFiles,
     hint_of: HintOf,
     outcome_of: OutcomeOf | None = None,
+    environment_mode: str = "none",
 ) -> TaskResult:
     """The task as the wake shows it; its hint is the backend's own explanation, else the hint of the end the
-    backend reads (`outcome_of`: the row of the state the task was recorded with), else the exit record's row."""
+    backend reads (`outcome_of`: the row of the state the task was recorded with), else the exit record's row;
+    a plain failure whose stderr shows a missing import gets that import's hint (`environment_mode`: what the
+    kernel builds jobs' environments from)."""
     hint: str | None = None
     if task_dir is not None:
         # The backend's reading first: it also knows an end it could not write down (a full disk).
@@ -355,6 +358,8 @@ def task_result(
             hint = backend_hint(task_dir, hint_of) or read.hint
     elif job.state == "CANCELLED":
         hint = HINT_CANCELLED_EARLY
+    if hint == HINT_FAILED and files.stderr is not None:
+        hint = import_hint(files.stderr.tail, environment_mode) or hint
     return TaskResult(
         launch=job.launch,
         task=job.task,

@@ -132,7 +132,13 @@ class Waker:
                 self.store.release_job(key, seq, cur.launch, cur.task)
                 tasks.append(
                     gather.task_result(
-                        cur, tdir, elapsed, files, self.backend.hint_of, self.backend.outcome_of
+                        cur,
+                        tdir,
+                        elapsed,
+                        files,
+                        self.backend.hint_of,
+                        self.backend.outcome_of,
+                        self.cfg.environment.mode,
                     )
                 )
             shown, verdict = self.evaluation.judge(sleep, tuple(tasks))

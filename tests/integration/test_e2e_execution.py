@@ -27,6 +27,7 @@ pytestmark = pytest.mark.bwrap
 SCENARIOS = (
     "artifact",
     "failing",
+    "noimport",
     "walltime",
     "serial",
     "cancel",
@@ -147,6 +148,17 @@ def test_a_failing_command_reports_its_exit_code_and_stderr(env: Env) -> None:
     assert (t["state"], t["exit_code"], t["signal"]) == ("FAILED", 7, None)
     assert t["stderr_tail"] == "boom\n"
     assert "non-zero status" in t["hint"]
+
+
+def test_a_missing_import_gets_a_hint_that_says_how_to_add_it(env: Env) -> None:
+    # the system python3 of the jail (no uv.lock in this workspace): the hint names the module and `uv add`
+    env.launch("noimport", "--name", "imp", "--", "python3", "-c", "import torchvision.models")
+    t = only_task(env.sleep_wait("noimport"))
+    assert t["state"] == "FAILED"
+    assert "No module named 'torchvision'" in t["stderr_tail"]
+    assert "could not import `torchvision`" in t["hint"], t["hint"]
+    assert "`uv add torchvision`" in t["hint"]
+    assert "in the snapshot" in t["hint"]
 
 
 def test_the_walltime_kills_a_job_that_runs_too_long(env: Env) -> None:

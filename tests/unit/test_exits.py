@@ -117,3 +117,22 @@ def test_a_disk_end_says_what_its_record_says() -> None:
     assert exits.outcome("disk_full", 118, None).hint == exits.HINT_DISK_FULL
     # only the disk kinds take their record's detail as their hint
     assert exits.outcome("exited", 1, None, detail="anything").hint == exits.HINT_FAILED
+
+
+def test_a_missing_import_is_named_with_the_fix_of_this_kernel() -> None:
+    tb = (
+        'Traceback (most recent call last):\n  File "train.py", line 1\n'
+        "ModuleNotFoundError: No module named 'sklearn.linear_model'\n"
+    )
+    uv = exits.import_hint(tb, "uv")
+    assert uv is not None
+    assert "could not import `sklearn.linear_model`" in uv
+    assert "`uv add sklearn`" in uv
+    assert "package name may differ" in uv  # sklearn's is scikit-learn: the hint must not claim otherwise
+    plain = exits.import_hint(tb, "none")
+    assert plain is not None
+    assert "uv add" not in plain
+    assert "does not build environments from uv.lock" in plain
+    assert exits.import_hint("ValueError: bad\n", "uv") is None
+    # job-written text: only a plain dotted name is taken, never markup
+    assert exits.import_hint("ModuleNotFoundError: No module named '`x`'", "uv") is None
