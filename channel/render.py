@@ -36,7 +36,11 @@ def visible(text: str) -> str:
 
 
 HINTS: Final[dict[str, str]] = {
-    "TIMEOUT": "hit the walltime you declared (`minutes`); ask for more minutes or make the job faster",
+    "TIMEOUT": (
+        "stopped for running past the walltime you declared (`minutes`) once the backend enforced it, which "
+        "can be later than the declared minutes (its elapsed time says when); ask for more minutes or make the "
+        "job faster"
+    ),
     "OUT_OF_MEMORY": "killed for running out of memory; use less memory or smaller batches",
     "CANCELLED": "cancelled before it finished",
     "NODE_FAIL": "the node running it failed; this was not your job's fault, you may relaunch it",
