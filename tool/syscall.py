@@ -690,6 +690,14 @@ PROG = _prog()
 CHANNEL_SHOWN = ".syscall" if PROG.startswith("python3 ") else "the channel"
 
 
+def _cmd(verb: str, cli_args: str = "", mcp_args: str = "") -> str:
+    """How the caller runs `verb`, as a message names it: the command line in a shell, the tool of that name
+    for an MCP caller (who has no shell to type it in)."""
+    if getattr(_CALL, "flags", None) is not None:
+        return "the `{}` tool{}".format(verb, " with " + mcp_args if mcp_args else "")
+    return "`{}`".format(" ".join(x for x in (PROG, verb, cli_args) if x))
+
+
 def _budget_line(b: dict[str, Any]) -> str:
     reserved = b.get("reserved_gpu_hours") or 0
     extra = f", {reserved:.2f} reserved by running work" if reserved else ""
@@ -711,6 +719,8 @@ def submit_availability(pol: Dict[str, Any], budget: Dict[str, Any]) -> str:
         return "not available (this workspace has no evaluation contract)"
     if budget.get("sleeps") == 0:
         return "not possible now: it rides on a sleep and the budget has no sleeps left"
+    if getattr(_CALL, "flags", None) is not None:
+        return "available (the `submit` tool)"
     return "available (`{} submit --help`)".format(PROG)
 
 
@@ -1065,7 +1075,7 @@ class StagingError(ToolError):
 
     def __init__(self, problem: str) -> None:
         super().__init__(
-            EXIT_USAGE, f"syscall: {problem}. Run `{PROG} unstage` to discard it and stage again."
+            EXIT_USAGE, f"syscall: {problem}. Run {_cmd('unstage')} to discard it and stage again."
         )
         self.problem = problem
 
@@ -1189,17 +1199,17 @@ def refusal_hint(code: str | None, path: str | None, st: Staging, new_flag_for: 
         return (
             "(the budget has no sleeps left, so nothing more can run: ask the operator for more "
             "(`syscall-kernel enroll WORKSPACE --sleeps N`), or stop and report from your wakes "
-            f"in {CHANNEL_SHOWN}/wakes/ and `{PROG} history`)"
+            f"in {CHANNEL_SHOWN}/wakes/ and {_cmd('history')})"
         )
     if code == "budget.gpu_hours":
         return (
             "(the staged launches reserve more GPU-hours than are left: each task reserves gpus x minutes/60 "
             f"and an array reserves that per task; restage a launch with fewer --minutes, a smaller --array "
-            f"or fewer --gpus (`{PROG} unstage NAME`, then `launch` again), or launch it without GPUs; "
-            f"`{PROG} budget` shows what is left)"
+            f"or fewer --gpus ({_cmd('unstage', 'NAME')}, then `launch` again), or launch it without GPUs; "
+            f"{_cmd('budget')} shows what is left)"
         )
     if code == "budget.launches":
-        return f"(the budget has fewer launches left than are staged; `{PROG} unstage NAME` removes one)"
+        return f"(the budget has fewer launches left than are staged; {_cmd('unstage', 'NAME')} removes one)"
     if not path:
         return ""
     flags = getattr(_CALL, "flags", None) or CLI_FLAGS
@@ -1211,11 +1221,12 @@ def refusal_hint(code: str | None, path: str | None, st: Staging, new_flag_for: 
             return f"(this launch: {what})"
         names = st.names()
         if i < len(names):
-            return f"(staged launch {names[i]!r}: {what}; `{PROG} unstage {names[i]}` removes it)"
+            again = _cmd("unstage", names[i], json.dumps({"names": [names[i]]}))
+            return f"(staged launch {names[i]!r}: {what}; {again} removes it)"
     if path == "$.launches":
-        return f"(too many launches staged; `{PROG} unstage NAME` removes one)"
+        return f"(too many launches staged; {_cmd('unstage', 'NAME')} removes one)"
     if path.startswith("$.submit"):
-        return "({}; `{} unstage --submit` removes it)".format(flags["submit"], PROG)
+        return "({}; {} removes it)".format(flags["submit"], _cmd("unstage", "--submit", '{"submit": true}'))
     if path == "$.note":
         return "({})".format(flags["note"])
     return ""
@@ -1274,7 +1285,7 @@ def _describe_launch(x: Any, pol: Dict[str, Any]) -> str:
 def _render_staging(st: Staging, pol: Dict[str, Any]) -> list[str]:
     lines = []
     if not st.launches and st.submit is None:
-        lines.append(f"Nothing staged. `{PROG} launch --name N -- CMD` stages a job.")
+        lines.append(f"Nothing staged: {_cmd('launch', '--name N -- CMD')} stages a job.")
     else:
         lines.append("Staged for the next sleep ({}):".format(_n(len(st.launches), "launch", "launches")))
         lines += [_describe_launch(x, pol) for x in st.launches]
@@ -1287,8 +1298,8 @@ def _render_staging(st: Staging, pol: Dict[str, Any]) -> list[str]:
             )
     if st.pending:
         lines.append(
-            "Sleep {} was written but its answer has not been seen yet; `{} wait` follows it.".format(
-                st.pending.get("id"), PROG
+            "Sleep {} was written but its answer has not been seen yet; {} follows it.".format(
+                st.pending.get("id"), _cmd("wait")
             )
         )
     return lines
@@ -1351,7 +1362,7 @@ def stage_launch(ch: Channel, launch: dict[str, Any], json_mode: bool) -> int:
     clamp = clamp_note(launch, pol)
     if clamp:
         _out("It runs {}.".format(clamp))
-    _out(f"Nothing runs until `{PROG} sleep` commits what is staged.")
+    _out(f"Nothing runs until {_cmd('sleep')} commits what is staged.")
     return EXIT_OK
 
 
@@ -1414,7 +1425,7 @@ def stage_submit(ch: Channel, submit: dict[str, Any], json_mode: bool) -> int:
             "" if minutes is None else f", eval minutes {minutes}",
         )
     )
-    _out(f"The next `{PROG} sleep` asks the kernel to evaluate this snapshot against the base.")
+    _out(f"The next {_cmd('sleep')} asks the kernel to evaluate this snapshot against the base.")
     return EXIT_OK
 
 
@@ -1480,8 +1491,8 @@ def cmd_sleep(ch: Channel, args: argparse.Namespace) -> int:
         ans = await_answer(ch, req, answer_timeout, question=False)
     except ToolError as exc:
         if exc.exit_code == EXIT_TIMEOUT:
-            exc.message += " Your staged launches are kept; `{} wait {}` follows the sleep.".format(
-                PROG, req["id"]
+            exc.message += " Your staged launches are kept; {} follows the sleep.".format(
+                _cmd("wait", req["id"], json.dumps({"sleep_id": req["id"]}))
             )
         raise
     _settle_staging(ch)
@@ -1496,7 +1507,7 @@ def cmd_sleep(ch: Channel, args: argparse.Namespace) -> int:
     if not args.json:
         _render_accepted(ans, len(req["launches"]), req.get("submit") is not None)
     if not args.wait:
-        _out(f"Next: `{PROG} wait` blocks until the sleep wakes and prints the wake.")
+        _out(f"Next: {_cmd('wait')} blocks until the sleep wakes and prints the wake.")
         return EXIT_OK
     return wait_for_wake(ch, req["id"], deadline, args.every, args.json)
 
@@ -1512,8 +1523,8 @@ def _commit_sleep_locked(ch: Channel, args: argparse.Namespace) -> tuple[dict[st
     if st.pending:
         raise ToolError(
             EXIT_USAGE,
-            "syscall: sleep {} has not been answered yet; `{} wait` follows it (one sleep at a time), "
-            "`{} unstage` forgets it.".format(st.pending.get("id"), PROG, PROG),
+            "syscall: sleep {} has not been answered yet; {} follows it (one sleep at a time), "
+            "{} forgets it.".format(st.pending.get("id"), _cmd("wait"), _cmd("unstage")),
         )
     req = _sleep_request(ch, st, args.note)
     problem = validate_request(req, ch.limits, ch.policy, stem=req["id"])
@@ -1591,7 +1602,7 @@ def cmd_wait(ch: Channel, args: argparse.Namespace) -> int:
             raise ToolError(
                 EXIT_USAGE,
                 f"syscall: no sleep {sleep_id} is known here (no request, answer or wake); "
-                f"`{PROG} history` lists your sleeps.",
+                f"{_cmd('history')} lists your sleeps.",
             )
     return wait_for_wake(ch, sleep_id, deadline, args.every, args.json)
 
@@ -1615,7 +1626,7 @@ def _current_sleep(ch: Channel, args: argparse.Namespace) -> str:
     if isinstance(sleep, dict) and isinstance(sleep.get("id"), str):
         return str(sleep["id"])
     raise ToolError(
-        EXIT_USAGE, f"syscall: there is no sleep to wait for; `{PROG} sleep` commits what is staged."
+        EXIT_USAGE, f"syscall: there is no sleep to wait for; {_cmd('sleep')} commits what is staged."
     )
 
 
@@ -1681,10 +1692,11 @@ def wait_for_wake(ch: Channel, sleep_id: str, deadline: float | None, every: flo
         if deadline is not None and now >= deadline:
             if status_id is not None:
                 ch.withdraw(status_id)
+            again = _cmd("wait", sleep_id, json.dumps({"sleep_id": sleep_id}))
             raise ToolError(
                 EXIT_TIMEOUT,
                 f"syscall: sleep {sleep_id} has not woken yet (timed out waiting). Its jobs keep running; "
-                f"`{PROG} wait {sleep_id}` waits again.",
+                f"{again} waits again.",
                 {"type": "timeout", "id": sleep_id},
             )
         try:

@@ -94,6 +94,15 @@ def test_golden_transcript(kernel: FakeKernel, python: str) -> None:
             jsonschema.validate(m["result"]["structuredContent"], schemas[called[m["id"]]])
             checked += 1
     assert checked == 8  # status, env, launch, sleep, wait, history, queue, budget
+    # An MCP caller has no shell: what a result tells it to do next names a tool, never a command line.
+    texts = [
+        c["text"]
+        for m in c.received
+        if m.get("id") in called and "result" in m
+        for c in m["result"]["content"]
+    ]
+    assert any("the `sleep` tool" in t for t in texts), texts
+    assert not [t for t in texts if ".syscall/syscall " in t or "`syscall " in t], texts
     lines = [json.dumps({"send": m}, sort_keys=True) for m in c.sent]
     lines += [json.dumps({"recv": normalize(m)}, sort_keys=True) for m in c.received]
     text = "\n".join(lines) + "\n"
