@@ -128,8 +128,12 @@ def test_transcript_shapes(client: RawClient) -> None:
     assert init["protocolVersion"] == "2025-11-25"
     assert init["capabilities"] == {"tools": {"listChanged": False}}
     assert client.request("ping") == {"jsonrpc": "2.0", "id": 2, "result": {}}
-    tools = client.request("tools/list")["result"]["tools"]
+    listed = client.request("tools/list")
+    tools = listed["result"]["tools"]
     assert [t["name"] for t in tools] == VERBS
+    # A model reads the whole listing at every session's start: it stays within 6 KiB on the wire (it was
+    # 12.4 KB, ~3.1k tokens, for the same 12 tools).
+    assert len(json.dumps(listed, separators=(",", ":"))) <= 6 * 1024
     for t in tools:
         jsonschema.Draft202012Validator.check_schema(t["inputSchema"])
         jsonschema.Draft202012Validator.check_schema(t["outputSchema"])
