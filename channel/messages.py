@@ -506,6 +506,9 @@ class KernelInfo(_Strict, frozen=True):
     # Whether `submit`'s verdicts will be trusted (the metric comes from the operator's score stage, or from
     # files all taken from the base, in a real jail); null without a contract. The kernel decides it.
     submit_trusted: bool | None = None
+    # The package index a workspace's uv.lock must be made against (`uv lock --default-index <it>`) when the
+    # kernel builds locked environments; null when it builds none.
+    package_index: str | None = None
 
 
 class BudgetFile(_Strict, frozen=True):
@@ -591,6 +594,8 @@ class JobEnvFile(_Strict, frozen=True):
     variables: tuple[JobVariable, ...]
     snapshot: SnapshotRules
     updated_at: Timestamp
+    # As kernel.json's: the index a uv.lock must name; null when the kernel builds no environment.
+    package_index: str | None = None
 
 
 _encoder: Final = msgspec.json.Encoder()

@@ -2252,6 +2252,12 @@ def _env_lines(doc: dict[str, Any], local: dict[str, Any], show: Callable[[str],
             )
         else:
             add("environment:  the system's (this kernel does not build environments from uv.lock)")
+    index = doc.get("package_index")
+    if mode == "uv" and isinstance(index, str):
+        add(
+            f"index:        packages come from {index} only: "
+            f"make uv.lock with `uv lock --default-index {index}`"
+        )
     gpus = doc.get("max_gpus_per_task", 0)
     add(
         f"GPUs:         up to {gpus} per task (launch --gpus N); a task sees only the GPUs it was given "

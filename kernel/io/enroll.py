@@ -298,9 +298,10 @@ def kernel_json(
     *,
     jail: str,
     limits: Limits | None = None,
+    package_index: str | None = None,
 ) -> bytes:
     """`kernel.json`; `jail` (the config's) decides, with the contract, whether its verdicts are trusted;
-    `limits` as `published_limits` makes them from the config."""
+    `limits` as `published_limits` makes them from the config, `package_index` as `jobenv.package_index`."""
     from channel.messages import VERBS
 
     return encode(
@@ -314,6 +315,7 @@ def kernel_json(
             tool_sha256=tool.sha256,
             owner=owner,
             submit_trusted=None if row.policy.submit is None else is_trusted(row.policy.submit, jail),
+            package_index=package_index,
         )
     )
 
@@ -607,7 +609,14 @@ def write_kernel_files(
     ch.write_file(
         None,
         ChannelPaths.KERNEL_JSON,
-        kernel_json(row, tool, owner, jail=cfg.jail, limits=published_limits(cfg)),
+        kernel_json(
+            row,
+            tool,
+            owner,
+            jail=cfg.jail,
+            limits=published_limits(cfg),
+            package_index=jobenv.package_index(cfg),
+        ),
         durable=durable,
     )
     if with_budget:
@@ -852,7 +861,9 @@ def rewrite_kernel_files(
     `budget.json` (from `row.balance`; with `order`, unless a write of a balance read after `stamp` ran) and
     with `cfg` `jobenv.json` where they differ from `row`. The tool note."""
     note = install(ch, tool)
-    wanted = kernel_json(row, tool, owner, jail=jail, limits=published_limits(cfg))
+    wanted = kernel_json(
+        row, tool, owner, jail=jail, limits=published_limits(cfg), package_index=jobenv.package_index(cfg)
+    )
     try:
         current: bytes | None = safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024)
     except safefs.Refused:

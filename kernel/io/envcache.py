@@ -169,10 +169,15 @@ _SHA256: Final = re.compile(r"sha256:[0-9a-f]{64}")
 _FILE_KEYS: Final = frozenset({"url", "hash", "size", "upload-time"})
 
 
+def index_of(index_url: str) -> str:
+    """The index a lock must name (`source.registry`) and uv installs from: the configured one, else PyPI."""
+    return (index_url or PYPI_INDEX).rstrip("/")
+
+
 def file_authority(index_url: str) -> str:
     """`host[:port]` the files of the index live on (PyPI's: files.pythonhosted.org), lower-cased, the default
     port dropped; "" when the configured index has no host of the canonical form (_AUTHORITY)."""
-    index = (index_url or PYPI_INDEX).rstrip("/")
+    index = index_of(index_url)
     if index == PYPI_INDEX:
         return PYPI_FILES
     try:
@@ -210,6 +215,12 @@ def file_url_problem(url: object, authority: str) -> str | None:
     return None
 
 
+def relock(index: str) -> str:
+    """The fix for a lock made against another index than the kernel's: the exact command that makes it again
+    against `index` (uv writes that URL as every package's `source.registry`, and its files' URLs on its host)."""
+    return f"lock again against the kernel's index {index}: `uv lock --default-index {index}`"
+
+
 def _entry(name: str, where: str) -> str:
     return f"package {json.dumps(name)} {where}"  # the agent's name, quoted and escaped
 
@@ -242,14 +253,14 @@ def _file_problem(name: str, where: str, entry: object, authority: str, index: s
     if extra:
         return (
             f"uv.lock {_entry(name, where)} has {', '.join(extra)}; a file must be named by its `url` on "
-            f"https://{authority}/ with its `hash` (lock again against {index})"
+            f"https://{authority}/ with its `hash` ({relock(index)})"
         )
     why = file_url_problem(entry.get("url"), authority)
     if why is not None:
         shown = str(entry.get("url"))[:200]
         return (
             f"uv.lock {_entry(name, where + '.url')} {shown!r} {why}; files must come from https://{authority}/ "
-            f"in canonical form (lock again against {index}, without editing the URLs)"
+            f"in canonical form ({relock(index)}; do not edit the URLs)"
         )
     digest = entry.get("hash")
     if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
@@ -301,7 +312,7 @@ def _printable(text: str) -> str:
 
 
 def _lock_problem(doc: Mapping[str, Any], index_url: str) -> str | None:
-    index = (index_url or PYPI_INDEX).rstrip("/")
+    index = index_of(index_url)
     authority = file_authority(index_url)
     if not authority:
         return (
@@ -328,7 +339,7 @@ def _lock_problem(doc: Mapping[str, Any], index_url: str) -> str | None:
 def _stray_url(where: str, text: str, index: str) -> str:
     return (
         f"uv.lock {where} is {text[:200]!r}: the only URL a lock may name outside its files is the kernel's "
-        f"index {index} (lock again against it)"
+        f"index {index} ({relock(index)})"
     )
 
 
@@ -348,7 +359,7 @@ def _package_problem(name: str, pkg: dict[str, object], index: str, authority: s
     elif not isinstance(where, str) or where.rstrip("/") != index:
         return (
             f"uv.lock {_entry(name, 'source.registry')} is the index {str(where)[:200]!r}; this kernel installs "
-            f"only from {index}, written exactly so (lock again without a custom index)"
+            f"only from {index}, written exactly so: {relock(index)}"
         )
     else:
         files += [("sdist", pkg["sdist"])] if "sdist" in pkg else []

@@ -31,7 +31,7 @@ from channel.messages import (
 )
 from channel.paths import ChannelPaths
 from kernel.core.config import Config
-from kernel.io.envcache import ENVS_DIR, WORKSPACES_DIR, EnvReady
+from kernel.io.envcache import ENVS_DIR, WORKSPACES_DIR, EnvReady, index_of
 from kernel.io.snapshot import DEFAULT_MAX_FILE_BYTES
 
 SYSTEM_PYTHON: Final = "/usr/bin/python3"
@@ -70,6 +70,14 @@ def limits_of(cfg: Config, enforced_by: str) -> JobLimits:
     )
 
 
+def package_index(cfg: Config | None) -> str | None:
+    """The index locked environments install from (published in kernel.json and jobenv.json, so that an agent
+    locks against it); None where the kernel builds no environment (`environment.mode = "none"`)."""
+    if cfg is None or cfg.environment.mode != "uv":
+        return None
+    return index_of(cfg.environment.index_url)
+
+
 def locked_of(ready: EnvReady, built_at: str) -> LockedEnvironment:
     return LockedEnvironment(
         lock_sha256=ready.lock_sha256,
@@ -101,6 +109,7 @@ def document(cfg: Config, policy: Policy, locked: LockedEnvironment | None, now:
             max_depth=cfg.snapshot.max_depth,
         ),
         updated_at=now,
+        package_index=package_index(cfg),
     )
 
 
