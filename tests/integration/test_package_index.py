@@ -14,11 +14,10 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from kernelproc import Kernel, git_workspace
+from kernelproc import Kernel, git_workspace, run_tool
 from test_environment_build_jail import PYPROJECT, PYTHON, Server, make_tls, make_wheel
 
 from kernel.io.envcache import lock_problem, uv_binary
@@ -42,14 +41,9 @@ def test_the_index_is_published_in_kernel_json_jobenv_json_and_syscall_env(
     assert json.loads((ws / ".syscall" / "jobenv.json").read_text())["package_index"] == published
     (ws / "pyproject.toml").write_text(PYPROJECT)
     (ws / "uv.lock").write_text("version = 1\n")
-    out = subprocess.run(
-        [sys.executable, str(ws / ".syscall" / "syscall"), "env"],
-        cwd=ws,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    done = run_tool(ws, "env", timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     advice = f"make uv.lock with `uv lock --default-index {published}`"
     assert (advice in out) == (published is not None), out
 
