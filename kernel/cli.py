@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
+import importlib.resources
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import msgspec
@@ -221,7 +222,39 @@ def _parser() -> argparse.ArgumentParser:
     config_opt(hi)
     d = sub.add_parser("demo", help="run the kernel's main job on the embedded local backend")
     d.add_argument("--keep", action="store_true", help="keep the demo's temporary directory")
+    for verb, (_, what) in SHIPPED.items():
+        sub.add_parser(verb, help=f"print {what} shipped with this version (docs/operator.md)")
     return p
+
+
+# The deployment files shipped inside the package (kernel/share/, which links to deploy/ in the source tree:
+# one copy), printed by `syscall-kernel <verb>`: verb -> (file name, what it is).
+SHIPPED: Final = {
+    "unit": (
+        "syscall-kernel@.service",
+        "the systemd unit template (install as /etc/systemd/system/syscall-kernel@.service)",
+    ),
+    "example-config": (
+        "config.example.toml",
+        "the example config (install as /etc/syscall-kernel/<user>.toml)",
+    ),
+    "dashboard": (
+        "grafana-dashboard.json",
+        "the Grafana dashboard over the kernel's metrics (import it in Grafana)",
+    ),
+}
+
+
+def shipped(verb: str) -> bytes:
+    """The bytes of a shipped deployment file (`SHIPPED`)."""
+    name, _ = SHIPPED[verb]
+    return (importlib.resources.files("kernel") / "share" / name).read_bytes()
+
+
+def cmd_shipped(args: argparse.Namespace) -> int:
+    sys.stdout.buffer.write(shipped(args.command))
+    sys.stdout.buffer.flush()
+    return 0
 
 
 def _config(path: str | None) -> Config:
@@ -235,7 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if os.geteuid() == 0 and not cfg.allow_root:
         print(
             "syscall-kernel serve: refusing to run as root: jobs, channels and the state would all be root's. Run "
-            "one kernel per user who owns the workspaces (deploy/systemd/syscall-kernel@.service), or set "
+            "one kernel per user who owns the workspaces (the systemd unit `syscall-kernel unit` prints), or set "
             "allow_root = true in the config if you really mean it",
             file=sys.stderr,
         )
@@ -730,6 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "budget": cmd_budget,
         "history": cmd_history,
         "demo": cmd_demo,
+        **dict.fromkeys(SHIPPED, cmd_shipped),
     }
     try:
         return handlers[args.command](args)

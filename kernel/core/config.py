@@ -266,7 +266,10 @@ def _friendly(text: str) -> tuple[str, str]:
     msg, path = m.group("msg"), m.group("path") or ""
     key = _key_of(path, msg)
     if msg.startswith("Object contains unknown field"):
-        return key, "is not a known setting (check its spelling; see deploy/config.example.toml)"
+        return (
+            key,
+            "is not a known setting (check its spelling; `syscall-kernel example-config` prints an example config, docs/operator.md lists every key)",
+        )
     if msg.startswith("Object missing required field"):
         return key, "is required"
     return key, msg[0].lower() + msg[1:] if msg else msg

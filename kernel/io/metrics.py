@@ -1,6 +1,8 @@
 """The kernel's Prometheus metrics (served only with `metrics_listen`; docs/operator.md, Metrics).
 
-One registry of this process, not prometheus-client's global one (no process/platform collectors mixed in).
+One registry of this process, not prometheus-client's global one, with the standard collectors registered on it
+(`process_*` from /proc/self: CPU, memory, open fds, start time; `python_info`; `python_gc_*`), so that the usual
+process dashboards and alerts work on the kernel too.
 Counters and histograms are incremented where things happen (the pipeline's answers and passes, the Slurm
 backend's client calls); gauges of state (sleeps and tasks by state, budgets, channels with problems) are set from
 the store every few seconds by the service (`refresh`), never read from the store at scrape time: the HTTP
@@ -9,13 +11,30 @@ thread touches nothing but these numbers.
 
 from __future__ import annotations
 
+import errno
+import os
+import pwd
+import socket
+from pathlib import Path
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 
 from kernel.io.store import Store
 
 REGISTRY: Final = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+GCCollector(registry=REGISTRY)
 P: Final = "syscall_kernel_"
 
 REQUESTS: Final = Counter(
@@ -115,5 +134,94 @@ def refresh(store: Store, degraded: bool) -> None:
 
 def serve_http(listen: str) -> None:
     """Start the scrape endpoint (a daemon thread) on `host:port`; OSError when it cannot listen."""
+    host, port = _address(listen)
+    start_http_server(port, addr=host, registry=REGISTRY)
+
+
+def _address(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
-    start_http_server(int(port), addr=host.strip("[]"), registry=REGISTRY)
+    return host.strip("[]"), int(port)
+
+
+def bind_problem(listen: str) -> str | None:
+    """Why `serve_http(listen)` would fail now (the address in use, and by whom: `listener`), or None when a
+    socket binds it as the endpoint's does (the family getaddrinfo gives first, SO_REUSEADDR). Binds and closes."""
+    host, port = _address(listen)
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"{listen} is in use by {listener(port)}"
+        return f"{listen} cannot be bound: {exc.strerror or exc}"
+    return None
+
+
+_PROC: Final = Path("/proc")
+
+
+def listening_sockets(port: int) -> list[tuple[int, int]]:
+    """(uid, inode) of each TCP socket listening on `port` in this network namespace (/proc/net/tcp, tcp6)."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (_PROC / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                found.append((int(f[7]), int(f[9])))
+    return found
+
+
+def socket_pids(inode: int) -> list[int]:
+    """The processes holding socket `inode` open, among those whose fds this user may read."""
+    target = f"socket:[{inode}]"
+    pids = []
+    for proc in _PROC.iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = os.listdir(proc / "fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(proc / "fd" / fd) == target:
+                    pids.append(int(proc.name))
+                    break
+            except OSError:
+                continue
+    return pids
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _command(pid: int) -> str:
+    try:
+        argv = (_PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    text = " ".join(a.decode("utf-8", "replace") for a in argv if a)[:200]
+    return "".join(c if c.isprintable() else "?" for c in text) or "?"
+
+
+def listener(port: int) -> str:
+    """Who listens on TCP `port`: the user, and the process with its command line where this user can see it."""
+    sockets = listening_sockets(port)
+    if not sockets:
+        return "another socket (its owner is not listed in /proc/net/tcp here)"
+    parts = []
+    for uid, inode in sockets:
+        pids = socket_pids(inode)
+        who = ", ".join(f"pid {p} ({_command(p)})" for p in pids) or "a process this user cannot see"
+        parts.append(f"{_user(uid)}, {who}")
+    return "; ".join(dict.fromkeys(parts))

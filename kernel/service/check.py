@@ -16,7 +16,7 @@ from typing import Literal
 
 from kernel.backends.slurm.query import partition_argv, sacctmgr_argv
 from kernel.core.config import Config
-from kernel.io import hostproc, statedir
+from kernel.io import hostproc, metrics, statedir
 from kernel.io.enroll import expand_globs
 from kernel.io.store import Store, StoreError
 
@@ -42,6 +42,7 @@ def run_checks(cfg: Config, env: dict[str, str] | None = None) -> list[Finding]:
     out += _workspaces(cfg)
     out += _capacity(cfg)
     out += _jail(cfg)
+    out += _metrics(cfg)
     if cfg.backend == "slurm":
         out += _slurm(cfg, env)
     return out
@@ -146,7 +147,7 @@ def _capacity(cfg: Config) -> list[Finding]:
                 "fds",
                 f"{n} workspaces need about {n + FD_MARGIN} open files (one per channel's lock), but the hard "
                 f"limit here is {hard}: the channels past it are not served. Raise LimitNOFILE= in the unit "
-                "(deploy/systemd sets 65536) or the hard `ulimit -n`",
+                "(`syscall-kernel unit` prints the unit: it sets 65536) or the hard `ulimit -n`",
             )
         )
     else:
@@ -169,6 +170,33 @@ def _capacity(cfg: Config) -> list[Finding]:
         elif watches is not None:
             out.append(Finding("ok", "inotify", f"{n} workspaces; fs.inotify.max_user_watches {watches}"))
     return out
+
+
+def _metrics(cfg: Config) -> list[Finding]:
+    """Whether `serve` could listen on `metrics_listen` (bound and closed here): a port another user's kernel
+    holds is the usual mistake of one config copied for every user."""
+    if not cfg.metrics_listen:
+        return []
+    problem = metrics.bind_problem(cfg.metrics_listen)
+    if problem is None:
+        return [Finding("ok", "metrics", f"{cfg.metrics_listen} is free: `serve` can listen on it")]
+    try:
+        mine = statedir.holder(cfg.state_dir)
+    except statedir.StateDirError:
+        mine = None
+    _, _, port = cfg.metrics_listen.rpartition(":")
+    if mine and any(mine in metrics.socket_pids(i) for _, i in metrics.listening_sockets(int(port))):
+        return [
+            Finding("ok", "metrics", f"{cfg.metrics_listen} is served by this config's kernel, pid {mine}")
+        ]
+    return [
+        Finding(
+            "warn",
+            "metrics",
+            f"metrics_listen {problem}: `serve` would log metrics_failed and run without metrics. Give each "
+            "user's kernel a port of its own (docs/operator.md, Metrics: one port per user)",
+        )
+    ]
 
 
 def _jail(cfg: Config) -> list[Finding]:

@@ -1134,7 +1134,8 @@ async def serve(
                 log.event("metrics_listening", listen=cfg.metrics_listen)
             except OSError as exc:
                 # Metrics are optional: the kernel serves without them rather than not at all.
-                log.event("metrics_failed", logging.ERROR, listen=cfg.metrics_listen, error=str(exc))
+                why = metrics.bind_problem(cfg.metrics_listen) or str(exc)  # who holds the port, if in use
+                log.event("metrics_failed", logging.ERROR, listen=cfg.metrics_listen, error=why)
         svc = Service(cfg, store, notifier, ToolSource.bundled(), executor_factory)
         if publish is not None:
             svc.publish = publish

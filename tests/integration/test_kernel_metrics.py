@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -85,3 +87,60 @@ def test_metrics_are_off_by_default(tmp_path: Path) -> None:
         assert k.stop() == 0
     finally:
         k.ensure_stopped()
+
+
+def test_the_process_collector_reports_the_kernels_own_process(tmp_path: Path) -> None:
+    """The standard process metrics (Prometheus conventions), from the kernel's /proc/self."""
+    port = free_port()
+    k = Kernel(tmp_path, f'backend = "none"\nmetrics_listen = "127.0.0.1:{port}"\n')
+    before = time.time()
+    proc = k.start()
+    try:
+        k.wait_log("event=metrics_listening", 10)
+        text = scrape(port)
+        started = value(text, "process_start_time_seconds")
+        assert started is not None, text
+        assert before - 2 <= started <= time.time(), (before, started)
+        fds = value(text, "process_open_fds")
+        assert fds is not None
+        assert (
+            abs(fds - len(os.listdir(f"/proc/{proc.pid}/fd"))) < 8
+        )  # the kernel's own fds, give or take a pipe
+        rss = value(text, "process_resident_memory_bytes")
+        assert rss is not None
+        assert rss > 1 << 20
+        assert (value(text, "process_cpu_seconds_total") or -1) >= 0
+        assert value(text, "process_max_fds") is not None
+        assert k.stop() == 0
+    finally:
+        k.ensure_stopped()
+
+
+def test_a_port_another_kernel_holds_is_named_by_check_and_by_metrics_failed(tmp_path: Path) -> None:
+    """Two users' kernels with the same metrics_listen (one config copied for both): the second cannot listen.
+    `check` says so before the start, naming who holds the port; `metrics_failed` names it too. The first
+    kernel's own `check` sees its port served by itself."""
+    port = free_port()
+    conf = f'backend = "none"\nmetrics_listen = "127.0.0.1:{port}"\n'
+    first, second = Kernel(tmp_path, conf, name="alice"), Kernel(tmp_path, conf, name="bob")
+    assert f"127.0.0.1:{port} is free" in first.cli("check").stdout
+    a = first.start()
+    try:
+        first.wait_log("event=metrics_listening", 10)
+        mine = first.cli("check").stdout
+        assert f"served by this config's kernel, pid {a.pid}" in mine, mine
+        out = second.cli("check").stdout
+        line = next(ln for ln in out.splitlines() if "metrics" in ln)
+        assert f"127.0.0.1:{port} is in use by uid {os.geteuid()}" in line, out
+        assert f"pid {a.pid} (" in line, line
+        assert "serve" in line, line
+        assert "a port of its own" in line, line
+        second.start()
+        second.wait_log("event=metrics_failed", 10)
+        failed = next(ln for ln in second.log_text().splitlines() if "metrics_failed" in ln)
+        assert f"pid {a.pid}" in failed, failed
+        assert second.stop() == 0
+        assert first.stop() == 0
+    finally:
+        second.ensure_stopped()
+        first.ensure_stopped()

@@ -57,3 +57,9 @@ def test_wheel_holds_every_package(tmp_path: Path) -> None:
     assert spec_files, "no spec data files found in the tree"
     missing = sorted(spec_files - names)
     assert not missing, f"the wheel lacks {missing}: list them in pyproject.toml's package-data"
+    # the deployment files `syscall-kernel unit|example-config|dashboard` print: copies of deploy/'s, not links
+    with zipfile.ZipFile(wheel) as z:
+        for link in (REPO / "kernel" / "share").iterdir():
+            name = f"kernel/share/{link.name}"
+            assert name in names, f"the wheel lacks {name}: list it in pyproject.toml's package-data"
+            assert z.read(name) == link.resolve().read_bytes(), name

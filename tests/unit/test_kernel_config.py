@@ -25,8 +25,8 @@ def test_defaults_without_a_file_use_the_users_state_dir_for_cli_and_service_ali
 
 def test_the_example_config_gives_cli_and_service_the_same_state_dir() -> None:
     example = Path(__file__).resolve().parents[2] / "deploy" / "config.example.toml"
-    cli = load(example, env={"HOME": "/home/agents"})
-    svc = load(example, env={"HOME": "/home/agents", "STATE_DIRECTORY": "/var/lib/syscall-kernel/agents"})
+    cli = load(example, env={"HOME": "/home/alice"})
+    svc = load(example, env={"HOME": "/home/alice", "STATE_DIRECTORY": "/var/lib/syscall-kernel/alice"})
     assert cli.state_dir == svc.state_dir
     assert cli.state_dir.startswith("/var/lib/syscall-kernel/")
 
