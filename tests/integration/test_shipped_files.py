@@ -3,7 +3,8 @@
 - `syscall-kernel unit`, `example-config` and `dashboard` print deploy/'s files byte for byte; the package's
   copies are links into deploy/ (one source), and the messages that point an operator to them name the commands.
 - The drop-in docs/operator.md gives for `ReadWritePaths=` replaces the template's list (systemd list semantics:
-  an empty assignment first), read by systemd's own unit parser (`systemd --test`), not by ours.
+  an empty assignment first), read by systemd's own unit parser (`systemd --test`), not by ours; its drop-in
+  for a site CA and proxy (`Environment=SSL_CERT_FILE=...`) adds to the unit's environment.
 - The example config fits the unit's layout: its state_dir is the instance's StateDirectory= and each workspace
   glob lies under a path the instance may write.
 """
@@ -62,7 +63,7 @@ def test_an_unknown_key_points_to_the_example_config_command(tmp_path: Path) -> 
     assert "deploy/" not in str(got.value)
 
 
-def systemd_view(unit_dir: Path, instance: str) -> dict[str, str]:
+def systemd_view(unit_dir: Path, instance: str) -> dict[str, list[str]]:
     """The instance's settings as systemd itself loads them with its drop-ins (`systemd --test` dumps them; it
     refuses to run as root, so root runs it as uid 1000 of a user namespace of its own)."""
     if not Path(SYSTEMD).exists() or shutil.which("unshare") is None:
@@ -77,37 +78,52 @@ def systemd_view(unit_dir: Path, instance: str) -> dict[str, str]:
     dump = done.stdout.split(f"-> Unit {instance}:", 1)
     assert len(dump) == 2, done.stderr[-2000:]
     section = re.split(r"^\t-> Unit ", dump[1], maxsplit=1, flags=re.M)[0]
-    return dict(re.findall(r"^\t\t(\w+): (.*)$", section, re.M))
+    settings: dict[str, list[str]] = {}
+    for key, value in re.findall(r"^\t\t(\w+): (.*)$", section, re.M):
+        settings.setdefault(key, []).append(value)
+    return settings
 
 
-def documented_drop_in() -> str:
+def documented_drop_in(setting: str) -> str:
     text = (ROOT / "docs" / "operator.md").read_text()
-    blocks = [b for b in re.findall(r"```ini\n(.*?)```", text, re.S) if "ReadWritePaths=" in b]
-    assert len(blocks) == 1, "docs/operator.md should show one ReadWritePaths= drop-in"
+    blocks = [b for b in re.findall(r"```ini\n(.*?)```", text, re.S) if f"{setting}=" in b]
+    assert len(blocks) == 1, f"docs/operator.md should show one {setting}= drop-in"
     return blocks[0]
 
 
+def with_drop_in(unit_dir: Path, text: str) -> dict[str, list[str]]:
+    shutil.copy(FILES["unit"], unit_dir)
+    (unit_dir / "syscall-kernel@alice.service.d").mkdir(exist_ok=True)
+    (unit_dir / "syscall-kernel@alice.service.d" / "site.conf").write_text(text)
+    return systemd_view(unit_dir, "syscall-kernel@alice.service")
+
+
 def test_the_documented_drop_in_replaces_the_templates_paths(tmp_path: Path) -> None:
-    shutil.copy(FILES["unit"], tmp_path)
-    drop_in = documented_drop_in()
-    (tmp_path / "syscall-kernel@alice.service.d").mkdir()
-    (tmp_path / "syscall-kernel@alice.service.d" / "site.conf").write_text(drop_in)
+    drop_in = documented_drop_in("ReadWritePaths")
     wanted = re.findall(r"^ReadWritePaths=(.+)$", drop_in, re.M)[-1].split()
-    got = systemd_view(tmp_path, "syscall-kernel@alice.service")
-    assert got["ReadWritePaths"].split() == wanted, got["ReadWritePaths"]
+    got = with_drop_in(tmp_path, drop_in)
+    assert got["ReadWritePaths"] == [" ".join(wanted)]
     # The parse is systemd's: without the empty assignment the template's path stays (the finding).
-    added = f"[Service]\nReadWritePaths={' '.join(wanted)}\n"
-    (tmp_path / "syscall-kernel@alice.service.d" / "site.conf").write_text(added)
-    got = systemd_view(tmp_path, "syscall-kernel@alice.service")
-    assert got["ReadWritePaths"].split() == ["/srv/agents/alice", *wanted]
+    got = with_drop_in(tmp_path, f"[Service]\nReadWritePaths={' '.join(wanted)}\n")
+    assert got["ReadWritePaths"][0].split() == ["/srv/agents/alice", *wanted]
+
+
+def test_the_documented_ca_drop_in_adds_to_the_units_environment(tmp_path: Path) -> None:
+    """The unit's environment is all the kernel gets (and passes SSL_CERT_FILE and proxies on to uv): the
+    documented drop-in adds them and keeps the unit's TMPDIR."""
+    got = with_drop_in(tmp_path, documented_drop_in("SSL_CERT_FILE"))
+    env = dict(v.split("=", 1) for v in got["Environment"])
+    assert env["TMPDIR"] == "/var/cache/syscall-kernel/alice"
+    assert env["SSL_CERT_FILE"] == "/etc/ssl/certs/ca-certificates.crt"
+    assert "HTTPS_PROXY" in env
 
 
 def test_the_example_config_fits_the_units_layout(tmp_path: Path) -> None:
     shutil.copy(FILES["unit"], tmp_path)
     got = systemd_view(tmp_path, "syscall-kernel@alice.service")
-    writable = [Path(p.lstrip("-")) for p in got["ReadWritePaths"].split()]
+    writable = [Path(p.lstrip("-")) for p in got["ReadWritePaths"][0].split()]
     cfg = load(FILES["example-config"], env={"HOME": "/home/alice"})
-    assert cfg.state_dir == f"/var/lib/{got['StateDirectory']}"
+    assert cfg.state_dir == f"/var/lib/{got['StateDirectory'][0]}"
     assert cfg.workspaces
     for pattern in cfg.workspaces:
         assert any(Path(pattern).parent.is_relative_to(w) for w in writable), (
