@@ -218,7 +218,10 @@ def file_url_problem(url: object, authority: str) -> str | None:
 def relock(index: str) -> str:
     """The fix for a lock made against another index than the kernel's: the exact command that makes it again
     against `index` (uv writes that URL as every package's `source.registry`, and its files' URLs on its host)."""
-    return f"lock again against the kernel's index {index}: `uv lock --default-index {index}`"
+    return (
+        f"lock again against the kernel's index {index} alone: `uv lock --default-index {index}`, with no other "
+        "index in pyproject.toml's [tool.uv]"
+    )
 
 
 def _entry(name: str, where: str) -> str:
