@@ -409,14 +409,10 @@ class Channel:
         check_name(name)
         dfd = self.subdir(ChannelPaths.REQUESTS)
         try:
-            if only is not None:
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    return
-                if (st.st_dev, st.st_ino) != only:
-                    return
-            _remove_at(dfd, name)
+            if only is None:
+                _remove_at(dfd, name)
+            else:
+                _remove_if(dfd, name, only)
         finally:
             os.close(dfd)
 
@@ -464,6 +460,39 @@ class Channel:
             os.close(cur)
             raise
         return cur
+
+
+def _remove_if(dir_fd: int, name: str, only: Inode) -> None:
+    """Unlink `name` only while it is the file `only`. A stat then an unlink would race a client that renames a
+    new request over the name in between (the answer is visible before the request is removed, so a client
+    that commits again at once lands right there) and delete that new request unanswered. So the entry is
+    first moved aside under a kernel temp name (atomic: whatever is at the name then is what is judged), and
+    put back where it is not `only`; `link` puts it back without replacing a still newer request at the name
+    (which would have replaced it anyway). A kernel killed between the move and the put-back leaves the temp,
+    removed later as a stale temp."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) != only:
+        return  # the common case of a newer request: nothing moved
+    aside = f"{KERNEL_TEMP_PREFIX}{secrets.token_hex(8)}{_TEMP_SUFFIX}"
+    try:
+        os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    moved = os.stat(aside, dir_fd=dir_fd, follow_symlinks=False)
+    if (moved.st_dev, moved.st_ino) != only:
+        try:
+            os.link(aside, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        except (
+            OSError
+        ):  # no hard link here (a filesystem without them, protected_hardlinks): put it back by name
+            os.rename(aside, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            return
+    os.unlink(aside, dir_fd=dir_fd)
 
 
 def _remove_at(dir_fd: int, name: str) -> None:

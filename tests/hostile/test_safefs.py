@@ -1047,3 +1047,32 @@ def test_removing_an_answered_request_keeps_a_new_one_renamed_over_its_name(ch: 
     ch.remove_request("r1.json", only=inode)
     assert not (req / "r1.json").exists()
     ch.remove_request("r1.json", only=inode)  # already gone is fine
+
+
+def test_a_request_renamed_over_the_name_between_check_and_removal_is_kept(
+    ch: Channel, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race the conformance suite hit under load: the kernel's check sees the answered request, then the
+    # client renames its next commit over the name, then the removal runs. The new request must survive.
+    req = ws / CHANNEL_DIR / ChannelPaths.REQUESTS
+    (req / "r1.json").write_bytes(b'{"first": 1}')
+    _, inode = ch.read_request_entry("r1")
+    real_stat = os.stat
+    raced = []
+
+    def stat_then_client_commits(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        got = real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+        if path == "r1.json" and not raced:
+            raced.append(True)
+            (req / ".r1.tmp").write_bytes(b'{"second": 2}')
+            os.rename(req / ".r1.tmp", req / "r1.json")
+        return got
+
+    monkeypatch.setattr(os, "stat", stat_then_client_commits)
+    ch.remove_request("r1.json", only=inode)
+    monkeypatch.undo()
+    assert raced
+    assert (req / "r1.json").read_bytes() == b'{"second": 2}'
+    assert sorted(os.listdir(req)) == ["r1.json"]  # nothing left aside
+    st = os.stat(req / "r1.json")
+    assert st.st_nlink == 1
