@@ -422,21 +422,73 @@ def _toml_value(value: object) -> str:
     raise TypeError(f"not a TOML value: {type(value).__name__}")
 
 
+_REQUIREMENT_NAME: Final = re.compile(r"\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)")
+
+
+def _normal_name(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def stale_lock_problem(pyproject: Mapping[str, Any], lock: Mapping[str, Any]) -> str | None:
+    """Why uv.lock is out of date with pyproject.toml, or None: a package `[project].dependencies` names that the
+    lock's entry of the project does not require (`uv add` or an edit without `uv lock`). Only what is certain
+    is refused (a changed version specifier is left to uv); without a `[project]` table or a locked entry of
+    the project there is nothing to compare."""
+    proj = pyproject.get("project")
+    deps = proj.get("dependencies") if isinstance(proj, dict) else None
+    name = proj.get("name") if isinstance(proj, dict) else None
+    if not isinstance(deps, list) or not isinstance(name, str):
+        return None
+    packages = lock.get("package")
+    root = next(
+        (
+            p
+            for p in (packages if isinstance(packages, list) else [])
+            if isinstance(p, dict)
+            and isinstance(p.get("name"), str)
+            and _normal_name(p["name"]) == _normal_name(name)
+            and isinstance(p.get("source"), dict)
+            and ({"virtual", "editable"} & set(p["source"]))
+        ),
+        None,
+    )
+    meta = root.get("metadata") if root is not None else None
+    locked = meta.get("requires-dist") if isinstance(meta, dict) else None
+    if root is None or not isinstance(locked, list):
+        return None
+    have = {_normal_name(r["name"]) for r in locked if isinstance(r, dict) and isinstance(r.get("name"), str)}
+    missing = []
+    for dep in deps:
+        m = _REQUIREMENT_NAME.match(dep) if isinstance(dep, str) else None
+        if m is not None and _normal_name(m.group(1)) not in have:
+            missing.append(m.group(1))
+    if not missing:
+        return None
+    shown = ", ".join(repr(n) for n in missing[:5]) + (
+        f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+    )
+    return (
+        f"uv.lock is out of date: pyproject.toml depends on {shown}, which uv.lock does not lock; run `uv lock` "
+        "(or `uv add` the package), commit uv.lock and sleep again"
+    )
+
+
 def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes]:
     """The (pyproject.toml, uv.lock) uv is given, in canonical form (`canonical_toml`); EnvironmentFailed when
-    the lock is refused (`lock_problem`) or either file is not TOML. Each file is parsed once: the values
+    the lock is refused (`lock_problem`), is out of date with pyproject.toml (`stale_lock_problem`) or either
+    file is not TOML. Each file is parsed once: the values
     checked are the values re-serialised."""
-    out = []
+    docs: list[dict[str, Any]] = []
     for data, name in ((project.pyproject, PROJECT_FILE), (project.lock, LOCK_FILE)):
         doc = parse_toml(data, name)
         problem = doc if isinstance(doc, str) else None
         if name == LOCK_FILE and not isinstance(doc, str):
-            problem = lock_doc_problem(doc, index_url)
+            problem = lock_doc_problem(doc, index_url) or stale_lock_problem(docs[0], doc)
         if problem is not None:
-            raise EnvironmentFailed(problem)
+            raise EnvironmentFailed(_printable(problem))
         assert not isinstance(doc, str)
-        out.append(canonical_toml(doc))
-    return out[0], out[1]
+        docs.append(doc)
+    return canonical_toml(docs[0]), canonical_toml(docs[1])
 
 
 def cache_key(project: LockedProject, python: str, index_url: str, uv_version: str) -> str:

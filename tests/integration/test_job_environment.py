@@ -42,7 +42,7 @@ dependencies = ["six==1.16.0"]
 MEM_MB = 256
 MAX_PROCS = 64
 TMP_MB = 8
-SPACES = ("locked", "twin", "broken", "site", "hog", "bomb", "bystander", "tmp", "plain")
+SPACES = ("locked", "twin", "broken", "stale", "site", "hog", "bomb", "bystander", "tmp", "plain")
 
 
 def need(component: str, available: bool, why: str) -> None:
@@ -134,6 +134,13 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
             bad = lock.replace("six-1.16.0-py2.py3-none-any.whl", "six-0.0.0-py2.py3-none-any.whl")
             assert bad != lock
             files |= {"pyproject.toml": PYPROJECT, "uv.lock": bad}
+        if name == "stale":
+            # A dependency added to pyproject.toml without `uv lock`.
+            stale = PYPROJECT.replace(
+                'dependencies = ["six==1.16.0"]', 'dependencies = ["six==1.16.0", "attrs"]'
+            )
+            assert stale != PYPROJECT
+            files |= {"pyproject.toml": stale, "uv.lock": lock}
         spaces[name] = make_workspace(tmp / "spaces" / name, files)
         kernel.enroll(spaces[name], "--launches", "20", "--sleeps", "10", "--gpu-hours", "4")
     kernel.start()
@@ -238,6 +245,22 @@ def test_a_lockfile_that_does_not_install_is_refused_before_submission_and_refun
     assert (after["launches"], after["sleeps"]) == (before["launches"], before["sleeps"])
     sleep_dir = env.run_dir / env.key("broken")
     assert not list(sleep_dir.glob("*/never")), "nothing may be submitted"
+
+
+def test_a_lock_out_of_date_with_pyproject_is_refused_with_uv_lock_and_refunded(env: Env) -> None:
+    before = json.loads((env.spaces["stale"] / ".syscall" / "budget.json").read_text())["budget"]
+    env.ok("stale", "launch", "--name", "never", "--", "echo should not run")
+    done = env.tool("stale", "sleep", "--json")
+    assert done.returncode == 3, done.stdout + done.stderr
+    ans = json.loads(done.stdout)
+    assert ans["error"]["code"] == "environment.failed"
+    assert "uv.lock is out of date" in ans["error"]["message"]
+    assert "'attrs'" in ans["error"]["message"]
+    assert "run `uv lock`" in ans["error"]["message"]
+    after = json.loads((env.spaces["stale"] / ".syscall" / "budget.json").read_text())["budget"]
+    assert (after["launches"], after["sleeps"]) == (before["launches"], before["sleeps"])
+    # refused before any build: no uv ran for it
+    assert not [e for e in env.log_events("environment_ready") if e.get("ws") == env.key("stale")]
 
 
 def test_every_job_variable_is_set_in_every_task_and_extra_dirs_are_read_only_on_path(env: Env) -> None:

@@ -621,3 +621,20 @@ def test_a_cache_link_that_leaves_the_cache_is_found(tmp_path: Path) -> None:
         "archive-v0/abc/top",
         "archive-v0/fifo",
     ]
+
+
+def test_a_lock_out_of_date_with_pyproject_is_refused_with_uv_lock() -> None:
+    # a dependency added to pyproject.toml without `uv lock`: refused before any build, with the fix
+    stale = b'[project]\nname = "Demo"\ndependencies = ["six==1.16.0", "numpy>=2", "scikit_learn[x]; python_version>\'3\'"]\n'
+    with pytest.raises(E.EnvironmentFailed) as info:
+        E.accepted_files(E.LockedProject(pyproject=stale, lock=REGISTRY.encode()), "")
+    assert "uv.lock is out of date" in str(info.value)
+    assert "'numpy', 'scikit_learn'" in str(info.value)
+    assert "run `uv lock`" in str(info.value)
+    # names compare normalised (Six == six), and a changed specifier alone is left to uv
+    fresh = b'[project]\nname = "demo"\ndependencies = ["Six>=1"]\n'
+    E.accepted_files(E.LockedProject(pyproject=fresh, lock=REGISTRY.encode()), "")
+    # nothing to compare: no [project] table, or no locked entry of the project
+    E.accepted_files(E.LockedProject(pyproject=b"[tool.uv]\n", lock=REGISTRY.encode()), "")
+    other = b'[project]\nname = "other"\ndependencies = ["numpy"]\n'
+    E.accepted_files(E.LockedProject(pyproject=other, lock=REGISTRY.encode()), "")
