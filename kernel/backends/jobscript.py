@@ -128,7 +128,11 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         },
         "environment": None
         if spec.environment is None
-        else dict(msgspec.to_builtins(spec.environment), sync=J.sync_template(jail, spec.environment)),
+        else dict(
+            msgspec.to_builtins(spec.environment),
+            sync=J.sync_template(jail, spec.environment),
+            mount=J.SHARED_VENV,  # where a jail binds the cache's own venv (`venv`), when it has one
+        ),
         "artifacts": list(spec.artifacts),
         "artifact_max_bytes": spec.artifact_max_bytes,
         "artifact_total_max_bytes": spec.artifact_total_max_bytes,

@@ -62,7 +62,7 @@ import shutil
 import stat
 import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -74,7 +74,13 @@ import msgspec
 from kernel.core.config import EnvironmentConfig
 from kernel.io import hostproc
 from kernel.io import log as klog
-from kernel.node.jail import JailPolicy, JobEnvironment, build_bwrap_argv, sync_argv
+from kernel.node.jail import (
+    SHARED_ENV_ROOT,
+    JailPolicy,
+    JobEnvironment,
+    build_bwrap_argv,
+    sync_argv,
+)
 
 LOCK_FILE: Final = "uv.lock"
 PROJECT_FILE: Final = "pyproject.toml"
@@ -142,6 +148,8 @@ class EnvReady(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     uv_version: str
     packages: tuple[tuple[str, str], ...]  # (name, version), sorted by name
     warm_seconds: float
+    # The entry keeps `venv/`, built at jail.SHARED_VENV (in bwrap), which jobs' jails bind read-only.
+    shared_venv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,7 +501,8 @@ def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes
 
 def cache_key(project: LockedProject, python: str, index_url: str, uv_version: str) -> str:
     # v2: uv given the re-serialised files, compileall run with -S (a v1 entry holds the agent's bytes).
-    h = hashlib.sha256(b"syscall-uv-env-v2\0")
+    # v3: built at jail.SHARED_ENV_ROOT, keeping its venv for jobs to bind.
+    h = hashlib.sha256(b"syscall-uv-env-v3\0")
     for part in (
         project.lock_sha256,
         hashlib.sha256(project.pyproject).hexdigest(),
@@ -632,7 +641,7 @@ class EnvCache:
     def entry(self, key: str) -> Path:
         return self.root / key
 
-    def job_environment(self, key: str, project: LockedProject) -> JobEnvironment:
+    def job_environment(self, key: str, project: LockedProject, ready: EnvReady) -> JobEnvironment:
         entry = self.entry(key)
         return JobEnvironment(
             uv=self.uv,
@@ -641,6 +650,7 @@ class EnvCache:
             python=self.cfg.python,
             python_install_dir=str(self.python_install_dir) if self.managed_python else None,
             lock_sha256=project.lock_sha256,
+            venv=str(entry / "venv") if ready.shared_venv else None,
         )
 
     def ready(self, key: str) -> EnvReady | None:
@@ -663,7 +673,7 @@ class EnvCache:
                 ready = await self._warm(key, project, files)
             with contextlib.suppress(OSError):
                 (self.entry(key) / USED).touch()
-        return ready, self.job_environment(key, project), built
+        return ready, self.job_environment(key, project, ready), built
 
     async def _warm(self, key: str, project: LockedProject, files: tuple[bytes, bytes]) -> EnvReady:
         """Build the entry `key` from `files` (`accepted_files`: what uv reads instead of the agent's bytes)."""
@@ -675,28 +685,35 @@ class EnvCache:
                 (tmp / d).mkdir()
             (tmp / "project" / PROJECT_FILE).write_bytes(files[0])
             (tmp / "project" / LOCK_FILE).write_bytes(files[1])
-            extra = {"UV_PROJECT_ENVIRONMENT": str(tmp / "venv")}
+            # In bwrap the entry is built where every job's jail binds its venv (jail.SHARED_ENV_ROOT, one
+            # mount, so uv links from its cache into the venv), the project files read-only over it; elsewhere
+            # at its own path, and each task syncs a venv of its own from the cache.
+            shared = self.jail.kind == "bwrap"
+            at = Path(SHARED_ENV_ROOT) if shared else tmp
+            mounts = [(str(tmp), str(at), True), (str(tmp / "project"), str(at / "project"), False)]
+            extra = {"UV_PROJECT_ENVIRONMENT": str(at / "venv")}
             if self.cfg.index_url:
                 extra["UV_INDEX_URL"] = self.cfg.index_url
-            writable = [str(tmp / d) for d in ("uv", "venv", "home")]
+            writable = [] if shared else [str(tmp / d) for d in ("uv", "venv", "home")]
             if self.managed_python:
                 extra["UV_PYTHON_INSTALL_DIR"] = str(self.python_install_dir)
                 self.python_install_dir.mkdir(mode=0o700, exist_ok=True)
                 writable.append(str(self.python_install_dir))
             else:
                 extra["UV_PYTHON_DOWNLOADS"] = "never"
-            env = uv_env(os.environ, home=str(tmp / "home"), cache=str(tmp / "uv"), **extra)
+            env = uv_env(os.environ, home=str(at / "home"), cache=str(at / "uv"), **extra)
             certs = cert_paths(env)
-            argv = sync_argv(self.uv, str(tmp / "project"), self.cfg.python, offline=False)
+            argv = sync_argv(self.uv, str(at / "project"), self.cfg.python, offline=False)
             started = time.monotonic()
             got = await self._run_jailed(
                 UV_SYNC,
                 argv,
                 network=True,
                 writable=writable,
-                readable=[self.uv, str(tmp / "project"), *certs],
+                readable=[self.uv, *certs] if shared else [self.uv, str(tmp / "project"), *certs],
                 env=env,
-                cwd=str(tmp / "project"),
+                cwd=str(at / "project"),
+                mounts=mounts if shared else (),
             )
             if got is None:
                 raise EnvironmentFailed(
@@ -708,7 +725,7 @@ class EnvCache:
             if got[0] != 0:
                 raise EnvironmentFailed(f"uv could not install the locked environment: {tail(out)}")
             venv = tmp / "venv"
-            await self._compile(venv, tmp / "uv", tmp / WARM_LOG)
+            await self._compile(tmp, at, shared, tmp / WARM_LOG)
             # What the jail wrote is what each task installs from, outside its jail: no link may leave it.
             stray = await anyio.to_thread.run_sync(stray_entries, tmp / "uv")
             if stray:
@@ -724,8 +741,10 @@ class EnvCache:
                 uv_version=await self.uv_version(),
                 packages=tuple(site_packages(venv)),
                 warm_seconds=round(time.monotonic() - started, 3),
+                shared_venv=shared,
             )
-            shutil.rmtree(venv, ignore_errors=True)
+            if not shared:
+                shutil.rmtree(venv, ignore_errors=True)
             shutil.rmtree(tmp / "home", ignore_errors=True)
             (tmp / READY).write_bytes(msgspec.json.encode(ready))
             try:
@@ -738,30 +757,35 @@ class EnvCache:
             if tmp.exists():  # a plain thread: the kernel's own cache, not one workspace's files
                 await anyio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
 
-    async def _compile(self, venv: Path, cache: Path, log: Path) -> None:
-        """Byte-compile the cache's unpacked wheels with the environment's interpreter. Each job's venv is
-        read-only and installed by hard link from the cache, `__pycache__` included, so without this every job
-        would compile every module it imports from source (over a second for a few common packages).
+    async def _compile(self, tmp: Path, at: Path, shared: bool, log: Path) -> None:
+        """Byte-compile the cache's unpacked wheels (and the venv jobs bind, where the entry keeps one) with the
+        environment's interpreter; `tmp` is the entry being built, mounted at `at` in the jail when `shared`.
+        Jobs' venvs are read-only (the shared one, or one installed by hard link from the cache, `__pycache__`
+        included), so without this every job would compile every module it imports from source (over a second
+        for a few common packages).
 
         Compiling runs no package code: `-S -I` starts the interpreter without site processing (no `.pth` file
         of an installed wheel is read, no sitecustomize imported) and with the stdlib alone on sys.path
         (`compileall` only compiles: it imports nothing it compiles); it runs in the build jail too, without
-        network, able to write only the cache. A module that does not compile (a Python 2 leftover) is only
+        network, able to write only the entry. A module that does not compile (a Python 2 leftover) is only
         logged."""
-        archive = cache / "archive-v0"
-        if not archive.is_dir():
+        dirs = [str(at / "uv" / "archive-v0")] if (tmp / "uv" / "archive-v0").is_dir() else []
+        if shared:
+            dirs.append(str(at / "venv"))
+        if not dirs:
             return
-        python = str(venv / "bin" / "python")
-        argv = [python, "-S", "-I", "-m", "compileall", "-q", "-j", "0", str(archive)]
-        readable = [str(venv), *([str(self.python_install_dir)] if self.managed_python else [])]
+        python = str(at / "venv" / "bin" / "python")
+        argv = [python, "-S", "-I", "-m", "compileall", "-q", "-j", "0", *dirs]
+        managed = [str(self.python_install_dir)] if self.managed_python else []
         got = await self._run_jailed(
             COMPILE,
             argv,
             network=False,
-            writable=[str(cache)],
-            readable=readable,
+            writable=[] if shared else [str(tmp / "uv")],
+            readable=managed if shared else [str(tmp / "venv"), *managed],
             env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"},
-            cwd=str(cache),
+            cwd=str(at / "uv"),
+            mounts=[(str(tmp), str(at), True)] if shared else (),
         )
         if got is not None and got[0] != 0:
             with log.open("ab") as f:
@@ -777,6 +801,7 @@ class EnvCache:
         readable: list[str],
         env: dict[str, str],
         cwd: str,
+        mounts: Sequence[tuple[str, str, bool]] = (),
     ) -> tuple[int, bytes] | None:
         """Run one step of the build (uv sync, compileall) through its hostproc site; (exit status, stdout then
         stderr), or None past `warm_timeout_seconds` (the process is killed; bwrap's --die-with-parent takes its
@@ -789,9 +814,17 @@ class EnvCache:
         lock checks, `--no-build`, the hashes and `-S -I` guarantee holds (docs/operator.md)."""
         if self.jail.kind == "bwrap":
             argv = build_bwrap_argv(
-                self.jail, network=network, writable=writable, readable=readable, env=env, cwd=cwd, argv=argv
+                self.jail,
+                network=network,
+                writable=writable,
+                readable=readable,
+                env=env,
+                cwd=cwd,
+                argv=argv,
+                mounts=mounts,
             )
             env = {"PATH": SAFE_PATH}
+            cwd = "/"  # bwrap's own: the step's is the jail's (--chdir), which may exist only there
         try:
             got = await hostproc.run_async(
                 site, argv, env=env, cwd=cwd, limit_s=self.cfg.warm_timeout_seconds

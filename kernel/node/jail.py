@@ -41,6 +41,14 @@ SCORER_TOKEN: Final = "@@SYSCALL_SCORER@@"
 SCORE_DATA_TOKEN: Final = "@@SYSCALL_SCORE_DATA@@"
 # The job's private venv (kernel.io.envcache): a whole argument, or the start of an env value (`<venv>/bin:...`).
 VENV_TOKEN: Final = "@@SYSCALL_VENV@@"
+# Where the venv is bound from on the node (a whole argument): the task's own synced venv (the same path as
+# VENV_TOKEN), or the warm cache's shared venv, built at SHARED_VENV and bound read-only there in every jail.
+VENV_SOURCE_TOKEN: Final = "@@SYSCALL_VENV_SOURCE@@"
+# Where a warm cache entry is mounted while the kernel builds it in bwrap (kernel.io.envcache), so that the venv
+# it keeps (SHARED_VENV, whose paths the venv embeds) works unchanged when each job's jail binds it there:
+# one mount for the cache and the venv, so uv installs by hard link.
+SHARED_ENV_ROOT: Final = "/syscall-env"
+SHARED_VENV: Final = SHARED_ENV_ROOT + "/venv"
 # The directory in the node's scratch where a task's private venv is synced (kernel.node.wrapper.prepare_environment):
 # a whole argument, or the start of one (`<sync>/env`). It holds SYNC_CACHE, SYNC_VENV and SYNC_HOME, nothing else.
 SYNC_TOKEN: Final = "@@SYSCALL_SYNC@@"
@@ -132,6 +140,9 @@ class JobEnvironment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     python: str
     python_install_dir: str | None = None  # set when the interpreter is uv-managed (bound read-only)
     lock_sha256: str = ""
+    # <entry>/venv: the entry's own venv, built at SHARED_VENV, which a bwrap or apptainer jail binds there
+    # read-only instead of each task syncing a venv of its own (None: the build ran without bwrap)
+    venv: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +224,7 @@ def _abs(path: str, what: str) -> str:
         WORK_TOKEN,
         SCORER_TOKEN,
         VENV_TOKEN,
+        VENV_SOURCE_TOKEN,
         SYNC_TOKEN,
     ):
         raise ValueError(f"jail {what} must be an absolute path, got {path!r}")
@@ -256,11 +268,12 @@ def bwrap_argv(
     command: str,
     *,
     venv: str | None = None,
+    venv_source: str | None = None,
     gpus: int = 0,
     gpu_args: Sequence[str] = (),
 ) -> list[str]:
     """bwrap argv per slurm.md; `env` is the output of `env_args` (or `[ENV_TOKEN]` in a template); `venv` the
-    private environment's path when `policy.venv`; for a task with `gpus`, `gpu_args` binds its device nodes
+    environment's path in the jail when `policy.venv`, bound from `venv_source` (default: the same path); for a task with `gpus`, `gpu_args` binds its device nodes
     (`gpu_bind_args` on the node, `[GPU_TOKEN]` in a template). A task without GPUs gets no GPU device."""
     tree, home = _abs(paths.tree, "tree"), _abs(paths.home, "home")
     bound = [*policy.system_dirs, *policy.etc, *(NETWORK_ETC if policy.network else ())]
@@ -282,7 +295,7 @@ def bwrap_argv(
         if venv is None:
             raise ValueError("the jail binds a private environment but no venv path was given")
         v = _abs(venv, "venv")
-        argv += ["--ro-bind", v, v]
+        argv += ["--ro-bind", _abs(venv_source or v, "venv source"), v]
     argv += ["--bind", home, home, "--bind", tree, tree, "--chdir", tree]
     argv += list(env)
     argv += ["--", "sh", "-c", command]
@@ -297,6 +310,7 @@ def apptainer_argv(
     *,
     gpus: int,
     venv: str | None = None,
+    venv_source: str | None = None,
 ) -> list[str]:
     """apptainer argv per slurm.md (`--containall` does not isolate the network, so `--net --network none`)."""
     if not policy.image:
@@ -313,7 +327,7 @@ def apptainer_argv(
     if policy.venv:
         if venv is None:
             raise ValueError("the jail binds a private environment but no venv path was given")
-        argv += ["--bind", f"{_abs(venv, 'venv')}:{venv}:ro"]
+        argv += ["--bind", f"{_abs(venv_source or venv, 'venv source')}:{_abs(venv, 'venv')}:ro"]
     argv += list(env)
     argv += [policy.image, "sh", "-c", command]
     return argv
@@ -371,13 +385,15 @@ def build_bwrap_argv(
     env: Mapping[str, str],
     cwd: str,
     argv: Sequence[str],
+    mounts: Sequence[tuple[str, str, bool]] = (),
 ) -> list[str]:
     """The locked environment's build jail (kernel.io.envcache: `uv sync` and the byte-compilation run in it on
     the kernel's host): every namespace unshared (the network's too unless `network`: uv downloads, compiling
     does not), the system directories, the allowlisted /etc files (and resolv.conf, gai.conf with the network),
-    `policy.ro_dirs` and `readable` read-only, `writable` read-write and nothing else of the host: not the
-    kernel's state, not the run directory around the entry being built, not a workspace; a fresh /tmp, /proc
-    and /dev; `env` as the whole environment; `argv` run directly (no shell)."""
+    `policy.ro_dirs` and `readable` read-only, `writable` read-write, `mounts` (a host path bound at another
+    path of the jail) and nothing else of the host: not the kernel's state, not the run directory around the
+    entry being built, not a workspace; a fresh /tmp, /proc and /dev; `env` as the whole environment; `argv`
+    run directly (no shell)."""
     bound = [*policy.system_dirs, *policy.etc, *(NETWORK_ETC if network else ())]
     out = _bwrap_start(policy, network=network, hostname="syscall-envbuild", bound=bound)
     out += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
@@ -386,6 +402,8 @@ def build_bwrap_argv(
         out += ["--ro-bind", _abs(d, "read-only path"), d]
     for d in writable:
         out += ["--bind", _abs(d, "writable path"), d]
+    for host, inside, write in mounts:  # (host path, its path in the jail, writable), in order
+        out += ["--bind" if write else "--ro-bind", _abs(host, "mounted path"), _abs(inside, "mount point")]
     out += ["--chdir", _abs(cwd, "working directory")]
     out += env_args("bwrap", env)
     out += ["--", *argv]
@@ -537,13 +555,16 @@ def build_argv(
     *,
     gpus: int = 0,
     venv: str | None = None,
+    venv_source: str | None = None,
     gpu_args: Sequence[str] = (),
 ) -> list[str]:
     match policy.kind:
         case "bwrap":
-            return bwrap_argv(policy, paths, env, command, venv=venv, gpus=gpus, gpu_args=gpu_args)
+            return bwrap_argv(
+                policy, paths, env, command, venv=venv, venv_source=venv_source, gpus=gpus, gpu_args=gpu_args
+            )
         case "apptainer":
-            return apptainer_argv(policy, paths, env, command, gpus=gpus, venv=venv)
+            return apptainer_argv(policy, paths, env, command, gpus=gpus, venv=venv, venv_source=venv_source)
         case "none":
             return none_argv(command)
 
@@ -557,6 +578,7 @@ def template_argv(policy: JailPolicy, *, gpus: int = 0) -> list[str]:
         COMMAND_TOKEN,
         gpus=gpus,
         venv=VENV_TOKEN if policy.venv else None,
+        venv_source=VENV_SOURCE_TOKEN if policy.venv else None,
         gpu_args=[GPU_TOKEN],
     )
 

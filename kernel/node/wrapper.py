@@ -83,6 +83,7 @@ COMMAND_TOKEN = "@@SYSCALL_COMMAND@@"
 SCORER_TOKEN = "@@SYSCALL_SCORER@@"
 SCORE_DATA_TOKEN = "@@SYSCALL_SCORE_DATA@@"
 VENV_TOKEN = "@@SYSCALL_VENV@@"
+VENV_SOURCE_TOKEN = "@@SYSCALL_VENV_SOURCE@@"
 GPU_TOKEN = "@@SYSCALL_GPUS@@"
 SYNC_TOKEN = "@@SYSCALL_SYNC@@"
 GPU_CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
@@ -230,10 +231,18 @@ def render_argv(
     venv: str = "",
     gpus: list[str] | None = None,
     score_data: str = "",
+    venv_source: str = "",
 ) -> list[str]:
     """Fill the jail template's tokens with node-side values: the env, the command and the GPU binds replace
     whole arguments; a path token may also sit inside one (apptainer's `SRC:DST:ro`)."""
-    values = {TREE_TOKEN: tree, HOME_TOKEN: home, WORK_TOKEN: work, SCORER_TOKEN: scorer, VENV_TOKEN: venv}
+    values = {
+        TREE_TOKEN: tree,
+        HOME_TOKEN: home,
+        WORK_TOKEN: work,
+        SCORER_TOKEN: scorer,
+        VENV_TOKEN: venv,
+        VENV_SOURCE_TOKEN: venv_source or venv,
+    }
     if score_data:
         values[SCORE_DATA_TOKEN] = score_data
     out: list[str] = []
@@ -1716,22 +1725,37 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
             note(f"stopped by {runner.signal_name} before the command started")
             code = EXIT_TIMEOUT if runner.reason == KIND_TIMEOUT else EXIT_TERMINATED
             return tdir, exit_record(runner.reason, code, signal=runner.signal_name)
-        venv = ""
-        if config.get("environment"):
+        venv = venv_source = ""
+        kind = config["jail"]["kind"]
+        environment = config.get("environment")
+        if environment and environment.get("venv") and kind in ("bwrap", "apptainer"):
+            # The warm cache's own venv, built where the jail binds it (read-only): nothing to build per task.
+            venv, venv_source = environment["mount"], environment["venv"]
+        elif environment:
             try:
-                venv = prepare_environment(config["environment"], scratch, err_fd, environ.get("PATH"))
+                venv = prepare_environment(environment, scratch, err_fd, environ.get("PATH"))
             except WrapperError as e:
                 note(str(e))
                 return tdir, exit_record(e.kind, e.code)
         env = job_env(config, index, home, environ, venv)
-        kind = config["jail"]["kind"]
         gpu = config.get("gpu") or {}
         gpus = None
         if int(gpu.get("count", 0)) > 0:
             gpus = gpu_bind_args(
                 environ.get("CUDA_VISIBLE_DEVICES"), dev_listing(), bool(gpu.get("constrained"))
             )
-        argv = render_argv(config["jail"]["argv"], kind, tree, home, work, env, command, venv=venv, gpus=gpus)
+        argv = render_argv(
+            config["jail"]["argv"],
+            kind,
+            tree,
+            home,
+            work,
+            env,
+            command,
+            venv=venv,
+            gpus=gpus,
+            venv_source=venv_source,
+        )
         argv[0] = jail_program(argv[0], environ.get("PATH"))
         import subprocess
 

@@ -466,12 +466,18 @@ def test_the_wrapper_is_told_the_job_variables_environment_gpus_and_limits() -> 
         "python": "/usr/bin/python3",
         "python_install_dir": None,
         "lock_sha256": "",
+        "venv": None,  # no shared venv: each task syncs its own
+        "mount": J.SHARED_VENV,
     }
     assert cfg["gpu"] == {"count": 2, "constrained": False}
     assert cfg["limits"] == {"mem_mb": 512, "max_procs": 100, "tree_mb": 0}
     assert cfg["forward_vars"] == ["CUDA_VISIBLE_DEVICES"]
     argv = cfg["jail"]["argv"]  # type: ignore[index]
-    assert argv[argv.index("--ro-bind") + 1 : argv.index("--ro-bind") + 3] == [J.VENV_TOKEN, J.VENV_TOKEN]
+    # bound from the venv the node has (its own, or the cache's) at the path the job sees
+    assert argv[argv.index("--ro-bind") + 1 : argv.index("--ro-bind") + 3] == [
+        J.VENV_SOURCE_TOKEN,
+        J.VENV_TOKEN,
+    ]
     assert J.GPU_TOKEN in argv
     # Without GPUs the node's GPU list is not forwarded and no device is bound.
     plain = jobscript.wrapper_config(_spec())

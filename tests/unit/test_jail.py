@@ -323,6 +323,7 @@ def test_wrapper_tokens_match_the_kernels() -> None:
         W.ENV_TOKEN,
         W.COMMAND_TOKEN,
         W.VENV_TOKEN,
+        W.VENV_SOURCE_TOKEN,
         W.GPU_TOKEN,
         W.SYNC_TOKEN,
     ) == (
@@ -332,6 +333,7 @@ def test_wrapper_tokens_match_the_kernels() -> None:
         J.ENV_TOKEN,
         J.COMMAND_TOKEN,
         J.VENV_TOKEN,
+        J.VENV_SOURCE_TOKEN,
         J.GPU_TOKEN,
         J.SYNC_TOKEN,
     )
