@@ -176,9 +176,11 @@ class SleepView(_Strict, frozen=True):
     launches: tuple[LaunchSummary, ...] = ()
 
 
-class KernelRef(_Strict, frozen=True):
+class KernelRef(_Strict, frozen=True, omit_defaults=True):
     name: str
     version: str
+    # The commit the kernel was built from (absent where its build had no git metadata).
+    commit: str | None = None
 
 
 class QueueEntry(_Strict, frozen=True):

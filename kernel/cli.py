@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.metadata
 import importlib.resources
 import logging
 import os
@@ -20,7 +19,7 @@ import anyio
 import msgspec
 
 from channel import limits as L
-from channel import safefs
+from channel import release, safefs
 from channel.messages import EvalContract
 from kernel.core.budget import Balance
 from kernel.core.config import Config, ConfigError, load
@@ -87,13 +86,6 @@ class KernelStatus(msgspec.Struct, frozen=True):
     requests: int
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("syscall-kernel")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="syscall-kernel",
@@ -101,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--version", action="version", version=release.describe("%(prog)s"))
     sub = p.add_subparsers(dest="command", required=True)
 
     def config_opt(sp: argparse.ArgumentParser) -> None:

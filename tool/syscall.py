@@ -27,7 +27,10 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-__version__ = "0.1.0"  # the package version (pyproject.toml); tool-news.md names it
+# The release this copy belongs to: the kernel stamps both when it installs the tool into a channel
+# (kernel.io.install.ToolSource.bundled); tool-news.md names the version. Unstamped here in the source.
+__version__ = "0+unstamped"
+__commit__ = None  # type: Optional[str]
 PROTOCOL = 1
 STAGING_VERSION = 1
 
@@ -3179,6 +3182,19 @@ def _sub(
     )
 
 
+def release() -> Tuple[str, Optional[str]]:
+    """(version, commit) of this copy: what the kernel stamped into it; for the unstamped file run as the
+    installed `syscall` command (module `tool.syscall`), the release of the package it came with."""
+    if __commit__ is None and __package__ == "tool":
+        try:
+            from channel.release import COMMIT, VERSION
+        except ImportError:
+            pass
+        else:
+            return VERSION, COMMIT
+    return __version__, __commit__
+
+
 def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -3195,6 +3211,10 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         prog=PROG,
         description=OVERVIEW.format(p=PROG),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    version, commit = release()
+    parser.add_argument(
+        "--version", action="version", version="{} {} (commit {})".format(PROG, version, commit or "unknown")
     )
     subs = parser.add_subparsers(dest="verb", metavar="VERB")
     subs.required = True

@@ -15,7 +15,6 @@ Nothing is ever written into `.git`: not by the service, not by this operator's 
 
 from __future__ import annotations
 
-import functools
 import glob
 import os
 import stat
@@ -28,7 +27,7 @@ from typing import Final, Literal
 import msgspec
 
 from channel import limits as L
-from channel import safefs
+from channel import release, safefs
 from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Limits, Policy, StoreRef, encode
 from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
 from kernel.core import budget, ledger
@@ -49,18 +48,8 @@ from kernel.node.jail import JailPolicy
 KERNEL_NAME: Final = "syscall-kernel"
 
 
-@functools.cache
-def kernel_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("syscall-kernel")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
 def kernel_ref() -> KernelRef:
-    return KernelRef(name=KERNEL_NAME, version=kernel_version())
+    return KernelRef(name=KERNEL_NAME, version=release.VERSION, commit=release.COMMIT)
 
 
 class EnrollError(Exception):

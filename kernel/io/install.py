@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Final
 
-from channel import safefs
+from channel import release, safefs
 from channel.paths import ChannelPaths
 from channel.render import data_block
 
@@ -48,11 +48,26 @@ class ToolSource:
 
     @classmethod
     def bundled(cls) -> ToolSource:
-        """The tool shipped with this kernel (`tool/syscall.py`)."""
+        """The tool shipped with this kernel (`tool/syscall.py`), stamped with this kernel's release."""
         try:
-            return cls(importlib.resources.files("tool").joinpath("syscall.py").read_bytes())
+            src = importlib.resources.files("tool").joinpath("syscall.py").read_bytes()
         except (FileNotFoundError, ModuleNotFoundError) as exc:
             raise ToolMissing(f"the kernel's copy of the tool (tool/syscall.py) is missing: {exc}") from None
+        return cls(stamped(src, release.VERSION, release.COMMIT))
+
+
+_UNSTAMPED: Final = (b'__version__ = "0+unstamped"\n', b"__commit__ = None  # type: Optional[str]\n")
+
+
+def stamped(src: bytes, version: str, commit: str | None) -> bytes:
+    """The tool's source with its release lines (`__version__`, `__commit__`) naming `version` and `commit`: a
+    copy in a channel runs without the package, so it carries them itself."""
+    if any(src.count(line) != 1 for line in _UNSTAMPED):
+        raise ToolMissing("the kernel's copy of the tool (tool/syscall.py) lacks its unstamped release lines")
+    version_line, commit_line = _UNSTAMPED
+    return src.replace(version_line, f"__version__ = {version!r}\n".encode()).replace(
+        commit_line, f"__commit__ = {commit!r}  # type: Optional[str]\n".encode()
+    )
 
 
 @dataclass(frozen=True, slots=True)

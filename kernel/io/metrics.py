@@ -29,6 +29,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from channel import release
 from kernel.io.store import Store
 
 REGISTRY: Final = CollectorRegistry(auto_describe=True)
@@ -72,6 +73,13 @@ CHANNEL_PROBLEMS: Final = Gauge(
     "Enrolled workspaces whose channel has a recorded problem",
     registry=REGISTRY,
 )
+BUILD_INFO: Final = Gauge(
+    P + "build_info",
+    "Always 1: the running kernel's release (version) and the commit it was built from",
+    ["version", "commit"],
+    registry=REGISTRY,
+)
+BUILD_INFO.labels(version=release.VERSION, commit=release.COMMIT or "unknown").set(1)
 DEGRADED: Final = Gauge(
     P + "degraded",
     "1 while the kernel is degraded (store writes fail, heavy work overdue, enrollment waits for a hung filesystem)",

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from channel import release
 from spec.conformance import client_mode, kernel_mode
 from spec.conformance.report import Result, exit_code, render_junit, render_table
 from spec.conformance.vectors import VectorFileError
@@ -52,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    ap.add_argument("--version", action="version", version=release.describe("%(prog)s"))
     sub = ap.add_subparsers(dest="mode", required=True, metavar="{kernel,client}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--junit", type=Path, metavar="FILE", help="also write the results as JUnit XML")

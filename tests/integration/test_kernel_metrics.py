@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from kernelproc import Kernel, git_workspace, put_request, status, wait_answer, wait_for
 
+from channel import release
 from channel.paths import workspace_key
 
 
@@ -74,6 +76,11 @@ def test_metrics_count_requests_latency_sleeps_tasks_and_budgets(tmp_path: Path)
         assert value(text, "syscall_kernel_workspaces") == 1
         assert value(text, "syscall_kernel_channels_with_problems") == 0
         assert value(text, "syscall_kernel_degraded") == 0
+        # the release that runs, as kernel.json names it
+        info = json.loads((ws / ".syscall" / "kernel.json").read_bytes())["kernel"]
+        assert info["version"] == release.VERSION
+        assert info["commit"] == release.COMMIT
+        assert value(text, "syscall_kernel_build_info", version=release.VERSION, commit=info["commit"]) == 1
         assert k.stop() == 0
     finally:
         k.ensure_stopped()

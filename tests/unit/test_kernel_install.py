@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import tomllib
+import importlib.metadata
+import subprocess
+import sys
 from pathlib import Path
 
-from kernel.io.install import ToolSource, news, summarize
+import pytest
+
+from channel import release
+from kernel.io.install import ToolMissing, ToolSource, news, stamped, summarize
 
 OLD = b"""VERSION = "1.0"
 sub.add_parser("status")
@@ -54,11 +59,34 @@ def test_news_fences_and_escapes_what_an_agent_edited_tool_declares() -> None:
     assert fenced.lstrip("\n").startswith("```text\n")
 
 
-def test_the_bundled_tool_declares_the_package_version() -> None:
-    """tool-news.md said "Installed version (unversioned)": the tool had no version string."""
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
-    assert summarize(ToolSource.bundled().data).version == pyproject["project"]["version"]
-    assert "Installed version " + pyproject["project"]["version"] in news(None, ToolSource.bundled().data)
+def test_the_bundled_tool_declares_the_kernels_release() -> None:
+    """tool-news.md said "Installed version (unversioned)": the tool had no version string; then every release
+    was 0.1.0. The copy a channel gets is stamped with the release of the kernel that installs it."""
+    installed = importlib.metadata.version("syscall-kernel")
+    assert installed == release.VERSION
+    assert summarize(ToolSource.bundled().data).version == installed
+    assert "Installed version " + installed in news(None, ToolSource.bundled().data)
+
+
+def test_a_channels_copy_names_its_release_without_the_package(tmp_path: Path) -> None:
+    """`syscall --version` was refused; a copy in a workspace runs where the kernel's package is not importable."""
+    tool = tmp_path / "syscall"
+    source = Path(__file__).resolve().parents[2] / "tool" / "syscall.py"
+    tool.write_bytes(stamped(source.read_bytes(), "7.3.1", "abc1234"))
+    # -I: not the test's sys.path, not PYTHONPATH; the package is not importable from tmp_path
+    out = subprocess.run(
+        [sys.executable, "-I", str(tool), "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert out.stdout.split(" ", 1)[1] == "7.3.1 (commit abc1234)\n"
+
+
+def test_an_unstamped_source_is_refused() -> None:
+    with pytest.raises(ToolMissing, match="unstamped release lines"):
+        stamped(b'__version__ = "1.0"\n', "2.0", None)
 
 
 def test_verbs_through_a_helper_and_the_real_tool() -> None:
