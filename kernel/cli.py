@@ -26,7 +26,7 @@ from kernel.core.config import Config, ConfigError, load
 from kernel.core.evaluate import EVAL_FLAGS, SELF_REPORTED_WARNING, contract_problem, is_trusted
 from kernel.io import log, retention, statedir
 from kernel.io.repo import KernelRepo, RepoError, UntrustedGit, base_ref
-from kernel.io.store import Store, StoreError
+from kernel.io.store import Store, StoreError, StoreNewer
 
 if TYPE_CHECKING:
     from kernel.io.enroll import Published
@@ -84,6 +84,8 @@ class KernelStatus(msgspec.Struct, frozen=True):
     live_sleeps: int
     live_jobs: int
     requests: int
+    # Set while the store has an older schema than this kernel's (Store.pending_note): read from a migrated copy.
+    migration_pending: str | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -297,6 +299,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     try:
         anyio.run(functools.partial(serve, cfg, publish=lock.publish))
+    except StoreNewer as exc:
+        # a rollback over a newer release's store: not a crash, and no restart will change it
+        log.event("store_refused", logging.ERROR, store=str(cfg.db_path), problem=str(exc))
+        print(f"syscall-kernel serve: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         # Through the logger (journald priority crit), not a bare traceback on stderr; nonzero for Restart=.
         log.crashed(exc)
@@ -517,6 +524,7 @@ def _status(cfg: Config) -> KernelStatus:
             counts["live_sleeps"],
             counts["live_jobs"],
             counts["requests"],
+            store.pending_note(),
         )
     finally:
         store.close()
@@ -543,6 +551,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         sys.stdout.write(msgspec.json.encode(st).decode() + "\n")
         return 0
     print(f"state: {st.state_dir}")
+    if st.migration_pending is not None:
+        print(f"store: {st.migration_pending}")
     if st.kernel_pid is None:
         print("kernel: NOT running (no process holds the state dir's lock)")
     else:

@@ -120,7 +120,9 @@ def wait_answer(ws: Path, rid: str, timeout: float = 10.0) -> dict[str, Any]:
 class Kernel:
     """`syscall-kernel` run as a real process with its own config and state directory."""
 
-    def __init__(self, tmp: Path, extra: str = "", *, name: str = "kernel") -> None:
+    def __init__(self, tmp: Path, extra: str = "", *, name: str = "kernel", root: Path = ROOT) -> None:
+        # The source tree whose `kernel.cli` runs (`python -m` from it: another commit's tree runs its own code).
+        self.root = root
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state = self.dir / "state"
@@ -135,7 +137,7 @@ class Kernel:
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
             [sys.executable, "-m", "kernel.cli", *args, "--config", str(self.config)],
-            cwd=ROOT,
+            cwd=self.root,
             capture_output=True,
             text=True,
             timeout=120,
@@ -158,7 +160,7 @@ class Kernel:
         full_env.update(env or {})
         self.proc = subprocess.Popen(
             [*(prefix or []), sys.executable, "-m", "kernel.cli", "serve", "--config", str(self.config)],
-            cwd=ROOT,
+            cwd=self.root,
             stdout=self._log_file,
             stderr=self._log_file,
             env=full_env,

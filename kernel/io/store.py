@@ -28,6 +28,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from channel import release
 from channel.lifecycle import (
     FIRST_TASK_STATE,
     IllegalTransition,
@@ -44,7 +45,10 @@ from kernel.core.records import ExecSleepRow, JobRow, RequestRow, SleepRow, Work
 from kernel.io import log
 from kernel.io.budgetorder import BudgetOrder
 
-SCHEMA_VERSION: Final = 1
+# The schema this kernel writes, in `PRAGMA user_version`. Releases at 1 made the tables and columns of
+# _ADMIN_SCHEMA and _ADDED_COLUMNS when missing without changing it, so a store at 1 holds any subset of them;
+# 2 is a store with all of them. A change to the schema raises it and adds a step to _MIGRATIONS.
+SCHEMA_VERSION: Final = 2
 
 _SCHEMA: Final = """
 CREATE TABLE workspaces (
@@ -243,6 +247,43 @@ _ADDED_COLUMNS: Final = (
     ("workspaces", "subdirs", "TEXT"),
 )
 
+
+def _ensure_additive(c: sqlite3.Connection) -> None:
+    """Make every table of _ADMIN_SCHEMA and column of _ADDED_COLUMNS that is missing (in the open transaction)."""
+    for stmt in _ADMIN_SCHEMA.split(";"):
+        if stmt.strip():
+            c.execute(stmt)
+    for table, column, kind in _ADDED_COLUMNS:
+        if column not in {r[1] for r in c.execute(f"PRAGMA table_info({table})")}:
+            c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+
+
+# version -> the step that takes a store at that version to the next one, run in the migrating transaction.
+_MIGRATIONS: Final[dict[int, Callable[[sqlite3.Connection], None]]] = {1: _ensure_additive}
+assert set(_MIGRATIONS) == set(range(1, SCHEMA_VERSION)), "a step for every version below SCHEMA_VERSION"
+
+
+def _migrate(c: sqlite3.Connection, version: int) -> None:
+    for v in range(version, SCHEMA_VERSION):
+        _MIGRATIONS[v](c)
+    c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def backup_name(db: Path, old: int, new: int, at: float) -> Path:
+    """Where the copy taken before migrating `db` from schema `old` to `new` goes: beside it, named with both."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(at))
+    return db.with_name(f"{db.name}.v{old}-before-v{new}.{stamp}.bak")
+
+
+def backups(db: Path, version: int) -> list[Path]:
+    """The backups of `db` taken at schema `version` (before a migration away from it), oldest first."""
+    return sorted(db.parent.glob(f"{db.name}.v{version}-before-v*.bak"))
+
+
+def _release_line() -> str:
+    return f"syscall-kernel {release.VERSION} (commit {release.COMMIT or 'unknown'})"
+
+
 _PLAN_COLS: Final = (
     "workspace, seq, decision, contract, seed, base_commit, base_tree, candidate_commit, candidate_tree, "
     "baseline_key, reused_value, seeds, protected_changed, shadows_removed"
@@ -316,6 +357,10 @@ class StoreError(Exception):
     """The state store cannot be used (wrong schema version, unreadable file)."""
 
 
+class StoreNewer(StoreError):
+    """The store has a newer schema than this kernel reads (a release was rolled back)."""
+
+
 class Store:
     """The sqlite state store. Use `Store.open`; write only inside `transaction()`."""
 
@@ -330,9 +375,14 @@ class Store:
         self._wal_fd: int | None = None
         # The order of this kernel's budget.json writes (kernel.io.budgetorder): stamps taken in store steps.
         self.budget_order = BudgetOrder()
+        # (store's schema, SCHEMA_VERSION) when this read-only store reads a migrated copy of an older store.
+        self.pending_migration: tuple[int, int] | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, readonly: bool = False) -> Store:
+        """The store at `path`. Read-write, a store of an older schema is migrated first (a backup beside it,
+        `event=store_migrated`); read-only, it is read through a migrated copy in memory, the file untouched, and
+        `pending_migration` says so. A store of a newer schema is refused (StoreNewer) either way."""
         p = Path(path)
         if readonly:
             if not p.exists():
@@ -348,7 +398,7 @@ class Store:
         try:
             store._setup(readonly=readonly)
         except BaseException:
-            conn.close()
+            store._conn.close()
             raise
         return store
 
@@ -357,9 +407,13 @@ class Store:
         c.execute("PRAGMA busy_timeout = 30000")
         c.execute("PRAGMA foreign_keys = ON")
         if readonly:
-            version = c.execute("PRAGMA user_version").fetchone()[0]
-            if version != SCHEMA_VERSION:
-                raise StoreError(f"{self.path}: schema version {version}, this kernel reads {SCHEMA_VERSION}")
+            version = self._version()
+            if version == 0:
+                raise StoreError(
+                    f"{self.path}: an empty store (schema version 0): no kernel has written it yet"
+                )
+            if version < SCHEMA_VERSION:
+                self._read_migrated_copy(version)
             return
         mode = c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if mode != "wal":
@@ -368,24 +422,136 @@ class Store:
             )
         # FULL: the WAL is fsynced at every commit, so "committed before the side effect" holds across power loss.
         c.execute("PRAGMA synchronous = FULL")
-        with self.transaction():
-            version = c.execute("PRAGMA user_version").fetchone()[0]
-            if version == 0:
-                for stmt in _SCHEMA.split(";"):
-                    if stmt.strip():
-                        c.execute(stmt)
-                c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            elif version != SCHEMA_VERSION:
-                raise StoreError(f"{self.path}: schema version {version}, this kernel needs {SCHEMA_VERSION}")
-            for stmt in _ADMIN_SCHEMA.split(";"):
-                if stmt.strip():
-                    c.execute(stmt)
-            for table, column, kind in _ADDED_COLUMNS:
-                if column not in {r[1] for r in c.execute(f"PRAGMA table_info({table})")}:
-                    c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-            self._rekey_legacy()
-            if c.execute("SELECT 1 FROM store_meta WHERE name = 'store_id'").fetchone() is None:
-                c.execute("INSERT INTO store_meta (name, value) VALUES ('store_id', ?)", (uuid.uuid4().hex,))
+        while True:
+            # The backup API cannot read while this connection holds the write lock, so the copy is taken before
+            # the migrating transaction, and taken again if another connection committed in between.
+            copy = self._backup_if_older()
+            with self.transaction():
+                version = self._version()
+                older = 0 < version < SCHEMA_VERSION
+                if copy is not None and (
+                    not older or copy[:2] != (version, self._one("PRAGMA data_version")[0])
+                ):
+                    copy[2].unlink(missing_ok=True)  # not the store this transaction sees
+                    copy = None
+                if older:
+                    if copy is None:
+                        continue
+                    _migrate(c, version)
+                elif version == 0:
+                    for stmt in _SCHEMA.split(";"):
+                        if stmt.strip():
+                            c.execute(stmt)
+                    c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                # a table or column lost from a store at SCHEMA_VERSION (made by hand) is made again
+                _ensure_additive(c)
+                self._rekey_legacy()
+                if c.execute("SELECT 1 FROM store_meta WHERE name = 'store_id'").fetchone() is None:
+                    c.execute(
+                        "INSERT INTO store_meta (name, value) VALUES ('store_id', ?)", (uuid.uuid4().hex,)
+                    )
+                # the release that last wrote it, for an older kernel's refusal to name
+                c.execute(
+                    "INSERT INTO store_meta (name, value) VALUES ('release', ?) "
+                    "ON CONFLICT (name) DO UPDATE SET value = excluded.value WHERE value != excluded.value",
+                    (_release_line(),),
+                )
+            break
+        if copy is not None:
+            log.event(
+                "store_migrated",
+                store=str(self.path),
+                backup=str(copy[2]),
+                release=release.VERSION,
+                **{"from": copy[0], "to": SCHEMA_VERSION},
+            )
+
+    def _backup_if_older(self) -> tuple[int, int, Path] | None:
+        """For a store of an older schema: (its schema, sqlite's data_version before the copy, the backup)."""
+        version = self._version()
+        if not 0 < version < SCHEMA_VERSION:
+            return None
+        seen = int(self._one("PRAGMA data_version")[0])
+        return version, seen, self._backup(version)
+
+    def _version(self) -> int:
+        """The store's schema version; StoreNewer if it is newer than this kernel reads."""
+        version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            try:
+                row = self._one("SELECT value FROM store_meta WHERE name = 'release'")
+            except sqlite3.Error:
+                row = None
+            wrote = f"written by {row[0]}" if row is not None else "written by a newer release"
+            found = backups(self.path, SCHEMA_VERSION)
+            restore = (
+                f"the newest backup taken at schema {SCHEMA_VERSION} is {found[-1]}"
+                if found
+                else f"no backup taken at schema {SCHEMA_VERSION} is beside it"
+            )
+            raise StoreNewer(
+                f"{self.path} has schema version {version} ({wrote}); this kernel, {_release_line()}, reads "
+                f"schema versions up to {SCHEMA_VERSION}. Install the newer release again, or go back to this "
+                f"one by stopping the kernel and copying back over the store the backup its upgrade took "
+                f"({restore}; what was done since that upgrade is then forgotten: docs/operator.md, "
+                "Upgrading and rolling back)"
+            )
+        return version
+
+    def _backup(self, version: int) -> Path:
+        """A complete copy of the store (sqlite's backup API) beside it, named with `version` and SCHEMA_VERSION,
+        durable before it is given its name."""
+        final = backup_name(self.path, version, SCHEMA_VERSION, time.time())
+        tmp = self.path.with_name(f"{self.path.name}.backup.tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            dest = sqlite3.connect(tmp)
+            try:
+                self._conn.backup(dest)
+            finally:
+                dest.close()
+            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return final
+
+    def pending_note(self) -> str | None:
+        """What `status` and `check` say of a store read through a migrated copy (None: nothing pending)."""
+        if self.pending_migration is None:
+            return None
+        old, new = self.pending_migration
+        return (
+            f"schema version {old}, older than this kernel's {new}: a migration is pending (the next "
+            "`syscall-kernel serve`, or a command that writes, makes it after a backup beside the store); shown "
+            "from a migrated copy in memory, the store itself untouched"
+        )
+
+    def _read_migrated_copy(self, version: int) -> None:
+        """Serve reads from an in-memory copy of the store migrated to SCHEMA_VERSION; the file is not written."""
+        mem = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        try:
+            self._conn.backup(mem)
+            mem.execute("PRAGMA foreign_keys = ON")
+            mem.execute("BEGIN")
+            _migrate(mem, version)
+            mem.execute("COMMIT")
+        except BaseException:
+            mem.close()
+            raise
+        self._conn.close()
+        self._conn = mem
+        self.pending_migration = (version, SCHEMA_VERSION)
 
     def _rekey_legacy(self) -> None:
         """Give every workspace whose key no consumer accepts (an earlier `workspace_key` kept non-ASCII letters

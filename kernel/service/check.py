@@ -108,9 +108,12 @@ def _workspaces(cfg: Config) -> list[Finding]:
     try:
         rows = store.workspaces()
         paused = store.paused()
+        pending = store.pending_note()
     finally:
         store.close()
     out = [Finding("ok", "store", f"{len(rows)} workspaces enrolled ({len(paused)} paused)")]
+    if pending is not None:
+        out.append(Finding("warn", "store", pending))
     out += [Finding("warn", f"workspace {r.key}", f"{r.path}: {r.problem}") for r in rows if r.problem]
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 from dataclasses import replace
@@ -10,11 +11,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from channel import release
 from channel.messages import EvalContract, Policy, SidePath
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import RequestRow, WorkspaceRow
-from kernel.io.store import Store, StoreError, timestamp
+from kernel.io.store import SCHEMA_VERSION, Store, StoreError, StoreNewer, backups, timestamp
 
 NOW = timestamp(1796040000.0)
 
@@ -325,3 +327,94 @@ def test_a_transaction_without_the_fsync_commits_and_sync_wal_makes_it_durable(
         assert synced == [os.stat(f"{tmp_path / 's.sqlite'}-wal").st_ino] * 2
     finally:
         s.close()
+
+
+def store_with_w1(path: Path) -> Path:
+    s = Store.open(path)
+    with s.transaction():
+        s.put_workspace(row("w-1"))
+    s.close()
+    return path
+
+
+def _as_schema_1(path: Path) -> None:
+    """Make the store at `path` what a release at schema 1 left: user_version 1, without the columns and tables
+    releases at 1 added later (`workspaces.subdirs`, `store_meta`)."""
+    db = sqlite3.connect(path)
+    db.execute("ALTER TABLE workspaces DROP COLUMN subdirs")
+    db.execute("DROP TABLE store_meta")
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+
+
+def test_an_older_store_is_backed_up_then_migrated_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The migration logged nothing, took no backup and left user_version at 1."""
+    path = store_with_w1(tmp_path / "state.sqlite")
+    _as_schema_1(path)
+    caplog.set_level(logging.INFO)
+    s = Store.open(path)
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 2
+    assert s.workspace("w-1") is not None
+    assert s.store_id() is not None
+    s.close()
+    (backup,) = backups(path, 1)
+    assert backup.name.startswith("state.sqlite.v1-before-v2.")
+    (line,) = [r.getMessage() for r in caplog.records if "event=store_migrated" in r.getMessage()]
+    for part in (f"backup={backup}", f"store={path}", "from=1", "to=2"):
+        assert part in line.split(" "), (part, line)
+    # the backup is the store as it was: schema 1, its rows, not the migrated columns
+    old = sqlite3.connect(f"file:{backup}?mode=ro", uri=True)
+    assert old.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert old.execute("SELECT key FROM workspaces").fetchall() == [("w-1",)]
+    assert "subdirs" not in {r[1] for r in old.execute("PRAGMA table_info(workspaces)")}
+    old.close()
+    # the next open has nothing to migrate
+    caplog.clear()
+    Store.open(path).close()
+    assert "store_migrated" not in caplog.text
+    assert backups(path, 1) == [backup]
+
+
+def test_a_newer_store_is_refused_naming_both_versions_and_the_way_back(tmp_path: Path) -> None:
+    """Rolling back made the old kernel crash on what the newer one wrote (`Invalid enum value 'tail'`)."""
+    path = store_with_w1(tmp_path / "state.sqlite")
+    (tmp_path / "state.sqlite.v2-before-v3.20270101T000000Z.bak").write_bytes(path.read_bytes())
+    db = sqlite3.connect(path)
+    db.execute("UPDATE store_meta SET value = 'syscall-kernel 9.1.0 (commit 0123abc)' WHERE name = 'release'")
+    db.execute("PRAGMA user_version = 3")
+    db.commit()
+    db.close()
+    before = path.read_bytes()
+    for readonly in (False, True):
+        with pytest.raises(StoreNewer) as err:
+            Store.open(path, readonly=readonly)
+        msg = str(err.value)
+        assert "has schema version 3 (written by syscall-kernel 9.1.0 (commit 0123abc))" in msg
+        assert f"syscall-kernel {release.VERSION}" in msg
+        assert "reads schema versions up to 2" in msg
+        assert "Install the newer release again" in msg
+        assert str(tmp_path / "state.sqlite.v2-before-v3.20270101T000000Z.bak") in msg
+    assert path.read_bytes() == before
+
+
+def test_a_read_only_open_of_an_older_store_reads_a_migrated_copy_and_writes_nothing(tmp_path: Path) -> None:
+    """`status` and `check` before the first new `serve` printed `no such column: subdirs`."""
+    path = store_with_w1(tmp_path / "state.sqlite")
+    _as_schema_1(path)
+    before = path.read_bytes()
+    s = Store.open(path, readonly=True)
+    assert s.pending_migration == (1, 2)
+    (ws,) = s.workspaces()
+    assert (ws.key, ws.identity.subdirs, ws.balance) == ("w-1", (), row("w-1").balance)
+    assert s.store_id() is None  # drawn by the migrating open, not made up by a reader
+    s.close()
+    # (sqlite's -wal and -shm files come and go with any reader of a WAL store)
+    assert path.read_bytes() == before
+    assert backups(path, 1) == []
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 1
+    fresh = Store.open(tmp_path / "other.sqlite")
+    fresh.close()
+    assert Store.open(tmp_path / "other.sqlite", readonly=True).pending_migration is None
