@@ -340,7 +340,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     try:
         tool = ToolSource.bundled()
         statedir.prepare(cfg.state_dir)
-        store = Store.open(cfg.db_path)
+        store = _writable_store(cfg)
     except (ToolMissing, StoreError, OSError, statedir.StateDirError) as exc:
         print(f"syscall-kernel enroll: {exc}", file=sys.stderr)
         return 1
@@ -453,7 +453,7 @@ def cmd_rebase(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
     try:
         statedir.prepare(cfg.state_dir, create=False)
-        store = Store.open(cfg.db_path)
+        store = _writable_store(cfg)
     except (StoreError, OSError, statedir.StateDirError) as exc:
         print(f"syscall-kernel rebase: {exc}", file=sys.stderr)
         return 1
@@ -624,10 +624,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def _writable_store(cfg: Config) -> Store:
+    """The store for a command that writes: migrated here only while no kernel serves it (a kernel of the older
+    release would run on over a store it did not make, and refuse it at its next start)."""
+    return Store.open(cfg.db_path, migrate=statedir.holder(cfg.state_dir) is None)
+
+
 def _admin_store(cfg: Config, verb: str) -> Store | None:
     try:
         statedir.prepare(cfg.state_dir, create=False)
-        return Store.open(cfg.db_path)
+        return _writable_store(cfg)
     except (StoreError, OSError, statedir.StateDirError) as exc:
         print(f"syscall-kernel {verb}: {exc}", file=sys.stderr)
         return None

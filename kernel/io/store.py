@@ -357,6 +357,10 @@ class StoreError(Exception):
     """The state store cannot be used (wrong schema version, unreadable file)."""
 
 
+class MigrationHeld(StoreError):
+    """The store needs a migration that the caller may not make now (a kernel serves the store)."""
+
+
 class StoreNewer(StoreError):
     """The store has a newer schema than this kernel reads (a release was rolled back)."""
 
@@ -379,10 +383,12 @@ class Store:
         self.pending_migration: tuple[int, int] | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, readonly: bool = False) -> Store:
+    def open(cls, path: str | os.PathLike[str], *, readonly: bool = False, migrate: bool = True) -> Store:
         """The store at `path`. Read-write, a store of an older schema is migrated first (a backup beside it,
-        `event=store_migrated`); read-only, it is read through a migrated copy in memory, the file untouched, and
-        `pending_migration` says so. A store of a newer schema is refused (StoreNewer) either way."""
+        `event=store_migrated`), or refused (MigrationHeld) with `migrate=False`, which a command passes while
+        a kernel, maybe of an older release, serves the store; read-only, it is read through a migrated copy in
+        memory, the file untouched, and `pending_migration` says so. A store of a newer schema is refused
+        (StoreNewer) either way."""
         p = Path(path)
         if readonly:
             if not p.exists():
@@ -396,13 +402,13 @@ class Store:
             conn = sqlite3.connect(p, isolation_level=None, check_same_thread=False, timeout=30)
         store = cls(conn, p)
         try:
-            store._setup(readonly=readonly)
+            store._setup(readonly=readonly, migrate=migrate)
         except BaseException:
             store._conn.close()
             raise
         return store
 
-    def _setup(self, *, readonly: bool) -> None:
+    def _setup(self, *, readonly: bool, migrate: bool) -> None:
         c = self._conn
         c.execute("PRAGMA busy_timeout = 30000")
         c.execute("PRAGMA foreign_keys = ON")
@@ -422,6 +428,12 @@ class Store:
             )
         # FULL: the WAL is fsynced at every commit, so "committed before the side effect" holds across power loss.
         c.execute("PRAGMA synchronous = FULL")
+        if not migrate and 0 < (version := self._version()) < SCHEMA_VERSION:
+            raise MigrationHeld(
+                f"{self.path} has schema version {version}, which {_release_line()} migrates to "
+                f"{SCHEMA_VERSION} only where no kernel serves the store, and a kernel serves it: restart that "
+                "kernel with this release (it migrates the store, after a backup), then run this again"
+            )
         while True:
             # The backup API cannot read while this connection holds the write lock, so the copy is taken before
             # the migrating transaction, and taken again if another connection committed in between.

@@ -93,6 +93,12 @@ def test_a_store_of_an_older_commit_is_upgraded_with_a_sleep_in_flight_then_a_ro
         put_request(ws, "s1", request)
         assert wait_for(lambda: read_answer(ws, "s1"), 30, "the answer")["type"] == "accepted"
         wait_for(lambda: (marks / "pid").exists() and (marks / "pid").read_text().strip(), 30, "the job")
+        # the new release installed while the old kernel serves: a command that writes does not migrate under it
+        kernel.root = ROOT
+        held = kernel.cli("pause", str(ws), check=False)
+        assert held.returncode != 0
+        assert "a kernel serves it: restart that kernel with this release" in held.stderr, held.stderr
+        kernel.root = old
         assert kernel.stop() == 0
         # what the older release left: its schema, the job running on, no wake yet
         version, columns = schema_of(db)
