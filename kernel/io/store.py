@@ -125,8 +125,9 @@ CREATE TABLE jobs (
 CREATE INDEX jobs_live ON jobs(state) WHERE state IN ('PENDING', 'RUNNING');
 """
 
-# Added after SCHEMA_VERSION 1 shipped, so made if missing at every read-write open (additive only). Every table
-# the kernel keeps is made here, the executor's (exec_sleeps) and submit's (eval_*) included: no other module
+# Added while SCHEMA_VERSION was 1, so made if missing (additive only): by the migration to 2, and again at every
+# read-write open. A table added from now on comes with a SCHEMA_VERSION of its own. Every table the kernel keeps
+# is made here, the executor's (exec_sleeps) and submit's (eval_*) included: no other module
 # creates or alters one.
 _ADMIN_SCHEMA: Final = """
 -- The stat of each channel's kernel.json when it was last read and found to name this store (or none), taken
@@ -238,7 +239,7 @@ CREATE TABLE IF NOT EXISTS eval_measurements (
     measured_at TEXT NOT NULL
 ) STRICT;
 """
-# Columns added to a table of _ADMIN_SCHEMA after it first shipped: added to an older database at open.
+# Columns added to a table while SCHEMA_VERSION was 1: added to an older database at open (as _ADMIN_SCHEMA).
 _ADDED_COLUMNS: Final = (
     ("eval_plans", "seeds", "TEXT"),
     ("eval_plans", "protected_changed", "TEXT"),
@@ -545,8 +546,8 @@ class Store:
         old, new = self.pending_migration
         return (
             f"schema version {old}, older than this kernel's {new}: a migration is pending (the next "
-            "`syscall-kernel serve`, or a command that writes, makes it after a backup beside the store); shown "
-            "from a migrated copy in memory, the store itself untouched"
+            "`syscall-kernel serve` of this release makes it, after a backup beside the store); shown from a "
+            "migrated copy in memory, the store itself untouched"
         )
 
     def _read_migrated_copy(self, version: int) -> None:
