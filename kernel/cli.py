@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.resources
+import json
 import logging
 import os
+import signal
+import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,9 +24,10 @@ import msgspec
 from channel import limits as L
 from channel import release, safefs
 from channel.messages import EvalContract
-from kernel.core.budget import Balance
-from kernel.core.config import Config, ConfigError, load
+from kernel.core.budget import GPU_SECONDS_PER_HOUR, Balance
+from kernel.core.config import Config, ConfigError, load, parse
 from kernel.core.evaluate import EVAL_FLAGS, SELF_REPORTED_WARNING, contract_problem, is_trusted
+from kernel.core.records import WorkspaceRow
 from kernel.io import log, retention, statedir
 from kernel.io.repo import KernelRepo, RepoError, UntrustedGit, base_ref
 from kernel.io.store import Store, StoreError, StoreNewer
@@ -184,6 +188,12 @@ def _parser() -> argparse.ArgumentParser:
     config_opt(rb)
     st = sub.add_parser("status", help="workspaces, budgets, sleeps and jobs in flight (read from the store)")
     st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="read this state dir, with the config's other keys at their defaults (for when the config file "
+        "does not load: a running kernel keeps the config it loaded)",
+    )
     config_opt(st)
     ck = sub.add_parser(
         "check", help="check the config, directories, lock, globs, jail and Slurm names; change nothing"
@@ -209,9 +219,16 @@ def _parser() -> argparse.ArgumentParser:
         bu.add_argument(f"--add-{kind}", type=typ, metavar="N", help=f"add N {kind} (negative: take away)")
         bu.add_argument(f"--set-{kind}", type=typ, metavar="N", help=f"set the {kind} left to N")
     config_opt(bu)
-    hi = sub.add_parser("history", help="what the operator changed: budget changes with who and when")
-    hi.add_argument("workspace", nargs="?", help="only this workspace")
-    hi.add_argument("--budget", action="store_true", required=True, help="budget changes")
+    hi = sub.add_parser(
+        "history",
+        help="what happened: each workspace's sleeps (newest first, with their tasks' states) and requests; "
+        "--budget: the budget changes with who and when",
+    )
+    hi.add_argument("workspace", nargs="?", help="only this workspace (an enrolled or unenrolled one)")
+    hi.add_argument("--budget", action="store_true", help="the budget changes instead of the sleeps")
+    hi.add_argument(
+        "--limit", type=int, metavar="N", default=20, help="sleeps per workspace, newest first (default 20)"
+    )
     hi.add_argument("--json", action="store_true", help="one JSON object per line")
     config_opt(hi)
     d = sub.add_parser("demo", help="run the kernel's main job on the embedded local backend")
@@ -540,8 +557,20 @@ def _budget(b: Balance) -> dict[str, float | int]:
     }
 
 
+def _status_config(args: argparse.Namespace) -> Config:
+    """The config `status` reads the state by: `--state-dir` over the built-in defaults, else the config file."""
+    if args.state_dir is None:
+        try:
+            return _config(args.config)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{exc} (`syscall-kernel status --state-dir DIR` reads a state dir without the config file)"
+            ) from None
+    return parse(f"state_dir = {json.dumps(os.path.abspath(args.state_dir))}\n", "<--state-dir>")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    cfg = _config(args.config)
+    cfg = _status_config(args)
     try:
         st = _status(cfg)
     except StoreError as exc:
@@ -694,6 +723,13 @@ def cmd_budget(args: argparse.Namespace) -> int:
     finally:
         store.close()
     b, a = before.to_message(), after.to_message()
+    if published is None:
+        print(
+            f"budget of {row.path} ({row.key}) unchanged by {edit.describe()}: {a.launches} launches, {a.sleeps} "
+            f"sleeps, {a.gpu_hours:g} GPU-hours (GPU-hours are kept in whole GPU-seconds, "
+            f"{1 / GPU_SECONDS_PER_HOUR:.6f} GPU-hours each); nothing recorded"
+        )
+        return 0
     print(f"budget of {row.path} ({row.key}): {edit.describe()}")
     print(f"  was: {b.launches} launches, {b.sleeps} sleeps, {b.gpu_hours:g} GPU-hours")
     print(f"  now: {a.launches} launches, {a.sleeps} sleeps, {a.gpu_hours:g} GPU-hours")
@@ -719,20 +755,25 @@ def _budget_shown(published: Published, cfg: Config) -> str:
 
 def cmd_history(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
+    if args.limit < 1:
+        print(f"syscall-kernel history: --limit must be >= 1, got {args.limit}", file=sys.stderr)
+        return 2
     try:
         store = Store.open(cfg.db_path, readonly=True)
     except StoreError as exc:
         print(f"syscall-kernel history: {exc}", file=sys.stderr)
         return 1
     try:
-        key = None
+        rows = store.workspaces()
         if args.workspace is not None:
             row = store.workspace_by_path(os.path.realpath(args.workspace)) or store.workspace(args.workspace)
             if row is None:
                 print(f"syscall-kernel history: {args.workspace} was never enrolled", file=sys.stderr)
                 return 1
-            key = row.key
-        changes = store.budget_changes(key)
+            rows = [row]
+        if not args.budget:
+            return _sleep_history(store, rows, args.limit, as_json=args.json)
+        changes = store.budget_changes(rows[0].key if args.workspace is not None else None)
     finally:
         store.close()
     for c in changes:
@@ -751,6 +792,35 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sleep_history(store: Store, rows: list[WorkspaceRow], limit: int, *, as_json: bool) -> int:
+    """`history` without --budget: per workspace, its requests recorded and its latest `limit` sleeps."""
+    for ws in rows:
+        sleeps = store.sleeps(ws.key, limit)
+        requests = store.count_requests(ws.key)
+        if not as_json:
+            print(
+                f"{ws.key}  {ws.path}: {requests} requests recorded; {len(sleeps)} latest sleeps, newest first"
+            )
+        for s in sleeps:
+            states: dict[str, int] = {}
+            for j in store.jobs_of(ws.key, s.seq):
+                states[j.state] = states.get(j.state, 0) + 1
+            if as_json:
+                out = {"workspace": ws.key, "seq": s.seq, "id": s.id, "state": s.state}
+                out |= {"created_at": s.created_at, "woken_at": s.woken_at, "tasks": states, "note": s.note}
+                sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+                continue
+            tasks = ", ".join(f"{n} {st}" for st, n in sorted(states.items())) or "no tasks"
+            ended = f" -> {s.woken_at}" if s.woken_at else ""
+            note = f"  {s.note!r}" if s.note else ""
+            print(f"  seq {s.seq}  {s.id}  {s.state}  {s.created_at}{ended}  {tasks}{note}")
+        if not sleeps and not as_json:
+            print("  no sleeps recorded")
+    if not rows and not as_json:
+        print("no workspaces enrolled")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kernel import demo
 
@@ -758,28 +828,56 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    handlers = {
-        "serve": cmd_serve,
-        "enroll": cmd_enroll,
-        "rebase": cmd_rebase,
-        "status": cmd_status,
-        "check": cmd_check,
-        "unenroll": cmd_unenroll,
-        "pause": cmd_pause,
-        "resume": cmd_pause,
-        "budget": cmd_budget,
-        "history": cmd_history,
-        "demo": cmd_demo,
-        **dict.fromkeys(SHIPPED, cmd_shipped),
-    }
+    args: argparse.Namespace | None = None
     try:
-        return handlers[args.command](args)
+        args = _parser().parse_args(argv)
+        rc = _HANDLERS[args.command](args)
+        # Flushed here, not at exit: a reader gone (`status | head`) is a BrokenPipeError caught below.
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        return _stdout_closed()
     except ConfigError as exc:
         print(f"syscall-kernel: bad config: {exc}", file=sys.stderr)
         return 2
+    except sqlite3.Error as exc:
+        # The state store cannot be read or written (a full disk: `disk I/O error` even to read it).
+        assert args is not None
+        cfg = _config(args.config)
+        print(
+            f"syscall-kernel {args.command}: {statedir.store_unusable(cfg.state_dir, cfg.db_path, exc)}",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_closed() -> int:
+    """stdout's reader went away (`status | head`): quietly, as a command killed by SIGPIPE would. stdout is
+    pointed at /dev/null first, so the interpreter's own flush at exit has nothing left to fail on."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+_HANDLERS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
+    "serve": cmd_serve,
+    "enroll": cmd_enroll,
+    "rebase": cmd_rebase,
+    "status": cmd_status,
+    "check": cmd_check,
+    "unenroll": cmd_unenroll,
+    "pause": cmd_pause,
+    "resume": cmd_pause,
+    "budget": cmd_budget,
+    "history": cmd_history,
+    "demo": cmd_demo,
+    **dict.fromkeys(SHIPPED, cmd_shipped),
+}
 
 
 if __name__ == "__main__":

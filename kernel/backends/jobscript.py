@@ -36,6 +36,7 @@ CONFIG_LINE: Final = "CONFIG_JSON: str | None = None  # @@SYSCALL_CONFIG@@"
 
 # Exit codes: the command's own status, 128+N for a signal, or these (exit-code's `kind` disambiguates).
 EXIT_DISK_FULL: Final = W.EXIT_DISK_FULL  # the run directory's disk was full (ENOSPC, EDQUOT)
+KIND_DISK_FULL: Final = W.KIND_DISK_FULL
 EXIT_DISK_LIMIT: Final = W.EXIT_DISK_LIMIT  # the job's tree went over its `tree_mb` limit
 EXIT_EMPTY_COMMAND: Final = W.EXIT_EMPTY_COMMAND  # command.txt empty or blank
 EXIT_MATERIALISE_FAILED: Final = W.EXIT_MATERIALISE_FAILED  # the snapshot could not be written to scratch

@@ -315,11 +315,19 @@ class LocalBackend:
     @staticmethod
     def _missing_exit(proc: _Proc, status: int | None) -> jobscript.ExitRecord:
         detail = "the job wrapper ended without writing exit-code"
+        disk_full = (
+            status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == jobscript.EXIT_DISK_FULL
+        )
         if status is not None and os.WIFSIGNALED(status):
             detail += f" (killed by {signal.Signals(os.WTERMSIG(status)).name})"
-        elif status is not None and os.WEXITSTATUS(status) == jobscript.EXIT_DISK_FULL:
-            detail += " (the run directory's disk is full)"
-        if proc.stop == "timeout":
+        elif disk_full:
+            detail = (
+                "the run directory's disk is full: the job wrapper stopped without room for its exit record"
+            )
+        if disk_full and proc.stop is None:
+            # The wrapper's own exit status says what ended it: the disk, not something that killed it.
+            rec = jobscript.ExitRecord(jobscript.EXIT_DISK_FULL, jobscript.KIND_DISK_FULL, detail=detail)
+        elif proc.stop == "timeout":
             rec = jobscript.ExitRecord(jobscript.EXIT_TIMEOUT, "timeout", signal="SIGKILL", detail=detail)
         elif proc.stop == "cancelled":
             rec = jobscript.ExitRecord(

@@ -10,8 +10,8 @@ made it and when (`history --budget`).
 from __future__ import annotations
 
 import dataclasses
-import getpass
 import os
+import pwd
 import shutil
 import time
 from dataclasses import dataclass
@@ -33,13 +33,15 @@ class AdminError(Exception):
 
 
 def who() -> str:
-    """The operator making a change: the login behind sudo when there is one, else this process's user."""
-    user = os.environ.get("SUDO_USER")
+    """The operator making a change, for the audit: the name of this process's real uid (what the kernel can
+    vouch for), and `$SUDO_USER` only as what the environment claims (anyone can set it), labelled so."""
+    uid = os.getuid()
     try:
-        me = getpass.getuser()
-    except (KeyError, OSError):
-        me = f"uid {os.geteuid()}"
-    return f"{user} (via sudo as {me})" if user else me
+        me = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        me = f"uid {uid}"
+    claimed = os.environ.get("SUDO_USER")
+    return f"{me} (SUDO_USER={claimed!r}, claimed by the environment)" if claimed else me
 
 
 def find(store: Store, path: str) -> WorkspaceRow:
@@ -131,9 +133,11 @@ def _column(kind: str) -> str:
 
 def change_budget(
     store: Store, path: str, edit: BudgetEdit, by: str
-) -> tuple[WorkspaceRow, Balance, Balance, Published]:
+) -> tuple[WorkspaceRow, Balance, Balance, Published | None]:
     """Apply and record the edit in one transaction (read and written together: a charge by the running kernel
-    cannot slip in between), then publish it in budget.json (`publish_budget`)."""
+    cannot slip in between), then publish it in budget.json (`publish_budget`). An edit that leaves the balance
+    as it was (a set to the value it has; GPU-hours below the ledger's whole GPU-second) records nothing and
+    publishes nothing (None)."""
     if not edit.add and not edit.set:
         raise AdminError("nothing to change: give --add-launches/--add-sleeps/--add-gpu-hours or --set-...")
     row = find(store, path)
@@ -142,6 +146,9 @@ def change_budget(
         current = store.workspace(row.key)
         assert current is not None
         after = edited(current.balance, edit)
+        if after == current.balance:
+            # Nothing to record: the audit lists changes, and budget.json already shows this balance.
+            return row, current.balance, after, None
         store.set_balance(row.key, after)
         store.add_budget_change(row.key, now, by, edit.describe(), current.balance, after)
     return row, current.balance, after, publish_budget(store, row)

@@ -69,8 +69,9 @@ def setup(level: int = logging.INFO, log_format: str = "text") -> None:
     log.propagate = False
 
 
-class _Long(str):
-    """A value kept whole up to 8,000 characters (a traceback), escaped like every other."""
+class Whole(str):
+    """A value kept whole up to 8,000 characters (a traceback, a refusal whose advice comes last), escaped like
+    every other; plain values are cut at 200."""
 
 
 def crashed(exc: BaseException, where: str = "main") -> None:
@@ -80,7 +81,7 @@ def crashed(exc: BaseException, where: str = "main") -> None:
         logging.CRITICAL,
         where=where,
         error=f"{type(exc).__name__}: {exc}",
-        traceback=_Long("".join(traceback.format_exception(exc))),
+        traceback=Whole("".join(traceback.format_exception(exc))),
     )
 
 
@@ -93,7 +94,7 @@ def value(v: object) -> str:
     text = str(v)
     if text and len(text) <= 200 and all(c in _PLAIN for c in text):
         return text
-    cap = 8000 if isinstance(v, _Long) else 200
+    cap = 8000 if isinstance(v, Whole) else 200
     shown = ascii(text[:cap])
     return shown if len(text) <= cap else shown + "..."
 

@@ -173,3 +173,29 @@ def _read_pid(fd: int) -> int | None:
     with contextlib.suppress(OSError, ValueError):
         return int(os.pread(fd, 32, 0).split(b"\n")[0].decode("ascii").strip())
     return None
+
+
+# Below this much free space the state dir's filesystem counts as full: sqlite needs room for its WAL index
+# (32 KiB) even to read the store.
+FULL_BELOW: Final = 1 << 20
+
+
+def store_unusable(state_dir: str | os.PathLike[str], db: Path, exc: BaseException) -> str:
+    """For the operator, when sqlite cannot read or write the state store (`disk I/O error` on a full disk,
+    `database is locked`, a damaged file): what failed, where, and what to do about it."""
+    try:
+        st = os.statvfs(state_dir)
+        free: int | None = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    if free is not None and free < FULL_BELOW:
+        how = (
+            f"the filesystem of state_dir {state_dir} is full ({free} bytes free): free space there "
+            f"(`df -h {state_dir}`) and run it again; a running kernel goes on by itself once there is room"
+        )
+    else:
+        how = (
+            f"check the filesystem of state_dir {state_dir} (`df -h {state_dir}`, `dmesg`) and that uid "
+            f"{os.geteuid()} may read and write {db} and its -wal and -shm files"
+        )
+    return f"the state store {db} cannot be used: {type(exc).__name__}: {exc}; {how}"

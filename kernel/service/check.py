@@ -10,14 +10,16 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kernel.backends.slurm.query import partition_argv, sacctmgr_argv
+from channel import safefs
+from kernel.backends.slurm.query import NO_CONFIG_SOURCE, partition_argv, ping_argv, sacctmgr_argv
 from kernel.core.config import Config
 from kernel.io import hostproc, metrics, statedir
-from kernel.io.enroll import expand_globs
+from kernel.io.enroll import expand_globs, owner_of
 from kernel.io.store import Store, StoreError
 
 Level = Literal["ok", "warn", "error"]
@@ -35,8 +37,23 @@ def run_checks(cfg: Config, env: dict[str, str] | None = None) -> list[Finding]:
     out = [Finding("ok", "config", f"{cfg.source} loads (backend {cfg.backend}, jail {cfg.jail})")]
     if os.geteuid() == 0 and not cfg.allow_root:
         out.append(Finding("error", "user", "running as root: `serve` refuses unless allow_root = true"))
-    out += _dir("state_dir", Path(cfg.state_dir))
-    out += _dir("run_dir", Path(cfg.run_dir), parents=True)
+    state = _dir("state_dir", Path(cfg.state_dir))
+    out += state
+    run = Path(cfg.run_dir)
+    if not run.exists() and run.is_relative_to(cfg.state_dir) and not Path(cfg.state_dir).is_dir():
+        # Made by `serve` inside the state dir, after it: it can be made exactly when the state dir can.
+        ok = all(f.level == "ok" for f in state)
+        out.append(
+            Finding(
+                "ok" if ok else "error",
+                "run_dir",
+                f"{run} is inside state_dir; it will be created with it"
+                if ok
+                else f"{run} is inside state_dir, which cannot be created (see state_dir)",
+            )
+        )
+    else:
+        out += _dir("run_dir", run, parents=True)
     out += _lock(cfg)
     out += _globs(cfg)
     out += _workspaces(cfg)
@@ -85,8 +102,16 @@ def _globs(cfg: Config) -> list[Finding]:
     if not cfg.workspaces:
         return [Finding("ok", "workspaces", "no globs: workspaces are enrolled with `syscall-kernel enroll`")]
     out = []
+    mine, known = _own_store(cfg)
     for pattern in cfg.workspaces:
-        n = len(expand_globs((pattern,)))
+        matches = expand_globs((pattern,))
+        n = len(matches)
+        for path in matches:
+            if path in known:
+                continue  # enrolled here already: served, whatever its kernel.json says now
+            other = _owned_elsewhere(path, mine)
+            if other is not None:
+                out.append(Finding("warn", "workspaces", f"{pattern!r} matches {path}, but {other}"))
         if n:
             out.append(
                 Finding("ok", "workspaces", f"{pattern!r} matches {n} director{'y' if n == 1 else 'ies'}")
@@ -98,6 +123,38 @@ def _globs(cfg: Config) -> list[Finding]:
     return out
 
 
+def _own_store(cfg: Config) -> tuple[str | None, set[str]]:
+    """This config's store id (None: no store yet) and every workspace path it has a row for."""
+    if not cfg.db_path.exists():
+        return None, set()
+    try:
+        store = Store.open(cfg.db_path, readonly=True)
+    except (StoreError, sqlite3.Error):
+        return None, set()  # reported by _workspaces
+    try:
+        return store.store_id(), store.workspace_paths()
+    except sqlite3.Error:
+        return None, set()
+    finally:
+        store.close()
+
+
+def _owned_elsewhere(path: str, mine: str | None) -> str | None:
+    """Why `serve` would not enroll the glob match `path`: its channel's kernel.json names another store as its
+    owner (kernel.io.enroll.OwnedElsewhere); None when it names this one, none, or there is no channel yet."""
+    try:
+        with safefs.open_channel(path) as ch:
+            found = owner_of(ch)
+    except (safefs.ChannelMoved, safefs.Refused, OSError):
+        return None  # no channel (the enrollment makes one), or not ours to read: the enrollment says why
+    if found is None or found.store == mine:
+        return None
+    return (
+        f"its channel is owned by another kernel's store ({found.store}, state_dir {found.state_dir}): this kernel "
+        f"will not serve it. Stop that kernel serving it, or `syscall-kernel enroll --take-over {path}`"
+    )
+
+
 def _workspaces(cfg: Config) -> list[Finding]:
     if not cfg.db_path.exists():
         return []
@@ -105,10 +162,14 @@ def _workspaces(cfg: Config) -> list[Finding]:
         store = Store.open(cfg.db_path, readonly=True)
     except StoreError as exc:
         return [Finding("error", "store", str(exc))]
+    except sqlite3.Error as exc:
+        return [Finding("error", "store", statedir.store_unusable(cfg.state_dir, cfg.db_path, exc))]
     try:
         rows = store.workspaces()
         paused = store.paused()
         pending = store.pending_note()
+    except sqlite3.Error as exc:
+        return [Finding("error", "store", statedir.store_unusable(cfg.state_dir, cfg.db_path, exc))]
     finally:
         store.close()
     out = [Finding("ok", "store", f"{len(rows)} workspaces enrolled ({len(paused)} paused)")]
@@ -131,11 +192,13 @@ def _capacity(cfg: Config) -> list[Finding]:
     if cfg.db_path.exists():
         try:
             store = Store.open(cfg.db_path, readonly=True)
-        except StoreError:
+        except (StoreError, sqlite3.Error):
             store = None  # reported by _workspaces
         if store is not None:
             try:
                 paths |= {r.path for r in store.workspaces()}
+            except sqlite3.Error:
+                pass  # reported by _workspaces
             finally:
                 store.close()
     n = len(paths)
@@ -238,6 +301,11 @@ def _slurm(cfg: Config, env: dict[str, str]) -> list[Finding]:
     out: list[Finding] = []
     if shutil.which("sbatch", path=env.get("PATH")) is None:
         return [Finding("error", "slurm", "sbatch is not on PATH: the Slurm clients are not installed here")]
+    ping = _run(ping_argv(), env)
+    if ping is None or ping.returncode != 0:
+        # Every other question would fail the same way: this is the one finding.
+        return [_no_controller(ping, env)]
+    out.append(Finding("ok", "slurm", "the controller answers `scontrol ping`"))
     for partition in (s.partition or "").split(",") if s.partition else []:
         done = _run(partition_argv(partition), env)
         if done is None:
@@ -272,16 +340,36 @@ def _slurm(cfg: Config, env: dict[str, str]) -> list[Finding]:
     return out
 
 
+def _no_controller(ping: hostproc.CompletedProcess[str] | None, env: dict[str, str]) -> Finding:
+    if ping is None:
+        return Finding("error", "slurm", "`scontrol ping` did not answer: is slurmctld up and reachable?")
+    text = ping.stderr + ping.stdout
+    if NO_CONFIG_SOURCE in text:
+        conf = env.get("SLURM_CONF")
+        where = f"SLURM_CONF={conf}" if conf else "SLURM_CONF is not set, and the clients' default slurm.conf"
+        return Finding(
+            "error",
+            "slurm",
+            f"no Slurm controller found: {where} cannot be read, and no DNS SRV record (configless Slurm) "
+            "names one. Set SLURM_CONF to the cluster's slurm.conf where the kernel runs (the unit's "
+            "Environment=), or install it where the clients look",
+        )
+    why = " ".join(text.split())[:300] or f"exit {ping.returncode}"
+    return Finding("error", "slurm", f"the controller does not answer `scontrol ping`: {why}")
+
+
 def _workspace_accounts(cfg: Config) -> dict[str, str]:
     """The enrolled workspaces' own Slurm accounts (`enroll --account`)."""
     if not cfg.db_path.exists():
         return {}
     try:
         store = Store.open(cfg.db_path, readonly=True)
-    except StoreError:
+    except (StoreError, sqlite3.Error):
         return {}  # reported by _workspaces
     try:
         return {ws.key: a for ws in store.workspaces() if (a := store.slurm_account(ws.key)) is not None}
+    except sqlite3.Error:
+        return {}  # reported by _workspaces
     finally:
         store.close()
 

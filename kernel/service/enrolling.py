@@ -198,7 +198,7 @@ class Enroller:
         if not new or facts is None or self.stopping():
             return []
         if isinstance(facts, enrollment.EnrollError):
-            log.event("enroll_refused", logging.WARNING, path=",".join(new[:3]), reason=str(facts))
+            log.event("enroll_refused", logging.WARNING, path=",".join(new[:3]), reason=log.Whole(facts))
             return []
         chunks = range(0, len(new), ENROLL_BATCH)
         rnd = _Round(
@@ -226,7 +226,7 @@ class Enroller:
                     if isinstance(got, enrollment.EnrollError):
                         if self._refused.get(path) != str(got):
                             self._refused[path] = str(got)
-                            log.event("enroll_refused", logging.WARNING, path=path, reason=str(got))
+                            log.event("enroll_refused", logging.WARNING, path=path, reason=log.Whole(got))
                     elif got is not None:  # None: overdue, enrolled by a later round once it returns
                         batch.append(got)
                 if batch:

@@ -137,6 +137,12 @@ class Service:
         self._starter: tuple[Callable[..., object], Spawn] | None = None
         self._reload_wanted = False
         self._paused: set[str] = set()
+        # Every workspace the store lists as enrolled, as this kernel last read them: one another process (the
+        # operator's `enroll`, `unenroll`) adds or removes is logged when the poll tick notices it.
+        self._enrolled: set[str] = set()
+        # Why the last SIGHUP's config could not be used (None: it was, or none came): in the status line until a
+        # reload succeeds.
+        self._reload_problem: str | None = None
         # Which channels this kernel holds (their locks), and why not the others (kernel.service.custody).
         self.custody = Custody(store)
         # Channels enrolled by this start's round (`Enroller.enroll`: recorded, locked): `_admit_io` only watches
@@ -225,9 +231,18 @@ class Service:
         n = len(self.pipeline.workspaces)
         watched = n - len(self.watches.polled)
         why = self.degraded()
-        return (("degraded (" + why + "); ") if why else "") + (
-            f"serving {n} workspaces ({watched} inotify, {len(self.watches.polled)} poll); "
-            f"{self.pipeline.answered} requests answered; last pass {self.pipeline.last_pass_ms:.1f} ms"
+        reload = (
+            f"reload failed ({self._reload_problem}): running with the config loaded before; "
+            if self._reload_problem
+            else ""
+        )
+        return (
+            (("degraded (" + why + "); ") if why else "")
+            + reload
+            + (
+                f"serving {n} workspaces ({watched} inotify, {len(self.watches.polled)} poll); "
+                f"{self.pipeline.answered} requests answered; last pass {self.pipeline.last_pass_ms:.1f} ms"
+            )
         )
 
     def _rewatched(self, key: str) -> None:
@@ -270,6 +285,7 @@ class Service:
         config now (a SIGHUP may have come during the round), is looked at (`_to_look`) before it is served; the
         rows."""
         new = set(keys)
+        self._enrolled |= new  # enrolled by this kernel: not another process's `enroll`
         for row in self.store.workspaces():
             if row.key in new:
                 policy = enrollment.policy_for(self.store, row.key, self.cfg)
@@ -294,6 +310,7 @@ class Service:
         mount_points = {point for point, _ in mounts}
         fs_of_parent: dict[str, str] = {}
         stored = self.store.workspaces()
+        self._enrolled = {r.key for r in stored}
         policies = enrollment.policies_for(self.store, self.cfg, [r.key for r in stored])
         rows, changed = [], []
         # Workspaces on a network filesystem: kernel.json's ctime comes from the server's clock, which the
@@ -655,6 +672,12 @@ class Service:
             log.event("resumed", ws=key)
         self._paused = paused
         rows = self.store.workspaces()
+        enrolled = {r.key: r for r in rows}
+        for key in sorted(enrolled.keys() - self._enrolled):
+            log.event("enroll_noticed", ws=key, path=enrolled[key].path, by="another process (`enroll`)")
+        for key in sorted(self._enrolled - enrolled.keys()):
+            log.event("unenroll_noticed", ws=key, by="another process (`unenroll`)")
+        self._enrolled = set(enrolled)
         known = self.pipeline.workspaces
         order = self.store.budget_order
         for row in rows:
@@ -781,7 +804,9 @@ class Service:
                 self.pipeline.sweep()
                 log.event("ready", workspaces=len(rows), polled=len(self.watches.polled), resumed=resumed)
                 self._ready.set()
-                self.notifier.ready(self.status_line())
+                line = self.status_line()
+                self.notifier.ready(line)
+                self.publish(line)  # `syscall-kernel status` says so at once, not at the next status tick
                 if self.cfg.metrics_listen:
                     await self.worker.call(metrics.refresh, self.store, False)
                 tg.start_soon(self._pinger)
@@ -1000,7 +1025,10 @@ class Service:
             reread = load_config(self.cfg.source)
         except ConfigError as exc:
             log.event("reload_failed", logging.ERROR, problem=str(exc), kept="the running config")
+            self._reload_problem = str(exc)
+            self._publish_status()
             return
+        self._reload_problem = None
         cfg, applied, kept = reload.merge(self.cfg, reread)
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")

@@ -714,7 +714,7 @@ class Pipeline:
             event("request_not_removed", logging.WARNING, ws=ws.key, id=rid, error=exc.strerror)
         ms = (self.clock() - d.received) * 1000
         metrics.answered(d.outcome, ms / 1000)
-        event("answered", ws=ws.key, id=rid, outcome=d.outcome, ms=f"{ms:.2f}")
+        event("answered", ws=ws.key, id=rid, outcome=d.outcome, ms=round(ms, 2))
 
     def _answer(self, rec: _Recorded, ws: WorkspaceRow, r: _Read, answer: bytes, outcome: str) -> None:
         only = self._read_as.pop((ws.key, r.rid), None)

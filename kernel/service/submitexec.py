@@ -236,7 +236,7 @@ class SubmitEvaluation:
         async with anyio.create_task_group() as tg:
             for _ in range(UPGRADE_WORKERS):
                 tg.start_soon(worker)
-        klog.event("bases_checked", workspaces=count, seconds=f"{time.monotonic() - started:.1f}")
+        klog.event("bases_checked", workspaces=count, seconds=round(time.monotonic() - started, 1))
 
     async def _upgrade_one(self, ws: WorkspaceRow) -> None:
         repo = self.repo_of(ws.key)

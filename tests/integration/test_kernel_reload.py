@@ -88,6 +88,10 @@ def test_log_format_json_writes_one_object_per_line(tmp_path: Path) -> None:
     assert all(re.match(r"^\d{4}-\d\d-\d\dT.*[+-]\d\d:\d\d$", o["time"]) for o in lines)
     [answered] = [o for o in lines if o["event"] == "answered"]
     assert (answered["level"], answered["id"], answered["outcome"]) == ("info", "s1", "status")
+    # Numbers are JSON numbers, not strings (issue 24): a log pipeline sums and compares them as written.
+    assert isinstance(answered["ms"], float), answered
+    [ready] = [o for o in lines if o["event"] == "ready"]
+    assert isinstance(ready["workspaces"], int), ready
 
 
 def test_a_refresh_while_serving_removes_only_temps_older_than_the_kernel(tmp_path: Path) -> None:

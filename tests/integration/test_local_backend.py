@@ -551,6 +551,28 @@ def test_a_wrapper_killed_on_a_full_disk_still_leaves_its_exit_record(small_worl
     assert not (tdir / ".exit-code.reserve").exists()
 
 
+def test_a_wrapper_that_stops_for_a_full_disk_without_a_record_ends_disk_full(world: World) -> None:
+    """The wrapper's own exit status (EXIT_DISK_FULL) says the disk stopped it when it had no room left even for
+    its exit record: the task is FAILED with the disk-full hint, not VANISHED "its wrapper was killed" (issue 24)."""
+    spec = world.spec("full", "true")
+    # Stands in for a wrapper that met a full disk before it could write anything: it exits as the real one does.
+    (spec.paths.launch_dir / jobscript.NAMES.JOB_SCRIPT).write_text(
+        f"import sys\nsys.exit({jobscript.EXIT_DISK_FULL})\n"
+    )
+
+    async def go(b: L.LocalBackend) -> Any:
+        await b.submit(spec)
+        await exits(b, 1)
+        return b.outcome_of(spec.task_dir(0))
+
+    out = with_backend(go)
+    rec = result(spec)
+    assert (rec.code, rec.kind) == (jobscript.EXIT_DISK_FULL, "disk_full"), rec
+    assert out.state == "FAILED"
+    assert out.hint.startswith("the run directory's disk is full"), out.hint
+    assert "killed" not in out.hint
+
+
 def test_a_success_whose_artifact_meets_a_full_disk_ends_disk_full(small_world: World) -> None:
     go = small_world.root / "go"
     spec = small_world.spec(

@@ -94,6 +94,14 @@ def test_a_kernel_on_another_state_dir_never_answers_a_channel_it_does_not_own(t
         second.start()
         second.wait_log("event=enroll_refused", 10)
         assert "owned by another kernel's store" in second.log_text()
+        # The refusal's advice, at its end, is logged whole (issue 24: it was cut at 200 characters).
+        [refused] = [line for line in second.log_text().splitlines() if "event=enroll_refused" in line]
+        assert f"enroll --take-over {ws.resolve()}" in refused, refused
+        # `check` reports the glob's match that this kernel will not serve (issue 24: it counted it as fine).
+        checked = second.cli("check", check=False).stdout
+        [owned] = [line for line in checked.splitlines() if "owned by another kernel's store" in line]
+        assert owned.startswith("warn    workspaces:"), checked
+        assert f"matches {ws.resolve()}" in owned, owned
 
         wake = launch_and_wait(ws, counter, "one")
         assert wake["seq"] == 1

@@ -494,7 +494,7 @@ class SlurmBackend:
                     launch=la.name,
                     attempt=attempt + 1,
                     of=self.submit_attempts,
-                    after_s=f"{delay:g}",
+                    after_s=delay,
                     last=problems[-1][:200] if problems else None,
                 )
                 await self._sleep(delay)

@@ -336,3 +336,13 @@ def sacctmgr_argv(kind: Literal["account", "qos"], name: str, sacctmgr: str = "s
     """`sacctmgr show account|qos NAME`, one parsable line per match (none: Slurm does not know it)."""
     field = "account" if kind == "account" else "name"
     return [sacctmgr, "--noheader", "--parsable2", "show", kind, name, f"format={field}"]
+
+
+def ping_argv(scontrol: str = "scontrol") -> list[str]:
+    """`scontrol ping`: exit 0 when the controller answers."""
+    return [scontrol, "ping"]
+
+
+# What the clients print when they find no controller to ask at all: no slurm.conf, and no DNS SRV record
+# (configless Slurm) naming one.
+NO_CONFIG_SOURCE: Final = "Could not establish a configuration source"
