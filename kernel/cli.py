@@ -203,7 +203,10 @@ def _parser() -> argparse.ArgumentParser:
     u = sub.add_parser("unenroll", help="stop serving a workspace and remove its channel (records are kept)")
     u.add_argument("workspace", help="an enrolled workspace directory (or its key)")
     u.add_argument(
-        "--force", action="store_true", help="even with a sleep in flight (its wake is never written)"
+        "--force",
+        action="store_true",
+        help="even with a sleep in flight: the kernel cancels its jobs and ends the sleep (recorded, its wake kept "
+        "in the store, never written)",
     )
     config_opt(u)
     for verb, what in (
@@ -671,17 +674,30 @@ def _admin_store(cfg: Config, verb: str) -> Store | None:
 def cmd_unenroll(args: argparse.Namespace) -> int:
     from kernel.io import admin
 
-    store = _admin_store(_config(args.config), "unenroll")
+    cfg = _config(args.config)
+    store = _admin_store(cfg, "unenroll")
     if store is None:
         return 1
     try:
         row = admin.unenroll(store, args.workspace, force=args.force)
+        live = store.current_sleep(row.key)
     except admin.AdminError as exc:
         print(f"syscall-kernel unenroll: refused: {exc}", file=sys.stderr)
         return 1
     finally:
         store.close()
     print(f"unenrolled {row.path} ({row.key}): its channel is removed; its records stay in the store")
+    if live is not None:
+        pid = statedir.holder(cfg.state_dir)
+        who = (
+            "no kernel runs on this state dir: the next `serve` cancels"
+            if pid is None
+            else f"the running kernel (pid {pid or 'unknown'}) cancels"
+        )
+        print(
+            f"  sleep {live.id} (seq {live.seq}) was in flight: {who} its jobs and ends it (`syscall-kernel "
+            "history` shows it; its wake stays in the store)"
+        )
     print(f"  `syscall-kernel enroll {row.path}` enrolls it again (with the budget it had)")
     return 0
 

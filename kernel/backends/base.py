@@ -215,3 +215,8 @@ class RunnableBackend(Backend, Protocol):
     """A backend with its service loop (`run`), started in the service's task group."""
 
     async def run(self, *, task_status: StartedStatus[None] = ...) -> None: ...
+
+    def degraded(self) -> str | None:
+        """Why the backend cannot do its work now (its scheduler unreachable, since when), for the kernel's
+        status line; None while it can."""
+        ...

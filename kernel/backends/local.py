@@ -418,6 +418,9 @@ class LocalBackend:
         rec = self._exit_of(task_dir)
         return None if rec is None else exits.outcome(rec.kind, rec.code, rec.signal, detail=rec.detail)
 
+    def degraded(self) -> str | None:
+        return None  # no scheduler to lose: the jobs are this kernel's children
+
     def hint_of(self, task_dir: Path) -> str | None:
         """The local backend adds nothing to what the exit record says."""
         return None

@@ -54,13 +54,14 @@ def find(store: Store, path: str) -> WorkspaceRow:
 
 def unenroll(store: Store, path: str, *, force: bool = False) -> WorkspaceRow:
     """Stop serving the workspace and remove its channel; its records stay. Refused while a sleep is in flight
-    unless `force` (its jobs then run on unwatched, and no wake is written)."""
+    unless `force`: the kernel serving the state dir (now, or the next to start) then cancels its jobs and ends
+    the sleep, its wake kept in the store only (kernel.service.execute, `_withdraw`)."""
     row = find(store, path)
     live = store.current_sleep(row.key)
     if live is not None and not force:
         raise AdminError(
             f"{row.path} has sleep {live.id} (seq {live.seq}) in flight ({live.state}); wait for its wake or cancel "
-            "it, or pass --force"
+            "it, or pass --force (its jobs are cancelled)"
         )
     with store.transaction():
         store.set_admin(row.key, dataclasses.replace(store.admin(row.key), unenrolled_at=timestamp()))

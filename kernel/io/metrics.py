@@ -80,9 +80,15 @@ BUILD_INFO: Final = Gauge(
     registry=REGISTRY,
 )
 BUILD_INFO.labels(version=release.VERSION, commit=release.COMMIT or "unknown").set(1)
+SLURM_OUTAGE_SINCE: Final = Gauge(
+    P + "slurm_outage_since_seconds",
+    "Unix time the Slurm outage in progress began (its clients' last success before they failed); 0: none",
+    registry=REGISTRY,
+)
 DEGRADED: Final = Gauge(
     P + "degraded",
-    "1 while the kernel is degraded (store writes fail, heavy work overdue, enrollment waits for a hung filesystem)",
+    "1 while the kernel is degraded (store writes fail, heavy work overdue, enrollment waits for a hung filesystem, "
+    "Slurm unreachable)",
     registry=REGISTRY,
 )
 

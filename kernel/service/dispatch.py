@@ -378,7 +378,10 @@ class Dispatcher:
     # --- cancel ---------------------------------------------------------------------------------------
 
     async def cancel(self, order: SleepOrder, launches: tuple[str, ...]) -> None:
-        key, seq = order.workspace.key, order.sleep.seq
+        await self.cancel_submitted(order.workspace.key, order.sleep.seq, launches)
+
+    async def cancel_submitted(self, key: str, seq: int, launches: tuple[str, ...]) -> None:
+        """Ask the backend to stop the live submitted tasks of the sleep's named launches (all if empty)."""
         jobs = await self.worker.call(self.store.jobs_of, key, seq)
         wanted = set(launches) or {j.launch for j in jobs}
         tasks: dict[str, list[int]] = {}

@@ -26,6 +26,7 @@ fault tests.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Final
 
@@ -38,7 +39,7 @@ from kernel.io import log as klog
 from kernel.io.store import StoreUnavailable, StoreWorker
 from kernel.service.dispatch import Dispatcher
 from kernel.service.evaluation import Evaluation, PlainSleeps
-from kernel.service.executor import SleepOrder
+from kernel.service.executor import ExecutorUnavailable, SleepOrder
 from kernel.service.heavy import HeavyPool
 from kernel.service.tracking import Tracker
 from kernel.service.upkeep import Upkeep
@@ -71,9 +72,13 @@ class RealExecutor:
         self.tracker = Tracker(worker, backend)
         self.waker = Waker(cfg, worker, backend, self.heavy, self.evaluation)
         self.upkeep = Upkeep(cfg, worker, self.heavy)
+        # Sleeps of unenrolled workspaces whose cancel this process sent (`_withdraw`).
+        self._withdrawn: set[tuple[str, int]] = set()
+        self._withdraw_deferred: set[tuple[str, int]] = set()
 
     def degraded(self) -> str | None:
-        return self.heavy.degraded()
+        found = [why for why in (self.heavy.degraded(), self.backend.degraded()) if why]
+        return "; ".join(found) or None
 
     def reload(self, cfg: Config) -> None:
         """SIGHUP: the heavy deadline is live (the rest of the executor's keys chose resources at start)."""
@@ -124,6 +129,7 @@ class RealExecutor:
                 await anyio.sleep(TICK_S)
                 # A store that cannot be written (logged by the worker) only delays the tick's work.
                 with contextlib.suppress(StoreUnavailable):
+                    await self._withdraw()
                     await self._tick()
 
     async def prune_once(self) -> int:
@@ -142,6 +148,24 @@ class RealExecutor:
         for key, seq in await self.worker.call(self.waker.unreleased):
             await self.waker.release(key, seq)
         await self.evaluation.settle()
+
+    async def _withdraw(self) -> None:
+        """The sleeps in flight of workspaces the operator unenrolled (`unenroll --force`): their jobs are cancelled
+        (once per kernel process; at the next tick again while the backend cannot act), and their ends gathered as
+        any others, with nothing written into the channel that is gone (kernel.service.waking)."""
+        for key, seq in await self.worker.call(self.waker.withdrawn):
+            if (key, seq) in self._withdrawn:
+                continue
+            try:
+                await self.dispatcher.cancel_submitted(key, seq, ())
+            except ExecutorUnavailable as e:
+                if (key, seq) not in self._withdraw_deferred:  # logged once; tried again at every tick
+                    self._withdraw_deferred.add((key, seq))
+                    klog.event("unenrolled_cancel_deferred", logging.WARNING, ws=key, seq=seq, problem=str(e))
+                continue
+            self._withdrawn.add((key, seq))
+            klog.event("unenrolled_sleep_cancelled", ws=key, seq=seq)
+            await self._gather(key, seq)
 
     async def _on_exit(self, ex: TaskExit) -> None:
         ended = await self.tracker.on_exit(ex)

@@ -7,6 +7,11 @@ the sleep to `gathered`. Only then are `wakes/<id>.json`, `wakes/<id>.md` and `b
 stored bytes, so a restart rewrites the same wake), the sleep moves to `woken`, and the snapshot ref is released
 (its objects go at the kernel repository's next gc). A channel that cannot be used now defers the step (logged
 once per problem); it is retried at every tick.
+
+A workspace the operator unenrolled (`unenroll --force`, its sleep in flight: the executor cancels its jobs) has
+no channel any more: its sleep is gathered from the run directories alone (artifacts not delivered, said so in
+the stored wake) and ends `woken` with its wake kept in the store only (`event=wake_not_written`), so nothing waits
+for a channel that is gone.
 """
 
 from __future__ import annotations
@@ -64,9 +69,24 @@ class Waker:
         self._gathering: set[tuple[str, int]] = set()
         self._problems: dict[tuple[str, int], str] = {}
 
-    def _gather_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, list[JobRow]] | bool:
-        """(store worker) What gathering needs, once every task has ended; True if already gathered, False if
-        not ready."""
+    def withdrawn(self) -> list[tuple[str, int]]:
+        """(store worker) The sleeps in flight, handed to the backend, of workspaces the operator unenrolled."""
+        admins = self.store.admins()
+        return [
+            (s.workspace, s.seq)
+            for s in self.store.live_sleeps()
+            if s.state in ("submitted", "running")
+            and (a := admins.get(s.workspace)) is not None
+            and a.unenrolled_at is not None
+        ]
+
+    def _unenrolled(self, key: str) -> bool:
+        """(store worker) Whether the operator unenrolled the workspace: its channel is gone."""
+        return self.store.admin(key).unenrolled_at is not None
+
+    def _gather_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, list[JobRow], bool] | bool:
+        """(store worker) What gathering needs, once every task has ended (and whether the workspace is
+        unenrolled); True if already gathered, False if not ready."""
         sleep = self.store.sleep(key, seq)
         if sleep is None or not sleep_can(sleep.state, SleepEvent.GATHER):
             return sleep is not None and sleep.state == "gathered"
@@ -75,24 +95,37 @@ class Waker:
             return False
         ws = self.store.workspace(key)
         assert ws is not None
-        return ws, jobs
+        return ws, jobs, self._unenrolled(key)
 
-    def _collect(self, ws: WorkspaceRow, seq: int, jobs: list[JobRow]) -> list[Collected] | None:
+    def _ended(self, j: JobRow) -> tuple[Path | None, float | None]:
+        """A task's run directory (None: cancelled before it was ever handed over) and its elapsed seconds."""
+        tdir = Path(j.run_dir) if j.run_dir else None
+        if tdir is None or self.backend.outcome_of(tdir) is None:
+            return None, None
+        started, ended = gather.task_times(tdir)
+        if started is None or ended is None:
+            return tdir, None
+        return tdir, round(max(0.0, ended - started), 3)
+
+    def _collect(
+        self, ws: WorkspaceRow, seq: int, jobs: list[JobRow], unenrolled: bool = False
+    ) -> list[Collected] | None:
         """(heavy pool; no store access) Deliver every task's artifacts into the channel; None if the channel
-        cannot be used now (retried at every tick)."""
+        cannot be used now (retried at every tick). An unenrolled workspace's channel is gone: nothing is
+        delivered, each artifact is skipped saying why."""
         key = ws.key
         results: list[Collected] = []
+        if unenrolled:
+            why = "not delivered: the operator unenrolled the workspace"
+            for j in jobs:
+                skipped = gather.TaskFiles(skipped=tuple(SkippedArtifact(a, why) for a in j.artifacts))
+                results.append((j, *self._ended(j), skipped))
+            return results
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
                 for j in jobs:
-                    tdir = Path(j.run_dir) if j.run_dir else None
-                    if tdir is not None and self.backend.outcome_of(tdir) is None:
-                        tdir = None  # cancelled before it was ever handed over
-                    elapsed = None
+                    tdir, elapsed = self._ended(j)
                     if tdir is not None:
-                        started, ended = gather.task_times(tdir)
-                        if started is not None and ended is not None:
-                            elapsed = round(max(0.0, ended - started), 3)
                         files = gather.deliver_task(
                             ch, j, tdir, DEFAULT_ARTIFACT_MAX_BYTES, self.cfg.log_max_bytes
                         )
@@ -227,7 +260,15 @@ class Waker:
         if got is None:
             return False
         ws, stamp, sleep_id, wake_json, wake_md, woken_at = got
-        if not await self.heavy.run(
+        if await self.worker.call(self._unenrolled, key):
+            klog.event(
+                "wake_not_written",
+                ws=key,
+                seq=seq,
+                id=sleep_id,
+                reason="the operator unenrolled the workspace; the wake is kept in the store",
+            )
+        elif not await self.heavy.run(
             key, self._write_wake_files, ws, stamp, seq, sleep_id, wake_json, wake_md, woken_at
         ):
             return False
@@ -267,8 +308,8 @@ class Waker:
             if got is False:
                 return
             if got is not True:
-                ws, jobs = got
-                results = await self.heavy.run(key, self._collect, ws, seq, jobs)
+                ws, jobs, unenrolled = got
+                results = await self.heavy.run(key, self._collect, ws, seq, jobs, unenrolled)
                 if results is None or not await self.worker.call(self._record_gather, key, seq, results):
                     return
             crash_point("gathered")

@@ -18,9 +18,11 @@ import itertools
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -94,10 +96,30 @@ def wait_output(task_dir: Path, text: str, timeout: float = 60) -> None:
 
 
 class Env:
-    def __init__(self, kernel: Kernel, spaces: dict[str, Path], conf: Path) -> None:
+    def __init__(
+        self, kernel: Kernel, spaces: dict[str, Path], conf: Path, notify: socket.socket, metrics_port: int
+    ) -> None:
         self.kernel = kernel
         self.spaces = spaces
         self.conf = conf
+        self.notify = notify
+        self.metrics_port = metrics_port
+        self.statuses: list[str] = []  # every STATUS= the kernel sent, oldest first
+
+    def status_lines(self) -> list[str]:
+        """Every STATUS= line the kernel has sent so far."""
+        while True:
+            try:
+                msg = self.notify.recv(65536).decode()
+            except BlockingIOError:
+                return self.statuses
+            self.statuses += [x[len("STATUS=") :] for x in msg.splitlines() if x.startswith("STATUS=")]
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        [value] = [line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")]
+        return float(value)
 
     def key(self, name: str) -> str:
         return workspace_key(self.spaces[name].resolve())
@@ -134,15 +156,26 @@ class Env:
         return json.loads(self.ok(name, "status", "--json"))["answer"]["budget"]  # type: ignore[no-any-return]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory, slurm_conf: Path, bwrap_available: None) -> Iterator[Env]:
     tmp = tmp_path_factory.mktemp("e2e-slurm")
-    kernel = Kernel(tmp, CONFIG)
+    port = free_port()
+    kernel = Kernel(tmp, CONFIG.replace("[slurm]", f'metrics_listen = "127.0.0.1:{port}"\n[slurm]'))
     spaces = {name: make_workspace(tmp / "spaces" / name) for name in SCENARIOS}
     for ws in spaces.values():
         kernel.enroll(ws, "--launches", "20", "--sleeps", "10", "--gpu-hours", f"{GPU_HOURS:g}")
-    kernel.start(env={"SLURM_CONF": str(slurm_conf)})
-    e = Env(kernel, spaces, slurm_conf)
+    # systemd's notification socket, read by the outage scenario (STATUS=).
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp / "notify.sock"))
+    notify.setblocking(False)
+    kernel.start(env={"SLURM_CONF": str(slurm_conf), "NOTIFY_SOCKET": str(tmp / "notify.sock")})
+    e = Env(kernel, spaces, slurm_conf, notify, port)
     try:
         # The slow scenario first, so that everything else runs while it waits for its walltime.
         e.ok(
@@ -162,6 +195,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, slurm_conf: Path, bwrap_availa
         assert kernel.stop() == 0
     finally:
         kernel.ensure_stopped()
+        notify.close()
 
 
 def test_a_sweep_with_concurrency_2_is_throttled_by_slurm_beside_a_failing_launch(env: Env) -> None:
@@ -267,15 +301,28 @@ def test_slurmctld_down_for_30_s_fails_no_job_and_the_wake_comes_after_it_return
     seq = accepted["sleep_seq"]
     wait_for((env.task_dir("outage", seq, "steps", 0, 2) / "started").exists, 60, "task 0 to start")
     wake_dir = env.spaces["outage"] / ".syscall" / "wakes"
+    stopped = time.time()
     cluster_ctl(env.conf, "ctl-stop")
+    seen: dict[str, str] = {}
     try:
         assert slurm(env.conf, "squeue", "-h").returncode != 0, "slurmctld still answers"
         down_until = time.monotonic() + OUTAGE_S
 
-        # The outage lasts OUTAGE_S whatever happens; all along, task 1 cannot start and no wake appears.
+        # The outage lasts OUTAGE_S whatever happens; all along, task 1 cannot start and no wake appears. Once the
+        # kernel's calls fail, it shows where an operator looks (issue 24): `status`, STATUS=, the metrics.
         def outage_over() -> bool:
             assert not list(wake_dir.glob("*.json")), "a wake came while slurmctld was down"
             assert not (env.task_dir("outage", seq, "steps", 1, 2) / "started").exists()
+            if "status" not in seen:
+                line = json.loads(env.kernel.cli("status", "--json").stdout)["kernel_status"] or ""
+                if line.startswith("degraded (Slurm unreachable since "):
+                    seen["status"] = line
+            if "STATUS" not in seen:
+                for x in env.status_lines():
+                    if "Slurm unreachable since " in x:
+                        seen["STATUS"] = x
+            if "metrics" not in seen and env.metric("syscall_kernel_degraded") == 1:
+                seen["metrics"] = str(env.metric("syscall_kernel_slurm_outage_since_seconds"))
             return time.monotonic() >= down_until
 
         wait_for(outage_over, OUTAGE_S + 5, "the end of the outage", step=0.5)
@@ -284,6 +331,10 @@ def test_slurmctld_down_for_30_s_fails_no_job_and_the_wake_comes_after_it_return
     finally:
         cluster_ctl(env.conf, "ctl-start")
     back = time.time()
+    assert set(seen) == {"status", "STATUS", "metrics"}, seen
+    assert "calls failed, the latest squeue: " in seen["status"], seen
+    # The gauge says when it began: the last call that answered, before slurmctld was stopped.
+    assert stopped - 10 <= float(seen["metrics"]) <= stopped, (seen, stopped)
     wake = env.wake("outage", 120)
     assert [(t["task"], t["state"], t["stdout_tail"]) for t in wake["tasks"]] == [
         (0, "COMPLETED", "step 0\n"),
@@ -304,6 +355,22 @@ def test_slurmctld_down_for_30_s_fails_no_job_and_the_wake_comes_after_it_return
     assert "WARNING event=slurm_call_failed call=squeue" in log
     assert "event=slurm_outage_ended lasted_s=" in log
     assert log.index(" ERROR event=slurm_outage ") < log.index("event=slurm_outage_ended")
+    # Timed from its real start (the last call that answered), not from the first that failed: at least the time
+    # slurmctld was down (issue 24: a 30 s outage was logged as 18 s).
+    [ended] = [line for line in log.splitlines() if "event=slurm_outage_ended" in line]
+    lasted = float(ended.split("lasted_s=")[1].split()[0])
+    assert OUTAGE_S <= lasted <= back - stopped + 15, (lasted, ended)
+    # Back: no longer degraded, everywhere.
+    wait_for(
+        lambda: (
+            not (json.loads(env.kernel.cli("status", "--json").stdout)["kernel_status"] or "").startswith(
+                "degraded"
+            )
+        ),
+        20,
+        "status to stop saying degraded",
+    )
+    wait_for(lambda: env.metric("syscall_kernel_slurm_outage_since_seconds") == 0, 20, "the gauge back at 0")
 
 
 def test_the_walltime_kills_a_job_that_runs_too_long(env: Env) -> None:

@@ -92,3 +92,63 @@ def test_policy_budget_pause_and_unenroll(tmp_path: Path) -> None:
         assert k.stop() == 0
     finally:
         k.ensure_stopped()
+
+
+def test_unenroll_force_cancels_the_sleep_in_flight_and_leaves_nothing_waiting(tmp_path: Path) -> None:
+    """Issue 24: `unenroll --force` with a sleep in flight left its job running, the sleep live for ever
+    (`status`: "0 workspaces, 1 sleeps in flight") and `gather_deferred` logged at every start. Now the kernel
+    cancels its jobs and ends the sleep (recorded, its wake kept in the store, nothing written into the channel
+    that is gone), and a restart finds nothing left to do."""
+    k = Kernel(
+        tmp_path, 'jail = "none"\npoll_seconds = 0.1\nrescan_seconds = 0.5\n[environment]\nmode = "none"\n'
+    )
+    ws = git_workspace(tmp_path / "ws")
+    k.enroll(ws)
+    pid_file = tmp_path / "job.pid"
+    request = {
+        "protocol": 1,
+        "id": "s1",
+        "type": "sleep",
+        "launches": [
+            {"name": "long", "command": f"echo $$ > {pid_file}; exec sleep 600", "artifacts": ["out.txt"]}
+        ],
+    }
+    k.start()
+    try:
+        put_request(ws, "s1", request)
+        assert wait_answer(ws, "s1", timeout=30)["type"] == "accepted"
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the job to start")
+        job = int(pid_file.read_text())
+        refused = k.cli("unenroll", str(ws), check=False)
+        assert refused.returncode == 1
+        assert "--force (its jobs are cancelled)" in refused.stderr
+        out = k.cli("unenroll", str(ws), "--force").stdout
+        assert f"the running kernel (pid {k.proc.pid if k.proc else 0}) cancels its jobs" in out, out
+
+        def gone() -> bool:
+            try:
+                state = Path(f"/proc/{job}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                return True
+            return state == "Z"
+
+        wait_for(gone, 30, "the job to be killed")
+        wait_for(
+            lambda: json.loads(k.cli("status", "--json").stdout)["live_sleeps"] == 0, 30, "the sleep to end"
+        )
+        assert "0 workspaces, 0 sleeps and 0 jobs in flight" in k.cli("status").stdout
+        k.wait_log("event=wake_not_written", 10)
+        assert k.stop() == 0
+        [line] = [x for x in k.cli("history", str(ws)).stdout.splitlines() if x.startswith("  seq 1 ")]
+        assert " woken " in line, line
+        assert "1 CANCELLED" in line, line
+        # Nothing waits for the channel that is gone, now or at the next start.
+        k.start()
+        k.wait_log("event=backend_recovered", 10, count=2)
+        time.sleep(1.5)  # a negative needs a bound: a tick and more
+        assert k.stop() == 0
+        assert "gather_deferred" not in k.log_text()
+        assert "wake_deferred" not in k.log_text()
+        assert not (ws / ".syscall").exists()
+    finally:
+        k.ensure_stopped()

@@ -84,6 +84,7 @@ from kernel.backends.slurm import (
     squeue_by_name_argv,
 )
 from kernel.backends.slurm.classify import RUNNING_STATES
+from kernel.backends.slurm.outage import Outage
 from kernel.backends.slurm.query import parse_squeue
 from kernel.core import exits
 from kernel.core.exits import Outcome
@@ -330,9 +331,8 @@ class SlurmBackend:
         self.client_timeout_s = client_timeout_s
         self.submit_timeout_s = submit_timeout_s
         self.submit_attempts = submit_attempts
-        # Since when the scheduler's clients fail for the world's reasons (None: they work), and how often.
-        self._outage_since: float | None = None
-        self._outage_calls = 0
+        # Whether the scheduler's clients fail for the world's reasons now, since when (kernel.backends.slurm.outage).
+        self.outage = Outage(clock)
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.poll_floor_s = poll_floor_s
@@ -415,23 +415,41 @@ class SlurmBackend:
         tool = os.path.basename(argv[0])
         metrics.SCHEDULER_CALLS.labels(call=tool, outcome="ok" if out.returncode == 0 else "failed").inc()
         if out.returncode == 0:
-            if self._outage_since is not None:
+            ended = self.outage.succeeded()
+            if ended is not None:
+                metrics.SLURM_OUTAGE_SINCE.set(0)
                 klog.event(
                     "slurm_outage_ended",
-                    lasted_s=f"{time.time() - self._outage_since:.1f}",
-                    failed_calls=self._outage_calls,
+                    lasted_s=ended.lasted_s,
+                    since=klog.rfc3339(ended.since_wall),
+                    first_failure_after_s=ended.first_failure_after_s,
+                    failed_calls=ended.failed_calls,
                     call=tool,
                 )
-                self._outage_since = None
             return
         detail = (out.stderr.strip() or out.stdout.strip() or f"exit {out.returncode}").splitlines()[0][:300]
         klog.event("slurm_call_failed", logging.WARNING, call=tool, rc=out.returncode, error=detail)
         if sbatch_failure(out.returncode, out.stderr) == "transient" or out.returncode is None:
-            if self._outage_since is None:
-                self._outage_since = time.time()
-                self._outage_calls = 0
-                klog.event("slurm_outage", logging.ERROR, call=tool, error=detail)
-            self._outage_calls += 1
+            began = self.outage.failed(f"{tool}: {detail}")
+            if began is not None:
+                metrics.SLURM_OUTAGE_SINCE.set(began.since_wall)
+                klog.event(
+                    "slurm_outage",
+                    logging.ERROR,
+                    call=tool,
+                    error=detail,
+                    since=klog.rfc3339(began.since_wall),
+                )
+
+    def degraded(self) -> str | None:
+        """While the scheduler's clients fail for the world's reasons: since when, and the latest error."""
+        since = self.outage.since_wall
+        if since is None:
+            return None
+        return (
+            f"Slurm unreachable since {klog.rfc3339(since)} ({self.outage.failed_calls} calls failed, the latest "
+            f"{self.outage.last_error})"
+        )
 
     # --- submission ------------------------------------------------------------------------------------------
 
