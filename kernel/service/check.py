@@ -354,8 +354,12 @@ def _no_controller(ping: hostproc.CompletedProcess[str] | None, env: dict[str, s
             "names one. Set SLURM_CONF to the cluster's slurm.conf where the kernel runs (the unit's "
             "Environment=), or install it where the clients look",
         )
-    why = " ".join(text.split())[:300] or f"exit {ping.returncode}"
-    return Finding("error", "slurm", f"the controller does not answer `scontrol ping`: {why}")
+    why = next((line.strip() for line in text.splitlines() if line.strip()), f"exit {ping.returncode}")[:300]
+    return Finding(
+        "error",
+        "slurm",
+        f"the controller does not answer `scontrol ping`: {why} (is slurmctld running, and reachable from here?)",
+    )
 
 
 def _workspace_accounts(cfg: Config) -> dict[str, str]:

@@ -1032,7 +1032,7 @@ class Pipeline:
                 ws=c.key,
                 id=c.request_id,
                 error=error,
-                retry_in=f"{delay:g}s",
+                retry_in_s=delay,
             )
 
     def _recovered(self, key: str) -> None:
