@@ -22,7 +22,11 @@ class Notifier:
         if address:
             # A leading '@' names a Linux abstract socket.
             self._address = b"\0" + address[1:].encode() if address.startswith("@") else address
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Non-blocking: a receiver that stops reading (its queue holds net.unix.max_dgram_qlen datagrams,
+            # 10 by default) drops a status line, never stalls the event loop that sends it.
+            self._sock = socket.socket(
+                socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+            )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Notifier:
@@ -46,7 +50,7 @@ class Notifier:
     def send(self, *lines: str) -> None:
         if self._sock is None or self._address is None:
             return
-        # systemd gone or its socket full: notification must never break serving.
+        # systemd gone or its queue full (BlockingIOError): notification must never break or stall serving.
         with contextlib.suppress(OSError):
             self._sock.sendto("\n".join(lines).encode(), self._address)
 

@@ -303,6 +303,7 @@ def test_slurmctld_down_for_30_s_fails_no_job_and_the_wake_comes_after_it_return
     wake_dir = env.spaces["outage"] / ".syscall" / "wakes"
     stopped = time.time()
     cluster_ctl(env.conf, "ctl-stop")
+    down = time.time()  # slurmctld is gone by now (it was between `stopped` and here)
     seen: dict[str, str] = {}
     try:
         assert slurm(env.conf, "squeue", "-h").returncode != 0, "slurmctld still answers"
@@ -333,8 +334,9 @@ def test_slurmctld_down_for_30_s_fails_no_job_and_the_wake_comes_after_it_return
     back = time.time()
     assert set(seen) == {"status", "STATUS", "metrics"}, seen
     assert "calls failed, the latest squeue: " in seen["status"], seen
-    # The gauge says when it began: the last call that answered, before slurmctld was stopped.
-    assert stopped - 10 <= float(seen["metrics"]) <= stopped, (seen, stopped)
+    # The gauge says when it began: the last call that answered, at most a poll interval and a client timeout
+    # before slurmctld was stopped.
+    assert stopped - 15 <= float(seen["metrics"]) <= down, (seen, stopped, down)
     wake = env.wake("outage", 120)
     assert [(t["task"], t["state"], t["stdout_tail"]) for t in wake["tasks"]] == [
         (0, "COMPLETED", "step 0\n"),
@@ -359,7 +361,7 @@ def test_slurmctld_down_for_30_s_fails_no_job_and_the_wake_comes_after_it_return
     # slurmctld was down (issue 24: a 30 s outage was logged as 18 s).
     [ended] = [line for line in log.splitlines() if "event=slurm_outage_ended" in line]
     lasted = float(ended.split("lasted_s=")[1].split()[0])
-    assert OUTAGE_S <= lasted <= back - stopped + 15, (lasted, ended)
+    assert OUTAGE_S <= lasted <= back - stopped + 25, (lasted, ended)
     # Back: no longer degraded, everywhere.
     wait_for(
         lambda: (

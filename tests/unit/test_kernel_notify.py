@@ -47,3 +47,26 @@ def test_without_systemd_nothing_is_sent_and_nothing_fails() -> None:
 def test_watchdog_for_another_pid_is_ignored() -> None:
     n = Notifier.from_env({"WATCHDOG_USEC": "1000", "WATCHDOG_PID": str(os.getpid() + 1)})
     assert n.watchdog_interval is None
+
+
+def test_a_receiver_that_stops_reading_never_stalls_the_sender(tmp_path: Path) -> None:
+    """Issue 24 (found by the e2e outage test): the socket was blocking, so once the receiver's queue was full
+    (net.unix.max_dgram_qlen, 10 by default) the next STATUS= blocked the kernel's event loop for good, SIGTERM
+    included. Now a datagram that does not fit is dropped."""
+    import threading
+
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as srv:
+        srv.bind(path)
+        n = Notifier(path, None)
+        sent = threading.Event()
+
+        def send_many() -> None:
+            for i in range(200):
+                n.status(f"line {i}")
+            sent.set()
+
+        threading.Thread(target=send_many, daemon=True).start()
+        assert sent.wait(5), "a status line blocked on a full queue"
+        n.close()
+        assert srv.recv(4096).decode() == "STATUS=line 0"
