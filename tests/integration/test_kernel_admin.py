@@ -94,17 +94,17 @@ def test_policy_budget_pause_and_unenroll(tmp_path: Path) -> None:
         k.ensure_stopped()
 
 
-def test_unenroll_force_cancels_the_sleep_in_flight_and_leaves_nothing_waiting(tmp_path: Path) -> None:
-    """Issue 24: `unenroll --force` with a sleep in flight left its job running, the sleep live for ever
-    (`status`: "0 workspaces, 1 sleeps in flight") and `gather_deferred` logged at every start. Now the kernel
-    cancels its jobs and ends the sleep (recorded, its wake kept in the store, nothing written into the channel
-    that is gone), and a restart finds nothing left to do."""
+def unenroll_kernel(tmp_path: Path) -> tuple[Kernel, Path]:
     k = Kernel(
         tmp_path, 'jail = "none"\npoll_seconds = 0.1\nrescan_seconds = 0.5\n[environment]\nmode = "none"\n'
     )
     ws = git_workspace(tmp_path / "ws")
     k.enroll(ws)
-    pid_file = tmp_path / "job.pid"
+    return k, ws
+
+
+def start_long_job(ws: Path, pid_file: Path) -> int:
+    """A sleep whose one job runs for ten minutes (it writes its pid); the job's pid once it runs."""
     request = {
         "protocol": 1,
         "id": "s1",
@@ -113,26 +113,36 @@ def test_unenroll_force_cancels_the_sleep_in_flight_and_leaves_nothing_waiting(t
             {"name": "long", "command": f"echo $$ > {pid_file}; exec sleep 600", "artifacts": ["out.txt"]}
         ],
     }
+    put_request(ws, "s1", request)
+    assert wait_answer(ws, "s1", timeout=30)["type"] == "accepted"
+    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the job to start")
+    return int(pid_file.read_text())
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+def test_unenroll_force_cancels_the_sleep_in_flight_and_leaves_nothing_waiting(tmp_path: Path) -> None:
+    """Issue 24: `unenroll --force` with a sleep in flight left its job running, the sleep live for ever
+    (`status`: "0 workspaces, 1 sleeps in flight") and `gather_deferred` logged at every start. Now the kernel
+    cancels its jobs and ends the sleep (recorded, its wake kept in the store, nothing written into the channel
+    that is gone), and a restart finds nothing left to do."""
+    k, ws = unenroll_kernel(tmp_path)
     k.start()
     try:
-        put_request(ws, "s1", request)
-        assert wait_answer(ws, "s1", timeout=30)["type"] == "accepted"
-        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the job to start")
-        job = int(pid_file.read_text())
+        job = start_long_job(ws, tmp_path / "job.pid")
         refused = k.cli("unenroll", str(ws), check=False)
         assert refused.returncode == 1
         assert "--force (its jobs are cancelled)" in refused.stderr
         out = k.cli("unenroll", str(ws), "--force").stdout
         assert f"the running kernel (pid {k.proc.pid if k.proc else 0}) cancels its jobs" in out, out
 
-        def gone() -> bool:
-            try:
-                state = Path(f"/proc/{job}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except FileNotFoundError:
-                return True
-            return state == "Z"
-
-        wait_for(gone, 30, "the job to be killed")
+        wait_for(lambda: gone(job), 30, "the job to be killed")
         wait_for(
             lambda: json.loads(k.cli("status", "--json").stdout)["live_sleeps"] == 0, 30, "the sleep to end"
         )
@@ -150,5 +160,28 @@ def test_unenroll_force_cancels_the_sleep_in_flight_and_leaves_nothing_waiting(t
         assert "gather_deferred" not in k.log_text()
         assert "wake_deferred" not in k.log_text()
         assert not (ws / ".syscall").exists()
+    finally:
+        k.ensure_stopped()
+
+
+def test_unenroll_force_with_no_kernel_running_is_cancelled_by_the_next_start(tmp_path: Path) -> None:
+    k, ws = unenroll_kernel(tmp_path)
+    k.start()
+    try:
+        job = start_long_job(ws, tmp_path / "job.pid")
+        assert k.stop() == 0  # the job runs on (its own session)
+        assert not gone(job)
+        out = k.cli("unenroll", str(ws), "--force").stdout
+        assert "no kernel runs on this state dir: the next `serve` cancels its jobs" in out, out
+        time.sleep(1)
+        assert not gone(job)  # nothing else stops it: the message says so
+        k.start()
+        wait_for(lambda: gone(job), 30, "the next kernel to kill the job")
+        wait_for(
+            lambda: json.loads(k.cli("status", "--json").stdout)["live_sleeps"] == 0, 30, "the sleep to end"
+        )
+        k.wait_log("event=unenrolled_sleep_cancelled", 10)
+        assert k.stop() == 0
+        assert "gather_deferred" not in k.log_text()
     finally:
         k.ensure_stopped()
