@@ -80,6 +80,10 @@ CODES: Final[dict[str, Code]] = {
     "sleep.in_progress": Code("6", "the workspace already has a sleep that has not woken"),
     "budget.launches": Code("6", "not enough launches left in the budget"),
     "budget.sleeps": Code("6", "no sleeps left in the budget"),
+    "budget.submits_per_day": Code(
+        "6",
+        "the workspace had as many submits accepted in the last 24 hours as its policy's max_submits_per_day",
+    ),
     "budget.gpu_hours": Code("6", "not enough GPU-hours left for what the launches reserve"),
     "cancel.no_sleep": Code("6", "there is no sleep in progress to cancel"),
     "cancel.unknown_launch": Code("6", "a name to cancel is not a launch of the current sleep"),

@@ -329,6 +329,10 @@ class TaskResult(_Strict, frozen=True):
 
 Outcome = Literal["improved", "not_improved", "failed", "unchanged"]
 PairTest = Literal["sign", "bootstrap"]
+# What a verdict discloses about the private data across a workspace's submits (spec 4.5.7).
+Disclosure = Literal["exact", "ladder", "thresholdout"]
+# Whether a stored base measurement stands in for a later submit's base runs (then on its own seeds).
+ReuseBase = Literal["same-seeds", "never"]
 
 
 class Pair(_Strict, frozen=True):
@@ -387,6 +391,20 @@ class Verdict(_Strict, frozen=True):
     # that one run's copy left out.
     scorer_unseen: tuple[SidePath, ...] = ()
     scorer_unseen_count: int = 0
+    # The base measurement (and so the private seeds both sides ran with) of this earlier submit (its seq) stood
+    # in for the base runs (`baseline_reused`); null when this submit drew its own seeds.
+    seeds_from_seq: int | None = None
+    # What the verdict discloses (spec 4.5.7). Under "ladder" and "thresholdout" the base and candidate values,
+    # the pairs, the p-value and the bound are withheld and `delta` is the disclosed difference.
+    disclosure: Disclosure = "exact"
+    ladder_step: float | None = None  # ladder: values are multiples of it
+    best_so_far: float | None = (
+        None  # ladder: the best disclosed improvement after this verdict (0: the base)
+    )
+    private_disclosed: bool | None = (
+        None  # thresholdout: delta is the private value plus noise (else the public)
+    )
+    budget_left: int | None = None  # thresholdout: how many more private disclosures the workspace has
 
 
 class Wake(_Strict, frozen=True):
@@ -450,6 +468,23 @@ class EvalContract(_Strict, frozen=True):
     test: PairTest = "sign"
 
 
+class VerdictRules(_Strict, frozen=True):
+    """How the kernel makes verdicts across a workspace's submits (the operator's `[verdicts]`; kernel.json
+    `submit_verdicts`).
+
+    `reuse_base`: "never" (every submit draws fresh private seeds and measures its base with them) or
+    "same-seeds" (a stored base measurement stands in for the base runs, and the candidate then runs on that
+    measurement's seeds). `disclosure`: "exact", "ladder" (`ladder_step`) or "thresholdout"
+    (`thresholdout_threshold`, `thresholdout_noise`, `thresholdout_budget`); spec 4.5.7."""
+
+    reuse_base: ReuseBase = "never"
+    disclosure: Disclosure = "exact"
+    ladder_step: Annotated[float, Meta(gt=0, le=1e12)] = 0.01
+    thresholdout_threshold: Annotated[float, Meta(ge=0, le=1e12)] = 0.02
+    thresholdout_noise: Annotated[float, Meta(gt=0, le=1e12)] = 0.005
+    thresholdout_budget: Annotated[int, Meta(ge=0, le=1_000_000)] = 20
+
+
 class Policy(_Strict, frozen=True):
     """A workspace's ceilings, set by the operator."""
 
@@ -460,6 +495,8 @@ class Policy(_Strict, frozen=True):
     submit: EvalContract | None = None
     # the verbs this workspace may use (an operator may withhold `queue`, which shows other workspaces' jobs)
     verbs: tuple[Verb, ...] = VERBS
+    # The most sleeps carrying a submit this workspace may have accepted in any 24 hours (0: no bound).
+    max_submits_per_day: int = 0
 
 
 class Limits(_Strict, frozen=True):
@@ -511,6 +548,8 @@ class KernelInfo(_Strict, frozen=True):
     # The package index a workspace's uv.lock must be made against (`uv lock --default-index <it>`) when the
     # kernel builds locked environments; null when it builds none.
     package_index: str | None = None
+    # How verdicts reuse base measurements and what they disclose; null without a contract.
+    submit_verdicts: VerdictRules | None = None
 
 
 class BudgetFile(_Strict, frozen=True):

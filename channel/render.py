@@ -226,8 +226,9 @@ def render_verdict(v: Verdict) -> str:
         )
     if v.candidate_value is not None:
         out.append(f"Candidate: {_num(v.candidate_value)}{mean}")
-    if v.delta is not None:
+    if v.delta is not None and v.disclosure == "exact":
         out.append(f"Delta: {_num(v.delta)}" + (" (mean of the paired differences)" if n > 1 else ""))
+    out += _disclosure_lines(v)
     if n > 1:
         out += ["", "| pair | base | candidate | delta |", "|---|---|---|---|"]
         out += [
@@ -238,8 +239,10 @@ def render_verdict(v: Verdict) -> str:
     if v.test == "sign" and v.p_value is not None and v.confidence is not None:
         alpha = round(1 - v.confidence, 6)
         verdict = "passed" if v.p_value <= alpha else "not passed"
+        tied = sum(1 for p in v.pairs if p.delta == 0)
+        over = f"{n} pairs" + (f" ({n - tied} not tied; ties are left out)" if tied else "")
         out.append(
-            f"Sign test over {n} pairs: p = {v.p_value:.4g} (one-sided; needs <= {alpha:g} for confidence "
+            f"Sign test over {over}: p = {v.p_value:.4g} (one-sided; needs <= {alpha:g} for confidence "
             f"{v.confidence:g}): {verdict}."
         )
     elif v.test == "bootstrap" and v.lower_bound is not None and v.confidence is not None:
@@ -249,8 +252,8 @@ def render_verdict(v: Verdict) -> str:
             f"interval): "
             f"{_num(v.lower_bound)} (needs > 0): {verdict}."
         )
-    elif n > 1 or v.repeats > 1:
-        out.append(f"{v.repeats} pairs: too few for a test (3 or more); the floors alone decide.")
+    elif n > 1 and v.test is None and v.disclosure == "exact":
+        out.append(f"{n} pairs: too few for a test (3 or more); the floors alone decide.")
     floors = []
     if v.min_delta is not None:
         floors.append(f"at least {v.min_delta!r} absolute")
@@ -262,6 +265,14 @@ def render_verdict(v: Verdict) -> str:
         out.append(
             f"Seed commitment: sha256 {v.seed_commitment} (the seeds stay private; the operator can check them)."
         )
+    if v.seeds_from_seq is not None:
+        out.append(
+            f"Compared on the seeds of submit #{v.seeds_from_seq}: its base measurement stood in for the base "
+            "runs and this candidate ran on the same private seeds, as does every submit compared with that "
+            'measurement (the operator\'s reuse_base = "same-seeds").'
+        )
+    elif v.seed_commitment is not None and not v.baseline_reused:
+        out.append("Seeds: drawn fresh for this submit; both sides ran on them.")
     if v.protected_changed:
         out.append("Protected paths the candidate changed (the base's versions were used on both sides):")
         out += [f"- {_inline(p)}" for p in v.protected_changed]
@@ -297,6 +308,48 @@ def render_verdict(v: Verdict) -> str:
     elif v.reason:
         out.append(data_block("Note", v.reason))
     return "\n".join(out) + "\n"
+
+
+def _disclosure_lines(v: Verdict) -> list[str]:
+    """What a `ladder` or `thresholdout` verdict discloses, and what it withholds (spec 4.5.7)."""
+    if v.disclosure == "ladder" and v.ladder_step is not None:
+        step, best = _num(v.ladder_step), _num(v.best_so_far or 0.0)
+        out = [
+            f"Disclosure: ladder (step {step}): a verdict says only whether the candidate beats the best so far "
+            "by at least a step, with values rounded to the step; the means, pairs and test are withheld."
+        ]
+        if v.outcome == "improved" and v.delta is not None:
+            out.append(f"Improvement: {_num(abs(v.delta))}, rounded to the step: the new best so far.")
+        elif v.outcome in ("improved", "not_improved"):
+            out.append(
+                f"Not shown better than the best so far ({best}) by at least {step}: nothing more is disclosed."
+            )
+        return out
+    if v.disclosure == "thresholdout" and v.budget_left is not None:
+        left = f"{v.budget_left} private disclosure{'' if v.budget_left == 1 else 's'} left"
+        out = [
+            "Disclosure: thresholdout: the private result is shown only where it departs from the public "
+            "estimate (with a score stage, the mean difference the runs' own command output gives; 0 where it "
+            f"gives none) by more than a noisy threshold; the means, pairs and test are withheld ({left})."
+        ]
+        if v.outcome not in ("improved", "not_improved") or v.delta is None:
+            return out
+        if v.private_disclosed:
+            out.append(
+                f"Private result disclosed: delta {_num(v.delta)} (the private mean difference plus noise); "
+                "the outcome is the private one."
+            )
+        elif v.budget_left == 0:
+            out.append(
+                f"The budget of private disclosures is spent: public estimate {_num(v.delta)} and its outcome."
+            )
+        else:
+            out.append(
+                f"Public estimate shown: delta {_num(v.delta)} and its outcome (the private result did not "
+                "depart from it by more than the noisy threshold)."
+            )
+        return out
+    return []
 
 
 # Notable tasks whose tails the markdown shows, those that ended badly first (a failure's tail is what the reader

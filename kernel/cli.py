@@ -26,9 +26,17 @@ from channel import release, safefs
 from channel.messages import EvalContract
 from kernel.core.budget import GPU_SECONDS_PER_HOUR, Balance
 from kernel.core.config import Config, ConfigError, load, parse
-from kernel.core.evaluate import EVAL_FLAGS, SELF_REPORTED_WARNING, contract_problem, is_trusted
+from kernel.core.evaluate import (
+    EVAL_FLAGS,
+    SELF_REPORTED_WARNING,
+    contract_problem,
+    contract_warnings,
+    disclosure_warning,
+    is_trusted,
+)
 from kernel.core.records import WorkspaceRow
 from kernel.io import log, retention, statedir
+from kernel.io import submit as S
 from kernel.io.repo import KernelRepo, RepoError, UntrustedGit, base_ref
 from kernel.io.store import Store, StoreError, StoreNewer
 
@@ -225,10 +233,16 @@ def _parser() -> argparse.ArgumentParser:
     hi = sub.add_parser(
         "history",
         help="what happened: each workspace's sleeps (newest first, with their tasks' states) and requests; "
-        "--budget: the budget changes with who and when",
+        "--budget: the budget changes with who and when; --verdicts: every submit's exact verdict",
     )
     hi.add_argument("workspace", nargs="?", help="only this workspace (an enrolled or unenrolled one)")
-    hi.add_argument("--budget", action="store_true", help="the budget changes instead of the sleeps")
+    shown = hi.add_mutually_exclusive_group()
+    shown.add_argument("--budget", action="store_true", help="the budget changes instead of the sleeps")
+    shown.add_argument(
+        "--verdicts",
+        action="store_true",
+        help="every submit's verdict with its exact values, whatever [verdicts] disclosure showed the agent",
+    )
     hi.add_argument(
         "--limit", type=int, metavar="N", default=20, help="sleeps per workspace, newest first (default 20)"
     )
@@ -421,6 +435,10 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     )
     if c is not None and not is_trusted(c, cfg.jail):
         print(f"  warning: {SELF_REPORTED_WARNING}")
+    if c is not None:
+        hidden = disclosure_warning(c, cfg.verdicts)
+        for w in [*contract_warnings(c), *([hidden] if hidden else [])]:
+            print(f"  warning: {w}")
     return 0
 
 
@@ -468,7 +486,6 @@ def _contract(args: argparse.Namespace) -> EvalContract | str | None:
 
 
 def cmd_rebase(args: argparse.Namespace) -> int:
-    from kernel.io import submit as S
 
     cfg = _config(args.config)
     try:
@@ -787,9 +804,12 @@ def cmd_history(args: argparse.Namespace) -> int:
                 print(f"syscall-kernel history: {args.workspace} was never enrolled", file=sys.stderr)
                 return 1
             rows = [row]
+        key = rows[0].key if args.workspace is not None else None
+        if args.verdicts:
+            return _print_verdicts(S.verdicts(store, workspace=key), as_json=args.json)
         if not args.budget:
             return _sleep_history(store, rows, args.limit, as_json=args.json)
-        changes = store.budget_changes(rows[0].key if args.workspace is not None else None)
+        changes = store.budget_changes(key)
     finally:
         store.close()
     for c in changes:
@@ -834,6 +854,29 @@ def _sleep_history(store: Store, rows: list[WorkspaceRow], limit: int, *, as_jso
             print("  no sleeps recorded")
     if not rows and not as_json:
         print("no workspaces enrolled")
+    return 0
+
+
+def _print_verdicts(found: list[S.StoredVerdict], *, as_json: bool) -> int:
+    """The operator's record of verdicts: exact values (the wake may have shown less, `[verdicts] disclosure`)."""
+    for sv in found:
+        v = sv.verdict
+        if as_json:
+            head = {"workspace": sv.workspace, "seq": sv.seq, "sleep": sv.sleep_id, "report": sv.report}
+            sys.stdout.write(msgspec.json.encode(head | {"verdict": msgspec.to_builtins(v)}).decode() + "\n")
+            continue
+        values = ""
+        if v.base_value is not None and v.candidate_value is not None and v.delta is not None:
+            values = f": base {v.base_value!r}, candidate {v.candidate_value!r}, delta {v.delta!r}"
+        test = ""
+        if v.p_value is not None:
+            test = f", sign test p = {v.p_value!r}"
+        elif v.lower_bound is not None:
+            test = f", bootstrap lower bound {v.lower_bound!r}"
+        seeds = f", on the seeds of submit #{v.seeds_from_seq}" if v.seeds_from_seq is not None else ""
+        print(f"{sv.workspace}  #{sv.seq} {sv.sleep_id}: {v.outcome}{values}{test}{seeds}")
+    if not found and not as_json:
+        print("no verdicts recorded")
     return 0
 
 

@@ -1846,20 +1846,32 @@ def contract_lines(info: dict[str, Any]) -> list[str]:
         floors.append("at least {} relative to the base".format(c["min_relative"]))
     lines.append("  floors: " + (" and ".join(floors) if floors else "none (any improvement counts)") + ".")
     n = int(c.get("repeats") or 1)
-    if n >= 3:
-        test = (
-            "an exact one-sided sign test"
-            if c.get("test", "sign") == "sign"
-            else "a bootstrap lower bound of the mean improvement (low end of its two-sided interval)"
+    confidence = float(c.get("confidence", 0.95))
+    if n >= 3 and c.get("test", "sign") == "sign":
+        need = _sign_needed(n, confidence)
+        judged = (
+            "; the mean difference must clear the floors and an exact one-sided sign test at confidence {} "
+            "must pass: at least {} of the {} pairs must favour the candidate (tied pairs are left out, and "
+            "then fewer pairs count)".format(c.get("confidence", 0.95), need, n)
+            if need is not None
+            else "; the sign test at confidence {} can never pass with {} pairs (the operator must change "
+            "the contract)".format(c.get("confidence", 0.95), n)
         )
-        judged = "; the mean difference must clear the floors and {} at confidence {} must clear zero".format(
-            test, c.get("confidence", 0.95)
+    elif n >= 3:
+        judged = (
+            "; the mean difference must clear the floors and a bootstrap lower bound of the mean improvement "
+            "(low end of its two-sided interval) at confidence {} must clear zero".format(
+                c.get("confidence", 0.95)
+            )
         )
     elif n == 2:
         judged = "; the mean difference must clear the floors (too few pairs for a test)"
     else:
         judged = ""
     seed_to = ", given to the scorer only" if c.get("score") else " as EVAL_SEED"
+    rules = info.get("submit_verdicts")
+    rules = rules if isinstance(rules, dict) else {}
+    reuse = rules.get("reuse_base", "never") == "same-seeds"
     if n == 1:
         lines.append(
             "  repeats: 1 pair (base and candidate run once, with a private seed{}).".format(seed_to)
@@ -1869,6 +1881,20 @@ def contract_lines(info: dict[str, Any]) -> list[str]:
             "  repeats: {} pairs (base and candidate run {} times, each pair with its own private "
             "seed{}){}.".format(n, n, seed_to, judged)
         )
+    if reuse:
+        lines.append(
+            "  seeds: a stored base measurement is reused (not charged) when one exists for this base and "
+            "contract; your candidate then runs on the private seeds of the submit that measured it, so "
+            "repeated submits are scored on the same seeds (the verdict names that submit)."
+        )
+    else:
+        lines.append(
+            "  seeds: fresh private seeds for every submit, on both sides; the base is measured anew."
+        )
+    lines += _disclosure_lines(rules)
+    per_day = policy.get("max_submits_per_day") if isinstance(policy, dict) else None
+    if per_day:
+        lines.append("  limit: at most {} submits accepted in any 24 hours.".format(per_day))
     protected = c.get("protected") or []
     if protected:
         lines.append(
@@ -1893,6 +1919,37 @@ def contract_lines(info: dict[str, Any]) -> list[str]:
         )
     )
     return lines
+
+
+def _sign_needed(n: int, confidence: float) -> Optional[int]:
+    """How many of n untied pairs must favour the candidate for the exact sign test to pass (None: never)."""
+    from fractions import Fraction
+    from math import comb
+
+    alpha = 1 - Fraction(str(confidence))
+    for k in range(n + 1):
+        if Fraction(sum(comb(n, j) for j in range(k, n + 1)), 2**n) <= alpha:
+            return k
+    return None
+
+
+def _disclosure_lines(rules: Dict[str, Any]) -> List[str]:
+    """What a verdict discloses across your submits (kernel.json submit_verdicts)."""
+    mode = rules.get("disclosure", "exact")
+    if mode == "ladder":
+        return [
+            "  disclosure: ladder, step {}: a verdict is `improved` only when it beats the best so far by at "
+            "least the step, and shows that improvement rounded to the step; means, pairs and test are "
+            "withheld.".format(rules.get("ladder_step"))
+        ]
+    if mode == "thresholdout":
+        return [
+            "  disclosure: thresholdout: the private result is shown (with noise) only where it departs from "
+            "the public estimate (what your own command printed on both sides) by more than a noisy "
+            "threshold, at most {} times for this workspace; otherwise the public estimate. Each wake says "
+            "what is left.".format(rules.get("thresholdout_budget"))
+        ]
+    return ["  disclosure: exact (every verdict shows the means, the pairs and the test)."]
 
 
 def _submit_help_contract(argv: list[str]) -> str:

@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from channel import limits as L
-from channel.messages import VERBS, EvalContract, Policy, Verb
+from channel.messages import VERBS, EvalContract, Policy, Verb, VerdictRules
 from kernel.core.evaluate import contract_problem
 
 ENV_CONFIG: Final = "SYSCALL_KERNEL_CONFIG"
@@ -55,6 +55,9 @@ class Defaults(_Strict, frozen=True, kw_only=True):
     # and evaluation setup are the same; one workspace's measurement is then another's, so a fault or a
     # nondeterministic eval in one is inherited by the others.
     share_baselines: bool = False
+    # The most sleeps carrying a submit a workspace may have accepted in any 24 hours (0: no bound); each submit's
+    # verdict tells the agent something about the private data, however it is disclosed.
+    max_submits_per_day: Annotated[int, Meta(ge=0, le=10**6)] = 0
 
     def policy(self) -> Policy:
         return Policy(
@@ -64,6 +67,7 @@ class Defaults(_Strict, frozen=True, kw_only=True):
             network=self.network,
             submit=self.submit,
             verbs=self.verbs,
+            max_submits_per_day=self.max_submits_per_day,
         )
 
 
@@ -228,6 +232,8 @@ class Config(_Strict, frozen=True, kw_only=True):
     # publishes it as limits.log_max_bytes.
     log_max_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = L.LOG_MAX_BYTES
     defaults: Defaults = Defaults()
+    # How submits reuse base measurements and what their verdicts disclose (docs/operator.md, "Verdicts").
+    verdicts: VerdictRules = VerdictRules()
     snapshot: SnapshotLimits = SnapshotLimits()
     slurm: SlurmConfig = SlurmConfig()
     local: LocalConfig = LocalConfig()

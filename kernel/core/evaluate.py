@@ -33,7 +33,16 @@ from typing import Any, Final, Literal
 import msgspec
 
 from channel.decode import RequestError
-from channel.messages import EvalContract, Pair, SidePath, SleepRequest, Submit, Verdict, encode
+from channel.messages import (
+    EvalContract,
+    Pair,
+    SidePath,
+    SleepRequest,
+    Submit,
+    Verdict,
+    VerdictRules,
+    encode,
+)
 from kernel.core import ledger, paired
 from kernel.core.records import JobRow
 
@@ -171,6 +180,7 @@ def decide(
     candidate_commit: str,
     trusted: bool,
     baseline_reused: bool = False,
+    seeds_from_seq: int | None = None,
     protected_changed: tuple[str, ...] = (),
     shadows_removed: tuple[tuple[SidePath, ...], int] = ((), 0),
     scorer_unseen: tuple[tuple[SidePath, ...], int] = ((), 0),
@@ -184,6 +194,7 @@ def decide(
         "min_delta": contract.min_delta,
         "min_relative": contract.min_relative,
         "baseline_reused": baseline_reused,
+        "seeds_from_seq": seeds_from_seq,
         "base_commit": base_commit,
         "candidate_commit": candidate_commit,
         "trusted": trusted,
@@ -215,16 +226,7 @@ def decide(
                 where = f" (pair {i + 1} of {len(runs)})" if len(runs) > 1 else ""
                 return Verdict(outcome="failed", failed_side=side, reason=f"{exc}{where}", **common)
     pairs = list(zip(values["base"], values["candidate"], strict=True))
-    digest = seed_commitment(seeds, base_tree)
-    r = paired.judge_pairs(
-        pairs,
-        direction=contract.direction,
-        min_delta=_floor(contract.min_delta),
-        min_relative=_floor(contract.min_relative),
-        confidence=to_decimal(contract.confidence),
-        test=contract.test,
-        rng_seed=int(digest[:16], 16),
-    )
+    r = _judge(contract, pairs, seeds, base_tree)
     tested = r.test_passed is not None
     return Verdict(
         outcome="improved" if r.improved else "not_improved",
@@ -237,6 +239,51 @@ def decide(
         p_value=None if r.p_value is None else float(r.p_value),
         lower_bound=None if r.lower_bound is None else float(r.lower_bound),
         **common,
+    )
+
+
+def public_estimate(
+    contract: EvalContract,
+    base: Sequence[EvalRun] | Sequence[Decimal],
+    candidate: Sequence[EvalRun],
+    *,
+    seeds: Sequence[int],
+    base_tree: str,
+) -> tuple[float, bool] | None:
+    """Thresholdout's public estimate (kernel.core.disclosure): with a score stage, the (mean gain, improved) that
+    the sides' own `command` output gives (the metric line each run printed on data the candidate sees), judged
+    like the private pairs; None when there is no score stage, the base was reused (its runs' output is not
+    kept), or a run printed no metric line."""
+    if contract.score is None or len(base) != len(candidate) or not candidate:
+        return None
+    pairs = []
+    runs: Sequence[EvalRun | Decimal] = base
+    for b, c in zip(runs, candidate, strict=True):
+        if not isinstance(b, EvalRun):
+            return None
+        try:
+            pairs.append(
+                (extract_metric(b.stdout, contract.metric), extract_metric(c.stdout, contract.metric))
+            )
+        except MetricError:
+            return None
+    r = _judge(contract, pairs, seeds, base_tree)
+    return float(r.mean_gain), r.improved
+
+
+def _judge(
+    contract: EvalContract, pairs: list[tuple[Decimal, Decimal]], seeds: Sequence[int], base_tree: str
+) -> paired.PairedResult:
+    """The contract's paired decision (the bootstrap seeded by the seed commitment: the same inputs, the same
+    bound)."""
+    return paired.judge_pairs(
+        pairs,
+        direction=contract.direction,
+        min_delta=_floor(contract.min_delta),
+        min_relative=_floor(contract.min_relative),
+        confidence=to_decimal(contract.confidence),
+        test=contract.test,
+        rng_seed=int(seed_commitment(seeds, base_tree)[:16], 16),
     )
 
 
@@ -322,7 +369,63 @@ def contract_problem(c: EvalContract) -> tuple[str, str] | None:
             "for each run, so that no symlink the candidate leaves in its tree can point at it "
             '(e.g. score = "python3 $SCORE_DATA/score.py")'
         )
-    return None
+    return _power_problem(c)
+
+
+def _power_problem(c: EvalContract) -> tuple[str, str] | None:
+    """A sign-test contract that can never say `improved`: its smallest p-value is above 1 - confidence."""
+    n = c.repeats
+    if c.test != "sign" or n < paired.MIN_PAIRS_FOR_TEST or paired.sign_needed(n, c.confidence) is not None:
+        return None
+    smallest = paired.sign_min_p(n)
+    need = paired.repeats_needed(c.confidence)
+    return "repeats", (
+        f"with repeats = {n} the sign test can never pass at confidence {c.confidence:g}: its smallest p-value "
+        f"(all {n} pairs favour the candidate) is 1/{smallest.denominator} = {float(smallest):g}, above "
+        f"1 - confidence = {float(paired.alpha_of(c.confidence)):g}; use repeats >= {need}, or confidence <= "
+        f"{float(1 - smallest):g} (or repeats <= 2, where no test runs and the floors alone decide)"
+    )
+
+
+def contract_warnings(c: EvalContract) -> list[str]:
+    """What an operator should know about a contract that can be used: a bootstrap over too few pairs to mean
+    anything. (A self-reported contract is SELF_REPORTED_WARNING, which needs the jail.)"""
+    out = []
+    n = c.repeats
+    if (
+        c.test == "bootstrap"
+        and n >= paired.MIN_PAIRS_FOR_TEST
+        and paired.bootstrap_is_minimum(n, c.confidence)
+    ):
+        chance = float(paired.sign_min_p(n))
+        alpha = float(paired.alpha_of(c.confidence))
+        over = f", above 1 - confidence = {alpha:g}" if chance > alpha else ""
+        out.append(
+            f"the bootstrap over repeats = {n} pairs at confidence {c.confidence:g} has too few pairs to mean "
+            "anything: its bound is the lowest of the resampled means, about the smallest gain, so it passes "
+            f"whenever all {n} gains are positive, which with no real gain happens with probability "
+            f'1/{2**n} = {chance:g}{over}; use repeats >= {_bootstrap_needed(c.confidence)} or test = "sign"'
+        )
+    return out
+
+
+def disclosure_warning(c: EvalContract, rules: VerdictRules) -> str | None:
+    """A disclosure mode that cannot hide the private value: without a score stage the metric line is in the
+    runs' own output, which the wake's task tails show."""
+    if rules.disclosure == "exact" or c.score is not None:
+        return None
+    return (
+        f"[verdicts] disclosure = {rules.disclosure!r} withholds the verdict's values, but this contract has no "
+        "`score` command: the eval command prints the metric into the runs' output, which the wake's task tails "
+        "show (and the candidate's code computes it on data the agent has)"
+    )
+
+
+def _bootstrap_needed(confidence: float) -> int:
+    n = paired.MIN_PAIRS_FOR_TEST
+    while paired.bootstrap_is_minimum(n, confidence):
+        n += 1
+    return n
 
 
 def eval_jobs(

@@ -32,6 +32,13 @@ A submit with `repeats = N` measures base and candidate N times, pair i both wit
 For N < 3 no test is possible (a sign test on two pairs cannot reach p <= 0.25), so the floors alone decide;
 the verdict then shows no bound.
 
+Power (what a contract can reach, checked before it is used: kernel.core.evaluate.contract_problem and
+contract_warnings): the sign test's smallest p-value over N pairs is 1/2^N (every pair favours the candidate), so
+a contract whose 1/2^N is above 1 - confidence can never say `improved` (`sign_min_p`, `repeats_needed`); the
+contract text says how many of the N pairs must favour the candidate (`sign_needed`). The bootstrap's bound over
+few pairs is the lowest of the resampled means (`bootstrap_is_minimum`), about the smallest gain, so it passes
+whenever every gain is positive: with no real gain that happens with probability 1/2^N.
+
 Values are decimals as the metric line wrote them (kernel.core.evaluate), so a floor of 0.2 is met by 0.3 - 0.1.
 """
 
@@ -59,8 +66,47 @@ def sign_test_p(gains: Sequence[Decimal]) -> Fraction:
     n = len(nonzero)
     if n == 0:
         return Fraction(1)
-    k = sum(1 for g in nonzero if g > 0)
+    return upper_tail(n, sum(1 for g in nonzero if g > 0))
+
+
+def upper_tail(n: int, k: int) -> Fraction:
+    """P(X >= k) for X ~ Binomial(n, 1/2), exactly."""
     return Fraction(sum(comb(n, j) for j in range(k, n + 1)), 2**n)
+
+
+def sign_min_p(n: int) -> Fraction:
+    """The smallest one-sided p-value the sign test can give over `n` pairs: all `n` favour the candidate."""
+    return Fraction(1, 2**n)
+
+
+def alpha_of(confidence: Decimal | float) -> Fraction:
+    """1 - confidence, exactly as the contract wrote it (0.95 -> 1/20)."""
+    return 1 - Fraction(str(confidence))
+
+
+def sign_needed(n: int, confidence: Decimal | float) -> int | None:
+    """How many of `n` untied pairs must favour the candidate for the sign test to pass at `confidence` (None:
+    not even all `n` do)."""
+    alpha = alpha_of(confidence)
+    for k in range(n + 1):
+        if upper_tail(n, k) <= alpha:
+            return k
+    return None
+
+
+def repeats_needed(confidence: Decimal | float) -> int:
+    """The fewest pairs with which the sign test can pass at `confidence` (1/2^N <= 1 - confidence)."""
+    alpha = alpha_of(confidence)
+    n = MIN_PAIRS_FOR_TEST
+    while sign_min_p(n) > alpha:
+        n += 1
+    return n
+
+
+def bootstrap_is_minimum(n: int, confidence: Decimal | float) -> bool:
+    """Whether the bootstrap bound over `n` pairs is the lowest of the BOOTSTRAP_RESAMPLES resampled means (its
+    quantile is below one resample): with so few pairs the bound is about the smallest gain."""
+    return int(expanded_tail(n, float(confidence)) * BOOTSTRAP_RESAMPLES) == 0
 
 
 def student_t_cdf(t: float, df: int) -> float:

@@ -76,10 +76,31 @@ class Acceptance:
     jobs: tuple[JobRow, ...]
 
 
+SUBMIT_WINDOW_S: Final = 24 * 3600
+
+
+def submit_window_start(now: str) -> str:
+    """The start of the 24 hours before `now` that `max_submits_per_day` counts submits in."""
+    return timestamp_of(parse_time(now) - SUBMIT_WINDOW_S)
+
+
+def timestamp_of(t: float) -> str:
+    """`t` as the protocol's RFC 3339 UTC timestamp with milliseconds (parse_time's inverse)."""
+    ms = round(t * 1000)
+    return datetime.fromtimestamp(ms // 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S") + f".{ms % 1000:03d}Z"
+
+
 def accept_sleep(
-    ws: WorkspaceRow, current: SleepRow | None, req: SleepRequest, seq: int, now: str
+    ws: WorkspaceRow,
+    current: SleepRow | None,
+    req: SleepRequest,
+    seq: int,
+    now: str,
+    submits: tuple[int, str | None] = (0, None),
 ) -> Acceptance:
     """Decide a sleep: RequestError (nothing charged) or the charged balance and the PENDING tasks to record.
+    `submits`: how many sleeps carrying a submit were accepted since `submit_window_start(now)`, and the oldest's
+    `created_at`.
 
     Cheap refusals in the spec's order: policy, then kernel state, then budget.
     """
@@ -90,6 +111,16 @@ def accept_sleep(
             f"sleep {current.id!r} (seq {current.seq}) has not woken yet; one sleep at a time per workspace "
             "(wait for its wake, or cancel its launches)",
             None,
+        )
+    bound = ws.policy.max_submits_per_day
+    if req.submit is not None and bound and submits[0] >= bound:
+        oldest = submits[1] or now
+        raise RequestError(
+            "budget.submits_per_day",
+            f"this workspace may have at most {bound} submits accepted in any 24 hours, and {submits[0]} were "
+            f"accepted since {oldest}; the next can be accepted from "
+            f"{timestamp_of(parse_time(oldest) + SUBMIT_WINDOW_S)} (a sleep without `submit` can be now)",
+            "$.submit",
         )
     check_eval_names(req)
     charged = ledger.reserve_sleep(ws.balance, req.launches)

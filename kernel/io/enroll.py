@@ -28,7 +28,17 @@ import msgspec
 
 from channel import limits as L
 from channel import release, safefs
-from channel.messages import BudgetFile, EvalContract, KernelInfo, KernelRef, Limits, Policy, StoreRef, encode
+from channel.messages import (
+    BudgetFile,
+    EvalContract,
+    KernelInfo,
+    KernelRef,
+    Limits,
+    Policy,
+    StoreRef,
+    VerdictRules,
+    encode,
+)
 from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
 from kernel.core import budget, ledger
 from kernel.core.budget import Balance
@@ -288,9 +298,11 @@ def kernel_json(
     jail: str,
     limits: Limits | None = None,
     package_index: str | None = None,
+    verdicts: VerdictRules | None = None,
 ) -> bytes:
     """`kernel.json`; `jail` (the config's) decides, with the contract, whether its verdicts are trusted;
-    `limits` as `published_limits` makes them from the config, `package_index` as `jobenv.package_index`."""
+    `limits` as `published_limits` makes them from the config, `package_index` as `jobenv.package_index`,
+    `verdicts` the config's `[verdicts]`."""
     from channel.messages import VERBS
 
     return encode(
@@ -305,6 +317,7 @@ def kernel_json(
             owner=owner,
             submit_trusted=None if row.policy.submit is None else is_trusted(row.policy.submit, jail),
             package_index=package_index,
+            submit_verdicts=None if row.policy.submit is None else verdicts or VerdictRules(),
         )
     )
 
@@ -605,6 +618,7 @@ def write_kernel_files(
             jail=cfg.jail,
             limits=published_limits(cfg),
             package_index=jobenv.package_index(cfg),
+            verdicts=cfg.verdicts,
         ),
         durable=durable,
     )
@@ -851,7 +865,13 @@ def rewrite_kernel_files(
     with `cfg` `jobenv.json` where they differ from `row`. The tool note."""
     note = install(ch, tool)
     wanted = kernel_json(
-        row, tool, owner, jail=jail, limits=published_limits(cfg), package_index=jobenv.package_index(cfg)
+        row,
+        tool,
+        owner,
+        jail=jail,
+        limits=published_limits(cfg),
+        package_index=jobenv.package_index(cfg),
+        verdicts=None if cfg is None else cfg.verdicts,
     )
     try:
         current: bytes | None = safefs.read_capped_at(ch.fd, ChannelPaths.KERNEL_JSON, 1024 * 1024)

@@ -238,12 +238,21 @@ CREATE TABLE IF NOT EXISTS eval_measurements (
     seq         INTEGER NOT NULL,
     measured_at TEXT NOT NULL
 ) STRICT;
+
+CREATE TABLE IF NOT EXISTS eval_disclosure (
+    workspace       TEXT PRIMARY KEY,
+    best            TEXT NOT NULL,
+    spent           INTEGER NOT NULL,
+    noisy_threshold REAL
+) STRICT;
 """
 # Columns added to a table while SCHEMA_VERSION was 1: added to an older database at open (as _ADMIN_SCHEMA).
 _ADDED_COLUMNS: Final = (
     ("eval_plans", "seeds", "TEXT"),
     ("eval_plans", "protected_changed", "TEXT"),
     ("eval_plans", "shadows_removed", "TEXT"),
+    # the seq of the submit whose base measurement (and seeds) a `reuse` plan takes
+    ("eval_plans", "seeds_from_seq", "INTEGER"),
     # the channel subdirectories' identities (spec 2.3): NULL until the next enrollment or start records them
     ("workspaces", "subdirs", "TEXT"),
 )
@@ -287,10 +296,10 @@ def _release_line() -> str:
 
 _PLAN_COLS: Final = (
     "workspace, seq, decision, contract, seed, base_commit, base_tree, candidate_commit, candidate_tree, "
-    "baseline_key, reused_value, seeds, protected_changed, shadows_removed"
+    "baseline_key, reused_value, seeds, protected_changed, shadows_removed, seeds_from_seq"
 )
 # One eval_plans row, in _PLAN_COLS order: reused_value, seeds and protected_changed are JSON lists, and
-# shadows_removed a JSON object (kernel.io.submit.Removed); the last three NULL in a row recorded before they
+# shadows_removed a JSON object (kernel.io.submit.Removed); the last four NULL in a row recorded before they
 # were added.
 EvalPlanValues = tuple[
     str,
@@ -307,6 +316,7 @@ EvalPlanValues = tuple[
     str | None,
     str | None,
     str | None,
+    int | None,
 ]
 
 T = TypeVar("T")
@@ -1132,10 +1142,39 @@ class Store:
     def put_eval_plan(self, values: EvalPlanValues) -> None:
         self._one(f"INSERT INTO eval_plans ({_PLAN_COLS}) VALUES ({','.join('?' * len(values))})", values)
 
-    def eval_measurement(self, key: str) -> tuple[str, str] | None:
-        """(seeds, values) of a stored base measurement, both JSON lists."""
-        row = self._one("SELECT seeds, vals FROM eval_measurements WHERE key=?", (key,))
-        return None if row is None else (str(row[0]), str(row[1]))
+    def eval_measurement(self, key: str) -> tuple[str, str, int] | None:
+        """(seeds, values, the seq of the submit that measured it) of a stored base measurement (seeds and values
+        JSON lists)."""
+        row = self._one("SELECT seeds, vals, seq FROM eval_measurements WHERE key=?", (key,))
+        return None if row is None else (str(row[0]), str(row[1]), int(row[2]))
+
+    def eval_disclosure(self, workspace: str) -> tuple[str, int, float | None] | None:
+        """(best, spent, noisy_threshold) of the workspace's disclosure state (kernel.core.disclosure.State)."""
+        row = self._one(
+            "SELECT best, spent, noisy_threshold FROM eval_disclosure WHERE workspace=?", (workspace,)
+        )
+        return None if row is None else (str(row[0]), int(row[1]), row[2])
+
+    def put_eval_disclosure(
+        self, workspace: str, best: str, spent: int, noisy_threshold: float | None
+    ) -> None:
+        self._one(
+            "INSERT INTO eval_disclosure (workspace, best, spent, noisy_threshold) VALUES (?,?,?,?) "
+            "ON CONFLICT(workspace) DO UPDATE SET best=excluded.best, spent=excluded.spent, "
+            "noisy_threshold=excluded.noisy_threshold",
+            (workspace, best, spent, noisy_threshold),
+        )
+
+    def submits_since(self, workspace: str, since: str) -> tuple[int, str | None]:
+        """How many sleeps carrying a submit the workspace has had accepted at or after `since` (rejected ones
+        are not counted: they ran nothing), and when the oldest of them was."""
+        row = self._one(
+            "SELECT COUNT(*), MIN(created_at) FROM sleeps WHERE workspace=? AND submit IS NOT NULL "
+            "AND state != 'rejected' AND created_at >= ?",
+            (workspace, since),
+        )
+        assert row is not None
+        return int(row[0]), None if row[1] is None else str(row[1])
 
     def put_eval_measurement(
         self, key: str, seeds: str, vals: str, workspace: str, seq: int, at: str

@@ -12,7 +12,11 @@ Tables (made by the store's migrations, kernel.io.store; read and written here o
   `evaluate.seed_commitment(seeds, base_tree)`, which the operator can recompute from this row.
 - `eval_verdicts`: every verdict with the agent's report, and the `on_verdict` hook's status.
 - `eval_measurements`: finished base measurements (one decimal per seed) keyed by `evaluate.baseline_key`,
-  with the seeds they were measured with.
+  with the seeds they were measured with and the submit that measured them; a `reuse` plan (the operator's
+  `[verdicts] reuse_base = "same-seeds"`) records that submit's seq, which its verdict names.
+- `eval_disclosure`: each workspace's disclosure state (kernel.core.disclosure.State: the ladder's best,
+  thresholdout's spent budget and noisy threshold), updated in the gather transaction that records the verdict
+  it disclosed, so a crash never discloses without spending, nor spends without the verdict.
 
 The base is taken from the agent's `.git` only through `kernel.io.repo.import_base` (a copy read without links,
 every object re-hashed) and held in the kernel's own repository of the workspace under `refs/bases/<tree>`, so
@@ -34,6 +38,7 @@ from typing import Final, Literal
 import msgspec
 
 from channel.messages import EvalContract, Policy, SidePath, Verdict, encode
+from kernel.core import disclosure as D
 from kernel.io import repo as R
 from kernel.io.store import Store, timestamp
 from kernel.node.wrapper import is_protected, shadowing
@@ -176,8 +181,12 @@ def set_base(store: Store, workspace: str, commit: str, tree: str) -> None:
 
 def rebase(store: Store, workspace: str, commit: str, tree: str) -> None:
     """Move the base (in the caller's transaction). Measurements are keyed by the base tree, so a rebase starts
-    with nothing reused."""
+    with nothing reused; the ladder's best (a gain over the old base) starts again at 0, while thresholdout's
+    spent budget stays spent (it counts what the private data disclosed, whatever the base)."""
     set_base(store, workspace, commit, tree)
+    state = disclosure_state(store, workspace)
+    if state.best != 0:
+        put_disclosure_state(store, workspace, D.State(Decimal(0), state.spent, state.noisy_threshold))
 
 
 def contract_of(store: Store, workspace: str) -> EvalContract | None:
@@ -220,6 +229,7 @@ class Plan:
     seeds: tuple[int, ...] = ()
     protected_changed: tuple[str, ...] = ()
     removed: Removed = Removed()
+    seeds_from_seq: int | None = None  # `reuse`: the submit that measured the base (and drew the seeds)
 
 
 def plan_of(store: Store, workspace: str, seq: int) -> Plan | None:
@@ -242,6 +252,7 @@ def plan_of(store: Store, workspace: str, seq: int) -> Plan | None:
         tuple(json.loads(row[11])) if row[11] else (),
         tuple(json.loads(row[12])) if row[12] else (),
         _removed_decoder.decode(row[13]) if row[13] else Removed(),
+        row[14],
     )
 
 
@@ -262,6 +273,7 @@ def put_plan(store: Store, p: Plan) -> None:
             json.dumps(list(p.seeds)),
             json.dumps(list(p.protected_changed)),
             msgspec.json.encode(p.removed).decode(),
+            p.seeds_from_seq,
         ),
     )
 
@@ -269,12 +281,31 @@ def put_plan(store: Store, p: Plan) -> None:
 # --- baselines and verdicts -------------------------------------------------------------------------------
 
 
-def measurement(store: Store, key: str) -> tuple[tuple[int, ...], tuple[Decimal, ...]] | None:
-    """A stored base measurement: (seeds, one value per seed)."""
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """A stored base measurement: its seeds, one value per seed, and the submit (seq) that measured it."""
+
+    seeds: tuple[int, ...]
+    values: tuple[Decimal, ...]
+    seq: int
+
+
+def measurement(store: Store, key: str) -> Measurement | None:
     row = store.eval_measurement(key)
     if row is None:
         return None
-    return tuple(json.loads(row[0])), tuple(Decimal(v) for v in json.loads(row[1]))
+    return Measurement(tuple(json.loads(row[0])), tuple(Decimal(v) for v in json.loads(row[1])), row[2])
+
+
+def disclosure_state(store: Store, workspace: str) -> D.State:
+    """The workspace's disclosure state (kernel.core.disclosure), kept across submits and restarts."""
+    row = store.eval_disclosure(workspace)
+    return D.State() if row is None else D.State(Decimal(row[0]), row[1], row[2])
+
+
+def put_disclosure_state(store: Store, workspace: str, state: D.State) -> None:
+    """Record it (in the caller's transaction: the gather's, which records the verdict it disclosed)."""
+    store.put_eval_disclosure(workspace, str(state.best), state.spent, state.noisy_threshold)
 
 
 def put_measurement(

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Literal
 
 from channel import safefs
+from channel.messages import EvalContract
 from kernel.backends.slurm.query import NO_CONFIG_SOURCE, partition_argv, ping_argv, sacctmgr_argv
 from kernel.core.config import Config
+from kernel.core.evaluate import contract_problem, contract_warnings, disclosure_warning
 from kernel.io import hostproc, metrics, statedir
+from kernel.io import submit as S
 from kernel.io.enroll import expand_globs, owner_of
 from kernel.io.store import Store, StoreError
 
@@ -60,6 +63,7 @@ def run_checks(cfg: Config, env: dict[str, str] | None = None) -> list[Finding]:
     out += _capacity(cfg)
     out += _jail(cfg)
     out += _metrics(cfg)
+    out += _submit(cfg)
     if cfg.backend == "slurm":
         out += _slurm(cfg, env)
     return out
@@ -168,6 +172,7 @@ def _workspaces(cfg: Config) -> list[Finding]:
         rows = store.workspaces()
         paused = store.paused()
         pending = store.pending_note()
+        own = S.contracts(store)
     except sqlite3.Error as exc:
         return [Finding("error", "store", statedir.store_unusable(cfg.state_dir, cfg.db_path, exc))]
     finally:
@@ -176,6 +181,26 @@ def _workspaces(cfg: Config) -> list[Finding]:
     if pending is not None:
         out.append(Finding("warn", "store", pending))
     out += [Finding("warn", f"workspace {r.key}", f"{r.path}: {r.problem}") for r in rows if r.problem]
+    for key, contract in sorted(own.items()):
+        out += _contract_findings(f"workspace {key} contract", contract, cfg)
+    return out
+
+
+def _submit(cfg: Config) -> list[Finding]:
+    """The default contract's warnings (config load already refused one that cannot be used)."""
+    c = cfg.defaults.submit
+    return [] if c is None else _contract_findings("defaults.submit", c, cfg)
+
+
+def _contract_findings(what: str, c: EvalContract, cfg: Config) -> list[Finding]:
+    """An error for a contract that cannot be used (one enrolled before a check existed), else its warnings."""
+    problem = contract_problem(c)
+    if problem is not None:
+        return [Finding("error", what, f"{problem[0]}: {problem[1]} (enroll the workspace again to fix it)")]
+    out = [Finding("warn", what, w) for w in contract_warnings(c)]
+    hidden = disclosure_warning(c, cfg.verdicts)
+    if hidden is not None:
+        out.append(Finding("warn", what, hidden))
     return out
 
 

@@ -862,7 +862,12 @@ class Pipeline:
             assert row is not None
             seq = self.store.next_seq(ws.key)
             try:
-                acc = rules.accept_sleep(row, self.store.current_sleep(ws.key), req, seq, now)
+                submits = (
+                    self.store.submits_since(ws.key, rules.submit_window_start(now))
+                    if req.submit is not None and row.policy.max_submits_per_day
+                    else (0, None)
+                )
+                acc = rules.accept_sleep(row, self.store.current_sleep(ws.key), req, seq, now, submits)
             except RequestError as err:
                 refusal = (err.code, encode(rejected(rid, err)))
                 self.store.insert_request(

@@ -5,9 +5,10 @@ A sleep carrying a submit holds `2 x repeats` extra job rows from its acceptance
 launch's). Here:
 
 - `prepare` (once the snapshot is recorded, before anything is submitted; idempotent) decides the plan in one
-  transaction: `unchanged` when the snapshot's tree equals the base's, `reuse` when a finished base measurement
-  with the same `baseline_key` is stored (its seeds come with it), `no_base` when the workspace has no recorded
-  base, else `run` with fresh private seeds. Rows that will not run become REUSED or SKIPPED there and their
+  transaction: `unchanged` when the snapshot's tree equals the base's, `reuse` when the operator allows it
+  (`[verdicts] reuse_base = "same-seeds"`) and a finished base measurement with the same `baseline_key` is
+  stored (its seeds come with it, and the verdict names the submit that drew them), `no_base` when the workspace
+  has no recorded base, else `run` with fresh private seeds for both sides. Rows that will not run become REUSED or SKIPPED there and their
   reservation is refunded in full; an `unchanged` submit in a sleep with nothing else refunds the sleep too.
   The protected paths the candidate changed are listed from the kernel's repository here (`submit.changed_paths`,
   base tree against snapshot tree; never from the agent's `.git`), a git process run in the workspace's heavy
@@ -20,8 +21,9 @@ launch's). Here:
   give intact refuses the sleep with `snapshot.failed`, nothing charged.
 - `run` (for as long as the service runs) holds each workspace's recorded base once per start (`_upgrade`).
 - `judge` (inside the gather transaction) reads each run's stdout (or its score stage's) from its run
-  directory, decides the verdict (`evaluate.decide`, `kernel.core.paired`), stores it with the report and, when the
-  base was measured, the measurement. The wake shows every evaluation run as a task labelled by a kernel hint;
+  directory, decides the verdict (`evaluate.decide`, `kernel.core.paired`), stores it exactly with the report and,
+  when the base was measured, the measurement; the wake gets what `[verdicts] disclosure` shows of it
+  (`kernel.core.disclosure`, its state moved in the same transaction). The wake shows every evaluation run as a task labelled by a kernel hint;
   a seed that a run's own output printed is blanked from its tails (the seeds stay private).
 - `settle` runs `on_verdict`: after the verdict is committed, the operator's command gets the verdict and report as JSON on
   stdin (cwd = state_dir, clean env, a timeout). A failing or hanging hook is logged and recorded; the verdict
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shlex
 import time
 from collections.abc import Sequence
@@ -47,6 +50,7 @@ from channel.messages import EvalContract, SidePath, Submit, TaskResult, TaskSta
 from channel.paths import RunPaths
 from kernel.backends.base import DEFAULT_OUTPUT_MAX_BYTES, BaseFiles, JobSpec, ScoreStage
 from kernel.backends.jobscript import read_exit
+from kernel.core import disclosure as D
 from kernel.core import evaluate as E
 from kernel.core import ledger
 from kernel.core.config import Config
@@ -121,6 +125,8 @@ class SubmitEvaluation:
         # finds the base held instead of importing it again.
         self._holding: dict[str, anyio.Lock] = {}
         self.hook_argv: tuple[str, ...] = tuple(shlex.split(cfg.on_verdict)) if cfg.on_verdict else ()
+        # Thresholdout's Laplace noise: from the operating system, never a seed an agent could learn.
+        self._noise = random.SystemRandom()
 
     def repo_of(self, key: str) -> R.KernelRepo:
         """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""
@@ -263,6 +269,7 @@ class SubmitEvaluation:
         bkey: str | None = None
         seeds: tuple[int, ...] = ()
         stored: tuple[Decimal, ...] | None = None
+        seeds_from: int | None = None
         if base is not None and base[1] == tree:
             decision = "unchanged"
         elif base is not None:
@@ -276,9 +283,13 @@ class SubmitEvaluation:
                 workspace=None if self.cfg.defaults.share_baselines else ws.key,
             )
             found = S.measurement(self.store, bkey)
-            if found is not None and len(found[1]) == contract.repeats:
+            if (
+                self.cfg.verdicts.reuse_base == "same-seeds"
+                and found is not None
+                and len(found.values) == contract.repeats
+            ):
                 decision = "reuse"
-                seeds, stored = found
+                seeds, stored, seeds_from = found.seeds, found.values, found.seq
             else:
                 decision = "run"
                 seeds = S.draw_seeds(contract.repeats) if contract.seed else ()
@@ -297,6 +308,7 @@ class SubmitEvaluation:
             seeds=seeds,
             protected_changed=changed[0] if decision in ("run", "reuse") else (),
             removed=changed[1] if decision in ("run", "reuse") else S.Removed(),
+            seeds_from_seq=seeds_from,
         )
 
     def _skip_unrun(self, key: str, seq: int, decision: S.Decision) -> None:
@@ -381,10 +393,16 @@ class SubmitEvaluation:
             return tasks, None
         every = self.store.jobs_of(key, seq)
         rows = [j for j in every if j.launch in E.EVAL_LAUNCHES]
-        verdict = self._verdict(plan, rows, only_submit=len(rows) == len(every))
+        verdict, public = self._verdict(plan, rows, only_submit=len(rows) == len(every))
         shown = tuple(self._label(t, plan) for t in tasks)
         report = _submit_decoder.decode(sleep.submit).report
+        # The exact verdict is the operator's (history --verdicts, the hook); the wake gets what the disclosure
+        # mode shows, and the mode's state moves in this same (gather) transaction.
         S.put_verdict(self.store, key, seq, sleep.id, verdict, report, hook=bool(self.hook_argv))
+        before = S.disclosure_state(self.store, key)
+        disclosed, after = D.disclose(verdict, self.cfg.verdicts, before, public=public, rng=self._noise)
+        if after != before:
+            S.put_disclosure_state(self.store, key, after)
         klog.event(
             "verdict",
             ws=key,
@@ -393,17 +411,22 @@ class SubmitEvaluation:
             side=verdict.failed_side,
             reused=verdict.baseline_reused,
             trusted=verdict.trusted,
+            disclosure=disclosed.disclosure,
+            shown=disclosed.outcome,
         )
-        return shown, verdict
+        return shown, disclosed
 
-    def _verdict(self, plan: S.Plan, rows: list[JobRow], *, only_submit: bool) -> Verdict:
+    def _verdict(
+        self, plan: S.Plan, rows: list[JobRow], *, only_submit: bool
+    ) -> tuple[Verdict, tuple[float, bool] | None]:
+        """The exact verdict, and thresholdout's public estimate (evaluate.public_estimate) where there is one."""
         c = plan.contract
         trusted = E.is_trusted(c, self.cfg.jail)
         if plan.decision == "unchanged":
             assert plan.base_commit is not None
             return E.unchanged_verdict(
                 c, plan.base_commit, plan.candidate_commit, trusted=trusted, sleep_refunded=only_submit
-            )
+            ), None
         if plan.decision == "no_base":
             return Verdict(
                 outcome="failed",
@@ -417,7 +440,7 @@ class SubmitEvaluation:
                 candidate_commit=plan.candidate_commit,
                 trusted=trusted,
                 repeats=c.repeats,
-            )
+            ), None
         assert plan.base_commit is not None
         assert plan.base_tree is not None
         by_task = sorted(rows, key=lambda j: j.task)
@@ -436,7 +459,7 @@ class SubmitEvaluation:
             else:
                 assert plan.baseline_key is not None
                 S.put_measurement(self.store, plan.baseline_key, plan.seeds, values, plan.workspace, plan.seq)
-        return E.decide(
+        exact = E.decide(
             c,
             base,
             cand,
@@ -446,10 +469,12 @@ class SubmitEvaluation:
             candidate_commit=plan.candidate_commit,
             trusted=trusted,
             baseline_reused=plan.decision == "reuse",
+            seeds_from_seq=plan.seeds_from_seq,
             protected_changed=plan.protected_changed,
             shadows_removed=(plan.removed.paths, plan.removed.count),
             scorer_unseen=_unseen(plan, rows),
         )
+        return exact, E.public_estimate(c, base, cand, seeds=plan.seeds, base_tree=plan.base_tree)
 
     @staticmethod
     def _label(t: TaskResult, plan: S.Plan) -> TaskResult:
@@ -464,9 +489,10 @@ class SubmitEvaluation:
         )
         label = f"the kernel's evaluation run of the {side} (commit {(commit or '')[:12]}{pair}), {what}"
         if t.state == "REUSED":
+            by = "an earlier submit" if plan.seeds_from_seq is None else f"submit #{plan.seeds_from_seq}"
             label = (
-                f"not run: the {side}'s measurement by an earlier submit with the same contract and seeds "
-                "stands in for it (nothing was charged)"
+                f"not run: the {side}'s measurement by {by} with the same contract stands in for it, and the "
+                "candidate ran on that submit's private seeds (nothing was charged)"
             )
         elif t.state == "SKIPPED":
             why = (

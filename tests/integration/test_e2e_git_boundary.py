@@ -147,7 +147,8 @@ class Env:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iterator[Env]:
     root = tmp_path_factory.mktemp("gitboundary")
-    kernel = Kernel(root, "[local]\nseconds_per_minute = 1.0\n")
+    # same-seeds: a measurement could be reused, so the twin's own base run shows it is bound to its workspace
+    kernel = Kernel(root, '[local]\nseconds_per_minute = 1.0\n[verdicts]\nreuse_base = "same-seeds"\n')
     spaces = {n: make_ws(root, n, "twins" if n in ("forged", "twin") else n) for n in SPACES}
     forge_loose(spaces["pending"], "result.txt", FORGED)  # before enrollment: the base cannot be taken
     for ws in spaces.values():
@@ -384,7 +385,9 @@ def test_an_older_kernels_refs_are_reported_once_and_its_bases_re_imported_throu
 def test_with_share_baselines_a_twin_reuses_the_measurement(tmp_path: Path, bwrap_available: None) -> None:
     """The operator's opt-in, `[defaults.submit] share_baselines = true` (off by default: see the twin above)."""
     kernel = Kernel(
-        tmp_path, "[defaults.submit]\nshare_baselines = true\n[local]\nseconds_per_minute = 1.0\n"
+        tmp_path,
+        "[defaults.submit]\nshare_baselines = true\n[local]\nseconds_per_minute = 1.0\n"
+        '[verdicts]\nreuse_base = "same-seeds"\n',
     )
     one, two = make_ws(tmp_path, "one", "same"), make_ws(tmp_path, "two", "same")
     for ws in (one, two):

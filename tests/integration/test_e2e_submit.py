@@ -122,7 +122,8 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
     kernel = Kernel(
         tmp,
         f'jail = "bwrap"\non_verdict = "sh {tmp / "hook.sh"}"\non_verdict_timeout_seconds = 20\n'
-        "[local]\nseconds_per_minute = 1.0\n",
+        # the `reuse` case: a stored base measurement stands in, on its own seeds
+        '[local]\nseconds_per_minute = 1.0\n[verdicts]\nreuse_base = "same-seeds"\n',
     )
     spaces: dict[str, Path] = {}
     for name, (flags, base, _) in CASES.items():
@@ -336,7 +337,13 @@ def test_a_baseline_is_reused_only_while_everything_that_determines_it_is_the_sa
     assert plans[1] == plans[0]
     assert v["seed_commitment"] == first["verdict"]["seed_commitment"]
     charged_exactly_the_tasks_shown(second, first["budget"]["gpu_hours"])
-    assert "(reused measurement)" in env.md("reuse", second["id"])
+    md = env.md("reuse", second["id"])
+    assert "(reused measurement)" in md
+    # It says plainly that the candidate was compared on the first submit's seeds.
+    assert (first["verdict"]["seeds_from_seq"], v["seeds_from_seq"]) == (None, first["seq"])
+    assert f"Compared on the seeds of submit #{first['seq']}:" in md
+    assert "drawn fresh" not in md
+    assert "Seeds: drawn fresh for this submit; both sides ran on them." in env.md("reuse", first["id"])
 
     # The operator changes the eval command: the stored baseline no longer applies.
     env.kernel.enroll(ws, "--eval-command", "sh eval.sh --v2", "--metric", "score", "--eval-gpus", "1")

@@ -221,7 +221,7 @@ def cases(private: Path, pyc: tuple[str, bytes]) -> dict[str, tuple[tuple[str, .
             worse,
         ),
         "jail-check": (
-            (*score_flags(private, "jail_check.py"), "--repeats", "3"),
+            (*score_flags(private, "jail_check.py"), "--repeats", "3", "--confidence", "0.85"),
             {"predict.py": PREDICT_PY + "import subprocess\nsubprocess.Popen(['setsid', 'sleep', '30'])\n"},
         ),
     }
@@ -455,7 +455,7 @@ def test_the_agent_sees_the_contract_and_its_cost_before_paying(env: Env) -> Non
         assert 'metric: "score", higher is better.' in text
         assert "floors: none" in text
         assert "repeats: 3 pairs" in text
-        assert "an exact one-sided sign test at confidence 0.95" in text
+        assert "an exact one-sided sign test at confidence 0.85 must pass: at least 3 of the 3 pairs" in text
         assert "trusted: yes" in text
         assert "cost of one submit: 1 sleep" in text
         assert "6 runs of up to 30 minutes on 0 GPUs each, 0 GPU-hours reserved" in text
@@ -509,7 +509,7 @@ def test_the_score_stage_and_repeats_on_slurm(
     git(ws, "add", "-A")
     git(ws, "commit", "-q", "-m", "base")
     kernel = Kernel(tmp_path, 'backend = "slurm"\njail = "bwrap"\n[slurm]\npoll_seconds = 1.0\n')
-    kernel.enroll(ws, *score_flags(private), "--repeats", "3")
+    kernel.enroll(ws, *score_flags(private), "--repeats", "3", "--confidence", "0.85")
     e = Env(tmp_path, kernel, {"ws": ws})
     try:
         kernel.start(env={"SLURM_CONF": str(slurm_conf)})

@@ -1,0 +1,148 @@
+"""End to end (issue 26): repeated submits through the tool, a real kernel, the local backend and bwrap, under the
+default `reuse_base = "never"` with `disclosure = "ladder"` and a per-day bound on submits.
+
+The workspace's base prints nothing itself (`command` is `sh eval.sh`, which prints a line of its own); the
+operator's scorer reads `result.txt` from each side's tree and prints it as the metric (0.5 in the base). Three
+consecutive submits (0.6, 0.62, 0.9) each draw fresh seeds and measure their base anew, and the wake shows only
+what the ladder discloses while the operator's `history --verdicts` keeps the exact values; a fourth submit the
+same day is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kernelproc import Kernel, git, run_tool
+
+from channel.paths import workspace_key
+from kernel.core.evaluate import seed_commitment
+
+pytestmark = pytest.mark.bwrap
+
+SCORE_PY = """import json, os
+print(json.dumps({"score": json.load(open(os.path.join(os.environ["EVAL_TREE"], "result.txt")))["score"]}))
+"""
+CONFIG = (
+    'jail = "bwrap"\n[local]\nseconds_per_minute = 1.0\n[defaults]\nmax_submits_per_day = 3\n'
+    '[verdicts]\ndisclosure = "ladder"\nladder_step = 0.05\n'
+)
+
+
+def tool(ws: Path, *args: str) -> str:
+    done = run_tool(ws, *args, timeout=120)
+    assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}"
+    return done.stdout
+
+
+def submit(ws: Path, tmp: Path, value: float) -> dict[str, Any]:
+    (ws / "result.txt").write_text(json.dumps({"score": value}) + "\n")
+    report = tmp / f"report-{value}.md"
+    report.write_text(f"# try {value}\n")
+    tool(ws, "submit", "--report", str(report))
+    accepted = json.loads(tool(ws, "sleep", "--json"))
+    assert accepted["type"] == "accepted", accepted
+    wake: dict[str, Any] = json.loads(tool(ws, "wait", accepted["id"], "--json", "--timeout", "120"))
+    return wake
+
+
+def test_three_submits_draw_fresh_seeds_show_only_the_ladder_and_a_fourth_is_refused(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "score.py").write_text(SCORE_PY)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    (ws / "eval.sh").write_text('echo \'{"note": "the candidate runs"}\'\n')
+    (ws / "result.txt").write_text('{"score": 0.5}\n')
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", "base")
+    kernel = Kernel(tmp_path, CONFIG)
+    kernel.enroll(
+        ws,
+        "--sleeps",
+        "10",
+        "--gpu-hours",
+        "4",
+        "--eval-command",
+        "sh eval.sh",
+        "--metric",
+        "score",
+        "--score-command",
+        "python3 $SCORE_DATA/score.py",
+        "--score-data",
+        str(private),
+    )
+    try:
+        kernel.start()
+        contract = tool(ws, "submit", "--help")
+        wakes = [submit(ws, tmp_path, v) for v in (0.6, 0.62, 0.9)]
+        (ws / "result.txt").write_text('{"score": 0.95}\n')
+        report = tmp_path / "fourth.md"
+        report.write_text("# fourth\n")
+        tool(ws, "submit", "--report", str(report))
+        fourth = run_tool(ws, "sleep", "--json", timeout=120)
+        history = kernel.cli("history", "--verdicts", "--json").stdout
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+
+    assert "seeds: fresh private seeds for every submit, on both sides" in contract
+    assert "disclosure: ladder, step 0.05" in contract
+    assert "limit: at most 3 submits accepted in any 24 hours." in contract
+
+    # Fresh seeds on both sides for every submit: three different commitments, each base measured anew.
+    verdicts = [w["verdict"] for w in wakes]
+    commitments = [v["seed_commitment"] for v in verdicts]
+    assert len(set(commitments)) == 3, commitments
+    db = sqlite3.connect(f"file:{kernel.state / 'state.sqlite'}?mode=ro", uri=True)
+    try:
+        plans = db.execute(
+            "SELECT seeds, base_tree, decision FROM eval_plans WHERE workspace=? ORDER BY seq",
+            (workspace_key(ws.resolve()),),
+        ).fetchall()
+    finally:
+        db.close()
+    assert [p[2] for p in plans] == ["run", "run", "run"]
+    assert [seed_commitment(json.loads(p[0]), p[1]) for p in plans] == commitments
+    for w in wakes:
+        assert sorted((t["launch"], t["state"]) for t in w["tasks"]) == [
+            ("submit-base", "COMPLETED"),
+            ("submit-candidate", "COMPLETED"),
+        ]
+        assert w["verdict"]["baseline_reused"] is False
+        assert w["verdict"]["seeds_from_seq"] is None
+
+    # The ladder: a new best by a step is shown rounded to the step; anything else shows nothing new.
+    shown = [
+        (v["outcome"], v["delta"], v["best_so_far"], v["base_value"], v["candidate_value"]) for v in verdicts
+    ]
+    assert shown == [
+        ("improved", 0.1, 0.1, None, None),
+        ("not_improved", None, 0.1, None, None),
+        ("improved", 0.4, 0.4, None, None),
+    ]
+    md = "".join((ws / ".syscall" / "wakes" / f"{w['id']}.md").read_text() + json.dumps(w) for w in wakes)
+    assert "0.62" not in md
+    assert "Disclosure: ladder (step 0.05)" in md
+    assert "Not shown better than the best so far (0.1) by at least 0.05" in md
+    assert "Seeds: drawn fresh for this submit; both sides ran on them." in md
+
+    # The operator's history keeps the exact values.
+    exact = [json.loads(line)["verdict"] for line in history.splitlines()]
+    assert [(v["outcome"], v["base_value"], v["candidate_value"]) for v in exact] == [
+        ("improved", 0.5, 0.6),
+        ("improved", 0.5, 0.62),
+        ("improved", 0.5, 0.9),
+    ]
+    assert [v["seed_commitment"] for v in exact] == commitments
+
+    # The fourth submit of the day is refused, saying when the next can be; nothing was charged for it.
+    assert fourth.returncode != 0
+    assert "budget.submits_per_day" in fourth.stdout + fourth.stderr
+    assert "at most 3 submits accepted in any 24 hours" in fourth.stdout + fourth.stderr
