@@ -332,16 +332,17 @@ def _disclosure_lines(v: Verdict) -> list[str]:
             "estimate (with a score stage, the mean difference the runs' own command output gives; 0 where it "
             f"gives none) by more than a noisy threshold; the means, pairs and test are withheld ({left})."
         ]
-        if v.outcome not in ("improved", "not_improved") or v.delta is None:
+        if v.outcome not in ("improved", "not_improved"):
             return out
-        if v.private_disclosed:
+        if v.delta is None:
+            out.append(
+                "The budget of private disclosures is spent: this verdict discloses nothing about the private "
+                "result (its outcome says nothing either)."
+            )
+        elif v.private_disclosed:
             out.append(
                 f"Private result disclosed: delta {_num(v.delta)} (the private mean difference plus noise); "
                 "the outcome is the private one."
-            )
-        elif v.budget_left == 0:
-            out.append(
-                f"The budget of private disclosures is spent: public estimate {_num(v.delta)} and its outcome."
             )
         else:
             out.append(

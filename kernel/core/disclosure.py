@@ -19,7 +19,7 @@ Every verdict is first decided exactly (kernel.core.evaluate.decide) and kept ex
   |private - public| > T_hat + Lap(4 sigma) with T_hat = T + Lap(2 sigma), does the verdict disclose the private
   gain plus Lap(sigma) noise and its exact outcome; that spends one of the workspace's `budget` disclosures and
   draws T_hat anew. Otherwise it discloses the public estimate and the outcome the public pairs give. With the
-  budget spent, only public estimates are disclosed. Between disclosures the private data reaches the agent only
+  budget spent, a verdict discloses nothing (`not_improved`, no value), as Thresholdout halts there. Between disclosures the private data reaches the agent only
   through the noisy comparison (the sparse vector technique), so what it learns grows with the budget spent,
   not with the submits.
 
@@ -87,7 +87,7 @@ def thresholdout(
 ) -> Shown:
     """Thresholdout's verdict on one exact result: `private` and `public` are (gain, improved) each."""
     if state.spent >= budget:
-        return Shown(public[1], public[0], state, private=False)
+        return Shown(False, None, state, private=False)
     t_hat = state.noisy_threshold
     if t_hat is None:
         t_hat = threshold + laplace(rng, 2 * noise)

@@ -344,10 +344,18 @@ def test_thresholdout_discloses_the_private_value_only_past_the_noisy_threshold_
         assert (shown.outcome, shown.private_disclosed, shown.budget_left) == ("improved", True, left)
         assert shown.delta == pytest.approx(0.5, abs=0.02)
         assert shown.delta != 0.5
-    # budget spent: only the public estimate, whatever the private value
-    shown, after = D.disclose(exact_verdict(0.9), rules, state, public=(0.0, False), rng=rng)
-    assert (shown.outcome, shown.delta, shown.private_disclosed, after) == ("not_improved", 0.0, False, state)
-    assert "The budget of private disclosures is spent" in render_verdict(shown)
+    # budget spent: nothing is disclosed, whatever the private value (Thresholdout halts)
+    for private in (0.9, -0.9):
+        shown, after = D.disclose(exact_verdict(private), rules, state, public=(0.3, True), rng=rng)
+        assert (shown.outcome, shown.delta, shown.private_disclosed, after) == (
+            "not_improved",
+            None,
+            False,
+            state,
+        )
+        md = render_verdict(shown)
+        assert "The budget of private disclosures is spent: this verdict discloses nothing" in md
+        assert "0.9" not in md
 
 
 def test_exact_disclosure_shows_the_verdict_as_decided() -> None:
