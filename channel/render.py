@@ -350,6 +350,8 @@ def _disclosure_lines(v: Verdict) -> list[str]:
                 "depart from it by more than the noisy threshold)."
             )
         return out
+    if v.disclosure == "exact" and v.outcome in ("improved", "not_improved"):
+        return ["Disclosure: exact: the values shown are the private result itself."]
     return []
 
 

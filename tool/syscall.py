@@ -78,6 +78,7 @@ DEFAULT_POLICY: dict[str, Any] = {
     "network": False,
     "submit": None,
     "verbs": list(REQUEST_TYPES),
+    "max_submits_per_day": 0,
 }
 
 TERMINAL_STATES = frozenset(

@@ -207,6 +207,8 @@ def check_truth(v: Verdict, ran: int) -> None:
         assert ": passed." in md
     assert ("Seeds: drawn fresh" in md) == (v.seed_commitment is not None and not v.baseline_reused)
     assert ("Compared on the seeds of submit #" in md) == (v.seeds_from_seq is not None)
+    measured = v.outcome in ("improved", "not_improved")
+    assert ("Disclosure: exact: the values shown are the private result itself." in md) == measured
 
 
 def test_an_unchanged_verdict_says_nothing_ran_and_claims_no_pairs() -> None:
