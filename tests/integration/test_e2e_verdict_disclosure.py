@@ -5,7 +5,8 @@ The workspace's base prints nothing itself (`command` is `sh eval.sh`, which pri
 operator's scorer reads `result.txt` from each side's tree and prints it as the metric (0.5 in the base). Three
 consecutive submits (0.6, 0.62, 0.9) each draw fresh seeds and measure their base anew, and the wake shows only
 what the ladder discloses while the operator's `history --verdicts` keeps the exact values; a fourth submit the
-same day is refused.
+same day is refused. Under `disclosure = "thresholdout"` the sides' own output is the public estimate, and a
+contract whose sign test cannot pass is refused at enrollment.
 """
 
 from __future__ import annotations
@@ -146,3 +147,70 @@ def test_three_submits_draw_fresh_seeds_show_only_the_ladder_and_a_fourth_is_ref
     assert fourth.returncode != 0
     assert "budget.submits_per_day" in fourth.stdout + fourth.stderr
     assert "at most 3 submits accepted in any 24 hours" in fourth.stdout + fourth.stderr
+
+
+def test_thresholdout_shows_the_public_estimate_until_the_private_departs_then_spends_its_budget(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    """The sides' own `command` prints the public estimate (from `public.txt`); the scorer the private value."""
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "score.py").write_text(SCORE_PY)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git(ws, "init", "-q")
+    (ws / "eval.sh").write_text("cat public.txt\n")
+    (ws / "public.txt").write_text('{"score": 0.5}\n')
+    (ws / "result.txt").write_text('{"score": 0.5}\n')
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", "base")
+    kernel = Kernel(
+        tmp_path,
+        'jail = "bwrap"\n[local]\nseconds_per_minute = 1.0\n[verdicts]\ndisclosure = "thresholdout"\n'
+        "thresholdout_threshold = 0.05\nthresholdout_noise = 0.001\nthresholdout_budget = 1\n",
+    )
+    flags = (
+        "--eval-command",
+        "sh eval.sh",
+        "--metric",
+        "score",
+        "--score-command",
+        "python3 $SCORE_DATA/score.py",
+    )
+    # a contract that can never pass is refused at enrollment, with what would work
+    refused = kernel.cli(
+        "enroll", str(ws), *flags, "--score-data", str(private), "--repeats", "3", check=False
+    )
+    assert refused.returncode != 0
+    assert "1/8 = 0.125, above 1 - confidence = 0.05; use repeats >= 5" in refused.stdout + refused.stderr
+    kernel.enroll(ws, "--sleeps", "10", "--gpu-hours", "4", *flags, "--score-data", str(private))
+    try:
+        kernel.start()
+        shown = []
+        for public, result in ((0.61, 0.6), (0.5, 0.9), (0.5, 0.95)):
+            (ws / "public.txt").write_text(json.dumps({"score": public}) + "\n")
+            shown.append(submit(ws, tmp_path, result)["verdict"])
+        history = kernel.cli("history", "--verdicts").stdout
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+    # close to the private gain (0.1): the public estimate (0.11) and its outcome, nothing spent
+    first, second, third = shown
+    assert (first["outcome"], first["private_disclosed"], first["budget_left"]) == ("improved", False, 1)
+    assert first["delta"] == pytest.approx(0.11)
+    # the private gain (0.4) departs from the public (0): disclosed with noise, the one disclosure spent
+    assert (second["outcome"], second["private_disclosed"], second["budget_left"]) == ("improved", True, 0)
+    assert second["delta"] == pytest.approx(0.4, abs=0.05)
+    assert second["delta"] != 0.4
+    # budget spent: nothing disclosed
+    assert (third["outcome"], third["delta"], third["budget_left"]) == ("not_improved", None, 0)
+    for v in shown:
+        assert (v["disclosure"], v["base_value"], v["candidate_value"], v["pairs"]) == (
+            "thresholdout",
+            None,
+            None,
+            [],
+        )
+    # the operator's history has the exact values
+    assert ": improved: base 0.5, candidate 0.6, delta 0.1" in history
+    assert ": improved: base 0.5, candidate 0.95, delta 0.45" in history
