@@ -50,19 +50,25 @@ def submit(ws: Path, tmp: Path, value: float) -> dict[str, Any]:
     return wake
 
 
-def test_three_submits_draw_fresh_seeds_show_only_the_ladder_and_a_fourth_is_refused(
-    tmp_path: Path, bwrap_available: None
-) -> None:
+def setup(tmp_path: Path, files: dict[str, str]) -> tuple[Path, Path]:
+    """(workspace, private score data): the workspace's base commit holds `files` and result.txt at 0.5."""
     private = tmp_path / "private"
     private.mkdir()
     (private / "score.py").write_text(SCORE_PY)
     ws = tmp_path / "ws"
     ws.mkdir()
     git(ws, "init", "-q")
-    (ws / "eval.sh").write_text('echo \'{"note": "the candidate runs"}\'\n')
-    (ws / "result.txt").write_text('{"score": 0.5}\n')
+    for name, text in {**files, "result.txt": '{"score": 0.5}\n'}.items():
+        (ws / name).write_text(text)
     git(ws, "add", "-A")
     git(ws, "commit", "-q", "-m", "base")
+    return ws, private
+
+
+def test_three_submits_draw_fresh_seeds_show_only_the_ladder_and_a_fourth_is_refused(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    ws, private = setup(tmp_path, {"eval.sh": 'echo \'{"note": "the candidate runs"}\'\n'})
     kernel = Kernel(tmp_path, CONFIG)
     kernel.enroll(
         ws,
@@ -153,17 +159,7 @@ def test_thresholdout_shows_the_public_estimate_until_the_private_departs_then_s
     tmp_path: Path, bwrap_available: None
 ) -> None:
     """The sides' own `command` prints the public estimate (from `public.txt`); the scorer the private value."""
-    private = tmp_path / "private"
-    private.mkdir()
-    (private / "score.py").write_text(SCORE_PY)
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    git(ws, "init", "-q")
-    (ws / "eval.sh").write_text("cat public.txt\n")
-    (ws / "public.txt").write_text('{"score": 0.5}\n')
-    (ws / "result.txt").write_text('{"score": 0.5}\n')
-    git(ws, "add", "-A")
-    git(ws, "commit", "-q", "-m", "base")
+    ws, private = setup(tmp_path, {"eval.sh": "cat public.txt\n", "public.txt": '{"score": 0.5}\n'})
     kernel = Kernel(
         tmp_path,
         'jail = "bwrap"\n[local]\nseconds_per_minute = 1.0\n[verdicts]\ndisclosure = "thresholdout"\n'
