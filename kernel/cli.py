@@ -23,7 +23,7 @@ import msgspec
 
 from channel import limits as L
 from channel import release, safefs
-from channel.messages import EvalContract
+from channel.messages import EvalContract, Verdict
 from kernel.core.budget import GPU_SECONDS_PER_HOUR, Balance
 from kernel.core.config import Config, ConfigError, load, parse
 from kernel.core.evaluate import (
@@ -806,7 +806,9 @@ def cmd_history(args: argparse.Namespace) -> int:
             rows = [row]
         key = rows[0].key if args.workspace is not None else None
         if args.verdicts:
-            return _print_verdicts(S.verdicts(store, workspace=key), as_json=args.json)
+            found = S.verdicts(store, workspace=key)
+            shown = {(v.workspace, v.seq): _shown_verdict(store, v.workspace, v.seq) for v in found}
+            return _print_verdicts(found, shown, as_json=args.json)
         if not args.budget:
             return _sleep_history(store, rows, args.limit, as_json=args.json)
         changes = store.budget_changes(key)
@@ -857,13 +859,26 @@ def _sleep_history(store: Store, rows: list[WorkspaceRow], limit: int, *, as_jso
     return 0
 
 
-def _print_verdicts(found: list[S.StoredVerdict], *, as_json: bool) -> int:
-    """The operator's record of verdicts: exact values (the wake may have shown less, `[verdicts] disclosure`)."""
+def _shown_verdict(store: Store, workspace: str, seq: int) -> Verdict | None:
+    """The verdict the agent's wake carried (what `[verdicts] disclosure` showed of the exact one)."""
+    sleep = store.sleep(workspace, seq)
+    return None if sleep is None or sleep.verdict is None else S.stored_verdict(sleep.verdict)
+
+
+def _print_verdicts(
+    found: list[S.StoredVerdict], shown: dict[tuple[str, int], Verdict | None], *, as_json: bool
+) -> int:
+    """The operator's record of verdicts: exact values, and what the agent was shown of each."""
     for sv in found:
         v = sv.verdict
+        seen = shown.get((sv.workspace, sv.seq))
         if as_json:
             head = {"workspace": sv.workspace, "seq": sv.seq, "sleep": sv.sleep_id, "report": sv.report}
-            sys.stdout.write(msgspec.json.encode(head | {"verdict": msgspec.to_builtins(v)}).decode() + "\n")
+            body = {
+                "verdict": msgspec.to_builtins(v),
+                "shown": None if seen is None else msgspec.to_builtins(seen),
+            }
+            sys.stdout.write(msgspec.json.encode(head | body).decode() + "\n")
             continue
         values = ""
         if v.base_value is not None and v.candidate_value is not None and v.delta is not None:
@@ -874,7 +889,11 @@ def _print_verdicts(found: list[S.StoredVerdict], *, as_json: bool) -> int:
         elif v.lower_bound is not None:
             test = f", bootstrap lower bound {v.lower_bound!r}"
         seeds = f", on the seeds of submit #{v.seeds_from_seq}" if v.seeds_from_seq is not None else ""
-        print(f"{sv.workspace}  #{sv.seq} {sv.sleep_id}: {v.outcome}{values}{test}{seeds}")
+        agent = ""
+        if seen is not None and seen.disclosure != "exact":
+            value = "" if seen.delta is None else f", delta {seen.delta!r}"
+            agent = f"; the agent was shown ({seen.disclosure}): {seen.outcome}{value}"
+        print(f"{sv.workspace}  #{sv.seq} {sv.sleep_id}: {v.outcome}{values}{test}{seeds}{agent}")
     if not found and not as_json:
         print("no verdicts recorded")
     return 0

@@ -142,6 +142,7 @@ def test_three_submits_draw_fresh_seeds_show_only_the_ladder_and_a_fourth_is_ref
 
     # The operator's history keeps the exact values.
     exact = [json.loads(line)["verdict"] for line in history.splitlines()]
+    assert [json.loads(line)["shown"] for line in history.splitlines()] == verdicts
     assert [(v["outcome"], v["base_value"], v["candidate_value"]) for v in exact] == [
         ("improved", 0.5, 0.6),
         ("improved", 0.5, 0.62),
@@ -209,4 +210,7 @@ def test_thresholdout_shows_the_public_estimate_until_the_private_departs_then_s
         )
     # the operator's history has the exact values
     assert ": improved: base 0.5, candidate 0.6, delta 0.1" in history
-    assert ": improved: base 0.5, candidate 0.95, delta 0.45" in history
+    assert (
+        ": improved: base 0.5, candidate 0.95, delta 0.45; the agent was shown (thresholdout): not_improved\n"
+        in (history)
+    )
