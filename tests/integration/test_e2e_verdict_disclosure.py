@@ -180,6 +180,11 @@ def test_thresholdout_shows_the_public_estimate_until_the_private_departs_then_s
     )
     assert refused.returncode != 0
     assert "1/8 = 0.125, above 1 - confidence = 0.05; use repeats >= 5" in refused.stdout + refused.stderr
+    # a bootstrap over too few pairs is enrolled, with a warning (the next enrollment replaces the contract)
+    weak = kernel.cli(
+        "enroll", str(ws), *flags, "--score-data", str(private), "--repeats", "4", "--test", "bootstrap"
+    )
+    assert "warning: the bootstrap over repeats = 4 pairs at confidence 0.95 has too few pairs" in weak.stdout
     kernel.enroll(ws, "--sleeps", "10", "--gpu-hours", "4", *flags, "--score-data", str(private))
     try:
         kernel.start()
