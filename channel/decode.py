@@ -25,14 +25,12 @@ from channel import limits as L
 from channel.errors import CODES
 from channel.messages import (
     VERBS,
-    CancelRequest,
     ErrorInfo,
     Launch,
     Policy,
     Rejected,
     Request,
     SleepRequest,
-    TailRequest,
 )
 
 ECHO_MAX_CHARS: Final = 64
@@ -40,6 +38,8 @@ INT_MIN: Final = -(2**63)
 INT_MAX: Final = 2**63 - 1
 
 _ID_RE: Final = re.compile(L.ID_PATTERN)
+# A member name written `.name` in a path (section 1.4); any other is written `["name"]`.
+_MEMBER_RE: Final = re.compile(r"[A-Za-z0-9_]+")
 _REQUEST_DECODER: Final = msgspec.json.Decoder(Request)
 _BOM: Final = b"\xef\xbb\xbf"
 # Control characters are Unicode category Cc: C0, DEL and C1 (U+0080-U+009F, which include NEL, a line break).
@@ -93,7 +93,6 @@ def parse_request(data: bytes, stem: str) -> Request:
     req = _fast_path(data)
     if req is None:
         req = _slow_path(data)
-    _check_trailing_newlines(req)
     if req.id != stem:
         raise RequestError(
             "request.id.mismatch",
@@ -350,7 +349,7 @@ def _constraint_error(verb: str, path: str, msg: str) -> RequestError:
     if path == "$.id":
         return RequestError(
             "request.id.invalid",
-            f"id must match {L.ID_PATTERN} (lowercase letters, digits, '-'; at most 64)",
+            "id must be 1 to 64 lowercase letters, digits and '-', not starting with '-'",
             path,
         )
     scope, field, item = _scope(verb, path)
@@ -401,27 +400,6 @@ def _constraint_message(path: str, msg: str, kind: str, limit: str) -> str:
     return f"{path} is out of range; it must be {msg.rsplit('`', 1)[-1].strip()}"
 
 
-def _check_trailing_newlines(req: Request) -> None:
-    """Finish the pattern checks: Python's `$` also matches before a final newline, JSON Schema's does not.
-
-    The published patterns keep the portable `^...$` form, so the one input where Python disagrees with every
-    other regex engine (a value ending in "\n") is refused here, with the pattern's own code.
-    """
-    if req.id.endswith("\n"):
-        raise _constraint_error(str(req.__struct_config__.tag), "$.id", f"matching regex '{L.ID_PATTERN}'")
-    if isinstance(req, SleepRequest):
-        for i, launch in enumerate(req.launches):
-            if launch.name.endswith("\n"):
-                path = f"$.launches[{i}].name"
-                raise _constraint_error("sleep", path, f"matching regex '{L.NAME_PATTERN}'")
-    elif isinstance(req, CancelRequest):
-        for i, name in enumerate(req.launches):
-            if name.endswith("\n"):
-                raise _constraint_error("cancel", f"$.launches[{i}]", f"matching regex '{L.NAME_PATTERN}'")
-    elif isinstance(req, TailRequest) and req.launch.endswith("\n"):
-        raise _constraint_error("tail", "$.launch", f"matching regex '{L.NAME_PATTERN}'")
-
-
 # --- rules a schema cannot say ---------------------------------------------------------------------------
 
 
@@ -433,6 +411,12 @@ def _check_sleep(req: SleepRequest) -> None:
             raise RequestError(
                 "launch.name.duplicate",
                 f"two launches are named {launch.name!r}; names must be unique within a sleep",
+                f"{at}.name",
+            )
+        if req.submit is not None and launch.name in L.EVAL_LAUNCH_NAMES:
+            raise RequestError(
+                "launch.name.duplicate",
+                f"{at}.name {launch.name!r} is the name of the submit's own evaluation run; rename the launch",
                 f"{at}.name",
             )
         names.add(launch.name)
@@ -587,7 +571,10 @@ def _field_name(msg: str) -> str:
 
 
 def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if re.fullmatch(r"\w+", name) else f"{path}[{json.dumps(name)}]"
+    """Section 1.4: `.name` for an ASCII word, else `["name"]` as ECMA-262's JSON.stringify writes it."""
+    return (
+        f"{path}.{name}" if _MEMBER_RE.fullmatch(name) else f"{path}[{json.dumps(name, ensure_ascii=False)}]"
+    )
 
 
 def _quote(s: str) -> str:

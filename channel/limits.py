@@ -13,8 +13,13 @@ PROTOCOL_VERSION: Final = 1
 REQUEST_MAX_BYTES: Final = 64 * 1024
 JSON_MAX_DEPTH: Final = 16
 
-ID_PATTERN: Final = r"^[a-z0-9][a-z0-9-]{0,63}$"
-NAME_PATTERN: Final = r"^[a-z0-9][a-z0-9-]{0,31}$"
+# Anchored by lookarounds, not `^`/`$`: `(?<![\s\S])` holds only at the start of the string and `(?![\s\S])`
+# only at its end, in ECMA-262 (JSON Schema), Python `re`, PCRE and Oniguruma (jq) alike, whether the engine
+# searches or matches whole; `$` would also match before a final newline in Python and Oniguruma.
+ID_PATTERN: Final = r"(?<![\s\S])[a-z0-9][a-z0-9-]{0,63}(?![\s\S])"
+NAME_PATTERN: Final = r"(?<![\s\S])[a-z0-9][a-z0-9-]{0,31}(?![\s\S])"
+# The launch names of a submit's evaluation runs: a launch may not take them in a sleep that carries a submit.
+EVAL_LAUNCH_NAMES: Final = ("submit-base", "submit-candidate")
 
 MAX_LAUNCHES: Final = 8
 COMMAND_MAX_CHARS: Final = 2000

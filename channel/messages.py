@@ -509,12 +509,21 @@ class Limits(_Strict, frozen=True):
     max_launches: int = L.MAX_LAUNCHES
     command_max_chars: int = L.COMMAND_MAX_CHARS
     minutes_default: int = L.MINUTES_DEFAULT
+    minutes_min: int = L.MINUTES_MIN
+    minutes_ceiling: int = L.MINUTES_CEILING
+    gpus_ceiling: int = L.GPUS_CEILING
     array_max: int = L.ARRAY_MAX
     max_artifacts: int = L.MAX_ARTIFACTS
     artifact_max_chars: int = L.ARTIFACT_MAX_CHARS
     why_max_chars: int = L.WHY_MAX_CHARS
     note_max_chars: int = L.NOTE_MAX_CHARS
     report_max_chars: int = L.REPORT_MAX_CHARS
+    cancel_max_names: int = L.CANCEL_MAX_NAMES
+    history_max: int = L.HISTORY_MAX
+    history_default: int = L.HISTORY_DEFAULT
+    tail_verb_default_lines: int = L.TAIL_VERB_DEFAULT_LINES
+    tail_verb_max_lines: int = L.TAIL_VERB_MAX_LINES
+    tail_verb_max_bytes: int = L.TAIL_VERB_MAX_BYTES
     # Kernel-written: the most of each stdout/stderr delivered into results/ (the operator's `log_max_bytes`).
     log_max_bytes: int = L.LOG_MAX_BYTES
     # Kernel-side: the operator's `[snapshot]` limits; a workspace past one is refused `snapshot.too_large` (no

@@ -51,6 +51,7 @@ LIMIT_DOCS: dict[str, str] = {
     "JSON_MAX_DEPTH": "nesting of objects and arrays in a request (the top-level object is depth 1)",
     "ID_PATTERN": "a request id (and so a request file's stem)",
     "NAME_PATTERN": "a launch name",
+    "EVAL_LAUNCH_NAMES": "names of a submit's evaluation runs: no launch of a sleep with a submit may take one",
     "MAX_LAUNCHES": "launches in one sleep",
     "COMMAND_MAX_CHARS": "a launch's `command`, in characters",
     "MINUTES_MIN": "smallest `minutes` / `eval_minutes`",

@@ -40,12 +40,15 @@ EXIT_REJECTED = 3  # the kernel refused the request
 EXIT_TIMEOUT = 4  # no answer or wake before the deadline
 EXIT_NO_KERNEL = 5  # no kernel is enrolled or answering here
 
+EVAL_LAUNCHES = ("submit-base", "submit-candidate")  # the submit's evaluation runs (channel/limits.py)
+NAME_WORDS = "1 to 32 lowercase letters, digits and '-', not starting with '-'"  # limits' name_pattern
+
 # The protocol's limits, as published in kernel.json (`limits`); kernel.json values take precedence.
 DEFAULT_LIMITS: dict[str, Any] = {
     "request_max_bytes": 64 * 1024,
     "json_max_depth": 16,
-    "id_pattern": r"^[a-z0-9][a-z0-9-]{0,63}$",
-    "name_pattern": r"^[a-z0-9][a-z0-9-]{0,31}$",
+    "id_pattern": r"(?<![\s\S])[a-z0-9][a-z0-9-]{0,63}(?![\s\S])",
+    "name_pattern": r"(?<![\s\S])[a-z0-9][a-z0-9-]{0,31}(?![\s\S])",
     "max_launches": 8,
     "command_max_chars": 2000,
     "minutes_default": 30,
@@ -59,17 +62,26 @@ DEFAULT_LIMITS: dict[str, Any] = {
     "snapshot_max_files": 200000,
     "snapshot_max_bytes": 2 * 1024 * 1024 * 1024,
     "snapshot_max_depth": 64,
+    "minutes_min": 1,
+    "minutes_ceiling": 7 * 24 * 60,
+    "gpus_ceiling": 64,
+    "cancel_max_names": 8 * 4,
+    "history_max": 100,
+    "history_default": 20,
+    "tail_verb_default_lines": 20,
+    "tail_verb_max_lines": 200,
+    "tail_verb_max_bytes": 16000,
 }
-# Absolute bounds that kernel.json does not publish (channel/limits.py).
-MINUTES_MIN = 1
-MINUTES_CEILING = 7 * 24 * 60
-GPUS_CEILING = 64
-CANCEL_MAX_NAMES = 8 * 4
-HISTORY_MAX = 100
-HISTORY_DEFAULT = 20
+# The same bounds where no kernel.json is at hand (help texts, the MCP server's own waits).
+MINUTES_MIN = DEFAULT_LIMITS["minutes_min"]
+MINUTES_CEILING = DEFAULT_LIMITS["minutes_ceiling"]
+GPUS_CEILING = DEFAULT_LIMITS["gpus_ceiling"]
+CANCEL_MAX_NAMES = DEFAULT_LIMITS["cancel_max_names"]
+HISTORY_MAX = DEFAULT_LIMITS["history_max"]
+HISTORY_DEFAULT = DEFAULT_LIMITS["history_default"]
 REQUEST_TYPES = ("sleep", "cancel", "status", "queue", "history", "tail")
-TAIL_DEFAULT_LINES = 20  # channel/limits.py TAIL_VERB_DEFAULT_LINES
-TAIL_MAX_LINES = 200  # channel/limits.py TAIL_VERB_MAX_LINES
+TAIL_DEFAULT_LINES = DEFAULT_LIMITS["tail_verb_default_lines"]
+TAIL_MAX_LINES = DEFAULT_LIMITS["tail_verb_max_lines"]
 # A workspace's ceilings when kernel.json gives none (channel/messages.py Policy).
 DEFAULT_POLICY: dict[str, Any] = {
     "max_minutes": 240,
@@ -176,7 +188,6 @@ def _validate(obj: Any, lim: dict[str, Any], pol: dict[str, Any] | None, stem: s
         # The decoder runs these JSON-stage checks only when the shape check fails; a valid shape passes them.
         _check_json_limits(obj, lim)
         raise
-    _check_trailing_newlines(obj, lim)
     if stem is not None and obj["id"] != stem:
         raise _Refuse(
             "request.id.mismatch",
@@ -210,20 +221,6 @@ def _int_out_of_range(obj: Any) -> bool:
     if isinstance(obj, list):
         return any(_int_out_of_range(v) for v in obj)
     return type(obj) is int and not INT_MIN <= obj <= INT_MAX
-
-
-def _check_trailing_newlines(obj: dict[str, Any], lim: dict[str, Any]) -> None:
-    """The pattern checks' last step: Python's `$` also matches before a final newline; the protocol's not."""
-    if obj["id"].endswith("\n"):
-        raise _Refuse("request.id.invalid", "id must match {}".format(lim["id_pattern"]), "$.id")
-    if obj["type"] == "tail" and obj["launch"].endswith("\n"):
-        raise _Refuse("tail.launch.invalid", "$.launch must match {}".format(lim["name_pattern"]), "$.launch")
-    code = {"sleep": "launch.name.invalid", "cancel": "cancel.name.invalid"}.get(obj["type"])
-    for i, item in enumerate(obj.get("launches", []) if code else []):
-        name = item["name"] if obj["type"] == "sleep" else item
-        path = f"$.launches[{i}]" + (".name" if obj["type"] == "sleep" else "")
-        if name.endswith("\n"):
-            raise _Refuse(code or "", "{} must match {}".format(path, lim["name_pattern"]), path)
 
 
 def _check_surrogates(obj: Any, path: str) -> None:
@@ -283,7 +280,10 @@ def _a(value: Any) -> str:
 
 
 def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if re.fullmatch(r"\w+", name) else f"{path}[{json.dumps(name)}]"
+    """Spec 1.4: `.name` for an ASCII word, else `["name"]` as ECMA-262's JSON.stringify writes it."""
+    if re.fullmatch(r"[A-Za-z0-9_]+", name):
+        return f"{path}.{name}"
+    return f"{path}[{json.dumps(name, ensure_ascii=False)}]"
 
 
 def _wrong_type(path: str, expected: str, value: Any) -> _Refuse:
@@ -318,8 +318,8 @@ def _str(
     def check(v: Any, path: str) -> None:
         if not isinstance(v, str):
             raise _wrong_type(path, "a string", v)
-        if pattern and re.search(pattern, v) is None:  # msgspec's semantics; see _check_trailing_newlines
-            raise _Refuse(invalid, f"{path} must match {pattern}", path)
+        if pattern and re.search(pattern, v) is None:  # msgspec's semantics (spec 1.3.1)
+            raise _Refuse(invalid, f"{path} must be {NAME_WORDS}", path)
         if len(v) > max_len:
             raise _Refuse(too_long, f"{path} is longer than {max_len} characters; shorten it", path)
         if len(v) < min_len:
@@ -398,7 +398,7 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
         if re.search(lim["id_pattern"], v) is None:
             raise _Refuse(
                 "request.id.invalid",
-                "id must match {} (lowercase letters, digits, '-'; at most 64)".format(lim["id_pattern"]),
+                "id must be 1 to 64 lowercase letters, digits and '-', not starting with '-'",
                 path,
             )
 
@@ -419,8 +419,11 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
                     ),
                     True,
                 ),
-                "minutes": (_int(MINUTES_MIN, MINUTES_CEILING, "launch.minutes.out_of_range"), False),
-                "gpus": (_int(0, GPUS_CEILING, "launch.gpus.out_of_range"), False),
+                "minutes": (
+                    _int(lim["minutes_min"], lim["minutes_ceiling"], "launch.minutes.out_of_range"),
+                    False,
+                ),
+                "gpus": (_int(0, lim["gpus_ceiling"], "launch.gpus.out_of_range"), False),
                 "array": (_int(1, lim["array_max"], "launch.array.out_of_range"), False),
                 "concurrency": (_int(0, lim["array_max"], "launch.concurrency.out_of_range"), False),
                 "artifacts": (
@@ -451,7 +454,12 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
                     True,
                 ),
                 "eval_minutes": (
-                    _int(MINUTES_MIN, MINUTES_CEILING, "submit.eval_minutes.out_of_range", nullable=True),
+                    _int(
+                        lim["minutes_min"],
+                        lim["minutes_ceiling"],
+                        "submit.eval_minutes.out_of_range",
+                        nullable=True,
+                    ),
                     False,
                 ),
             },
@@ -462,13 +470,13 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
         base["note"] = (_str(lim["note_max_chars"], "sleep.note.too_long"), False)
     elif verb == "cancel":
         name = _str(10**9, "", pattern=lim["name_pattern"], invalid="cancel.name.invalid")
-        base["launches"] = (_array(CANCEL_MAX_NAMES, "cancel.launches.too_many", name), False)
+        base["launches"] = (_array(lim["cancel_max_names"], "cancel.launches.too_many", name), False)
     elif verb == "history":
-        base["limit"] = (_int(1, HISTORY_MAX, "history.limit.out_of_range"), False)
+        base["limit"] = (_int(1, lim["history_max"], "history.limit.out_of_range"), False)
     elif verb == "tail":
         base["launch"] = (_str(10**9, "", pattern=lim["name_pattern"], invalid="tail.launch.invalid"), True)
         base["task"] = (_int(0, lim["array_max"] - 1, "tail.task.out_of_range"), False)
-        base["lines"] = (_int(1, TAIL_MAX_LINES, "tail.lines.out_of_range"), False)
+        base["lines"] = (_int(1, lim["tail_verb_max_lines"], "tail.lines.out_of_range"), False)
         base["stderr"] = (_bool, False)
     return base
 
@@ -533,6 +541,12 @@ def _check_sleep_rules(req: dict[str, Any]) -> None:
             raise _Refuse(
                 "launch.name.duplicate",
                 f"two launches are named {name!r}; names must be unique within a sleep",
+                at + ".name",
+            )
+        if req.get("submit") is not None and name in EVAL_LAUNCHES:
+            raise _Refuse(
+                "launch.name.duplicate",
+                f"{at}.name {name!r} is the name of the submit's own evaluation run; rename the launch",
                 at + ".name",
             )
         names.add(name)
@@ -1546,7 +1560,6 @@ def _commit_sleep_locked(ch: Channel, args: argparse.Namespace) -> tuple[dict[st
     return req, st
 
 
-EVAL_LAUNCHES = ("submit-base", "submit-candidate")  # the submit's evaluation runs (kernel/evaluate.py)
 
 
 def _render_accepted(ans: Dict[str, Any], n_launches: int, has_submit: bool) -> None:

@@ -32,12 +32,11 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from channel.decode import RequestError
+from channel import limits as L
 from channel.messages import (
     EvalContract,
     Pair,
     SidePath,
-    SleepRequest,
     Submit,
     Verdict,
     VerdictRules,
@@ -48,11 +47,11 @@ from kernel.core.records import JobRow
 
 Side = Literal["base", "candidate"]
 
-# The evaluation runs are job rows of the sleep under these launch names (an agent's launch may not take them
-# in a sleep that carries a submit).
-EVAL_BASE: Final = "submit-base"
-EVAL_CANDIDATE: Final = "submit-candidate"
-EVAL_LAUNCHES: Final = (EVAL_BASE, EVAL_CANDIDATE)
+# The evaluation runs are job rows of the sleep under these launch names (the decoder refuses a launch that
+# takes one in a sleep that carries a submit: stage 4, `launch.name.duplicate`).
+EVAL_LAUNCHES: Final = L.EVAL_LAUNCH_NAMES
+EVAL_BASE: Final = EVAL_LAUNCHES[0]
+EVAL_CANDIDATE: Final = EVAL_LAUNCHES[1]
 
 
 class MetricError(Exception):
@@ -454,20 +453,6 @@ def eval_jobs(
         for name in EVAL_LAUNCHES
         for task in range(contract.repeats)
     )
-
-
-def check_eval_names(req: SleepRequest) -> None:
-    """RequestError when a launch takes an evaluation run's name in a sleep that carries a submit."""
-    if req.submit is None:
-        return
-    for i, launch in enumerate(req.launches):
-        if launch.name in EVAL_LAUNCHES:
-            raise RequestError(
-                "launch.name.duplicate",
-                f"$.launches[{i}].name {launch.name!r} is the name of the submit's own evaluation run; "
-                "rename the launch",
-                f"$.launches[{i}].name",
-            )
 
 
 def hook_payload(workspace: str, path: str, sleep_id: str, seq: int, verdict: Verdict, report: str) -> bytes:

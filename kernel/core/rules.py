@@ -40,7 +40,7 @@ from channel.messages import (
 from channel.paths import CHANNEL_DIR, ChannelPaths, RunPaths
 from kernel.core import ledger
 from kernel.core.budget import Balance
-from kernel.core.evaluate import check_eval_names, eval_jobs
+from kernel.core.evaluate import eval_jobs
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 
 
@@ -122,7 +122,6 @@ def accept_sleep(
             f"{timestamp_of(parse_time(oldest) + SUBMIT_WINDOW_S)} (a sleep without `submit` can be now)",
             "$.submit",
         )
-    check_eval_names(req)
     charged = ledger.reserve_sleep(ws.balance, req.launches)
     jobs = tuple(
         JobRow(
