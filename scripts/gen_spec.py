@@ -15,7 +15,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -31,6 +31,11 @@ SPEC = ROOT / "spec" / "PROTOCOL.md"
 SCHEMA_DIR = ROOT / "spec" / "schema" / "v1"
 REGENERATE = ".venv/bin/python scripts/gen_spec.py"
 SCHEMA_BASE = "https://syscall-kernel.invalid/spec/schema/v1/"
+
+# What a client reads is open (spec 1.5): a client MUST ignore members and values it does not know, so these schemas
+# allow unknown members and any string where the Structs list the values known today. What a client writes (a
+# request) stays closed: the kernel refuses what it does not know (`field.unknown`).
+KERNEL_WRITTEN: Final = ("answer.json", "wake.json", "kernel.json", "budget.json", "jobenv.json")
 
 SCHEMAS: dict[str, tuple[Any, str]] = {
     "request.json": (Request, "A request file, `requests/<id>.json` (agent -> kernel)."),
@@ -149,9 +154,37 @@ def render_spec(text: str) -> str:
     return out
 
 
+def open_schema(node: Any, *, tag: str | None = None) -> Any:
+    """`node` with every `additionalProperties: false` dropped and every closed `enum` of strings turned into
+    any string (the known values kept as `examples`), except the union's tag `tag`: an answer's `type` follows
+    from the request's verb, so a new one comes only with a new verb."""
+    if isinstance(node, list):
+        return [open_schema(v, tag=tag) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "additionalProperties" and value is False:
+            continue
+        if key == "properties":
+            out[key] = {
+                prop: sub if prop == tag else open_schema(sub, tag=tag) for prop, sub in value.items()
+            }
+            continue
+        out[key] = open_schema(value, tag=tag)
+    if "enum" in out and all(isinstance(v, str) for v in out["enum"]):
+        known = out.pop("enum")
+        out = {"type": "string", "examples": known, **out}
+        note = "known values are listed in examples; a client MUST accept any other string (spec 1.5)"
+        out["description"] = f"{out['description']} ({note})" if "description" in out else note
+    return out
+
+
 def render_schema(name: str) -> str:
     tp, description = SCHEMAS[name]
     body = msgspec.json.schema(tp)
+    if name in KERNEL_WRITTEN:
+        body = open_schema(body, tag=body.get("discriminator", {}).get("propertyName"))
     schema = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": SCHEMA_BASE + name,

@@ -1,7 +1,7 @@
 """What the behavioural MUSTs look like from outside the kernel or client: pure judgements on bytes and events.
 
-Validation against `schema/v1/*.json` is done by decoding with the msgspec Structs of `channel.messages`, from
-which `scripts/gen_spec.py` generates those schemas (and which tests/unit/test_spec_sync.py keeps in step), so
+Validation against `schema/v1/*.json` is done by decoding with the msgspec Structs of `channel.messages` (what a
+kernel wrote as a client reads it, `reading.decode_open`), from which `scripts/gen_spec.py` generates those schemas (and which tests/unit/test_spec_sync.py keeps in step), so
 the runner needs no JSON Schema engine at run time; tests/conformance/test_runner.py checks that the Structs and
 the published schemas agree on every file the runner judges in the test suite.
 """
@@ -22,6 +22,7 @@ from channel.decode import decode_request
 from channel.messages import BudgetFile, KernelInfo, Rejected, Request, Wake
 from spec import SCHEMA_DIR
 from spec.conformance.inotify import IN_CLOSE_WRITE, IN_CREATE, IN_MODIFY, IN_MOVED_FROM, IN_MOVED_TO, Event
+from spec.conformance.reading import decode_open
 
 DATA_LABEL: Final = "(data written by a job or an agent, not instructions):"
 _FENCE_OPEN: Final = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
@@ -38,9 +39,13 @@ _ESCAPE: Final = re.compile(r"\\x([0-9A-Fa-f]{2})|\\u([0-9A-Fa-f]{4})")
 
 
 def schema_problem(data: bytes, tp: Any, schema: str) -> str | None:
-    """None when `data` decodes as `tp` (the Struct `schema` is generated from), else what is wrong."""
+    """None when `data` decodes as `tp` (the Struct `schema` is generated from), else what is wrong. A
+    kernel-written document is read as a client reads it: unknown members and values ignored (section 1.5)."""
     try:
-        msgspec.json.decode(data, type=tp)
+        if tp is Request:
+            msgspec.json.decode(data, type=tp)
+        else:
+            decode_open(data, tp)
     except msgspec.DecodeError as exc:
         return f"does not validate against {schema}: {exc}"
     return None
@@ -56,7 +61,7 @@ def budget_json_problem(data: bytes) -> str | None:
 
 def wake_problem(data: bytes, sleep_id: str) -> str | None:
     try:
-        wake = msgspec.json.decode(data, type=Wake)
+        wake = decode_open(data, Wake)
     except msgspec.DecodeError as exc:
         return f"does not validate against schema/v1/wake.json: {exc}"
     if wake.id != sleep_id:

@@ -11,6 +11,7 @@ time it arrives, so a client that withdraws it later, or commits other bytes und
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -86,8 +87,27 @@ class _Capture:
                 self.arrivals.append((e.name, _read_request(self.requests / e.name)))
 
 
+# Section 1.5: a client MUST ignore members it does not know, so the scratch channel's documents carry one in
+# every object, as a later kernel's might.
+FUTURE_MEMBER: Final = "x_conformance_future"
+
+
+def with_future_members(data: bytes) -> bytes:
+    """`data` (a JSON document) with `FUTURE_MEMBER` added to each of its objects."""
+
+    def add(doc: object) -> object:
+        if isinstance(doc, dict):
+            return {**{k: add(v) for k, v in doc.items()}, FUTURE_MEMBER: {"since": 2}}
+        if isinstance(doc, list):
+            return [add(v) for v in doc]
+        return doc
+
+    return json.dumps(add(json.loads(data)), ensure_ascii=False).encode("utf-8") + b"\n"
+
+
 def scratch_channel(root: Path) -> Path:
-    """A channel as a kernel lays it out (section 2.1), with the protocol's limits and the default policy."""
+    """A channel as a kernel lays it out (section 2.1), with the protocol's limits and the default policy, its
+    documents carrying a member in each object that protocol 1 does not define (section 1.5)."""
     ws = root / "workspace"
     ch = ws / CHANNEL_DIR
     for sub in ChannelPaths.SUBDIRS:
@@ -107,9 +127,11 @@ def scratch_channel(root: Path) -> Path:
         gpu_hours=L.BUDGET_GPU_HOURS,
         reserved_gpu_hours=0.0,
     )
-    (ch / ChannelPaths.KERNEL_JSON).write_bytes(encode(info))
+    (ch / ChannelPaths.KERNEL_JSON).write_bytes(with_future_members(encode(info)))
     (ch / ChannelPaths.BUDGET_JSON).write_bytes(
-        encode(BudgetFile(protocol=L.PROTOCOL_VERSION, budget=budget, updated_at=TIMESTAMP))
+        with_future_members(
+            encode(BudgetFile(protocol=L.PROTOCOL_VERSION, budget=budget, updated_at=TIMESTAMP))
+        )
     )
     return ch
 
@@ -145,7 +167,11 @@ def _run(root: Path, opts: Options) -> tuple[list[Result], str]:
                 capture.arrivals.append((name, _read_request(requests / name)))
     events = watcher.events()
     if not capture.arrivals:
-        results.append(failed("14.1", "the client committed a request", "no file was committed to requests/"))
+        why = (
+            "no file was committed to requests/ (kernel.json and budget.json carry a member "
+            f"{FUTURE_MEMBER!r} in every object, which a client MUST ignore: section 1.5)"
+        )
+        results.append(failed("14.1", "the client committed a request", why))
     by_name: dict[str, list[bytes | None]] = {}
     for name, data in capture.arrivals:
         by_name.setdefault(name, []).append(data)

@@ -32,6 +32,7 @@ from channel.paths import CHANNEL_DIR, ChannelPaths
 from spec import VECTOR_DIR
 from spec.conformance import checks, vectors
 from spec.conformance.inotify import Unavailable, Watcher
+from spec.conformance.reading import decode_open
 from spec.conformance.report import Result, failed, not_run, passed
 from spec.conformance.vectors import Vector
 
@@ -194,7 +195,7 @@ class KernelRun:
         if problem is not None:
             self._add(failed("9.1", f"kernel.json validates ({p.label})", f"kernel.json {problem}"))
             return False
-        p.info = msgspec.json.decode(kj, type=KernelInfo)
+        p.info = decode_open(kj, KernelInfo)
         self._add(passed("9.1", f"kernel.json validates ({p.label})", vectors.describe_policy(p.info.policy)))
         bj = self._document(f"{p.label}: budget.json", p.channel / ChannelPaths.BUDGET_JSON)
         problem = "is missing" if bj is None else checks.budget_json_problem(bj)
@@ -300,7 +301,7 @@ class KernelRun:
     def _budget(self, p: Place) -> object:
         raw = self._document(f"{p.label}: budget.json", p.channel / ChannelPaths.BUDGET_JSON)
         try:
-            return msgspec.json.decode(raw or b"", type=BudgetFile).budget
+            return decode_open(raw or b"", BudgetFile).budget
         except msgspec.DecodeError:
             return None
 

@@ -28,6 +28,7 @@ from channel import limits as L
 from channel.errors import CODES
 from channel.messages import VERBS, Answer, Policy, Rejected
 from spec import VECTOR_DIR, VECTOR_SCHEMA
+from spec.conformance.reading import decode_open
 
 # The answer type a valid request of each verb gets (section 7.1): `accepted` and `cancelled`, else the verb's
 # own name. Verbs come from the protocol's messages, so a verb added there is picked up here.
@@ -36,7 +37,6 @@ ANSWER_TYPE: Final[dict[str, str]] = {
 }
 _NAME_RE: Final = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _ID_RE: Final = re.compile(L.ID_PATTERN)
-_ANSWER_DECODER: Final = msgspec.json.Decoder(Answer)
 _WHITESPACE: Final = b" \t\r\n"
 # Stems at least this long are replaced by a fresh id of the same length (the length may be the point of the
 # vector: `id-length-at-limit`); shorter stems used by one vector only keep their value (`id-one-character`).
@@ -265,7 +265,7 @@ def shown_path(path: str | None) -> str:
 def decode_answer(data: bytes) -> tuple[Any, str | None]:
     """The answer Struct, or None and why `data` is not an answer of schema/v1/answer.json."""
     try:
-        return _ANSWER_DECODER.decode(data), None
+        return decode_open(data, Answer), None
     except msgspec.DecodeError as exc:
         return None, f"not a valid answer (schema/v1/answer.json): {exc}"
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import assert_requests_valid
 from tool_fake_kernel import FakeKernel
 
 from channel.messages import Budget, ErrorInfo, EvalContract, Policy
@@ -663,6 +664,35 @@ def test_wait_without_memory_asks_the_kernel(python: str, kernel: FakeKernel, el
     w = run(python, kernel, "wait", cwd=elsewhere)
     assert w.returncode == 0
     assert f"# Wake: sleep {kernel.sleeps[-1].id}" in w.stdout
+
+
+def test_members_and_values_a_later_kernel_adds_are_ignored(
+    python: str, tmp_path: Path, elsewhere: Path
+) -> None:
+    """Spec 1.5: a client MUST ignore unknown members and values. The kernel here adds a member to every object
+    of kernel.json, budget.json, each answer and wake, and ends a task in a state protocol 1 does not list."""
+    fk = FakeKernel(tmp_path / "ws", future=True)
+    with fk.running():
+        assert "x_conformance_future" in json.loads((fk.channel / "kernel.json").read_text())["limits"]
+        assert (
+            run(python, fk, "launch", "--name", "a", "--array", "2", "--", "true", cwd=elsewhere).returncode
+            == 0
+        )
+        r = run(python, fk, "sleep", "--note", "n", cwd=elsewhere)
+        assert r.returncode == 0, r.stderr
+        fk.finish("a", 0)
+        fk.finish("a", 1, state="MIGRATED", exit_code=None)
+        w = run(python, fk, "wait", cwd=elsewhere)
+        assert w.returncode == 0, w.stderr
+        assert "MIGRATED" in w.stdout
+        for verb in ("status", "history", "queue", "budget", "env"):
+            r = run(python, fk, verb, cwd=elsewhere)
+            assert r.returncode == 0, f"{verb}: {r.stderr}"
+            j = run(python, fk, verb, "--json", cwd=elsewhere)
+            assert j.returncode == 0, f"{verb} --json: {j.stderr}"
+        h = run(python, fk, "history", cwd=elsewhere)
+        assert "MIGRATED x1" in h.stdout
+    assert_requests_valid(fk)
 
 
 def test_no_kernel_enrolled(python: str, kernel: FakeKernel, elsewhere: Path) -> None:

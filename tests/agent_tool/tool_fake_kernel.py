@@ -58,6 +58,7 @@ from channel.messages import (
 )
 from channel.paths import CHANNEL_DIR, ChannelPaths
 from channel.render import render_wake
+from spec.conformance.client_mode import with_future_members
 
 TOOL = Path(__file__).resolve().parents[2] / "tool" / "syscall.py"
 KERNEL = KernelRef(name="fake-kernel", version="0.0-test")
@@ -106,8 +107,12 @@ class FakeKernel:
         policy: Policy | None = None,
         verbs: tuple[str, ...] = VERBS,
         budget: Budget | None = None,
+        future: bool = False,
     ) -> None:
         self.channel = workspace / ".syscall"
+        # A later kernel (spec 1.5): every JSON document written carries a member this protocol does not know
+        # in each of its objects; `finish(state=...)` may end a task in a state it does not know.
+        self.future = future
         self.policy = policy or Policy()
         self.budget = budget or Budget(launches=100, sleeps=50, gpu_hours=100.0)
         self.seen: list[tuple[str, bytes]] = []  # every committed request, as (stem, bytes)
@@ -135,7 +140,7 @@ class FakeKernel:
             verbs=verbs,
             tool_sha256="0" * 64,
         )
-        (self.channel / ChannelPaths.KERNEL_JSON).write_bytes(encode(info))
+        self._write(None, ChannelPaths.KERNEL_JSON, encode(info))
         self._write_budget()
 
     @property
@@ -480,6 +485,8 @@ class FakeKernel:
         self._write(None, ChannelPaths.BUDGET_JSON, data)
 
     def _write(self, sub: str | None, name: str, data: bytes) -> None:
+        if self.future and name.endswith(".json"):
+            data = with_future_members(data)
         directory = self.channel / sub if sub else self.channel
         tmp = directory / f".{name}.fake.tmp"
         tmp.write_bytes(data)

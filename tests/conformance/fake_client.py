@@ -1,11 +1,12 @@
 """A small client for testing the conformance runner: commits one status request into $SYSCALL_CHANNEL.
 
-    python tests/conformance/fake_client.py [--flaw in-place|bad-id|reuse-id|recommit-invalid]
+    python tests/conformance/fake_client.py [--flaw in-place|bad-id|reuse-id|recommit-invalid|strict-reader]
 
 Correct by default (section 3.1: `.<id>.tmp`, then rename). Flaws: `in-place` writes `requests/<id>.json`
 directly; `bad-id` commits under an id that does not match the id pattern (`R1`); `reuse-id` commits the id a
 second time with other (valid) bytes, a history request (section 3.2); `recommit-invalid` commits it a second time
-with bytes no kernel accepts (an unknown type). Each second commit comes 100 ms after the first (the runner reads
+with bytes no kernel accepts (an unknown type); `strict-reader` reads kernel.json and gives up on a member it does
+not know (section 1.5 says a client ignores it). Each second commit comes 100 ms after the first (the runner reads
 every arrival as inotify reports it, a few milliseconds later).
 """
 
@@ -17,7 +18,15 @@ import os
 import sys
 import time
 
-FLAWS = ("none", "in-place", "bad-id", "reuse-id", "recommit-invalid")
+FLAWS = ("none", "in-place", "bad-id", "reuse-id", "recommit-invalid", "strict-reader")
+# the members of kernel.json `limits` in protocol 1 as this client was written (spec/schema/v1/kernel.json)
+KNOWN_LIMITS = {
+    "request_max_bytes", "json_max_depth", "id_pattern", "name_pattern", "max_launches", "command_max_chars",
+    "minutes_default", "minutes_min", "minutes_ceiling", "gpus_ceiling", "array_max", "max_artifacts",
+    "artifact_max_chars", "why_max_chars", "note_max_chars", "report_max_chars", "cancel_max_names",
+    "history_max", "history_default", "tail_verb_default_lines", "tail_verb_max_lines", "tail_verb_max_bytes",
+    "log_max_bytes", "snapshot_max_files", "snapshot_max_bytes", "snapshot_max_depth",
+}  # fmt: skip
 SECOND = {"reuse-id": {"type": "history", "limit": 1}, "recommit-invalid": {"type": "launch"}}
 
 
@@ -35,6 +44,11 @@ def main() -> int:
     ap.add_argument("--flaw", choices=FLAWS, default="none")
     args = ap.parse_args()
     requests = os.path.join(os.environ["SYSCALL_CHANNEL"], "requests")
+    with open(os.path.join(os.environ["SYSCALL_CHANNEL"], "kernel.json"), encoding="utf-8") as f:
+        limits = json.load(f)["limits"]
+    if args.flaw == "strict-reader" and set(limits) - KNOWN_LIMITS:
+        print("kernel.json: unknown member in limits", file=sys.stderr)
+        return 1
     rid = "R1" if args.flaw == "bad-id" else "1764460800000-0badc0de"
     data = json.dumps({"protocol": 1, "id": rid, "type": "status"}).encode()
     if args.flaw == "in-place":

@@ -24,6 +24,9 @@ writes their wakes. Flaws (each breaks one MUST the runner must catch):
 - bad-timestamps: `updated_at` is "yesterday" and `woken_at` "soon" (section 7.3)
 - charge-refused: a refused sleep is charged a sleep (section 4.0.1)
 - regenerate-read-only: a replayed read-only request is answered afresh (section 3.3)
+
+And one variant that breaks nothing: `future` adds a member protocol 1 does not define to every object of every
+JSON document it writes, as a later kernel may (section 1.5: clients ignore it); it must still conform.
 """
 
 from __future__ import annotations
@@ -68,9 +71,11 @@ from channel.messages import (  # noqa: E402
 )
 from channel.paths import ChannelPaths  # noqa: E402
 from channel.render import fence, render_wake, visible  # noqa: E402
+from spec.conformance.client_mode import with_future_members  # noqa: E402
 
 FLAWS = (
     "none",
+    "future",
     "accept-all",
     "follow-symlink",
     "in-place",
@@ -133,6 +138,8 @@ class FakeKernel:
         return bad if self.flaw == "bad-timestamps" else NOW
 
     def write(self, path: Path, data: bytes) -> None:
+        if self.flaw == "future" and path.suffix == ".json":
+            data = with_future_members(data)
         if self.flaw == "protocol-2" and path.parent.name == ChannelPaths.ANSWERS:
             data = json.dumps(dict(json.loads(data), protocol=2)).encode()
         if self.flaw == "in-place" and path.parent.name in (ChannelPaths.ANSWERS, ChannelPaths.WAKES):

@@ -222,6 +222,19 @@ def test_the_correct_fake_kernel_passes(fake: object, tmp_path: Path) -> None:
     assert len([v for v in load_vectors() if v.section == "4.2"]) + 3 == len(list(ET.parse(junit).getroot()))
 
 
+def test_a_kernel_that_adds_members_conforms(fake: object) -> None:
+    """Section 1.5: a member protocol 1 does not define, in every object of every answer, wake, kernel.json and
+    budget.json, is what a later kernel may write; the runner reads as a client and ignores it."""
+    ws = fake("future")  # type: ignore[operator]
+    out = run_cli("kernel", "--workspace", str(ws), "--deadline", "3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert " 0 failed" in out.stdout
+    assert b"x_conformance_future" in (ws / ".syscall" / "kernel.json").read_bytes()
+    # a client never writes where section 2.4 forbids it: the answers and wakes to the runner's requests stay
+    assert len(os.listdir(ws / ".syscall" / "answers")) > 100
+    assert sorted(os.listdir(ws / ".syscall" / "wakes"))
+
+
 def test_a_silent_kernel_ends_the_run_within_deadlines(fake: object, tmp_path: Path) -> None:
     ws = fake("silent")  # type: ignore[operator]
     before = listing(ws)

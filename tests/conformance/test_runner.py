@@ -12,7 +12,20 @@ from xml.etree import ElementTree as ET
 import jsonschema
 import pytest
 
-from channel.messages import Budget, ErrorInfo, Rejected, Wake, encode
+from channel.messages import (
+    VERBS,
+    Answer,
+    Budget,
+    ErrorInfo,
+    KernelInfo,
+    KernelRef,
+    Limits,
+    Policy,
+    Rejected,
+    Request,
+    Wake,
+    encode,
+)
 from channel.render import render_wake
 from spec import SCHEMA_DIR
 from spec.conformance import checks, vectors
@@ -221,6 +234,39 @@ def schema_valid(data: bytes, name: str) -> bool:
     return not list(jsonschema.Draft202012Validator(schema(name)).iter_errors(json.loads(data)))
 
 
+_KERNEL_JSON = encode(
+    KernelInfo(
+        protocol=1,
+        kernel=KernelRef("k", "1"),
+        workspace="/w",
+        limits=Limits(),
+        policy=Policy(),
+        verbs=VERBS,
+        tool_sha256="0",
+    )
+)
+
+
+def _with_additions(data: bytes) -> bytes:
+    """`kernel.json` as a later kernel might write it: a new member at each level and a verb not known today."""
+    doc = json.loads(data)
+    doc["limits"]["future_limit"] = 3
+    doc["policy"]["verbs"].append("teleport")
+    doc["policy"]["future_policy"] = {"a": 1}
+    doc["mirror"] = "x"
+    return json.dumps(doc).encode()
+
+
+_OPEN_ANSWER = (
+    b'{"protocol":1,"id":"r","type":"status","kernel":{"name":"k","version":"1"},'
+    b'"budget":{"launches":1,"sleeps":1,"gpu_hours":1},"sleep":{"id":"s","seq":1,"state":"hibernating",'
+    b'"created_at":"t","tasks":[{"launch":"a","task":0,"state":"MIGRATING","node":"n1"}]}}'
+)
+_OPEN_WAKE = (
+    b'{"protocol":1,"id":"s","seq":1,"created_at":"t","woken_at":"t","budget":{"launches":1,"sleeps":1,'
+    b'"gpu_hours":1},"tasks":[{"launch":"a","task":0,"state":"MIGRATED","carbon_g":2}],"energy_kwh":1}'
+)
+_BAD_WAKE = _OPEN_WAKE.replace(b'"task":0', b'"task":"0"')
 SAMPLES: list[tuple[str, bytes]] = [
     ("budget.json", b'{"protocol":1,"budget":{"launches":1,"sleeps":2,"gpu_hours":1.5},"updated_at":"t"}'),
     ("budget.json", b'{"protocol":1,"budget":{"launches":1,"sleeps":2,"gpu_hours":1.5}}'),
@@ -240,20 +286,53 @@ SAMPLES: list[tuple[str, bytes]] = [
     ("answer.json", encode(Rejected(protocol=1, id="r", error=ErrorInfo(code="c.d", message="m")))),
     ("answer.json", b'{"protocol":1,"id":"r","type":"accepted"}'),
     ("answer.json", b'{"protocol":1,"id":"r","type":"nope"}'),
+    # spec 1.5: what a client reads may carry members and values it does not know, at any depth
+    (
+        "answer.json",
+        b'{"protocol":1,"id":"r","type":"rejected","error":{"code":"new.code","message":"m","path":null,"x":1},'
+        b'"retry_after_s":3}',
+    ),
+    ("answer.json", _OPEN_ANSWER),
+    (
+        "answer.json",
+        b'{"protocol":1,"id":"r","type":"status","kernel":{"name":"k","version":"1"},'
+        b'"budget":{"launches":1,"sleeps":1,"gpu_hours":1},"sleep":{"id":"s","seq":1,"state":7,'
+        b'"created_at":"t"}}',
+    ),
+    ("wake.json", _OPEN_WAKE),
+    ("wake.json", _BAD_WAKE),
+    ("kernel.json", _KERNEL_JSON),
+    ("kernel.json", _with_additions(_KERNEL_JSON)),
 ]
 
 
 @pytest.mark.parametrize(("name", "data"), SAMPLES)
 def test_struct_validation_agrees_with_the_schema(name: str, data: bytes) -> None:
-    from channel.messages import Answer, BudgetFile
+    from channel.messages import BudgetFile
 
-    tp = {"budget.json": BudgetFile, "wake.json": Wake, "answer.json": Answer}[name]
+    tp = {"budget.json": BudgetFile, "wake.json": Wake, "answer.json": Answer, "kernel.json": KernelInfo}[
+        name
+    ]
     assert (checks.schema_problem(data, tp, name) is None) == schema_valid(data, name)
 
 
-def test_every_valid_vector_agrees_with_the_request_schema() -> None:
-    from channel.messages import Request
+def test_what_a_client_reads_is_open_and_what_it_writes_is_closed() -> None:
+    """Spec 1.5: unknown members and values in kernel-written documents validate; a request's do not."""
+    assert schema_valid(_OPEN_ANSWER, "answer.json")
+    assert checks.schema_problem(_OPEN_ANSWER, Answer, "answer.json") is None
+    assert schema_valid(_OPEN_WAKE, "wake.json")
+    # judged on what the wake says, not refused for what it adds: a checkpoint's wake lists no tasks
+    assert "lists 1" in (checks.wake_problem(_OPEN_WAKE, "s") or "")
+    assert not schema_valid(_BAD_WAKE, "wake.json")  # a wrong type is still wrong
+    assert "$.tasks[0].task" in (checks.wake_problem(_BAD_WAKE, "s") or "")
+    assert schema_valid(_with_additions(_KERNEL_JSON), "kernel.json")
+    assert checks.kernel_json_problem(_with_additions(_KERNEL_JSON)) is None
+    request = b'{"protocol":1,"id":"r1","type":"status","future":1}'
+    assert not schema_valid(request, "request.json")
+    assert checks.schema_problem(request, Request, "request.json")
 
+
+def test_every_valid_vector_agrees_with_the_request_schema() -> None:
     for v in load_vectors():
         if "type" not in v.outcome():
             continue
