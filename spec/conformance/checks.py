@@ -35,6 +35,8 @@ _TIMESTAMP: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0
 CONTROL: Final = re.compile(
     "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
 )
+# A git object id: SHA-1 or SHA-256, lowercase hex.
+_GIT_ID: Final = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _ESCAPE: Final = re.compile(r"\\x([0-9A-Fa-f]{2})|\\u([0-9A-Fa-f]{4})")
 
 
@@ -68,6 +70,8 @@ def wake_problem(data: bytes, sleep_id: str) -> str | None:
         return f"its id is {wake.id!r}, not the sleep's {sleep_id!r}"
     if wake.tasks:
         return f"a checkpoint (no launches) has no tasks, but the wake lists {len(wake.tasks)}"
+    if wake.snapshot is None or not _GIT_ID.fullmatch(wake.snapshot):
+        return f"its snapshot is {wake.snapshot!r}, not the commit the sleep took (a git id; section 8.1)"
     return None
 
 

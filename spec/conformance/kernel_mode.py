@@ -27,7 +27,7 @@ from typing import Final
 import msgspec
 
 from channel.errors import CODES
-from channel.messages import Accepted, BudgetFile, KernelInfo, Rejected
+from channel.messages import Accepted, Budget, BudgetFile, KernelInfo, Rejected, StatusAnswer
 from channel.paths import CHANNEL_DIR, ChannelPaths
 from spec import VECTOR_DIR
 from spec.conformance import checks, vectors
@@ -110,6 +110,9 @@ class KernelRun:
         # the marker and names of the badly named requests committed, judged after the vectors
         self.junk_names: tuple[str, list[str]] | None = None
         self.state_changed = False
+        # the runner's checkpoint woke (so nothing is in progress), and the id of the request refused unread
+        self.woken = False
+        self.unread: str | None = None
 
     # --- the run ---------------------------------------------------------------------------------------
 
@@ -145,8 +148,12 @@ class KernelRun:
                     self._replay_after_change()
                 if self._wants("4.0.1"):
                     self._refusal_uncharged()
+                if self._wants("6"):
+                    self._stage6()
                 if self._wants("2.3", "4.1"):
                     self._hostile()
+                if self._wants("3.3"):
+                    self._unread_unrecorded()
                 if self._wants("3.1"):
                     self._temps_left_alone()
                     self._junk_names()
@@ -298,12 +305,13 @@ class KernelRun:
             self.documents.append((what, data))
         return data
 
-    def _budget(self, p: Place) -> object:
+    def _budget(self, p: Place) -> Budget | None:
         raw = self._document(f"{p.label}: budget.json", p.channel / ChannelPaths.BUDGET_JSON)
         try:
-            return decode_open(raw or b"", BudgetFile).budget
+            budget: Budget = decode_open(raw or b"", BudgetFile).budget
         except msgspec.DecodeError:
             return None
+        return budget
 
     def _id(self, what: str) -> str:
         return f"c{self.token}-{what}"
@@ -433,6 +441,7 @@ class KernelRun:
             for s, n in names:
                 self._add(failed(s, n, f"no wakes/{missing} within {self.opts.wake_deadline:g} s"))
             return
+        self.woken = True
         # a second wake would come right after the first; give it the time of one answer
         time.sleep(min(1.0, self.opts.deadline))
         self._add(self._wake_once(p, rid, wj, wm, names[0]))
@@ -503,7 +512,7 @@ class KernelRun:
     def _one_hostile(self, kind: str, label: str) -> Result:
         p = self.main
         rid = self._id(kind)
-        section = "4.1" if kind == "oversized" else "2.3"
+        section = "2.3" if kind in ("symlink", "inner-symlink", "hardlink", "fifo") else "4.1"
         secret = f"m{secrets.token_hex(12)}"
         assert self.marker_dir is not None
         req = p.sub(ChannelPaths.REQUESTS)
@@ -527,6 +536,9 @@ class KernelRun:
                 os.symlink(marker.name, tmp)
             elif kind == "hardlink":
                 os.link(marker, tmp)
+            elif kind == "directory":
+                os.mkdir(tmp)
+                (tmp / "request.json").write_bytes(content)
             else:
                 with open(tmp, "xb") as f:
                     f.truncate(OVERSIZED_BYTES)
@@ -561,7 +573,88 @@ class KernelRun:
             )
         if marker.read_bytes() != content:
             return failed(section, label, f"the marker file {marker.name} was changed")
+        if kind == "directory":
+            inside = req / ChannelPaths.request(rid) / "request.json"
+            if not inside.is_file() or inside.read_bytes() != content:
+                return failed(section, label, f"{inside.name} in the directory was removed or changed")
+            shutil.rmtree(req / ChannelPaths.request(rid), ignore_errors=True)  # the runner's own name
+        if kind == "oversized":
+            self.unread = rid
         return passed(section, label, f"{want} in {took:.3f} s; the marker was not read", took)
+
+    # --- section 3.3: a file refused unread is not recorded ----------------------------------------------
+
+    def _unread_unrecorded(self) -> None:
+        """The oversized request was refused unread (stage 1): its id stays free, so a status request committed
+        under it once the file is gone gets a status answer, not `request.id.reused`."""
+        name = "a request refused unread leaves its id free"
+        p, rid = self.main, self.unread
+        if rid is None:
+            self._add(not_run("3.3", name, "the oversized request was not refused as expected"))
+            return
+        path = p.sub(ChannelPaths.REQUESTS) / ChannelPaths.request(rid)
+        end = time.monotonic() + self.opts.deadline
+        while os.path.lexists(path) and time.monotonic() < end:
+            time.sleep(0.02)
+        if os.path.lexists(path):
+            self._add(not_run("3.3", name, f"the oversized {path.name} was not removed within the deadline"))
+            return
+        ans = self._ask(p, rid, _compact({"protocol": 1, "id": rid, "type": "status"}))
+        if ans is None:
+            self._add(failed("3.3", name, f"no answer to a status request under {rid}"))
+            return
+        decoded, problem = vectors.decode_answer(ans)
+        if isinstance(decoded, StatusAnswer):
+            self._add(passed("3.3", name, f"a status request under {rid} got its status answer"))
+            return
+        got = problem or (
+            f"{decoded.error.code} at {vectors.shown_path(decoded.error.path)}"
+            if isinstance(decoded, Rejected)
+            else f"a `{decoded.__struct_config__.tag}` answer"
+        )
+        why = (
+            f"a status request under the id of the oversized request got {got}: the refused file was recorded"
+        )
+        self._add(failed("3.3", name, why))
+
+    # --- section 6.3: the codes and paths of stage-6 refusals --------------------------------------------
+
+    def _stage6(self) -> None:
+        """After the checkpoint woke, nothing is in progress: `cancel` is `cancel.no_sleep` (null); a `tail`
+        of a launch the last sleep (the checkpoint) lacks is `tail.unknown_task` at `$.launch`; a sleep with a
+        launch in a workspace without launches (or sleeps) left is `budget.launches` at `$.launches` (or
+        `budget.sleeps` at null). Each answer is compared with section 6.3's table."""
+        name = STAGE6_CHECK
+        p = self.main
+        if not self.woken:
+            self._add(not_run("6", name, "needs the checkpoint sleep to have woken (nothing in progress)"))
+            return
+        budget = self._budget(p)
+        probes: list[tuple[str, dict[str, object], tuple[str, str | None]]] = [
+            ("cancel", {"type": "cancel"}, ("cancel.no_sleep", None)),
+            ("tail", {"type": "tail", "launch": "conformance-none"}, ("tail.unknown_task", "$.launch")),
+        ]
+        if budget is not None and budget.launches == 0:
+            want = ("budget.sleeps", None) if budget.sleeps < 1 else ("budget.launches", "$.launches")
+            launch = {"name": "probe", "command": "true", "why": "conformance"}
+            probes.append(("sleep", {"type": "sleep", "launches": [launch]}, want))
+        found: list[str] = []
+        for verb, body, (code, path) in probes:
+            rid = self._id(f"stage6-{verb}")
+            ans = self._ask(p, rid, _compact({"protocol": 1, "id": rid, **body}))
+            if ans is None:
+                found.append(f"no answer to the {verb} {rid}")
+                continue
+            decoded, problem = vectors.decode_answer(ans)
+            if not isinstance(decoded, Rejected):
+                found.append(
+                    f"the {verb} {rid} got {problem or 'a `' + decoded.__struct_config__.tag + '` answer'}"
+                )
+            elif (decoded.error.code, decoded.error.path) != (code, path):
+                got = f"{decoded.error.code} at {vectors.shown_path(decoded.error.path)}"
+                found.append(f"the {verb} got {got}, not {code} at {vectors.shown_path(path)}")
+        shown = ", ".join(f"{c} at {vectors.shown_path(w)}" for _, _, (c, w) in probes)
+        self._add(_verdict("6", name, found, shown))
 
     # --- section 2.5: one kernel per channel -----------------------------------------------------------
 
@@ -949,7 +1042,9 @@ HOSTILE: Final = (
     ("inner-symlink", "a symlink to a file inside the channel is refused, never followed"),
     ("hardlink", "a hardlinked request is refused, never read"),
     ("oversized", "a 1 GiB (sparse) request is refused unread"),
+    ("directory", "a non-empty directory named <id>.json is refused, never entered"),
 )
+STAGE6_CHECK: Final = "stage-6 refusals carry the code and path of section 6.3"
 BEHAVIOURS: Final = (
     ("7.1", "the kernel answers a request"),
     ("3.3", "replay: same id and bytes get the stored answer"),
@@ -961,7 +1056,9 @@ BEHAVIOURS: Final = (
     ("2.5", "the kernel holds the channel's flock while it serves"),
     ("3.3", "replay after a state change: the stored answer byte for byte"),
     ("4.0.1", "a refused sleep charges nothing"),
-    *(("4.1" if k == "oversized" else "2.3", label) for k, label in HOSTILE),
+    ("6", STAGE6_CHECK),
+    *(("4.1" if k in ("oversized", "directory") else "2.3", label) for k, label in HOSTILE),
+    ("3.3", "a request refused unread leaves its id free"),
     ("3.1", "in-flight temp files are neither read nor answered"),
     ("3.1", JUNK_CHECK),
     ("2.3", "a replaced requests/ stops service"),

@@ -24,6 +24,8 @@ writes their wakes. Flaws (each breaks one MUST the runner must catch):
 - bad-timestamps: `updated_at` is "yesterday" and `woken_at` "soon" (section 7.3)
 - charge-refused: a refused sleep is charged a sleep (section 4.0.1)
 - regenerate-read-only: a replayed read-only request is answered afresh (section 3.3)
+- stage6-paths: stage-6 refusals carry no path (`budget.launches`, `tail.unknown_task` at null; section 6.3)
+- record-unread: a request refused unread (too large, not a regular file) is recorded, its id taken (section 3.3)
 
 And one variant that breaks nothing: `future` adds a member protocol 1 does not define to every object of every
 JSON document it writes, as a later kernel may (section 1.5: clients ignore it); it must still conform.
@@ -93,6 +95,8 @@ FLAWS = (
     "bad-timestamps",
     "charge-refused",
     "regenerate-read-only",
+    "stage6-paths",
+    "record-unread",
 )
 LABEL = "Your note (data written by a job or an agent, not instructions):"
 NOW = "2026-11-30T12:00:00.000Z"
@@ -221,16 +225,21 @@ class FakeKernel:
                 continue
             answer = self.answer(rid, self.read(path))
             self.write(self.ch / ChannelPaths.ANSWERS / ChannelPaths.answer(rid), answer)
-            if self.flaw == "keep-requests":
+            if self.flaw == "keep-requests" or stat.S_ISDIR(st.st_mode):  # a directory is left, answered once
                 self.handled.add(mark)
             elif _inode(path) == st.st_ino:  # not a request committed again since it was read
                 _remove(path)
 
     def answer(self, rid: str, data: bytes | None) -> bytes:
+        unread = None
         if data is None:
-            return self.refuse(rid, "request.unreadable", "the request is not a regular file with one link")
-        if len(data) > L.REQUEST_MAX_BYTES:
-            return self.refuse(rid, "request.too_large", "the request is larger than the limit")
+            unread = self.refuse(rid, "request.unreadable", "the request is not a regular file with one link")
+        elif len(data) > L.REQUEST_MAX_BYTES:
+            unread = self.refuse(rid, "request.too_large", "the request is larger than the limit")
+        if unread is not None:
+            if self.flaw == "record-unread":
+                self.records[rid] = ("unread", unread)
+            return unread
         digest = hashlib.sha256(data).hexdigest()
         if rid in self.records:
             old_digest, old_answer = self.records[rid]
@@ -270,7 +279,8 @@ class FakeKernel:
             return encode(rejected(rid, err))
         if isinstance(req, SleepRequest):
             if req.launches or req.submit is not None:
-                return self.refuse(rid, "budget.launches", "this fake kernel runs nothing", "$.launches")
+                path = None if self.flaw == "stage6-paths" else "$.launches"
+                return self.refuse(rid, "budget.launches", "this fake kernel runs nothing", path)
             if self.budget.sleeps < 1:
                 return self.refuse(rid, "budget.sleeps", "no sleeps left")
             self.seq += 1
@@ -284,6 +294,7 @@ class FakeKernel:
                 woken_at=self.stamp("soon"),
                 budget=self.budget,
                 note=req.note,
+                snapshot=hashlib.sha1(f"snapshot {self.seq}".encode()).hexdigest(),  # what it would run on
             )
             wakes = self.ch / ChannelPaths.WAKES
             self.write(wakes / ChannelPaths.wake_json(rid), encode(wake))
@@ -302,13 +313,18 @@ class FakeKernel:
         if isinstance(req, HistoryRequest):
             return encode(HistoryAnswer(protocol=1, id=rid, sleeps=()))
         if isinstance(req, TailRequest):  # nothing ever runs here: no task to tail (a stage-6 refusal)
-            return self.refuse(rid, "tail.unknown_task", "this fake kernel runs nothing", "$.launch")
+            path = None if self.flaw == "stage6-paths" else "$.launch"
+            return self.refuse(rid, "tail.unknown_task", "this fake kernel runs nothing", path)
         return encode(StatusAnswer(protocol=1, id=rid, kernel=REF, budget=self.budget))
 
 
 def _remove(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):  # the runner may have withdrawn it meanwhile
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except IsADirectoryError:
+            with contextlib.suppress(OSError):  # a non-empty one is left in place (section 4.1.3)
+                os.rmdir(path)
 
 
 def _inode(path: Path) -> int | None:

@@ -191,6 +191,13 @@ CAUGHT = {
     "regenerate-read-only": {
         "replay after a state change: the stored answer byte for byte": "not the recorded",
     },
+    "stage6-paths": {
+        "stage-6 refusals carry the code and path of section 6.3": "tail.unknown_task at null, not "
+        "tail.unknown_task at $.launch",
+    },
+    "record-unread": {
+        "a request refused unread leaves its id free": "got request.id.reused at $.id: the refused file was",
+    },
 }
 
 

@@ -84,3 +84,55 @@ def test_the_request_schema_carries_the_limits() -> None:
         "history",
         "tail",
     }
+
+
+# --- the document set: PROTOCOL.md (the core) and its companions -------------------------------------------
+
+DOCS = ("PROTOCOL.md", "KERNEL.md", "TOOL.md", "CONFORMANCE.md")
+_REF = re.compile(r"\b(PROTOCOL|KERNEL|TOOL|CONFORMANCE)\.md\)? (?:sections? )?((?:K?\d+)(?:\.\d+)*)")
+
+
+def _numbered(text: str) -> set[str]:
+    """Every section or paragraph number the document defines: headings and paragraphs that start with one."""
+    found = set(re.findall(r"^#{2,3} (K?\d+(?:\.\d+)*)\.?[ ]", text, re.M))
+    found |= set(re.findall(r"^(K?\d+(?:\.\d+)+)\. ", text, re.M))
+    return found
+
+
+@pytest.mark.parametrize("name", DOCS)
+def test_every_document_has_a_revision_and_its_changes(name: str) -> None:
+    text = (ROOT / "spec" / name).read_text("utf-8")
+    m = re.search(r"^Revision: (\d+) \((\d{4}-\d{2}-\d{2})\)\.", text, re.M)
+    assert m, f"spec/{name} has no 'Revision: N (YYYY-MM-DD).' line"
+    changes = text[text.rindex("Changes") :]
+    assert f"Revision {m.group(1)} ({m.group(2)})" in changes, (
+        f"spec/{name}: its changes do not list revision {m[1]}"
+    )
+
+
+def test_references_between_the_documents_resolve() -> None:
+    numbered = {name: _numbered((ROOT / "spec" / name).read_text("utf-8")) for name in DOCS}
+    broken = []
+    for name in DOCS:
+        for doc, number in _REF.findall((ROOT / "spec" / name).read_text("utf-8")):
+            target = f"{doc}.md"
+            # a reference to a section resolves to its heading or to a paragraph under it
+            if number not in numbered[target] and not any(
+                n.startswith(number + ".") for n in numbered[target]
+            ):
+                broken.append(f"{name}: {target} {number}")
+    assert not broken, broken
+
+
+def test_moved_sections_leave_a_pointer_and_keep_their_numbers() -> None:
+    core = (ROOT / "spec" / "PROTOCOL.md").read_text("utf-8")
+    for number, doc in (
+        ("10.3", "KERNEL.md"),
+        ("11", "KERNEL.md"),
+        ("12", "TOOL.md"),
+        ("14.4", "CONFORMANCE.md"),
+    ):
+        assert number in _numbered((ROOT / "spec" / doc).read_text("utf-8")), f"{doc} lacks {number}"
+        assert re.search(rf"{doc}\]\({doc}\) sections? {re.escape(number)}\b", core), (
+            f"no pointer to {doc} {number}"
+        )
