@@ -8,8 +8,8 @@ from decimal import Decimal
 import msgspec
 import pytest
 
-from channel.decode import RequestError
-from channel.messages import EvalContract, Launch, Policy, SleepRequest, Submit
+from channel.decode import RequestError, decode_request
+from channel.messages import EvalContract, Launch, Policy, Rejected, SleepRequest, Submit, encode
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.config import ConfigError, parse
@@ -202,11 +202,13 @@ def test_a_submit_short_of_gpu_time_is_refused_and_costs_nothing() -> None:
 
 
 def test_a_launch_may_not_take_an_evaluation_runs_name_in_a_submitting_sleep() -> None:
-    with pytest.raises(RequestError) as e:
-        accept_sleep(_ws(GPU_CONTRACT), None, _submit(Launch(name=EVAL_BASE, command="x")), 1, NOW)
-    assert (e.value.code, e.value.path) == ("launch.name.duplicate", "$.launches[0].name")
+    """A stage-4 rule (spec 4.0.1, 4.5.2): the decoder refuses it, before policy and kernel state."""
+    refused = decode_request(encode(_submit(Launch(name=EVAL_BASE, command="x"))), "s1")
+    assert isinstance(refused, Rejected)
+    assert (refused.error.code, refused.error.path) == ("launch.name.duplicate", "$.launches[0].name")
     # without a submit the name is free
     req = SleepRequest(protocol=1, id="s1", launches=(Launch(name=EVAL_BASE, command="x"),))
+    assert decode_request(encode(req), "s1") == req
     assert [j.launch for j in accept_sleep(_ws(GPU_CONTRACT), None, req, 1, NOW).jobs] == [EVAL_BASE]
 
 
