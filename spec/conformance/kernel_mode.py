@@ -599,15 +599,7 @@ class KernelRun:
         if os.path.lexists(path):
             self._add(not_run("3.3", name, f"the oversized {path.name} was not removed within the deadline"))
             return
-        before = _read(self._answer_path(p, rid))
         ans = self._ask(p, rid, _compact({"protocol": 1, "id": rid, "type": "status"}))
-        if ans is not None and ans == before:
-            # the old answer's file seen as new (its change time moved): the request's removal says when the
-            # answer to the re-committed request is in place (section 15.2)
-            end = time.monotonic() + self.opts.deadline
-            while os.path.lexists(path) and time.monotonic() < end:
-                time.sleep(0.02)
-            ans = _read(self._answer_path(p, rid))
         if ans is None:
             self._add(failed("3.3", name, f"no answer to a status request under {rid}"))
             return
@@ -1095,13 +1087,23 @@ def _version(st: os.stat_result) -> tuple[int, int]:
 
 
 def _read_entry(path: Path) -> tuple[bytes, tuple[int, int]] | None:
-    """A kernel-written file's bytes and version (never through a symlink, never blocking), or None if absent."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    """A kernel-written file's bytes and version (never through a symlink, never blocking), or None if absent.
+
+    A file renamed over between the open and the fstat has no link left, and its change time moved with the
+    unlink: that is the file being replaced, not a new version of it, so the name is read again."""
+    for _ in range(8):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if st.st_nlink > 0:
+            break
+        os.close(fd)
+    else:
         return None
     try:
-        version = _version(os.fstat(fd))
+        version = _version(st)
         chunks = []
         total = 0
         while total <= ANSWER_READ_MAX:
