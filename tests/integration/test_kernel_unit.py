@@ -92,6 +92,10 @@ def test_the_template_keeps_the_kernels_promises() -> None:
     assert (one["Type"], one["NotifyAccess"]) == ("notify", "main")
     assert int(one["WatchdogSec"]) > 0
     assert one["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    # A crash restarts; a refusal (exit 2: a config error, a newer release's store...) waits for the operator
+    # instead of restarting every RestartSec.
+    assert one["Restart"] == "on-failure"
+    assert one["RestartPreventExitStatus"] == "2"
     # Stopping the kernel never stops jobs: SIGTERM to the kernel alone, nothing else killed...
     assert one["KillMode"] == "process"
     # ...nor their shared memory removed at the stop...

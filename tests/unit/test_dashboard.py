@@ -115,6 +115,8 @@ def test_every_dashboard_expression_names_only_exported_metrics() -> None:
         "syscall_kernel_budget_left",  # budget left
         "syscall_kernel_scheduler_calls_total",  # Slurm health
         "syscall_kernel_degraded",
+        "syscall_kernel_slurm_outage_since_seconds",  # how long the controller has been down
+        "syscall_kernel_build_info",  # which release runs
     }
     assert watched <= used, sorted(watched - used)
 
