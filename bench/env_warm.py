@@ -13,7 +13,8 @@ information, `python -c "import ..."` of the 6 packages (cold: a new lockfile ea
 
 Cold samples change the project's version in pyproject.toml and re-lock, so each is a new cache key (a full
 download). Prints one JSON object per scenario. Usage:
-    .venv/bin/python bench/env_warm.py [--samples 10] [--cold 3] [--keep]
+    .venv/bin/python bench/env_warm.py [--samples 10] [--cold 3] [--keep] [--deps numpy,scikit-learn
+                                       --imports numpy,sklearn]
 """
 
 from __future__ import annotations
@@ -121,7 +122,13 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--cold", type=int, default=3)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--deps", help="comma-separated packages to lock instead (e.g. numpy,scikit-learn)")
+    ap.add_argument("--imports", help="comma-separated modules the import jobs import (with --deps)")
     args = ap.parse_args()
+    global DEPS, IMPORTS
+    if args.deps:
+        DEPS = args.deps.split(",")
+        IMPORTS = "import " + ", ".join((args.imports or args.deps).split(","))
     tmp = Path(tempfile.mkdtemp(prefix="syscall-bench-env-"))
     state = tmp / "state"
     config = tmp / "config.toml"
