@@ -737,9 +737,7 @@ def submit_availability(pol: Dict[str, Any], budget: Dict[str, Any]) -> str:
         return "not available (this workspace has no evaluation contract)"
     if budget.get("sleeps") == 0:
         return "not possible now: it rides on a sleep and the budget has no sleeps left"
-    if getattr(_CALL, "flags", None) is not None:
-        return "available (the `submit` tool)"
-    return "available (`{} submit --help`)".format(PROG)
+    return "available ({})".format(_cmd("submit", "--help"))
 
 
 def _n(count: int, one: str, many: str) -> str:

@@ -231,34 +231,33 @@ def test_a_locked_environment_is_built_once_and_imported_offline(env: Env) -> No
     assert builds.count("False") >= 3
 
 
-def test_a_lockfile_that_does_not_install_is_refused_before_submission_and_refunded(env: Env) -> None:
-    before = json.loads((env.spaces["broken"] / ".syscall" / "budget.json").read_text())["budget"]
-    env.ok("broken", "launch", "--name", "never", "--", "echo should not run")
-    done = env.tool("broken", "sleep", "--json")
+def refused_sleep(env: Env, name: str) -> str:
+    """Launch a job in `name` and sleep: refused with `environment.failed`, nothing charged; the message."""
+    before = json.loads((env.spaces[name] / ".syscall" / "budget.json").read_text())["budget"]
+    env.ok(name, "launch", "--name", "never", "--", "echo should not run")
+    done = env.tool(name, "sleep", "--json")
     assert done.returncode == 3, done.stdout + done.stderr
     ans = json.loads(done.stdout)
     assert ans["type"] == "rejected"
     assert ans["error"]["code"] == "environment.failed"
-    assert "uv" in ans["error"]["message"]
-    assert "six" in ans["error"]["message"], "uv's own message names what failed"
-    after = json.loads((env.spaces["broken"] / ".syscall" / "budget.json").read_text())["budget"]
+    after = json.loads((env.spaces[name] / ".syscall" / "budget.json").read_text())["budget"]
     assert (after["launches"], after["sleeps"]) == (before["launches"], before["sleeps"])
+    return str(ans["error"]["message"])
+
+
+def test_a_lockfile_that_does_not_install_is_refused_before_submission_and_refunded(env: Env) -> None:
+    message = refused_sleep(env, "broken")
+    assert "uv" in message
+    assert "six" in message, "uv's own message names what failed"
     sleep_dir = env.run_dir / env.key("broken")
     assert not list(sleep_dir.glob("*/never")), "nothing may be submitted"
 
 
 def test_a_lock_out_of_date_with_pyproject_is_refused_with_uv_lock_and_refunded(env: Env) -> None:
-    before = json.loads((env.spaces["stale"] / ".syscall" / "budget.json").read_text())["budget"]
-    env.ok("stale", "launch", "--name", "never", "--", "echo should not run")
-    done = env.tool("stale", "sleep", "--json")
-    assert done.returncode == 3, done.stdout + done.stderr
-    ans = json.loads(done.stdout)
-    assert ans["error"]["code"] == "environment.failed"
-    assert "uv.lock is out of date" in ans["error"]["message"]
-    assert "'attrs'" in ans["error"]["message"]
-    assert "run `uv lock`" in ans["error"]["message"]
-    after = json.loads((env.spaces["stale"] / ".syscall" / "budget.json").read_text())["budget"]
-    assert (after["launches"], after["sleeps"]) == (before["launches"], before["sleeps"])
+    message = refused_sleep(env, "stale")
+    assert "uv.lock is out of date" in message
+    assert "'attrs'" in message
+    assert "run `uv lock`" in message
     # refused before any build: no uv ran for it
     assert not [e for e in env.log_events("environment_ready") if e.get("ws") == env.key("stale")]
 
