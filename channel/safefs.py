@@ -39,7 +39,9 @@ _READ_FLAGS: Final = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY |
 _TEMP_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK: Final = 1 << 20
 _NAME_MAX: Final = 255
-KERNEL_TEMP_PREFIX: Final = ".kernel-"
+# `_` is in no request id (ID_PATTERN), so no client temp in `requests/` (`.<id>.tmp`, 3.1) has this form: the
+# kernel can remove its own leftovers there at start without touching a client's write in flight.
+KERNEL_TEMP_PREFIX: Final = ".kernel_"
 _TEMP_SUFFIX: Final = ".tmp"
 
 
@@ -469,7 +471,7 @@ def _remove_if(dir_fd: int, name: str, only: Inode) -> None:
     first moved aside under a kernel temp name (atomic: whatever is at the name then is what is judged), and
     put back where it is not `only`; `link` puts it back without replacing a still newer request at the name
     (which would have replaced it anyway). A kernel killed between the move and the put-back leaves the temp,
-    removed later as a stale temp."""
+    removed at the next start (`sweep_kernel_temps`)."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:

@@ -110,14 +110,16 @@ class Refresher:
         return note
 
     def _sweep_temps(self, ch: safefs.Channel) -> None:
-        """Remove the kernel temps older than this process from the channel and its answers/ (a younger one may
-        be a write in flight, whose rename would fail if its temp were removed under it)."""
+        """Remove the kernel temps older than this process from the channel, its answers/ and its requests/ (a
+        request moved aside for removal by a killed kernel); a younger one may be a write in flight, whose rename
+        would fail if its temp were removed under it."""
         safefs.sweep_kernel_temps(ch.fd, self._started_ns)
-        answers = ch.subdir(ChannelPaths.ANSWERS)
-        try:
-            safefs.sweep_kernel_temps(answers, self._started_ns)
-        finally:
-            os.close(answers)
+        for sub in (ChannelPaths.ANSWERS, ChannelPaths.REQUESTS):
+            dfd = ch.subdir(sub)
+            try:
+                safefs.sweep_kernel_temps(dfd, self._started_ns)
+            finally:
+                os.close(dfd)
 
     def row_stamped(self, key: str) -> tuple[WorkspaceRow | None, int]:
         """(a store step) The row, and the stamp of this read of its balance (kernel.io.budgetorder)."""

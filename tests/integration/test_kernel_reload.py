@@ -111,9 +111,9 @@ def test_a_refresh_while_serving_removes_only_temps_older_than_the_kernel(tmp_pa
     try:
         assert k.proc is not None
         channel = ws / ".syscall"
-        leftover = channel / ".kernel-00000000000000aa.tmp"
-        in_flight = channel / ".kernel-00000000000000bb.tmp"
-        answers_in_flight = channel / "answers" / ".kernel-00000000000000cc.tmp"
+        leftover = channel / ".kernel_00000000000000aa.tmp"
+        in_flight = channel / ".kernel_00000000000000bb.tmp"
+        answers_in_flight = channel / "answers" / ".kernel_00000000000000cc.tmp"
         for p in (leftover, in_flight, answers_in_flight):
             p.write_bytes(b"{}")
         long_ago = time.time() - 3600

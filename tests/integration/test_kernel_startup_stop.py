@@ -258,9 +258,17 @@ def test_a_restart_checks_owners_before_ready_and_refreshes_the_kernel_files_aft
         w0, w1, w2 = (ws / ".syscall" for ws in spaces)
         (w0 / "budget.json").write_text("damaged")
         (w1 / "syscall").unlink()
-        stale = w0 / "answers" / ".kernel-0123456789abcdef.tmp"
+        stale = w0 / "answers" / ".kernel_0123456789abcdef.tmp"
         stale.write_text("left by a killed kernel")
         os.utime(stale, (time.time() - 60, time.time() - 60))
+        # a request a killed kernel had moved aside for removal; beside it, a client's temp in flight for the
+        # id "kernel-0123456789abcdef" (valid), younger than the temp grace: only the kernel's own is removed
+        aside = w0 / "requests" / ".kernel_fedcba9876543210.tmp"
+        aside.write_text('{"protocol": 1, "id": "q0", "type": "status"}')
+        client_temp = w0 / "requests" / ".kernel-0123456789abcdef.tmp"
+        client_temp.write_text("a client's write in flight")
+        for p in (aside, client_temp):
+            os.utime(p, (time.time() - 60, time.time() - 60))
         _taken_over(w2 / "kernel.json")
 
         kernel.start()
@@ -269,6 +277,8 @@ def test_a_restart_checks_owners_before_ready_and_refreshes_the_kernel_files_aft
         assert json.loads((w0 / "budget.json").read_text())["budget"]["launches"] > 0
         assert (w1 / "syscall").is_file()
         assert not stale.exists()
+        assert not aside.exists()
+        assert client_temp.read_text() == "a client's write in flight"
         assert json.loads((w2 / "kernel.json").read_text())["owner"]["store"] == "f" * 32
         put_request(spaces[0], "q1", {"protocol": 1, "id": "q1", "type": "status"})
         wait_for(lambda: read_answer(spaces[0], "q1"), 30, "the status answer")
