@@ -254,6 +254,17 @@ class Config(_Strict, frozen=True, kw_only=True):
         return Path(self.run_dir)
 
 
+class LiveConfig:
+    """The running kernel's config: one holder that every component of `serve` shares and reads at each use
+    (`.current`, never a Config kept from its construction). A SIGHUP's merged config (kernel.service.reload) is
+    set here, in one place, so every reader sees it from then on."""
+
+    __slots__ = ("current",)
+
+    def __init__(self, current: Config) -> None:
+        self.current = current
+
+
 _AT_RE: Final = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _FIELD_RE: Final = re.compile(r"field `(?P<field>[^`]*)`")
 

@@ -34,7 +34,7 @@ from channel.lifecycle import LIVE_TASK_STATES, SleepEvent, sleep_can
 from channel.messages import JobRef, LockedEnvironment
 from kernel.backends import jobscript
 from kernel.backends.base import BackendRefused, BackendUnavailable, JobSpec, RunnableBackend
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.core.records import JobRow, WorkspaceRow
 from kernel.io import crash, envcache, jobenv
 from kernel.io import log as klog
@@ -60,18 +60,19 @@ class Dispatcher:
 
     def __init__(
         self,
-        cfg: Config,
+        live: LiveConfig,
         worker: StoreWorker,
         backend: RunnableBackend,
         heavy: HeavyPool,
         evaluation: Evaluation,
     ) -> None:
-        self.cfg = cfg
+        self.live = live
         self.worker = worker
         self.store = worker.store
         self.backend = backend
         self.heavy = heavy
         self.evaluation = evaluation
+        cfg = live.current  # what chose a resource at start (kept on SIGHUP: kernel.service.reload)
         self.tmp_dir = Path(cfg.state_dir) / "tmp"
         build_jail = JailPolicy(kind=cfg.jail, hide=(cfg.state_dir,), ro_dirs=cfg.environment.extra_dirs)
         self.envs = (
@@ -88,6 +89,11 @@ class Dispatcher:
                 note="git lists each workspace's live tree on the kernel's host without a jail; its deadline, "
                 "blocked-open watch and caps still apply",
             )
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     def repo_of(self, key: str) -> KernelRepo:
         """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""
