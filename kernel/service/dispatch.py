@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NoReturn
 
 import anyio
@@ -73,10 +72,10 @@ class Dispatcher:
         self.heavy = heavy
         self.evaluation = evaluation
         cfg = live.current  # what chose a resource at start (kept on SIGHUP: kernel.service.reload)
-        self.tmp_dir = Path(cfg.state_dir) / "tmp"
+        self.tmp_dir = cfg.paths.tmp
         build_jail = JailPolicy(kind=cfg.jail, hide=(cfg.state_dir,), ro_dirs=cfg.environment.extra_dirs)
         self.envs = (
-            envcache.EnvCache(cfg.environment, cfg.run_dir, jail=build_jail)
+            envcache.EnvCache(cfg.environment, cfg.paths.envs, jail=build_jail)
             if cfg.environment.mode == "uv"
             else None
         )
@@ -270,7 +269,7 @@ class Dispatcher:
     def _publish_jobenv(self, ws: WorkspaceRow, locked: LockedEnvironment | None) -> None:
         """Record the workspace's latest locked environment and rewrite its `jobenv.json` (a channel the agent
         broke only loses the file, never the sleep)."""
-        jobenv.remember(self.cfg.run_dir, ws.key, locked)
+        jobenv.remember(self.cfg.paths.envs, ws.key, locked)
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
                 jobenv.write(ch, jobenv.document(self.cfg, ws.policy, locked, timestamp()))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from pathlib import Path
 from typing import Final
 
 import anyio
@@ -86,14 +85,15 @@ class RealExecutor:
         return "; ".join(found) or None
 
     def _setup(self) -> None:
-        (Path(self.cfg.state_dir) / "tmp").mkdir(mode=0o700, parents=True, exist_ok=True)
-        Path(self.cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        paths = self.cfg.paths
+        paths.tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
+        paths.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     # --- the Executor protocol ------------------------------------------------------------------------
 
     async def recover(self) -> None:
         await self.worker.call(self._setup)
-        found = await self.backend.recover(self.cfg.run_path)
+        found = await self.backend.recover(self.cfg.paths.run_dir)
         klog.event(
             "backend_recovered",
             backend=self.backend.name,

@@ -1125,13 +1125,13 @@ async def _open_store(cfg: Config, notifier: Notifier) -> Store:
     failing = None
     while True:
         try:
-            return Store.open(cfg.db_path)
+            return Store.open(cfg.paths.store)
         except Exception as exc:
             if not disk_failure(exc):
                 raise
             if str(exc) != failing:
                 failing = str(exc)
-                log.event("store_write_failed", logging.ERROR, store=str(cfg.db_path), error=failing)
+                log.event("store_write_failed", logging.ERROR, store=str(cfg.paths.store), error=failing)
             notifier.status(f"degraded (store cannot be opened: {failing}); not serving yet")
             await anyio.sleep(STORE_RETRY_S)
 

@@ -118,7 +118,7 @@ class SubmitEvaluation:
         self.worker = worker
         self.store = worker.store
         self.heavy = heavy  # the executor's: a base import is heavy work of its workspace
-        self.tmp_dir = Path(live.current.state_dir) / "tmp"
+        self.tmp_dir = live.current.paths.tmp
         self._plans: dict[tuple[str, int], S.Plan] = {}
         self._hooking = False
         # One hold at a time per workspace (the start's upgrade and a submit's preflight may meet): the second

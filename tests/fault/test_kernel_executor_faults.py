@@ -63,7 +63,7 @@ def run_service(tmp_path: Path, executor: type[PendingExecutor]) -> tuple[dict[s
     ws.mkdir()
     subprocess.run(["git", "init", "-q", str(ws)], check=True)
     cfg = parse(f'state_dir = "{tmp_path}/state"\nrescan_seconds = 0.3\n', "<test>", env={})
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     enroll(store, cfg, str(ws), ToolSource(b"tool"), Grant(launches=3, sleeps=2, gpu_hours=2))
     svc = Service(LiveConfig(cfg), store, Notifier(None, None), ToolSource(b"tool"), executor)
     req = ws / ".syscall" / "requests"
@@ -135,7 +135,7 @@ class Gated(PendingExecutor):
 
 def test_a_slow_dispatch_holds_only_its_own_workspace_and_is_drained_at_stop(tmp_path: Path) -> None:
     cfg = parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     spaces = []
     for name in ("a", "b"):
         ws = tmp_path / name

@@ -156,7 +156,7 @@ class World:
 
 def _store(cfg: Config) -> Store:
     Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
-    return Store.open(cfg.db_path)
+    return Store.open(cfg.paths.store)
 
 
 def _slurm(cfg: Config, fake: FakeSlurm, attempts: int) -> SlurmBackend:

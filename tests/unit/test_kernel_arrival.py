@@ -27,7 +27,7 @@ class ReadyNotifier(Notifier):
 
 def test_a_request_to_an_idle_kernel_starts_its_turn_where_the_event_is_handed_over(tmp_path: Path) -> None:
     cfg = parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     ws, row = enrolled(tmp_path, store, cfg)
     notifier = ReadyNotifier()
     svc = Service(LiveConfig(cfg), store, notifier, TOOL)

@@ -122,7 +122,7 @@ def test_every_reader_of_a_live_key_sees_the_reloaded_value(tmp_path: Path) -> N
     config.write_text(KEPT.format(root=tmp_path) + BEFORE.format(root=tmp_path))
     cfg = load(config)
     (tmp_path / "state").mkdir()
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     live = LiveConfig(cfg)
     svc = Service(live, store, Notifier(None, None), TOOL, executor_factory(live))
     backend = svc.executor.backend  # type: ignore[attr-defined]
@@ -163,7 +163,7 @@ def test_the_health_check_follows_a_reloaded_stall_limit(tmp_path: Path) -> None
     config.write_text(KEPT.format(root=tmp_path) + BEFORE.format(root=tmp_path))
     cfg = load(config)
     (tmp_path / "state").mkdir()
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     svc = Service(LiveConfig(cfg), store, Notifier(None, None), TOOL)
     try:
         svc.pipeline.pass_started = time.time() - 30
