@@ -173,3 +173,23 @@ def test_the_health_check_follows_a_reloaded_stall_limit(tmp_path: Path) -> None
         assert not svc.healthy()
     finally:
         store.close()
+
+
+def test_the_operator_guide_names_what_a_reload_applies_and_what_it_keeps() -> None:
+    """docs/operator.md's SIGHUP paragraph: every live key under "Applied live", every other key under "kept"."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operator.md").read_text()
+    para = " ".join(text.split("reads the config file again between two passes.", 1)[1].split())
+    applied, kept = para.split("Every other key", 1)
+    kept = kept.split("is kept until a restart", 1)[0]
+
+    def keys(part: str) -> set[str]:
+        named = {m.strip("[]") for m in re.findall(r"`([^`]+)`", part)}
+        fields = set(Config.__struct_fields__) - {"source"}
+        return {
+            f for f in fields if f in named or any(n.endswith("*") and f.startswith(n[:-1]) for n in named)
+        }
+
+    assert keys(applied) == set(reload.LIVE)
+    assert keys(kept) == set(Config.__struct_fields__) - set(reload.LIVE) - {"source"}
