@@ -15,7 +15,6 @@ import signal
 import sqlite3
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import anyio
@@ -335,7 +334,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         anyio.run(functools.partial(serve, cfg, publish=lock.publish))
     except StoreNewer as exc:
         # a rollback over a newer release's store: not a crash, and no restart will change it
-        log.event("store_refused", logging.ERROR, store=str(cfg.db_path), problem=str(exc))
+        log.event("store_refused", logging.ERROR, store=str(cfg.paths.store), problem=str(exc))
         print(f"syscall-kernel serve: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
@@ -502,7 +501,7 @@ def cmd_rebase(args: argparse.Namespace) -> int:
         repo = KernelRepo.at(cfg.run_dir, ws.key)
         try:
             # Taken through the verified path and held in the kernel's repository before it is recorded.
-            found = S.take_base(repo, ws.path, args.commit, Path(cfg.state_dir) / "tmp")
+            found = S.take_base(repo, ws.path, args.commit, cfg.paths.tmp)
         except (UntrustedGit, RepoError, OSError) as exc:
             print(f"syscall-kernel rebase: {exc}", file=sys.stderr)
             return 1
@@ -521,7 +520,7 @@ def cmd_rebase(args: argparse.Namespace) -> int:
 
 
 def _status(cfg: Config) -> KernelStatus:
-    store = Store.open(cfg.db_path, readonly=True)
+    store = Store.open(cfg.paths.store, readonly=True)
     try:
         out = []
         for ws in store.workspaces():
@@ -676,7 +675,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _writable_store(cfg: Config) -> Store:
     """The store for a command that writes: migrated here only while no kernel serves it (a kernel of the older
     release would run on over a store it did not make, and refuse it at its next start)."""
-    return Store.open(cfg.db_path, migrate=statedir.holder(cfg.state_dir) is None)
+    return Store.open(cfg.paths.store, migrate=statedir.holder(cfg.state_dir) is None)
 
 
 def _admin_store(cfg: Config, verb: str) -> Store | None:
@@ -792,7 +791,7 @@ def cmd_history(args: argparse.Namespace) -> int:
         print(f"syscall-kernel history: --limit must be >= 1, got {args.limit}", file=sys.stderr)
         return 2
     try:
-        store = Store.open(cfg.db_path, readonly=True)
+        store = Store.open(cfg.paths.store, readonly=True)
     except StoreError as exc:
         print(f"syscall-kernel history: {exc}", file=sys.stderr)
         return 1
@@ -923,7 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert args is not None
         cfg = _config(args.config)
         print(
-            f"syscall-kernel {args.command}: {statedir.store_unusable(cfg.state_dir, cfg.db_path, exc)}",
+            f"syscall-kernel {args.command}: {statedir.store_unusable(cfg.state_dir, cfg.paths.store, exc)}",
             file=sys.stderr,
         )
         return 1

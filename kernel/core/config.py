@@ -21,6 +21,7 @@ from msgspec import Meta, Struct
 from channel import limits as L
 from channel.messages import VERBS, EvalContract, Policy, Verb, VerdictRules
 from kernel.core.evaluate import contract_problem
+from kernel.core.statepaths import StatePaths
 
 ENV_CONFIG: Final = "SYSCALL_KERNEL_CONFIG"
 CONFIG_DIR: Final = Path("/etc/syscall-kernel")
@@ -242,16 +243,20 @@ class Config(_Strict, frozen=True, kw_only=True):
     source: str = ""
 
     @property
-    def state_path(self) -> Path:
-        return Path(self.state_dir)
+    def paths(self) -> StatePaths:
+        """The kernel's own directories and files (kernel.core.statepaths)."""
+        return StatePaths(Path(self.state_dir), Path(self.run_dir))
 
-    @property
-    def db_path(self) -> Path:
-        return Path(self.state_dir) / "state.sqlite"
 
-    @property
-    def run_path(self) -> Path:
-        return Path(self.run_dir)
+class LiveConfig:
+    """The running kernel's config: one holder that every component of `serve` shares and reads at each use
+    (`.current`, never a Config kept from its construction). A SIGHUP's merged config (kernel.service.reload) is
+    set here, in one place, so every reader sees it from then on."""
+
+    __slots__ = ("current",)
+
+    def __init__(self, current: Config) -> None:
+        self.current = current
 
 
 _AT_RE: Final = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
@@ -335,7 +340,7 @@ def _resolve(cfg: Config, source: str, env: dict[str, str]) -> Config:
         # than the service (the shipped unit and example config name the state dir explicitly instead).
         xdg = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
         state = os.path.join(xdg, "syscall-kernel")
-    run = absolute(cfg.run_dir) if cfg.run_dir else os.path.join(state, "runs")
+    run = absolute(cfg.run_dir) if cfg.run_dir else os.fspath(StatePaths.at(state).run_dir)
     for i, pattern in enumerate(cfg.workspaces):
         if not pattern.strip():
             raise ConfigError(f"{source}: key 'workspaces.{i}' is empty")

@@ -21,7 +21,6 @@ import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Final, Literal
 
 import msgspec
@@ -669,7 +668,7 @@ def hold_recorded_base(store: Store, cfg: Config, key: str, path: str) -> str | 
         return None
     rev = recorded or "HEAD"
     try:
-        got = S.take_base(repo, path, rev, Path(cfg.state_dir) / "tmp")
+        got = S.take_base(repo, path, rev, cfg.paths.tmp)
     except (R.UntrustedGit, R.RepoError, OSError) as exc:
         head = S.head_of(path) if rev == "HEAD" else None
         if head is not None:

@@ -84,7 +84,6 @@ from kernel.node.jail import (
 
 LOCK_FILE: Final = "uv.lock"
 PROJECT_FILE: Final = "pyproject.toml"
-ENVS_DIR: Final = "envs"
 PYTHON_DIR: Final = "python"  # uv-managed interpreters (environment.python = "3.12")
 WORKSPACES_DIR: Final = "workspaces"  # each workspace's latest locked environment (kernel.io.jobenv)
 READY: Final = "ready.json"
@@ -593,7 +592,7 @@ def uv_binary() -> str:
 
 
 class EnvCache:
-    """The kernel's warm caches under `<run_dir>/envs/` (one kernel per run_dir: warm-ups of one key are
+    """The kernel's warm caches under `root`, `<run_dir>/envs/` (StatePaths.envs; one kernel per run_dir: warm-ups of one key are
     serialised in-process; concurrent kernels would only waste a download, as an entry appears by rename).
     `jail` is the kernel's job jail policy: its kind decides whether the build is jailed (`bwrap`), its system
     directories, /etc allowlist, `ro_dirs` and `hide` are the build jail's too."""
@@ -601,13 +600,13 @@ class EnvCache:
     def __init__(
         self,
         cfg: EnvironmentConfig,
-        run_dir: str | os.PathLike[str],
+        root: str | os.PathLike[str],
         *,
         jail: JailPolicy,
         uv: str | None = None,
     ) -> None:
         self.cfg = cfg
-        self.root = Path(run_dir) / ENVS_DIR
+        self.root = Path(root)
         self.uv = uv or uv_binary()
         self.jail = jail
         self._uv_version: str | None = None

@@ -31,7 +31,7 @@ from channel.messages import (
 )
 from channel.paths import ChannelPaths
 from kernel.core.config import Config
-from kernel.io.envcache import ENVS_DIR, WORKSPACES_DIR, EnvReady, index_of
+from kernel.io.envcache import WORKSPACES_DIR, EnvReady, index_of
 from kernel.io.snapshot import DEFAULT_MAX_FILE_BYTES
 
 SYSTEM_PYTHON: Final = "/usr/bin/python3"
@@ -115,16 +115,17 @@ def document(cfg: Config, policy: Policy, locked: LockedEnvironment | None, now:
 
 def for_workspace(cfg: Config, key: str, policy: Policy, now: str) -> JobEnvFile:
     """The workspace's document as of now (its latest locked environment from the run directory)."""
-    return document(cfg, policy, recall(cfg.run_dir, key), now)
+    return document(cfg, policy, recall(cfg.paths.envs, key), now)
 
 
-def _record_path(run_dir: str, key: str) -> Path:
-    return Path(run_dir) / ENVS_DIR / WORKSPACES_DIR / f"{key}.json"
+def _record_path(envs: Path, key: str) -> Path:
+    return envs / WORKSPACES_DIR / f"{key}.json"
 
 
-def remember(run_dir: str, key: str, locked: LockedEnvironment | None) -> None:
-    """Record the workspace's latest locked environment (None: its latest sleep had no uv.lock)."""
-    path = _record_path(run_dir, key)
+def remember(envs: Path, key: str, locked: LockedEnvironment | None) -> None:
+    """Record the workspace's latest locked environment (None: its latest sleep had no uv.lock) under `envs`
+    (StatePaths.envs)."""
+    path = _record_path(envs, key)
     if locked is None:
         path.unlink(missing_ok=True)
         return
@@ -134,9 +135,9 @@ def remember(run_dir: str, key: str, locked: LockedEnvironment | None) -> None:
     os.replace(tmp, path)
 
 
-def recall(run_dir: str, key: str) -> LockedEnvironment | None:
+def recall(envs: Path, key: str) -> LockedEnvironment | None:
     try:
-        return _locked_decoder.decode(_record_path(run_dir, key).read_bytes())
+        return _locked_decoder.decode(_record_path(envs, key).read_bytes())
     except (FileNotFoundError, msgspec.DecodeError):
         return None
 

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Final
 
-LOCK_NAME: Final = "kernel.lock"
+from kernel.core.statepaths import StatePaths
+
 # The lock file's fixed size: the pid line and the latest status line, padded.
 NOTE_BYTES: Final = 1024
 
@@ -92,7 +93,7 @@ class StateLock:
 
     @classmethod
     def acquire(cls, state_dir: str | os.PathLike[str], *, attempts: int = 5) -> StateLock:
-        path = Path(state_dir) / LOCK_NAME
+        path = StatePaths.at(state_dir).lock
         fd = _open(path, os.O_RDWR | os.O_CREAT)
         try:
             for attempt in range(attempts):
@@ -131,7 +132,7 @@ def _content(pid: int, line: str) -> bytes:
 
 def note(state_dir: str | os.PathLike[str]) -> str | None:
     """The status line the kernel holding the state dir published last (None when none holds it)."""
-    path = Path(state_dir) / LOCK_NAME
+    path = StatePaths.at(state_dir).lock
     if holder(state_dir) is None:
         return None
     with contextlib.suppress(OSError), open(path, "rb") as f:
@@ -142,7 +143,7 @@ def note(state_dir: str | os.PathLike[str]) -> str | None:
 
 def holder(state_dir: str | os.PathLike[str]) -> int | None:
     """The pid of the live kernel holding the state dir (0 if it holds it but its pid is unreadable), or None."""
-    path = Path(state_dir) / LOCK_NAME
+    path = StatePaths.at(state_dir).lock
     try:
         fd = _open(path, os.O_RDONLY)
     except FileNotFoundError:

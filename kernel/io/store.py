@@ -31,6 +31,8 @@ import msgspec
 from channel import release
 from channel.lifecycle import (
     FIRST_TASK_STATE,
+    LIVE_TASK_STATES,
+    SLEEP_TERMINAL,
     IllegalTransition,
     SleepEvent,
     TaskEvent,
@@ -50,7 +52,21 @@ from kernel.io.budgetorder import BudgetOrder
 # 2 is a store with all of them. A change to the schema raises it and adds a step to _MIGRATIONS.
 SCHEMA_VERSION: Final = 2
 
-_SCHEMA: Final = """
+
+def _sql_states(states: frozenset[str]) -> str:
+    """A set of lifecycle states as an SQL list of literals, sorted: the same text at every start, so the
+    `jobs_live` index's condition and the queries it serves stay the same expression."""
+    if not all(s.replace("_", "").isalpha() for s in states):
+        raise ValueError(f"not a state name: {sorted(states)}")
+    return "(" + ", ".join(f"'{s}'" for s in sorted(states)) + ")"
+
+
+# The lifecycle's sets (channel.lifecycle) as the store's SQL spells them: never written out by hand.
+_LIVE_TASKS: Final = _sql_states(LIVE_TASK_STATES)
+_SLEEP_ENDED: Final = _sql_states(SLEEP_TERMINAL)
+_WOKEN: Final[SleepState] = "woken"
+
+_SCHEMA: Final = f"""
 CREATE TABLE workspaces (
     key             TEXT PRIMARY KEY,
     path            TEXT NOT NULL UNIQUE,
@@ -122,7 +138,7 @@ CREATE TABLE jobs (
     PRIMARY KEY (workspace, seq, launch, task),
     FOREIGN KEY (workspace, seq) REFERENCES sleeps(workspace, seq)
 ) STRICT;
-CREATE INDEX jobs_live ON jobs(state) WHERE state IN ('PENDING', 'RUNNING');
+CREATE INDEX jobs_live ON jobs(state) WHERE state IN {_LIVE_TASKS};
 """
 
 # Added while SCHEMA_VERSION was 1, so made if missing (additive only): by the migration to 2, and again at every
@@ -991,7 +1007,7 @@ class Store:
     def current_sleep(self, workspace: str) -> SleepRow | None:
         """The workspace's sleep that has not ended (woken or rejected), if any."""
         row = self._one(
-            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND state NOT IN ('woken', 'rejected') "
+            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND state NOT IN {_SLEEP_ENDED} "
             "ORDER BY seq DESC LIMIT 1",
             (workspace,),
         )
@@ -1023,8 +1039,7 @@ class Store:
 
     def live_sleeps(self) -> list[SleepRow]:
         rows = self._all(
-            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE state NOT IN ('woken', 'rejected') "
-            "ORDER BY workspace, seq"
+            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE state NOT IN {_SLEEP_ENDED} ORDER BY workspace, seq"
         )
         return [SleepRow(*r) for r in rows]
 
@@ -1073,7 +1088,7 @@ class Store:
         """(workspace, seq) of finished sleeps (woken or rejected) whose snapshot is not released yet."""
         rows = self._all(
             "SELECT e.workspace, e.seq FROM exec_sleeps e JOIN sleeps s ON s.workspace = e.workspace "
-            "AND s.seq = e.seq WHERE e.released = 0 AND s.state IN ('woken', 'rejected')"
+            f"AND s.seq = e.seq WHERE e.released = 0 AND s.state IN {_SLEEP_ENDED}"
         )
         return [(str(r[0]), int(r[1])) for r in rows]
 
@@ -1084,8 +1099,8 @@ class Store:
         """Forget a woken sleep's stored wake bytes (they served only to (re)write the wake, now on disk)."""
         self._one(
             "UPDATE exec_sleeps SET wake_json=NULL, wake_md=NULL WHERE workspace=? AND seq=? AND EXISTS "
-            "(SELECT 1 FROM sleeps WHERE workspace=? AND seq=? AND state='woken')",
-            (workspace, seq, workspace, seq),
+            "(SELECT 1 FROM sleeps WHERE workspace=? AND seq=? AND state=?)",
+            (workspace, seq, workspace, seq, _WOKEN),
         )
 
     def data_version(self) -> int:
@@ -1283,8 +1298,7 @@ class Store:
 
     def live_jobs(self) -> list[JobRow]:
         rows = self._all(
-            f"SELECT {self._JOB_COLS} FROM jobs WHERE state IN ('PENDING', 'RUNNING') "
-            "ORDER BY workspace, seq, rowid"
+            f"SELECT {self._JOB_COLS} FROM jobs WHERE state IN {_LIVE_TASKS} ORDER BY workspace, seq, rowid"
         )
         return [self._job(r) for r in rows]
 
@@ -1380,9 +1394,9 @@ class Store:
             "workspaces": int(self._one("SELECT count(*) FROM workspaces")[0]),
             "requests": int(self._one("SELECT count(*) FROM requests")[0]),
             "live_sleeps": int(
-                self._one("SELECT count(*) FROM sleeps WHERE state NOT IN ('woken', 'rejected')")[0]
+                self._one(f"SELECT count(*) FROM sleeps WHERE state NOT IN {_SLEEP_ENDED}")[0]
             ),
-            "live_jobs": int(self._one("SELECT count(*) FROM jobs WHERE state IN ('PENDING', 'RUNNING')")[0]),
+            "live_jobs": int(self._one(f"SELECT count(*) FROM jobs WHERE state IN {_LIVE_TASKS}")[0]),
         }
 
 

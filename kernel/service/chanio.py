@@ -122,7 +122,7 @@ async def _nothing(key: str, *args: object) -> None:
 class ChannelIO:
     def __init__(
         self,
-        deadline: float,
+        deadline: float | Callable[[], float],
         *,
         size: int = CHANNEL_IO_SLOTS,
         on_overdue: Callable[[str, float], Awaitable[None]] = _nothing,
@@ -131,7 +131,8 @@ class ChannelIO:
         finish_started: bool = False,
         thread_name: str = "channel-io",
     ) -> None:
-        self.deadline = deadline
+        # A number, or where to read it at each use (the live config's deadline, kernel.service.reload).
+        self._deadline = deadline if callable(deadline) else (lambda: deadline)
         self.finish_started = finish_started
         self.thread_name = thread_name
         self.on_overdue = on_overdue
@@ -153,6 +154,13 @@ class ChannelIO:
         self._idle = 0
         self._threads = 0
         self._mutex = threading.Lock()
+
+    @property
+    def deadline(self) -> float:
+        """Seconds a call may spend in channel I/O before it is overdue, read afresh at each check: a call that
+        starts after a change gets the new deadline, one already waiting is held to it at its next check (at the
+        latest when its old deadline passes)."""
+        return self._deadline()
 
     @property
     def workspaces(self) -> int:
@@ -312,8 +320,9 @@ class ChannelIO:
                         break
                     # Past the deadline only in channel I/O: time spent on a store step does not count.
                     out_for = self.clock() - progress.io_since
-                    if progress.in_store or out_for < self.deadline:
-                        wait = self.deadline if progress.in_store else self.deadline - out_for
+                    deadline = self.deadline
+                    if progress.in_store or out_for < deadline:
+                        wait = deadline if progress.in_store else deadline - out_for
                         continue
                     break
                 if not done.is_set():

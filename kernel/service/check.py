@@ -40,10 +40,11 @@ def run_checks(cfg: Config, env: dict[str, str] | None = None) -> list[Finding]:
     out = [Finding("ok", "config", f"{cfg.source} loads (backend {cfg.backend}, jail {cfg.jail})")]
     if os.geteuid() == 0 and not cfg.allow_root:
         out.append(Finding("error", "user", "running as root: `serve` refuses unless allow_root = true"))
-    state = _dir("state_dir", Path(cfg.state_dir))
+    paths = cfg.paths
+    state = _dir("state_dir", paths.state_dir)
     out += state
-    run = Path(cfg.run_dir)
-    if not run.exists() and run.is_relative_to(cfg.state_dir) and not Path(cfg.state_dir).is_dir():
+    run = paths.run_dir
+    if not run.exists() and run.is_relative_to(paths.state_dir) and not paths.state_dir.is_dir():
         # Made by `serve` inside the state dir, after it: it can be made exactly when the state dir can.
         ok = all(f.level == "ok" for f in state)
         out.append(
@@ -129,10 +130,10 @@ def _globs(cfg: Config) -> list[Finding]:
 
 def _own_store(cfg: Config) -> tuple[str | None, set[str]]:
     """This config's store id (None: no store yet) and every workspace path it has a row for."""
-    if not cfg.db_path.exists():
+    if not cfg.paths.store.exists():
         return None, set()
     try:
-        store = Store.open(cfg.db_path, readonly=True)
+        store = Store.open(cfg.paths.store, readonly=True)
     except (StoreError, sqlite3.Error):
         return None, set()  # reported by _workspaces
     try:
@@ -160,21 +161,21 @@ def _owned_elsewhere(path: str, mine: str | None) -> str | None:
 
 
 def _workspaces(cfg: Config) -> list[Finding]:
-    if not cfg.db_path.exists():
+    if not cfg.paths.store.exists():
         return []
     try:
-        store = Store.open(cfg.db_path, readonly=True)
+        store = Store.open(cfg.paths.store, readonly=True)
     except StoreError as exc:
         return [Finding("error", "store", str(exc))]
     except sqlite3.Error as exc:
-        return [Finding("error", "store", statedir.store_unusable(cfg.state_dir, cfg.db_path, exc))]
+        return [Finding("error", "store", statedir.store_unusable(cfg.state_dir, cfg.paths.store, exc))]
     try:
         rows = store.workspaces()
         paused = store.paused()
         pending = store.pending_note()
         own = S.contracts(store)
     except sqlite3.Error as exc:
-        return [Finding("error", "store", statedir.store_unusable(cfg.state_dir, cfg.db_path, exc))]
+        return [Finding("error", "store", statedir.store_unusable(cfg.state_dir, cfg.paths.store, exc))]
     finally:
         store.close()
     out = [Finding("ok", "store", f"{len(rows)} workspaces enrolled ({len(paused)} paused)")]
@@ -214,9 +215,9 @@ def _capacity(cfg: Config) -> list[Finding]:
     enrolled): one open fd per channel (its lock; `serve` raises the soft limit to the hard one) and one inotify
     watch per channel not polled."""
     paths = set(expand_globs(cfg.workspaces))
-    if cfg.db_path.exists():
+    if cfg.paths.store.exists():
         try:
-            store = Store.open(cfg.db_path, readonly=True)
+            store = Store.open(cfg.paths.store, readonly=True)
         except (StoreError, sqlite3.Error):
             store = None  # reported by _workspaces
         if store is not None:
@@ -389,10 +390,10 @@ def _no_controller(ping: hostproc.CompletedProcess[str] | None, env: dict[str, s
 
 def _workspace_accounts(cfg: Config) -> dict[str, str]:
     """The enrolled workspaces' own Slurm accounts (`enroll --account`)."""
-    if not cfg.db_path.exists():
+    if not cfg.paths.store.exists():
         return {}
     try:
-        store = Store.open(cfg.db_path, readonly=True)
+        store = Store.open(cfg.paths.store, readonly=True)
     except (StoreError, sqlite3.Error):
         return {}  # reported by _workspaces
     try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NoReturn
 
 import anyio
@@ -34,7 +33,7 @@ from channel.lifecycle import LIVE_TASK_STATES, SleepEvent, sleep_can
 from channel.messages import JobRef, LockedEnvironment
 from kernel.backends import jobscript
 from kernel.backends.base import BackendRefused, BackendUnavailable, JobSpec, RunnableBackend
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.core.records import JobRow, WorkspaceRow
 from kernel.io import crash, envcache, jobenv
 from kernel.io import log as klog
@@ -60,22 +59,23 @@ class Dispatcher:
 
     def __init__(
         self,
-        cfg: Config,
+        live: LiveConfig,
         worker: StoreWorker,
         backend: RunnableBackend,
         heavy: HeavyPool,
         evaluation: Evaluation,
     ) -> None:
-        self.cfg = cfg
+        self.live = live
         self.worker = worker
         self.store = worker.store
         self.backend = backend
         self.heavy = heavy
         self.evaluation = evaluation
-        self.tmp_dir = Path(cfg.state_dir) / "tmp"
+        cfg = live.current  # what chose a resource at start (kept on SIGHUP: kernel.service.reload)
+        self.tmp_dir = cfg.paths.tmp
         build_jail = JailPolicy(kind=cfg.jail, hide=(cfg.state_dir,), ro_dirs=cfg.environment.extra_dirs)
         self.envs = (
-            envcache.EnvCache(cfg.environment, cfg.run_dir, jail=build_jail)
+            envcache.EnvCache(cfg.environment, cfg.paths.envs, jail=build_jail)
             if cfg.environment.mode == "uv"
             else None
         )
@@ -88,6 +88,11 @@ class Dispatcher:
                 note="git lists each workspace's live tree on the kernel's host without a jail; its deadline, "
                 "blocked-open watch and caps still apply",
             )
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     def repo_of(self, key: str) -> KernelRepo:
         """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""
@@ -264,7 +269,7 @@ class Dispatcher:
     def _publish_jobenv(self, ws: WorkspaceRow, locked: LockedEnvironment | None) -> None:
         """Record the workspace's latest locked environment and rewrite its `jobenv.json` (a channel the agent
         broke only loses the file, never the sleep)."""
-        jobenv.remember(self.cfg.run_dir, ws.key, locked)
+        jobenv.remember(self.cfg.paths.envs, ws.key, locked)
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
                 jobenv.write(ch, jobenv.document(self.cfg, ws.policy, locked, timestamp()))

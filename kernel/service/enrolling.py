@@ -34,7 +34,7 @@ import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
 
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.io import crash, log
 from kernel.io import enroll as enrollment
 from kernel.io.install import ToolSource
@@ -108,14 +108,14 @@ class Enroller:
     """Enrolls the globs' new matches in rounds (one at a time), in the channel look pool `looks`; owns the
     rounds, the hung-filesystem bookkeeping (what waits: `degraded`) and the refusals it logged.
 
-    The service gives it what it needs: `cfg` (replaced on SIGHUP), the store worker, the look pool (whose
-    overdue calls it is asked about first: `overdue`), the tool, `claim` (takes a new channel's lock),
-    `stopping`, `ready` (later rounds wait for it) and `on_enrolled` (what the service does with the keys a later
-    round enrolled); `tg`, the service's task group, once it runs."""
+    The service gives it what it needs: the live config (each round takes it as the round begins), the store
+    worker, the look pool (whose overdue calls it is asked about first: `overdue`), the tool, `claim` (takes a
+    new channel's lock), `stopping`, `ready` (later rounds wait for it) and `on_enrolled` (what the service does
+    with the keys a later round enrolled); `tg`, the service's task group, once it runs."""
 
     def __init__(
         self,
-        cfg: Config,
+        live: LiveConfig,
         worker: StoreWorker,
         looks: ChannelIO,
         tool: ToolSource,
@@ -125,7 +125,7 @@ class Enroller:
         ready: anyio.Event,
         on_enrolled: Callable[[list[str]], Awaitable[None]],
     ) -> None:
-        self.cfg = cfg
+        self.live = live
         self.worker = worker
         self.store = worker.store
         self.looks = looks
@@ -153,6 +153,11 @@ class Enroller:
         self._late: dict[str, enrollment.Prepared] = {}
         # What enrollment waits for (a glob, a new path, a filesystem's sync) -> since when: `degraded` says so.
         self._enroll_waits: dict[str, str] = {}
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     def degraded(self) -> str | None:
         """What the enrollment waits for (a hung filesystem), or None."""

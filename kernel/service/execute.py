@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from pathlib import Path
 from typing import Final
 
 import anyio
 
 from channel.messages import JobRef
 from kernel.backends.base import RunnableBackend, TaskExit
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.io import log as klog
 from kernel.io.store import StoreUnavailable, StoreWorker
 from kernel.service.dispatch import Dispatcher
@@ -54,45 +53,47 @@ class RealExecutor:
 
     def __init__(
         self,
-        cfg: Config,
+        live: LiveConfig,
         worker: StoreWorker,
         backend: RunnableBackend,
         *,
         evaluation: Evaluation | None = None,
         heavy: HeavyPool | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.live = live
         self.worker = worker
         self.store = worker.store
         self.backend = backend
         # Snapshots, artifact copies and wake writes: never on the store worker (see kernel.service.heavy).
-        self.heavy = heavy if heavy is not None else HeavyPool(cfg.heavy_io_deadline_seconds)
+        self.heavy = heavy if heavy is not None else HeavyPool(lambda: live.current.heavy_io_deadline_seconds)
         self.evaluation: Evaluation = evaluation if evaluation is not None else PlainSleeps()
-        self.dispatcher = Dispatcher(cfg, worker, backend, self.heavy, self.evaluation)
+        self.dispatcher = Dispatcher(live, worker, backend, self.heavy, self.evaluation)
         self.tracker = Tracker(worker, backend)
-        self.waker = Waker(cfg, worker, backend, self.heavy, self.evaluation)
-        self.upkeep = Upkeep(cfg, worker, self.heavy)
+        self.waker = Waker(live, worker, backend, self.heavy, self.evaluation)
+        self.upkeep = Upkeep(live, worker, self.heavy)
         # Sleeps of unenrolled workspaces whose cancel this process sent (`_withdraw`).
         self._withdrawn: set[tuple[str, int]] = set()
         self._withdraw_deferred: set[tuple[str, int]] = set()
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     def degraded(self) -> str | None:
         found = [why for why in (self.heavy.degraded(), self.backend.degraded()) if why]
         return "; ".join(found) or None
 
-    def reload(self, cfg: Config) -> None:
-        """SIGHUP: the heavy deadline is live (the rest of the executor's keys chose resources at start)."""
-        self.heavy.deadline = cfg.heavy_io_deadline_seconds
-
     def _setup(self) -> None:
-        (Path(self.cfg.state_dir) / "tmp").mkdir(mode=0o700, parents=True, exist_ok=True)
-        Path(self.cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        paths = self.cfg.paths
+        paths.tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
+        paths.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     # --- the Executor protocol ------------------------------------------------------------------------
 
     async def recover(self) -> None:
         await self.worker.call(self._setup)
-        found = await self.backend.recover(self.cfg.run_path)
+        found = await self.backend.recover(self.cfg.paths.run_dir)
         klog.event(
             "backend_recovered",
             backend=self.backend.name,

@@ -18,7 +18,6 @@ from typing import Protocol
 
 from channel.decode import RequestError
 from channel.messages import JobRef, SleepRequest
-from kernel.core.config import Config
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.io.store import StoreWorker
 
@@ -73,10 +72,6 @@ class Executor(Protocol):
         """Why part of the executor's work is stalled now (the others' goes on), for the status line; or None."""
         ...
 
-    def reload(self, cfg: Config) -> None:
-        """Take what of a reloaded config changes live for the executor (kernel.service.reload.LIVE)."""
-        ...
-
 
 class PendingExecutor:
     """Execution is not built yet: tasks stay PENDING and `accepted` carries no backend job ids."""
@@ -97,7 +92,4 @@ class PendingExecutor:
         return None
 
     def degraded(self) -> str | None:
-        return None
-
-    def reload(self, cfg: Config) -> None:
         return None

@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Callable
 
 from kernel.backends.base import RunnableBackend
-from kernel.core.config import Config, ConfigError
+from kernel.core.config import Config, ConfigError, LiveConfig
 from kernel.io import log as klog
 from kernel.io.store import StoreWorker
 from kernel.node.jail import NONE_WARNING
@@ -39,8 +39,10 @@ def make_backend(cfg: Config) -> RunnableBackend:
             raise ConfigError(f"{cfg.source}: key 'backend' {cfg.backend!r} runs no jobs")
 
 
-def executor_factory(cfg: Config) -> Callable[[StoreWorker], Executor]:
-    """What `serve` builds its executor with: the configured backend, or none (`backend = "none"`)."""
+def executor_factory(live: LiveConfig) -> Callable[[StoreWorker], Executor]:
+    """What `serve` builds its executor with: the configured backend, or none (`backend = "none"`). The executor
+    reads `live` at each use; the backend and the jail are chosen here, once."""
+    cfg = live.current
     if cfg.backend == "none":
         return PendingExecutor
     if cfg.jail == "none":
@@ -53,9 +55,9 @@ def executor_factory(cfg: Config) -> Callable[[StoreWorker], Executor]:
     backend = make_backend(cfg)
 
     def build(worker: StoreWorker) -> Executor:
-        heavy = HeavyPool(cfg.heavy_io_deadline_seconds)
+        heavy = HeavyPool(lambda: live.current.heavy_io_deadline_seconds)
         return RealExecutor(
-            cfg, worker, backend, evaluation=SubmitEvaluation(cfg, worker, heavy), heavy=heavy
+            live, worker, backend, evaluation=SubmitEvaluation(live, worker, heavy), heavy=heavy
         )
 
     return build

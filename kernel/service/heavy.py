@@ -40,7 +40,7 @@ HEAVY_SLOTS: Final = 4
 
 
 class HeavyPool:
-    def __init__(self, deadline: float, *, size: int = HEAVY_SLOTS) -> None:
+    def __init__(self, deadline: float | Callable[[], float], *, size: int = HEAVY_SLOTS) -> None:
         self._pool = ChannelIO(
             deadline,
             size=size,
@@ -52,14 +52,9 @@ class HeavyPool:
 
     @property
     def deadline(self) -> float:
-        """Seconds a heavy job may run before it is overdue; live on SIGHUP (kernel.service.reload): a job that
-        starts after the change gets the new deadline, one already waiting is held to it at its next check (at
-        the latest when its old deadline passes)."""
+        """Seconds a heavy job may run before it is overdue, read at each check (ChannelIO.deadline): given the
+        live config's, it follows a SIGHUP (kernel.service.reload)."""
         return self._pool.deadline
-
-    @deadline.setter
-    def deadline(self, seconds: float) -> None:
-        self._pool.deadline = seconds
 
     @property
     def workspaces(self) -> int:

@@ -38,7 +38,7 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from channel import safefs
-from kernel.core.config import Config, ConfigError
+from kernel.core.config import Config, ConfigError, LiveConfig
 from kernel.core.config import load as load_config
 from kernel.core.records import WorkspaceRow
 from kernel.io import crash, log, metrics
@@ -109,20 +109,20 @@ class _Admission:
 class Service:
     def __init__(
         self,
-        cfg: Config,
+        live: LiveConfig,
         store: Store,
         notifier: Notifier,
         tool: ToolSource,
         executor_factory: ExecutorFactory = PendingExecutor,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.cfg = cfg
+        self.live = live
         self.store = store
         self.worker = StoreWorker(store)
         self.notifier = notifier
         self.tool = tool
         self.executor = executor_factory(self.worker)
-        self.pipeline = Pipeline(cfg, self.worker, self.executor)
+        self.pipeline = Pipeline(live, self.worker, self.executor)
         self.clock = clock
         # Where the status line also goes (the state dir lock's note, read by `syscall-kernel status`).
         self.publish: Callable[[str], None] = lambda line: None
@@ -160,7 +160,7 @@ class Service:
         # The kernel-written files of served channels, refreshed off the store worker (kernel.service.refreshing):
         # those `_admit_io` left stale, after `ready`.
         self.refresher = Refresher(
-            cfg,
+            live,
             self.worker,
             self.pipeline,
             tool,
@@ -175,7 +175,7 @@ class Service:
         # or only the enrollment of what lies on it (overdue past `channel_io_deadline_seconds`: `_look_overdue`).
         # Its own pool, so a look stuck past `ready` never shares a slot with the request path.
         self.looks = ChannelIO(
-            cfg.channel_io_deadline_seconds,
+            lambda: self.cfg.channel_io_deadline_seconds,
             on_overdue=self._look_overdue,
             on_returned=self._look_returned,
             thread_name="channel-look",
@@ -201,7 +201,7 @@ class Service:
         # Enrollment of the globs' new matches (kernel.service.enrolling): the start's round before the admission,
         # later ones in the background after `ready`.
         self.enroller = Enroller(
-            cfg,
+            live,
             self.worker,
             self.looks,
             tool,
@@ -210,6 +210,11 @@ class Service:
             ready=self._ready,
             on_enrolled=self._serve_enrolled,
         )
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     # --- health -------------------------------------------------------------------------------------------
 
@@ -932,7 +937,7 @@ class Service:
                 except anyio.WouldBlock:
                     break
             if self._reload_wanted:
-                await self._reload()
+                await self.reload()
             if self.watcher is not None:
                 if self.watcher.take_overflow():
                     log.event("rescan", reason="event overflow")
@@ -1013,7 +1018,7 @@ class Service:
 
     # --- SIGHUP -------------------------------------------------------------------------------------------
 
-    async def _reload(self) -> None:
+    async def reload(self) -> None:
         """Read the config file again and apply what may change live (kernel.service.reload)."""
         self._reload_wanted = False
         if self.cfg.source.startswith("<"):
@@ -1032,9 +1037,7 @@ class Service:
         cfg, applied, kept = reload.merge(self.cfg, reread)
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
-        self.cfg = self.pipeline.cfg = self.enroller.cfg = self.refresher.cfg = cfg
-        self.pipeline.chanio.deadline = self.looks.deadline = cfg.channel_io_deadline_seconds
-        self.executor.reload(cfg)
+        self.live.current = cfg  # every component reads it from here (kernel.core.config.LiveConfig)
         rows = await self.worker.call(self._reapply)
         await self.worker.call(self._apply_rows, rows)
         self._take_looks()
@@ -1122,13 +1125,13 @@ async def _open_store(cfg: Config, notifier: Notifier) -> Store:
     failing = None
     while True:
         try:
-            return Store.open(cfg.db_path)
+            return Store.open(cfg.paths.store)
         except Exception as exc:
             if not disk_failure(exc):
                 raise
             if str(exc) != failing:
                 failing = str(exc)
-                log.event("store_write_failed", logging.ERROR, store=str(cfg.db_path), error=failing)
+                log.event("store_write_failed", logging.ERROR, store=str(cfg.paths.store), error=failing)
             notifier.status(f"degraded (store cannot be opened: {failing}); not serving yet")
             await anyio.sleep(STORE_RETRY_S)
 
@@ -1141,10 +1144,11 @@ async def serve(
 ) -> None:
     """Run the service; the executor is the config's backend (kernel.service.factory) unless a factory is given.
     `publish` also gets every status line (the state dir lock's note)."""
+    live = LiveConfig(cfg)
     if executor_factory is None:
         from kernel.service.factory import executor_factory as configured
 
-        executor_factory = configured(cfg)
+        executor_factory = configured(live)
     notifier = Notifier.from_env()
     # The hot path hops between the event loop, the store worker and the channel I/O pool, each hop needing the
     # GIL; while another thread computes (a listing of 100,000 names, an artifact's sha256), each hop could wait
@@ -1164,7 +1168,7 @@ async def serve(
                 # Metrics are optional: the kernel serves without them rather than not at all.
                 why = metrics.bind_problem(cfg.metrics_listen) or str(exc)  # who holds the port, if in use
                 log.event("metrics_failed", logging.ERROR, listen=cfg.metrics_listen, error=why)
-        svc = Service(cfg, store, notifier, ToolSource.bundled(), executor_factory)
+        svc = Service(live, store, notifier, ToolSource.bundled(), executor_factory)
         if publish is not None:
             svc.publish = publish
 

@@ -67,7 +67,7 @@ from channel.messages import (
 from channel.paths import ChannelPaths, RunPaths
 from kernel.core import ledger, rules
 from kernel.core.budget import Balance
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.core.records import RequestRow, SleepRow, WorkspaceRow
 from kernel.io import crash, metrics
 from kernel.io.enroll import OwnedElsewhere, kernel_ref, owner_of, write_budget
@@ -201,13 +201,13 @@ async def _ignore_owner(ws: WorkspaceRow, exc: OwnedElsewhere) -> None:
 class Pipeline:
     def __init__(
         self,
-        cfg: Config,
+        live: LiveConfig,
         worker: StoreWorker,
         executor: Executor,
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.cfg = cfg
+        self.live = live
         self.worker = worker
         self.store = worker.store
         self.executor = executor
@@ -239,7 +239,9 @@ class Pipeline:
         # A turn's store step failed (the disk): raised to the service loop, which waits and sweeps again.
         self.store_failed: StoreUnavailable | None = None
         self.chanio = ChannelIO(
-            cfg.channel_io_deadline_seconds, on_overdue=self._io_overdue, on_returned=self._io_returned
+            lambda: self.cfg.channel_io_deadline_seconds,
+            on_overdue=self._io_overdue,
+            on_returned=self._io_returned,
         )
         self._overdue: dict[str, str] = {}  # workspace -> the problem its overdue channel I/O shows
         # The rescan's owner check (kernel.json may name another kernel's store: a take-over), made by the next
@@ -251,6 +253,11 @@ class Pipeline:
         self.pass_started: float | None = None
         self.answered = 0
         self.last_pass_ms = 0.0
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     # --- scheduling ---------------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ import anyio
 from channel import safefs
 from channel.messages import StoreRef
 from channel.paths import ChannelPaths
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.core.records import WorkspaceRow
 from kernel.io import crash, log
 from kernel.io import enroll as enrollment
@@ -47,13 +47,13 @@ REFRESH_CALLS = 2
 
 class Refresher:
     """Rewrites the kernel-written files of the channels in `stale` (after `ready`: `refresh_served`) and of one
-    open channel (`rewrite_kernel_files`). The service gives it `cfg` (replaced on SIGHUP), the store worker, the
+    open channel (`rewrite_kernel_files`). The service gives it the live config, the store worker, the
     pipeline (its served workspaces and channel I/O pool), the tool, `stopping`, `on_taken_over` (another store
     owns the channel now) and `on_problem` (the channel cannot be opened or read)."""
 
     def __init__(
         self,
-        cfg: Config,
+        live: LiveConfig,
         worker: StoreWorker,
         pipeline: Pipeline,
         tool: ToolSource,
@@ -62,7 +62,7 @@ class Refresher:
         on_taken_over: Callable[[WorkspaceRow, enrollment.OwnedElsewhere], Awaitable[None]],
         on_problem: Callable[[WorkspaceRow, Exception], None],
     ) -> None:
-        self.cfg = cfg
+        self.live = live
         self.worker = worker
         self.store = worker.store
         self.pipeline = pipeline
@@ -74,6 +74,11 @@ class Refresher:
         # this process are an earlier one's leftovers.
         self.stale: set[str] = set()
         self._started_ns = time.time_ns()
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     def _rewrite_stale(self, key: str, mine: str) -> str | None:
         """(channel I/O pool, in `key`'s turn) Rewrite an admitted channel's kernel-written files where stale and

@@ -1,11 +1,12 @@
 """SIGHUP: what of a newly read config a running kernel takes, and what it keeps until a restart.
 
 Pure: `merge(running, reread)` returns the config to run with, the dotted keys that changed and were applied, and
-those that changed but cannot change while the kernel runs (they are kept, and named in the log). The keys that
-change live are the ones read afresh at each use: the workspace globs, the defaults given to workspaces (the
-policy is rewritten into every kernel.json), the loop's timings and batches, the temp grace, the stall limit, the
-channel I/O deadline and the heavy work deadline (the service hands them to the pipeline's and the executor's pools).
-Anything that chose a resource at start (the state and run dirs, the backend and its settings, the jail, the
+those that changed but cannot change while the kernel runs (they are kept, and named in the log). The service
+sets the merged config into its one `LiveConfig` (kernel.core.config), which every component reads at each use.
+The keys that change live are the ones read afresh at each use: the workspace globs, the defaults given to
+workspaces (the policy is rewritten into every kernel.json; `share_baselines` is read by the next submit's plan),
+the loop's timings and batches, the temp grace, the stall limit, the channel I/O deadline and the heavy work
+deadline (the pools read them at each check). Anything that chose a resource at start (the state and run dirs, the backend and its settings, the jail, the
 watch mode, the verdict hook's executor, root permission, the log format, the metrics listener) is kept.
 """
 

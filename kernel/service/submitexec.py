@@ -53,7 +53,7 @@ from kernel.backends.jobscript import read_exit
 from kernel.core import disclosure as D
 from kernel.core import evaluate as E
 from kernel.core import ledger
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.io import crash, hostproc
 from kernel.io import log as klog
@@ -113,20 +113,27 @@ def run_hook(argv: Sequence[str], payload: bytes, cwd: str, timeout: float) -> s
 class SubmitEvaluation:
     """The `Evaluation` (kernel.service.evaluation) of a kernel whose sleeps may carry a submit."""
 
-    def __init__(self, cfg: Config, worker: StoreWorker, heavy: HeavyPool) -> None:
-        self.cfg = cfg
+    def __init__(self, live: LiveConfig, worker: StoreWorker, heavy: HeavyPool) -> None:
+        self.live = live
         self.worker = worker
         self.store = worker.store
         self.heavy = heavy  # the executor's: a base import is heavy work of its workspace
-        self.tmp_dir = Path(cfg.state_dir) / "tmp"
+        self.tmp_dir = live.current.paths.tmp
         self._plans: dict[tuple[str, int], S.Plan] = {}
         self._hooking = False
         # One hold at a time per workspace (the start's upgrade and a submit's preflight may meet): the second
         # finds the base held instead of importing it again.
         self._holding: dict[str, anyio.Lock] = {}
-        self.hook_argv: tuple[str, ...] = tuple(shlex.split(cfg.on_verdict)) if cfg.on_verdict else ()
+        self.hook_argv: tuple[str, ...] = (
+            tuple(shlex.split(self.cfg.on_verdict)) if self.cfg.on_verdict else ()
+        )
         # Thresholdout's Laplace noise: from the operating system, never a seed an agent could learn.
         self._noise = random.SystemRandom()
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     def repo_of(self, key: str) -> R.KernelRepo:
         """The kernel's own repository of a workspace (snapshots and bases; never the agent's `.git`)."""

@@ -18,7 +18,7 @@ import anyio.to_thread
 
 from channel import safefs
 from kernel.core import retention
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.io import log as klog
 from kernel.io import retention as rfiles
 from kernel.io.repo import KernelRepo, RepoError
@@ -32,8 +32,8 @@ RETENTION_LOOK_S: Final = 600.0  # how often retention looks for evidence to pru
 class Upkeep:
     """Repository gc and retention, each a loop the executor starts in its task group."""
 
-    def __init__(self, cfg: Config, worker: StoreWorker, heavy: HeavyPool) -> None:
-        self.cfg = cfg
+    def __init__(self, live: LiveConfig, worker: StoreWorker, heavy: HeavyPool) -> None:
+        self.live = live
         self.worker = worker
         self.store = worker.store
         self.heavy = heavy
@@ -116,6 +116,11 @@ class Upkeep:
                 if gone:
                     klog.event("requests_pruned", ws=ws.key, count=gone)
         return pruned
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     def _record_pruned(self, key: str, seq: int, run_bytes: int, result_bytes: int) -> None:
         with self.store.transaction():

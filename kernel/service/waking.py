@@ -30,7 +30,7 @@ from channel.paths import ChannelPaths
 from channel.render import render_wake
 from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, RunnableBackend
 from kernel.core import ledger
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.core.records import JobRow, WorkspaceRow
 from kernel.io import log as klog
 from kernel.io.crash import crash_point
@@ -54,13 +54,13 @@ class Waker:
 
     def __init__(
         self,
-        cfg: Config,
+        live: LiveConfig,
         worker: StoreWorker,
         backend: RunnableBackend,
         heavy: HeavyPool,
         evaluation: Evaluation,
     ) -> None:
-        self.cfg = cfg
+        self.live = live
         self.worker = worker
         self.store = worker.store
         self.backend = backend
@@ -68,6 +68,11 @@ class Waker:
         self.evaluation = evaluation
         self._gathering: set[tuple[str, int]] = set()
         self._problems: dict[tuple[str, int], str] = {}
+
+    @property
+    def cfg(self) -> Config:
+        """The running config, read at each use (kernel.core.config.LiveConfig)."""
+        return self.live.current
 
     def withdrawn(self) -> list[tuple[str, int]]:
         """(store worker) The sleeps in flight, handed to the backend, of workspaces the operator unenrolled."""

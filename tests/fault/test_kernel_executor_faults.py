@@ -17,7 +17,7 @@ import pytest
 
 from channel.decode import RequestError
 from channel.messages import JobRef
-from kernel.core.config import parse
+from kernel.core.config import LiveConfig, parse
 from kernel.io.enroll import Grant, enroll
 from kernel.io.install import ToolSource
 from kernel.io.store import Store, StoreWorker
@@ -63,9 +63,9 @@ def run_service(tmp_path: Path, executor: type[PendingExecutor]) -> tuple[dict[s
     ws.mkdir()
     subprocess.run(["git", "init", "-q", str(ws)], check=True)
     cfg = parse(f'state_dir = "{tmp_path}/state"\nrescan_seconds = 0.3\n', "<test>", env={})
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     enroll(store, cfg, str(ws), ToolSource(b"tool"), Grant(launches=3, sleeps=2, gpu_hours=2))
-    svc = Service(cfg, store, Notifier(None, None), ToolSource(b"tool"), executor)
+    svc = Service(LiveConfig(cfg), store, Notifier(None, None), ToolSource(b"tool"), executor)
     req = ws / ".syscall" / "requests"
 
     async def main() -> dict[str, object]:
@@ -135,7 +135,7 @@ class Gated(PendingExecutor):
 
 def test_a_slow_dispatch_holds_only_its_own_workspace_and_is_drained_at_stop(tmp_path: Path) -> None:
     cfg = parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     spaces = []
     for name in ("a", "b"):
         ws = tmp_path / name
@@ -144,7 +144,7 @@ def test_a_slow_dispatch_holds_only_its_own_workspace_and_is_drained_at_stop(tmp
         enroll(store, cfg, str(ws), ToolSource(b"tool"))
         spaces.append(ws)
     a, b = spaces
-    svc = Service(cfg, store, Notifier(None, None), ToolSource(b"tool"), Gated)
+    svc = Service(LiveConfig(cfg), store, Notifier(None, None), ToolSource(b"tool"), Gated)
     gated = svc.executor
     assert isinstance(gated, Gated)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import zlib
 from collections.abc import Iterator
@@ -395,6 +396,35 @@ def test_with_share_baselines_a_twin_reuses_the_measurement(tmp_path: Path, bwra
         (ws / "result.txt").write_text(WORSE)
     try:
         kernel.start()
+        e = Env(tmp_path, kernel, {"one": one, "two": two})
+        e.sleeps["one"] = e.submit("one")
+        assert e.wake("one")["verdict"]["baseline_reused"] is False
+        e.sleeps["two"] = e.submit("two")
+        v = e.wake("two")["verdict"]
+        assert (v["outcome"], v["base_value"], v["baseline_reused"]) == ("not_improved", 0.5, True)
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+
+
+def test_share_baselines_turned_on_by_a_sighup_holds_for_the_next_submits(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    """A reload reaches the submit's plan: the kernel starts with baselines private (the default), SIGHUP turns
+    `share_baselines` on, and the twin's submit then reuses the first workspace's measurement. (The submit
+    evaluation used to keep the config it was built with: the reload said `changed=defaults.share_baselines`
+    and the twin measured its baseline again.)"""
+    kernel = Kernel(tmp_path, '[local]\nseconds_per_minute = 1.0\n[verdicts]\nreuse_base = "same-seeds"\n')
+    one, two = make_ws(tmp_path, "one", "same"), make_ws(tmp_path, "two", "same")
+    for ws in (one, two):
+        kernel.enroll(ws, "--sleeps", "10", "--gpu-hours", "4", *CONTRACT)
+        (ws / "result.txt").write_text(WORSE)
+    try:
+        proc = kernel.start()
+        kernel.config.write_text(kernel.config.read_text() + "[defaults.submit]\nshare_baselines = true\n")
+        proc.send_signal(signal.SIGHUP)
+        kernel.wait_log("event=reloaded", 10)
+        assert "changed=defaults.share_baselines" in kernel.log_text()
         e = Env(tmp_path, kernel, {"one": one, "two": two})
         e.sleeps["one"] = e.submit("one")
         assert e.wake("one")["verdict"]["baseline_reused"] is False

@@ -20,6 +20,6 @@ def cfg(tmp_path: Path) -> Config:
 @pytest.fixture
 def store(cfg: Config) -> Iterator[Store]:
     """The real store of `cfg`, closed after the test."""
-    s = Store.open(cfg.db_path)
+    s = Store.open(cfg.paths.store)
     yield s
     s.close()

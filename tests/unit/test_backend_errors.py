@@ -24,7 +24,7 @@ from channel.paths import RunPaths
 from kernel.backends.base import BackendError, BackendRefused, BackendUnavailable, RunnableBackend
 from kernel.backends.local import LocalBackend
 from kernel.backends.slurm.backend import SlurmBackend, SlurmRefused, SlurmSubmitError
-from kernel.core.config import Config, parse
+from kernel.core.config import Config, LiveConfig, parse
 from kernel.core.records import WorkspaceRow
 from kernel.io.enroll import Grant, enroll
 from kernel.io.store import Store, StoreWorker
@@ -135,8 +135,8 @@ class World:
         ).row
         self.store = store
         self.ws = ws
-        self.executor = RealExecutor(cfg, StoreWorker(store), backend)
-        self.pipeline = Pipeline(cfg, self.executor.worker, self.executor, clock=self.clock)
+        self.executor = RealExecutor(LiveConfig(cfg), StoreWorker(store), backend)
+        self.pipeline = Pipeline(LiveConfig(cfg), self.executor.worker, self.executor, clock=self.clock)
         self.pipeline.set_workspaces([self.row])
 
     def balance(self) -> object:
@@ -156,7 +156,7 @@ class World:
 
 def _store(cfg: Config) -> Store:
     Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
-    return Store.open(cfg.db_path)
+    return Store.open(cfg.paths.store)
 
 
 def _slurm(cfg: Config, fake: FakeSlurm, attempts: int) -> SlurmBackend:

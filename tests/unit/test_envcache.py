@@ -518,8 +518,8 @@ def test_prune_removes_caches_unused_for_keep_days(tmp_path: Path) -> None:
 
     from kernel.core.config import EnvironmentConfig
 
-    cache = E.EnvCache(EnvironmentConfig(keep_days=2), tmp_path, jail=J.JailPolicy(), uv="/bin/true")
-    root = tmp_path / E.ENVS_DIR
+    root = tmp_path / "envs"
+    cache = E.EnvCache(EnvironmentConfig(keep_days=2), root, jail=J.JailPolicy(), uv="/bin/true")
     now = time.time()
     for name, age_days in (("old", 3), ("fresh", 1), (E.PYTHON_DIR, 30), ("workspaces", 30)):
         entry = root / name

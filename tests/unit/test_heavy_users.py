@@ -17,7 +17,7 @@ import pytest
 from _parts import enrolled
 
 from kernel.backends.local import LocalBackend
-from kernel.core.config import Config, parse
+from kernel.core.config import Config, LiveConfig, parse
 from kernel.io import repo as R
 from kernel.io.store import Store, StoreWorker
 from kernel.service.execute import RealExecutor
@@ -48,7 +48,7 @@ def test_a_snapshot_release_waits_for_its_workspaces_hung_heavy_job(
     cfg, store, a, b = world
     heavy = HeavyPool(60.0, size=4)
     backend = LocalBackend()
-    executor = RealExecutor(cfg, StoreWorker(store), backend, heavy=heavy)
+    executor = RealExecutor(LiveConfig(cfg), StoreWorker(store), backend, heavy=heavy)
     done: list[str] = []
 
     async def release(key: str) -> None:
@@ -79,7 +79,7 @@ def test_the_legacy_ref_look_waits_for_its_workspaces_hung_heavy_job(
 ) -> None:
     cfg, store, a, b = world
     heavy = HeavyPool(60.0, size=4)
-    evaluation = SubmitEvaluation(cfg, StoreWorker(store), heavy)
+    evaluation = SubmitEvaluation(LiveConfig(cfg), StoreWorker(store), heavy)
     repos = Path(cfg.run_dir) / "repos"
     marker = repos / f"{a}.git" / R.LEGACY_REPORTED  # written by the look at A's .git
     ran: list[str] = []

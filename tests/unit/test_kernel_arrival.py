@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 from _parts import TOOL, enrolled
 
-from kernel.core.config import parse
+from kernel.core.config import LiveConfig, parse
 from kernel.io.store import Store
 from kernel.service.loop import Service
 from kernel.service.notify import Notifier
@@ -27,10 +27,10 @@ class ReadyNotifier(Notifier):
 
 def test_a_request_to_an_idle_kernel_starts_its_turn_where_the_event_is_handed_over(tmp_path: Path) -> None:
     cfg = parse(f'state_dir = "{tmp_path}/state"\n', "<test>", env={})
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     ws, row = enrolled(tmp_path, store, cfg)
     notifier = ReadyNotifier()
-    svc = Service(cfg, store, notifier, TOOL)
+    svc = Service(LiveConfig(cfg), store, notifier, TOOL)
     began: list[tuple[str, bool]] = []
     real = svc.pipeline.start_now
 

@@ -143,3 +143,21 @@ def test_the_slurm_wckey_reaches_the_sbatch_policy() -> None:
     assert policy_from_config(parse("").slurm).wckey is None
     with pytest.raises(ConfigError, match=r"'slurm\.wckey'"):
         parse('[slurm]\nwckey = "a b"\n')
+
+
+def test_the_kernels_own_files_stay_where_earlier_kernels_left_them() -> None:
+    """One name for each (kernel.core.statepaths): an upgraded kernel finds its store, lock, temps and caches."""
+    p = parse('state_dir = "/srv/k"\n', "<test>", env={}).paths
+    assert (p.state_dir, p.store, p.lock, p.tmp) == (
+        Path("/srv/k"),
+        Path("/srv/k/state.sqlite"),
+        Path("/srv/k/kernel.lock"),
+        Path("/srv/k/tmp"),
+    )
+    assert (p.run_dir, p.envs) == (Path("/srv/k/runs"), Path("/srv/k/runs/envs"))
+    own = parse('state_dir = "/srv/k"\nrun_dir = "/scratch/r"\n', "<test>", env={}).paths
+    assert (own.store, own.run_dir, own.envs) == (
+        Path("/srv/k/state.sqlite"),
+        Path("/scratch/r"),
+        Path("/scratch/r/envs"),
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kernel.core.config import parse
+from kernel.core.config import LiveConfig, parse
 from kernel.io.install import ToolSource
 from kernel.io.store import Store
 from kernel.service.loop import Service
@@ -14,7 +14,7 @@ from kernel.service.notify import Notifier
 
 def service(tmp_path: Path) -> Service:
     cfg = parse(f'state_dir = "{tmp_path}"\nstall_seconds = 5\n', "<test>", env={})
-    return Service(cfg, Store.open(cfg.db_path), Notifier(None, None), ToolSource(b""))
+    return Service(LiveConfig(cfg), Store.open(cfg.paths.store), Notifier(None, None), ToolSource(b""))
 
 
 class DeadWatcher:

@@ -418,3 +418,47 @@ def test_a_read_only_open_of_an_older_store_reads_a_migrated_copy_and_writes_not
     fresh = Store.open(tmp_path / "other.sqlite")
     fresh.close()
     assert Store.open(tmp_path / "other.sqlite", readonly=True).pending_migration is None
+
+
+def test_what_the_stores_queries_count_as_live_is_the_lifecycles_sets(tmp_path: Path) -> None:
+    """The store's SQL takes its lists of states from channel.lifecycle (never spelled by hand): for every state
+    of the protocol, a sleep or task in it is live, or ended, exactly as the lifecycle's sets say."""
+    import contextlib
+    import sqlite3
+    from typing import get_args
+
+    from channel.lifecycle import LIVE_TASK_STATES, SLEEP_TERMINAL
+    from channel.messages import SleepState, TaskState
+    from kernel.core.records import JobRow, SleepRow
+
+    sleep_states, task_states = get_args(SleepState), get_args(TaskState)
+    db = tmp_path / "db.sqlite"
+    s = Store.open(db)
+    with s.transaction():
+        for i in range(len(sleep_states)):
+            s.put_workspace(row(f"w-{i}"))
+            s.insert_sleep(SleepRow(f"w-{i}", 1, f"s{i}", "validated", "", None, NOW, None, None))
+            s.record_snapshot(f"w-{i}", 1, f"refs/snapshots/{i}", "c" * 40, "t" * 40)
+        n = len(task_states)
+        s.insert_jobs(
+            [
+                JobRow("w-0", 1, "a", t, n, 0, "x", 10, 1, (), "", 600, "PENDING", updated_at=NOW)
+                for t in range(n)
+            ]
+        )
+    # Every state set directly, past the lifecycle's moves: what is asked here is only how each is counted.
+    with contextlib.closing(sqlite3.connect(db)) as raw, raw:
+        raw.executemany(
+            "UPDATE sleeps SET state=? WHERE workspace=?",
+            [(st, f"w-{i}") for i, st in enumerate(sleep_states)],
+        )
+        raw.executemany("UPDATE jobs SET state=? WHERE task=?", [(st, t) for t, st in enumerate(task_states)])
+    live = {st for st in sleep_states if st not in SLEEP_TERMINAL}
+    of = dict(enumerate(sleep_states))
+    assert {x.state for x in s.live_sleeps()} == live
+    assert {of[i] for i in range(len(of)) if s.current_sleep(f"w-{i}") is not None} == live
+    assert {of[int(key[2:])] for key, _ in s.unreleased_snapshots()} == set(SLEEP_TERMINAL)
+    assert {j.state for j in s.live_jobs()} == LIVE_TASK_STATES
+    counts = s.counts()
+    assert (counts["live_sleeps"], counts["live_jobs"]) == (len(live), len(LIVE_TASK_STATES))
+    s.close()

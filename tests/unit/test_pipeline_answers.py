@@ -10,7 +10,7 @@ import anyio
 import pytest
 from _parts import enrolled
 
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.io.store import Store, StoreWorker
 from kernel.service.executor import PendingExecutor
 from kernel.service.pipeline import Pipeline
@@ -31,7 +31,7 @@ def test_a_blocked_answer_keeps_its_request_and_is_delivered_once_unblocked(
     ws, row = enrolled(tmp_path, store, cfg)
     ch = ws / ".syscall"
     worker = StoreWorker(store)
-    pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
+    pipeline = Pipeline(LiveConfig(cfg), worker, PendingExecutor(worker))
     pipeline.set_workspaces([row])
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -86,7 +86,7 @@ def test_an_event_that_names_its_request_reads_only_that_request(
 
     monkeypatch.setattr(safefs.Channel, "scan_requests", counting)
     worker = StoreWorker(store)
-    pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
+    pipeline = Pipeline(LiveConfig(cfg), worker, PendingExecutor(worker))
     pipeline.set_workspaces([row])
     for i in range(5):
         put(ch, f"r{i}")
@@ -117,7 +117,7 @@ def test_a_read_only_answer_is_shown_before_its_record_is_synced_and_its_request
     ws, row = enrolled(tmp_path, store, cfg)
     ch = ws / ".syscall"
     worker = StoreWorker(store)
-    pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
+    pipeline = Pipeline(LiveConfig(cfg), worker, PendingExecutor(worker))
     pipeline.set_workspaces([row])
     seen: list[tuple[bool, bool, bool, bool]] = []
     real_sync = store.sync_wal
@@ -156,7 +156,7 @@ def test_a_replayed_answer_is_synced_before_its_request_is_removed(
     ws, row = enrolled(tmp_path, store, cfg)
     ch = ws / ".syscall"
     worker = StoreWorker(store)
-    pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
+    pipeline = Pipeline(LiveConfig(cfg), worker, PendingExecutor(worker))
     pipeline.set_workspaces([row])
     put(ch, "s1")
     pipeline.mark(row.key)

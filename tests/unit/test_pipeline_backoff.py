@@ -14,7 +14,7 @@ import pytest
 from _parts import Clock, enrolled
 
 from kernel.core import rules
-from kernel.core.config import Config
+from kernel.core.config import Config, LiveConfig
 from kernel.io.enroll import Grant
 from kernel.io.store import Store, StoreWorker
 from kernel.service.executor import ExecutorUnavailable, JobRef, PendingExecutor, SleepOrder
@@ -60,7 +60,7 @@ def test_executor_unavailable_backs_off_per_workspace_and_logs_once(
     clock = Clock()
     worker = StoreWorker(store)
     executor = Failing(worker, clock)
-    pipeline = Pipeline(cfg, worker, executor, clock=clock)
+    pipeline = Pipeline(LiveConfig(cfg), worker, executor, clock=clock)
     pipeline.set_workspaces([row])
     put(ws, "s1", {"type": "sleep", "launches": [{"name": "a", "command": "true", "minutes": 1}]})
 

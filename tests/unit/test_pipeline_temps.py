@@ -10,7 +10,7 @@ import anyio
 import pytest
 from _parts import T0, Clock, enrolled
 
-from kernel.core.config import Config, ConfigError, parse
+from kernel.core.config import Config, ConfigError, LiveConfig, parse
 from kernel.io.store import Store, StoreWorker
 from kernel.service.executor import PendingExecutor
 from kernel.service.pipeline import TEMPS_PER_LISTING, Pipeline
@@ -30,7 +30,7 @@ def test_batches_resume_after_the_last_name_and_young_temps_are_not_relisted(
     rq = ws / ".syscall" / "requests"
     clock = Clock()
     worker = StoreWorker(store)
-    pipeline = Pipeline(cfg, worker, PendingExecutor(worker), clock=clock)
+    pipeline = Pipeline(LiveConfig(cfg), worker, PendingExecutor(worker), clock=clock)
     pipeline.set_workspaces([row])
     assert cfg.temp_grace_minutes == 10
     make_temps(rq, "a", 300, T0 - 60)  # young: a minute old

@@ -137,7 +137,7 @@ def test_check_reports_the_refused_contract_of_an_enrolled_workspace_and_the_war
         str(tmp_path / "k.toml"),
     )
     (tmp_path / "state").mkdir()
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     with store.transaction():  # enrolled by a kernel that did not check power
         S.set_contract(store, "w-1", sign(3))
     store.close()
