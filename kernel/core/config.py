@@ -192,8 +192,12 @@ class Config(_Strict, frozen=True, kw_only=True):
     workspaces: tuple[str, ...] = ()
     # The ground truth: every channel is listed this often whatever the watcher says.
     rescan_seconds: Annotated[float, Meta(gt=0, le=3600)] = 30.0
-    # How often channels in polling mode are listed.
+    # How often a polled channel with activity (a request lately, or an answer just given) is looked at: one
+    # `stat` of its requests/, and a listing only when that changed (kernel.core.polling).
     poll_seconds: Annotated[float, Meta(gt=0, le=600)] = 0.5
+    # A polled channel where nothing happens is looked at less and less often, down to once per this long (or
+    # per poll_seconds, if that is longer).
+    poll_idle_seconds: Annotated[float, Meta(gt=0, le=3600)] = 4.0
     # Fairness: at most this many requests of one workspace per pass, and this many in all.
     batch_per_workspace: Annotated[int, Meta(ge=1, le=10_000)] = 8
     batch_per_pass: Annotated[int, Meta(ge=1, le=100_000)] = 256

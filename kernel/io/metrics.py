@@ -59,6 +59,12 @@ SCHEDULER_CALLS: Final = Counter(
     ["call", "outcome"],
     registry=REGISTRY,
 )
+POLL_LOOKS: Final = Counter(
+    P + "poll_looks",
+    "Looks at polled channels (one stat of requests/), by outcome (unchanged, listed: changed, racy or new)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 SLEEPS: Final = Gauge(P + "sleeps", "Sleeps in the store, by state", ["state"], registry=REGISTRY)
 TASKS: Final = Gauge(P + "tasks", "Tasks in the store, by state", ["state"], registry=REGISTRY)
 BUDGET_LEFT: Final = Gauge(

@@ -35,11 +35,13 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
+from anyio.lowlevel import EventLoopToken
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from channel import safefs
 from kernel.core.config import Config, ConfigError, LiveConfig
 from kernel.core.config import load as load_config
+from kernel.core.polling import PollSchedule
 from kernel.core.records import WorkspaceRow
 from kernel.io import crash, log, metrics
 from kernel.io import enroll as enrollment
@@ -60,6 +62,7 @@ from kernel.service.enrolling import Enroller
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
 from kernel.service.pipeline import Pipeline, Spawn
+from kernel.service.polling import Poller
 from kernel.service.refreshing import Refresher
 from kernel.service.watching import CHANNEL_ERRORS, Watches
 
@@ -195,6 +198,18 @@ class Service:
             served=lambda key: key in self.pipeline.workspaces,
             on_watched=self._rewatched,
         )
+        # The polled channels' looks (kernel.service.polling): a stat of each requests/ on the schedule's clock,
+        # a listing only where it changed; only the event loop touches the schedule.
+        self.polls = PollSchedule(
+            self.cfg.poll_seconds, max(self.cfg.poll_seconds, self.cfg.poll_idle_seconds)
+        )
+        self.poller = Poller(
+            self.polls,
+            self.clock,
+            lambda: self.cfg.channel_io_deadline_seconds,
+            on_changed=self._wake,
+        )
+        self._token: EventLoopToken | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._mine = ""  # this store's id, read by `_startup`
         self._ready = anyio.Event()
@@ -820,6 +835,9 @@ class Service:
                 self._send = send
                 self.pipeline.on_idle = self._wake
                 self.pipeline.on_turn_done = lambda: self._wake("")
+                self.pipeline.on_listed = self.polls.listed
+                self.pipeline.on_answered = lambda key: self.polls.active(key, self.clock())
+                self._token = anyio.lowlevel.current_token()
                 self.pipeline.on_owned_elsewhere = self._taken_over
                 self.pipeline.store_id = await self.worker.call(self.store.store_id)
                 # Leaving `work` waits for the sleeps and cancels still at the executor (the drain); leaving
@@ -918,8 +936,12 @@ class Service:
         next_status = now + STATUS_EVERY_S
         while not self.stopping:
             retry_at = self.pipeline.due_retries()  # marks the workspaces whose backoff has ended
+            self._poll()
             if not self.pipeline.has_work():
                 wake_at = min(next_rescan, next_tick, retry_at if retry_at is not None else next_tick)
+                look_at = self.polls.next_at()
+                if look_at is not None:
+                    wake_at = min(wake_at, look_at)
                 timeout = max(0.0, wake_at - self.clock())
                 with anyio.move_on_after(timeout) as scope:
                     self._wait_scope = scope
@@ -955,7 +977,7 @@ class Service:
             now = self.clock()
             if now >= next_tick:
                 next_tick = now + self.cfg.poll_seconds
-                self.pipeline.sweep(self.watches.polled)
+                self.polls.sync(self.watches.polled, now)
                 rows = await self.worker.call(self._reload_if_changed)
                 if rows is not None:
                     await self.worker.call(self._apply_rows, rows)
@@ -995,6 +1017,16 @@ class Service:
                 raise failed
             self.pipeline.start_pass(start, spawn)
             await anyio.lowlevel.checkpoint()
+
+    def _poll(self) -> None:
+        """Start the polled channels' looks now due (their stats run on threads of their own; a changed
+        requests/ comes back through `_wake`, as an event would)."""
+        if self._token is None:
+            return
+        look_at = self.polls.next_at()
+        if look_at is not None and look_at <= self.clock():
+            rows = self.pipeline.workspaces
+            self.poller.tick(self._token, lambda key: rows[key].path if key in rows else None)
 
     async def _pinger(self) -> None:
         interval = self.notifier.watchdog_interval
@@ -1038,6 +1070,10 @@ class Service:
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
         self.live.current = cfg  # every component reads it from here (kernel.core.config.LiveConfig)
+        self.polls.base_s, self.polls.idle_max_s = (
+            cfg.poll_seconds,
+            max(cfg.poll_seconds, cfg.poll_idle_seconds),
+        )
         rows = await self.worker.call(self._reapply)
         await self.worker.call(self._apply_rows, rows)
         self._take_looks()

@@ -113,6 +113,7 @@ class _Turn:
     names: set[str] | None
     swept: bool
     check_owner: bool = False
+    planned: float = 0.0  # the service's clock when the turn was planned (before its listing began)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +237,10 @@ class Pipeline:
         self.inflight: set[str] = set()
         self._sweeping = 0
         self.on_turn_done: Callable[[], None] = lambda: None
+        # A full listing of the workspace, planned at the time given, completed / the turn answered requests
+        # (the poll schedule: kernel.core.polling).
+        self.on_listed: Callable[[str, float], None] = lambda key, planned: None
+        self.on_answered: Callable[[str], None] = lambda key: None
         # A turn's store step failed (the disk): raised to the service loop, which waits and sweeps again.
         self.store_failed: StoreUnavailable | None = None
         self.chanio = ChannelIO(
@@ -352,7 +357,7 @@ class Pipeline:
         if not queue and key in self.dirty:
             self.dirty.discard(key)
             self.named.pop(key, None)  # the full listing sees them too
-            return _Turn(key, n, True, None, swept, owner)
+            return _Turn(key, n, True, None, swept, owner, self.clock())
         if not queue and key in self.named:
             return _Turn(key, n, False, self.named.pop(key), swept, owner)
         return _Turn(key, n, False, None, swept, owner)
@@ -463,6 +468,10 @@ class Pipeline:
             self.named.pop(t.key, None)
             await self.worker.call(self._set_problem, ws, f"{type(exc).__name__}: {exc}")
             return 0
+        if t.full:
+            self.on_listed(t.key, t.planned)
+        if done.answered:
+            self.on_answered(t.key)
         if done.relist:
             self.dirty.add(t.key)
         if done.left:

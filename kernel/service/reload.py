@@ -24,6 +24,7 @@ LIVE: Final = frozenset(
         "defaults",
         "rescan_seconds",
         "poll_seconds",
+        "poll_idle_seconds",
         "batch_per_workspace",
         "batch_per_pass",
         "temp_grace_minutes",

@@ -151,3 +151,43 @@ def test_a_port_another_kernel_holds_is_named_by_check_and_by_metrics_failed(tmp
     finally:
         second.ensure_stopped()
         first.ensure_stopped()
+
+
+def test_idle_polled_channels_are_looked_at_not_listed_and_a_request_is_still_answered(
+    tmp_path: Path,
+) -> None:
+    """`watch = "poll"`: each look at an idle channel is one stat of its requests/, counted `unchanged`; only a
+    changed one is listed (`listed`). A request renamed into one of 20 idle channels is answered, and so is the
+    next one."""
+    port = free_port()
+    k = Kernel(
+        tmp_path,
+        f'backend = "none"\nwatch = "poll"\npoll_seconds = 0.2\npoll_idle_seconds = 1\nrescan_seconds = 600\n'
+        f'metrics_listen = "127.0.0.1:{port}"\n',
+    )
+    spaces = [git_workspace(tmp_path / f"ws{i}") for i in range(20)]
+    for ws in spaces:
+        k.enroll(ws)
+    k.start()
+    try:
+        k.wait_log("event=metrics_listening", 10)
+        time.sleep(4)  # every channel listed once, then idle: looked at once a second
+        before = scrape(port)
+        time.sleep(3)
+        after = scrape(port)
+        unchanged = (value(after, "syscall_kernel_poll_looks_total", outcome="unchanged") or 0) - (
+            value(before, "syscall_kernel_poll_looks_total", outcome="unchanged") or 0
+        )
+        listed = (value(after, "syscall_kernel_poll_looks_total", outcome="listed") or 0) - (
+            value(before, "syscall_kernel_poll_looks_total", outcome="listed") or 0
+        )
+        assert listed == 0, (before, after)
+        assert 20 * 2 <= unchanged <= 20 * 3 * 2, unchanged  # once a second each (a tick's slack either way)
+        # (the latencies are bench/poll_idle.py's to measure; here only that both are answered)
+        put_request(spaces[7], "q1", status("q1"))
+        wait_answer(spaces[7], "q1", timeout=10)
+        put_request(spaces[7], "q2", status("q2"))
+        wait_answer(spaces[7], "q2", timeout=10)
+        assert k.stop() == 0
+    finally:
+        k.ensure_stopped()

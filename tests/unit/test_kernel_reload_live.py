@@ -28,6 +28,7 @@ BEFORE = """\
 workspaces = ["{root}/one/*"]
 rescan_seconds = 30
 poll_seconds = 0.5
+poll_idle_seconds = 4
 batch_per_workspace = 8
 batch_per_pass = 256
 temp_grace_minutes = 10
@@ -43,6 +44,7 @@ AFTER = """\
 workspaces = ["{root}/one/*", "{root}/two/*"]
 rescan_seconds = 7
 poll_seconds = 0.25
+poll_idle_seconds = 9
 batch_per_workspace = 3
 batch_per_pass = 99
 temp_grace_minutes = 2
@@ -69,6 +71,8 @@ READERS: list[tuple[str, str, Callable[[Service], object]]] = [
     ),
     ("rescan_seconds", "the service loop's rescan", lambda s: s.cfg.rescan_seconds),
     ("poll_seconds", "the service loop's poll tick", lambda s: s.cfg.poll_seconds),
+    ("poll_seconds", "the poll schedule's fast interval", lambda s: s.polls.base_s),
+    ("poll_idle_seconds", "the poll schedule's idle interval", lambda s: s.polls.idle_max_s),
     ("batch_per_workspace", "the pipeline's turns", lambda s: s.pipeline.cfg.batch_per_workspace),
     ("batch_per_pass", "the pipeline's passes", lambda s: s.pipeline.cfg.batch_per_pass),
     ("temp_grace_minutes", "the pipeline's temp ageing", lambda s: s.pipeline.cfg.temp_grace_minutes),

@@ -1,0 +1,177 @@
+"""When to look at a polled channel, and whether a look must list it: pure (times and stamps in, keys out).
+
+A channel on a filesystem that raises no events (NFS, Lustre, GPFS: a write on another host is not seen by
+inotify here) is polled. Listing it in full costs a dozen system calls (open and check the channel and each
+subdirectory, read `requests/`); at 10,000 channels every half second that is several cores. Instead, each
+look is one `stat` of `requests/` (its `DirStamp`), and only a changed stamp leads to a full listing.
+
+Invariants, and why they hold:
+- A stamp is trusted (an unchanged stamp means "nothing to list") only once a full listing that began after that
+  stamp was taken has completed (`listed`): a stamp seen but not yet followed by a listing (the turn was deferred, failed,
+  or the kernel stopped) is listed at the next look.
+- A stamp is never trusted while it is *racy*: when the directory was changed within `racy_s` of the clock at
+  the look (a file renamed in after our listing but within the same timestamp tick leaves the stamp equal:
+  coarse kernel clocks tick every few ms, some filesystems keep whole seconds). Such a channel is listed at
+  every look until its last change is older than `racy_s` (git's "racy clean" rule).
+- The rescan (every `rescan_seconds`) lists every channel in full whatever its stamp: the ground truth for a
+  server whose clock runs behind ours, where a racy change could look old.
+- A channel with activity (a changed stamp, or an answer the kernel just gave it: the agent often replies at
+  once) is looked at every `base_s`; each look that finds nothing doubles its interval up to `idle_max_s`.
+  So an active channel's pickup is at most `base_s` (p50 about `base_s / 2`), and an idle one costs a `stat`
+  every `idle_max_s`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Final
+
+# A directory changed within this long of the look (wall clock, ns) may change again within the same timestamp
+# tick unseen: 2 s covers filesystems that keep whole seconds.
+RACY_NS: Final = 2_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class DirStamp:
+    """What a `stat` of a directory says about its entries: a new entry, a rename or a removal changes its
+    mtime and ctime (and, on most filesystems, its size or link count); a replaced directory has a new inode."""
+
+    dev: int
+    ino: int
+    mtime_ns: int
+    ctime_ns: int
+    size: int
+    nlink: int
+
+    def changed_within(self, wall_ns: int, racy_ns: int) -> bool:
+        return max(self.mtime_ns, self.ctime_ns) > wall_ns - racy_ns
+
+
+@dataclass(slots=True)
+class _Channel:
+    interval: float
+    due: float
+    trusted: DirStamp | None = None  # the stamp a completed full listing followed
+    seen: DirStamp | None = None  # the stamp of the last look, until a listing follows it
+    seen_at: float = 0.0  # when that look was taken (the service's clock)
+    generation: int = 0  # bumped on every reschedule; heap entries of an older generation are stale
+    looking: bool = False  # taken by `due`, not yet put back by `looked` or `skipped`
+    boosted: bool = False  # `active` while its look was in flight: the next interval is the fast one
+
+
+@dataclass(slots=True)
+class PollSchedule:
+    """The polled channels' next looks. `due(now)` gives the keys to look at; `looked` says which of them to
+    list in full; `listed` marks a listing done; `active` brings a channel back to the fast interval."""
+
+    base_s: float
+    idle_max_s: float
+    racy_ns: int = RACY_NS
+    _channels: dict[str, _Channel] = field(default_factory=dict)
+    _heap: list[tuple[float, int, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.idle_max_s < self.base_s:
+            raise ValueError(f"idle_max_s ({self.idle_max_s}) is below base_s ({self.base_s})")
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+    def keys(self) -> set[str]:
+        return set(self._channels)
+
+    def sync(self, polled: set[str], now: float) -> None:
+        """Follow the set of polled channels: new ones are looked at now, gone ones forgotten."""
+        for key in [k for k in self._channels if k not in polled]:
+            del self._channels[key]
+        for key in polled:
+            if key not in self._channels:
+                ch = _Channel(self.base_s, now)
+                self._channels[key] = ch
+                self._push(key, ch)
+
+    def _push(self, key: str, ch: _Channel) -> None:
+        ch.generation += 1
+        heapq.heappush(self._heap, (ch.due, ch.generation, key))
+
+    def next_at(self) -> float | None:
+        """When the earliest look is due (None: nothing is polled)."""
+        while self._heap:
+            due, gen, key = self._heap[0]
+            ch = self._channels.get(key)
+            if ch is not None and ch.generation == gen:
+                return due
+            heapq.heappop(self._heap)  # stale: rescheduled or forgotten since
+        return None
+
+    def due(self, now: float, limit: int) -> list[str]:
+        """Up to `limit` keys whose look is due, earliest first. Each is taken off the schedule until `looked`
+        (or `skipped`) puts it back, so a look in flight is never asked for twice."""
+        out: list[str] = []
+        while self._heap and len(out) < limit:
+            due, gen, key = self._heap[0]
+            ch = self._channels.get(key)
+            if ch is None or ch.generation != gen:
+                heapq.heappop(self._heap)
+                continue
+            if due > now:
+                break
+            heapq.heappop(self._heap)
+            ch.generation += 1  # off the schedule: no entry of it is live until it is pushed again
+            ch.looking = True
+            out.append(key)
+        return out
+
+    def looked(self, key: str, stamp: DirStamp | None, wall_ns: int, now: float) -> bool:
+        """A look at `key` found `stamp` (None: the stat failed, which a listing explains to the operator) at
+        wall-clock `wall_ns`. True when the channel must be listed in full; its next look is scheduled."""
+        ch = self._channels.get(key)
+        if ch is None:
+            return False
+        unchanged = (
+            stamp is not None and stamp == ch.trusted and not stamp.changed_within(wall_ns, self.racy_ns)
+        )
+        ch.looking = False
+        if unchanged and ch.boosted:
+            ch.interval = self.base_s
+        elif unchanged:
+            ch.interval = min(ch.interval * 2, self.idle_max_s)
+        else:
+            ch.interval = self.base_s
+            ch.seen, ch.seen_at = stamp, now
+            if stamp is not None and stamp == ch.trusted:
+                ch.seen = None  # racy, not changed: listed again, nothing new to trust afterwards
+        ch.boosted = False
+        ch.due = now + ch.interval
+        self._push(key, ch)
+        return not unchanged
+
+    def skipped(self, key: str, now: float) -> None:
+        """A due look that did not happen (its channel hung, or the kernel is stopping): due again at `now`
+        plus the fast interval."""
+        ch = self._channels.get(key)
+        if ch is not None and ch.looking:
+            ch.looking = False
+            ch.due = now + self.base_s
+            self._push(key, ch)
+
+    def listed(self, key: str, started: float) -> None:
+        """A full listing of `key`, begun at `started` (the service's clock), completed: the stamp its last look
+        saw is trusted from now on if that look came before the listing began (a listing begun earlier may have
+        missed what the stamp already shows)."""
+        ch = self._channels.get(key)
+        if ch is not None and ch.seen is not None and started >= ch.seen_at:
+            ch.trusted, ch.seen = ch.seen, None
+
+    def active(self, key: str, now: float) -> None:
+        """The kernel just answered `key` or woke it: the agent is likely to write again soon."""
+        ch = self._channels.get(key)
+        if ch is None:
+            return
+        if ch.looking:
+            ch.boosted = True
+        elif ch.interval > self.base_s or ch.due > now + self.base_s:
+            ch.interval = self.base_s
+            ch.due = min(ch.due, now + self.base_s)
+            self._push(key, ch)
