@@ -91,6 +91,7 @@ def scenario(base: Path, n: int, args: argparse.Namespace, root: Path) -> dict[s
     idle_cpu = (cpu_seconds(pid) - c0) / (time.perf_counter() - w0)
     idle_threads, idle_rss = threads(pid), rss_mb(pid)
     active = workspaces[0]
+    pickup_ms(active, "warm")  # after the idle window: this one wakes it (as `pickup_after_idle_ms` measures)
     samples = []
     for i in range(args.samples):
         time.sleep(random.uniform(0, args.poll_seconds))
