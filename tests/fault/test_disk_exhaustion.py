@@ -21,13 +21,12 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git_workspace, run_tool
+from kernelproc import Kernel, git_workspace, run_tool, tool_popen
 from testenv import fill, tmpfs
 
 pytestmark = pytest.mark.bwrap
@@ -60,16 +59,6 @@ def says_failed_with(text: str, task: dict[str, Any]) -> None:
     """The wake's text says what its JSON says: the task FAILED, with its hint."""
     assert f"### {task['launch']}[{task['task']}]: FAILED" in text, text
     assert f"Hint: {task['hint']}." in text, text
-
-
-def tool_popen(ws: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-        cwd=ws,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def woken(k: Kernel, ws: Path, sleeping: subprocess.Popen[str]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kernelproc import Kernel, make_workspace, run_tool, wait_for
+from kernelproc import Kernel, make_workspace, run_tool, tool_popen, wait_for
 
 from channel.paths import workspace_key
 
@@ -33,16 +33,6 @@ HOSTILE = {"h0": ".gitignore", "h1": "sub/.gitignore", "h2": ".gitignore", "h3":
 
 def budget(ws: Path) -> object:
     return json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]
-
-
-def tool_popen(ws: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-        cwd=ws,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 # The tool's `main`, run once the test writes a line: the interpreter and the tool are loaded before (it says
