@@ -89,6 +89,17 @@ def run_tool(ws: Path, *args: str, timeout: float) -> subprocess.CompletedProces
     )
 
 
+def tool_popen(ws: Path, *args: str) -> subprocess.Popen[str]:
+    """`run_tool`, started and not waited for (a `sleep` left blocking while the test does something else)."""
+    return subprocess.Popen(
+        [sys.executable, str(ws / ".syscall" / "syscall"), *args],
+        cwd=ws,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def put_request(ws: Path, rid: str, data: bytes | dict[str, Any]) -> None:
     """Commit a request the way the tool does: temp file, fsync-free here, rename into requests/."""
     body = data if isinstance(data, bytes) else json.dumps(data).encode()

@@ -1,27 +1,32 @@
 """Disk exhaustion (issue 23, items 7 and 9): a full run directory is a refusal, not a crash; a job's writable tree
-has a size limit.
+has a size limit. Both end to end through the agent's tool: `launch`, `sleep --wait` (the text an agent reads),
+`wait --json` (the same wake as JSON), `status`, against a real kernel with the default bwrap jail.
 
 Item 7: the run directory is a 64 MiB tmpfs and a job prints far more than that. The kernel used to crash on
 `OSError: [Errno 28]` (writing the exit record of the wrapper that died on it) and crash-loop in recovery. Now the
 wrapper stops the job, its exit record (written into space reserved before the job ran) says `disk_full`, the
-sleep's wake shows the task FAILED with the disk-full hint, another workspace is still answered (its own task
-fails the same way while the disk stays full) and a restarted kernel recovers without crashing.
+wake the agent reads shows the task FAILED with the disk-full hint, another workspace's `status` is answered (its
+sleep waits while the disk stays full and runs once space is back) and a restarted kernel recovers without
+crashing.
 
 Item 9: `[local] tree_mb` bounds what a job writes into its tree, home and work directories: one big fallocate is
 refused at once (RLIMIT_FSIZE: EFBIG and SIGXFSZ), many smaller files are summed by the wrapper's watchdog, which
-stops the job; either way the task is FAILED with kind `disk_limit` and the message says the limit.
+stops the job; either way the task is FAILED with kind `disk_limit`, the hint the agent reads says the limit, and
+another workspace's sleep still runs.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git_workspace, put_request, read_answer, wait_for
+from kernelproc import Kernel, git_workspace, run_tool, tool_popen
 from testenv import fill, tmpfs
 
 pytestmark = pytest.mark.bwrap
@@ -33,24 +38,39 @@ def small_run_dir(tmp_path: Path) -> Iterator[Path]:
         yield run
 
 
-def sleep_request(rid: str, command: str, minutes: int = 5) -> dict[str, Any]:
-    return {
-        "protocol": 1,
-        "id": rid,
-        "type": "sleep",
-        "launches": [{"name": "t", "command": command, "minutes": minutes}],
-    }
+def tool(k: Kernel, ws: Path, *args: str, timeout: float = 60) -> str:
+    """The agent's tool in `ws`, which must succeed: its stdout."""
+    done = run_tool(ws, *args, timeout=timeout)
+    assert done.returncode == 0, f"syscall {' '.join(args)}: {done.stdout}{done.stderr}{k.log_text()[-3000:]}"
+    return done.stdout
 
 
-def wake_of(ws: Path, rid: str, timeout: float = 90) -> dict[str, Any]:
-    path = ws / ".syscall" / "wakes" / f"{rid}.json"
-    wait_for(path.exists, timeout, f"the wake of {rid} in {ws.name}", step=0.05)
-    return json.loads(path.read_bytes())
+def sleep_and_read(k: Kernel, ws: Path, name: str, command: str) -> tuple[str, dict[str, Any]]:
+    """Stage `command` as launch `name` and `sleep --wait` on it as an agent does: the wake's text the agent
+    reads, and the same wake as JSON (`wait --json ID`, answered from the wake already there)."""
+    tool(k, ws, "launch", "--name", name, "--", command)
+    text = tool(k, ws, "sleep", "--wait", "--timeout", "240", timeout=300)
+    found = re.search(r"^Sleep (\S+) accepted", text, re.MULTILINE)
+    assert found, text
+    return text, json.loads(tool(k, ws, "wait", "--json", found[1]))
 
 
-def accepted(ws: Path, rid: str) -> None:
-    answer = wait_for(lambda: read_answer(ws, rid), 60, f"the answer to {rid}")
-    assert answer["type"] == "accepted", answer
+def says_failed_with(text: str, task: dict[str, Any]) -> None:
+    """The wake's text says what its JSON says: the task FAILED, with its hint."""
+    assert f"### {task['launch']}[{task['task']}]: FAILED" in text, text
+    assert f"Hint: {task['hint']}." in text, text
+
+
+def woken(k: Kernel, ws: Path, sleeping: subprocess.Popen[str]) -> dict[str, Any]:
+    """The wake a `sleep --wait --json` started earlier prints; if its wait for the kernel's answer timed out
+    (exit 4: the kernel was restarted meanwhile), `wait --json` follows the sleep, as the tool says to."""
+    out, err = sleeping.communicate(timeout=300)
+    if sleeping.returncode == 4:
+        assert "syscall wait" in err, err
+        out = tool(k, ws, "wait", "--json", "--timeout", "240", timeout=300)
+    else:
+        assert sleeping.returncode == 0, out + err + k.log_text()[-3000:]
+    return json.loads(out)  # type: ignore[no-any-return]
 
 
 # ~200 MiB of output: three times the run directory's filesystem, more than the per-stream cap (64 MiB) too.
@@ -76,41 +96,46 @@ def test_a_job_printing_past_the_run_directorys_free_space_fails_its_task_and_th
     env = {"TMPDIR": str(scratch)}
     try:
         k.start(env=env)
-        put_request(a, "s1", sleep_request("s1", FLOOD))
-        accepted(a, "s1")
-        [task] = wake_of(a, "s1")["tasks"]
+        text, wake = sleep_and_read(k, a, "flood", FLOOD)
+        [task] = wake["tasks"]
         assert task["state"] == "FAILED", task
-        assert task["hint"].startswith("the run directory's disk is full"), task
+        says_failed_with(text, task)
+        # What the hint says is so: the disk filled, and what was stored of the output fits on it.
+        stored = re.match(
+            r"the run directory's disk is full: the job's output could not be stored past (\d+) bytes of one "
+            r"stream, so the job was stopped;",
+            task["hint"],
+        )
+        assert stored, task["hint"]
+        assert int(stored[1]) <= 64 << 20, task
         assert shutil.disk_usage(small_run_dir).free < 4 << 20, "the disk never filled"
         alive(k)
 
         # The disk stays full: another workspace is still answered; its sleep waits (the world's fault: its run
         # directory cannot be written, tried again every second) and runs once space is back.
-        put_request(b, "s1", sleep_request("s1", "echo hello"))
+        tool(k, b, "launch", "--name", "hello", "--", "echo hello")
+        sleeping = tool_popen(b, "sleep", "--wait", "--json")
         k.wait_log(f"event=executor_unavailable ws={b.name}-", 30)
-        put_request(b, "st", {"protocol": 1, "id": "st", "type": "status"})
-        wait_for(lambda: read_answer(b, "st"), 30, "a status in b")
+        assert "hello[0] PENDING" in tool(k, b, "status")  # b's status is answered: its task waits
         alive(k)
         for log in small_run_dir.glob("*/*/*/stdout"):  # the operator frees space
             log.unlink()
-        accepted(b, "s1")
-        [other] = wake_of(b, "s1")["tasks"]
+        [other] = woken(k, b, sleeping)["tasks"]
         assert (other["state"], other["stdout_tail"]) == ("COMPLETED", "hello\n"), other
         assert "snapshot.failed" not in k.log_text()  # a full disk is the world's fault, not the agent's
         k.wait_log(f"event=woken ws={b.name}-", 30)  # the sleep is over (its wake file comes first)
 
         # A restart with the disk full again (a sleep waiting to be written out) recovers and serves.
         fill(small_run_dir / "filler")
-        put_request(b, "s2", sleep_request("s2", "echo again"))
+        tool(k, b, "launch", "--name", "again", "--", "echo again")
+        sleeping = tool_popen(b, "sleep", "--wait", "--json")
         k.wait_log(f"event=executor_unavailable ws={b.name}-", 30, count=2)
         assert k.stop() == 0
         k.start(env=env)
-        put_request(a, "st", {"protocol": 1, "id": "st", "type": "status"})
-        wait_for(lambda: read_answer(a, "st"), 60, "a status after the restart")
+        tool(k, a, "status")
         alive(k)
         (small_run_dir / "filler").unlink()
-        accepted(b, "s2")
-        [again] = wake_of(b, "s2")["tasks"]
+        [again] = woken(k, b, sleeping)["tasks"]
         assert (again["state"], again["stdout_tail"]) == ("COMPLETED", "again\n"), again
         alive(k)
         assert k.stop() == 0
@@ -223,15 +248,20 @@ def test_a_job_writing_past_its_tree_limit_is_stopped_and_the_disk_does_not_grow
         tmp_path,
         f'rescan_seconds = 1\n[environment]\nmode = "none"\n[local]\ntree_mb = {TREE_MB}\nmem_mb = 2048\n',
     )
-    ws = git_workspace(tmp_path / "ws")
+    ws, other = git_workspace(tmp_path / "ws"), git_workspace(tmp_path / "other")
     k.enroll(ws)
+    k.enroll(other)
     try:
         k.start(env={"TMPDIR": str(scratch_fs)})
         peak = PeakUse(scratch_fs)
-        put_request(ws, "s1", sleep_request("s1", command))
-        accepted(ws, "s1")
-        [task] = wake_of(ws, "s1")["tasks"]
+        text, wake = sleep_and_read(k, ws, "big", command)
         grown = peak.stop()
+        [task] = wake["tasks"]
+        alive(k)
+        # The kernel serves on: another workspace's job runs (on the same scratch, under the same limit).
+        _, served = sleep_and_read(k, other, "hello", "echo hello")
+        [hello] = served["tasks"]
+        assert (hello["state"], hello["stdout_tail"]) == ("COMPLETED", "hello\n"), hello
         alive(k)
         assert k.stop() == 0
     finally:
@@ -239,11 +269,16 @@ def test_a_job_writing_past_its_tree_limit_is_stopped_and_the_disk_does_not_grow
     assert task["state"] == "FAILED", task
     if says is None:
         assert "fallocate failed: Operation not supported" in task["stderr_tail"], task
+        assert "### big[0]: FAILED" in text, text
     else:
+        says_failed_with(text, task)
         assert task["hint"].startswith(LIMIT_HINT if says != "could not be measured" else "the job's tree"), (
             task
         )
         assert says in task["hint"], task
+        held = re.search(r"held (\d+) MiB when it was stopped", task["hint"])
+        if held:  # what the hint says the job held is past the limit, by no more than the overshoot
+            assert TREE_MB <= int(held[1]) <= TREE_MB + OVERSHOOT_MB, task
     assert "wrote all" not in task["stdout_tail"], task
     print(f"{name}: the scratch filesystem grew by at most {grown / (1 << 20):.1f} MiB (limit {TREE_MB} MiB)")
     assert grown <= (TREE_MB + OVERSHOOT_MB) << 20, grown

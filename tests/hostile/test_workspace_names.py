@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sqlite3
 from pathlib import Path
 
@@ -53,34 +54,47 @@ def test_a_hostile_name_gives_a_valid_key(name: str) -> None:
     assert KEY_PATTERN.fullmatch(key), key
 
 
-def test_workspaces_with_any_name_are_served_by_glob_and_by_enroll(tmp_path: Path) -> None:
+@pytest.mark.bwrap
+def test_workspaces_with_any_name_are_served_by_glob_and_by_enroll(
+    tmp_path: Path, bwrap_available: None
+) -> None:
     """A `workspaces` glob matching hostile names and an operator's `enroll` of one: `enroll` exits 0 without a
-    traceback, `serve` starts and answers every workspace's sleep."""
+    traceback, `serve` starts and answers every workspace's sleep, and each job runs in the default (bwrap) jail
+    on that workspace's snapshot."""
     root = tmp_path / "agents"
     spaces = [make_workspace(root / name) for name in HOSTILE_NAMES]
     manual = make_workspace(tmp_path / "manual" / "_élève")
-    kernel = Kernel(tmp_path, f'workspaces = ["{root}/*"]\njail = "none"\n')
+    kernel = Kernel(tmp_path, f'workspaces = ["{root}/*"]\n')
     done = kernel.cli("enroll", str(manual))
     assert "Traceback" not in done.stderr + done.stdout
     kernel.start()
     try:
         for ws in [*spaces, manual]:
-            launched = run_tool(ws, "launch", "--name", "hello", "--", "echo hi", timeout=60)
+            # In the jail the job sees its snapshot, not the host's workspace (its channel is not there).
+            seen = f"cat README; test -e {shlex.quote(str(ws / '.syscall'))} && echo unjailed || echo jailed"
+            launched = run_tool(ws, "launch", "--name", "hello", "--", seen, timeout=60)
             assert launched.returncode == 0, launched.stdout + launched.stderr + kernel.log_text()[-2000:]
             woke = run_tool(ws, "sleep", "--wait", "--json", "--timeout", "60", timeout=90)
             assert woke.returncode == 0, woke.stdout + woke.stderr + kernel.log_text()[-2000:]
             wake = json.loads(woke.stdout)
-            assert [t["state"] for t in wake["tasks"]] == ["COMPLETED"], wake
+            [task] = wake["tasks"]
+            # The job ran jailed on this workspace's own snapshot: its README names the directory.
+            assert (task["state"], task["stdout_tail"]) == ("COMPLETED", f"workspace {ws.name}\njailed\n"), (
+                task
+            )
     finally:
         kernel.stop()
     assert "event=crashed" not in kernel.log_text()
 
 
-def test_a_store_with_a_key_an_older_kernel_made_is_rekeyed_and_served(tmp_path: Path) -> None:
+@pytest.mark.bwrap
+def test_a_store_with_a_key_an_older_kernel_made_is_rekeyed_and_served(
+    tmp_path: Path, bwrap_available: None
+) -> None:
     """An older kernel's `enroll` recorded `_scratch-<hash>` before crashing: the store is re-keyed when opened
     and the workspace served (before: `serve` crashed at every start)."""
     ws = make_workspace(tmp_path / "_scratch")
-    kernel = Kernel(tmp_path, 'jail = "none"\n')
+    kernel = Kernel(tmp_path)
     kernel.enroll(ws)
     new = workspace_key(ws.resolve())
     legacy = "_" + new
@@ -95,10 +109,12 @@ def test_a_store_with_a_key_an_older_kernel_made_is_rekeyed_and_served(tmp_path:
     db.close()
     kernel.start()
     try:
-        launched = run_tool(ws, "launch", "--name", "hello", "--", "true", timeout=60)
+        launched = run_tool(ws, "launch", "--name", "hello", "--", "cat README", timeout=60)
         assert launched.returncode == 0, launched.stdout + launched.stderr
         woke = run_tool(ws, "sleep", "--wait", "--json", "--timeout", "60", timeout=90)
         assert woke.returncode == 0, woke.stdout + woke.stderr + kernel.log_text()[-2000:]
+        [task] = json.loads(woke.stdout)["tasks"]
+        assert (task["state"], task["stdout_tail"]) == ("COMPLETED", "workspace _scratch\n"), task
     finally:
         kernel.stop()
     log = kernel.log_text()
