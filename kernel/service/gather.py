@@ -10,7 +10,8 @@
   not delivered is listed with its reason.
 - `build_wake`: the `Wake` message of a sleep from its task results and the budget after refunds.
 
-Everything here runs on the store worker thread (plain blocking I/O on kernel-owned files and one channel fd).
+Everything here is plain blocking I/O on kernel-owned files and one channel fd, so it never runs in a store step
+(kernel.io.stepguard): in the heavy pool, the channel I/O pool (`read_tail`) or a plain thread.
 """
 
 from __future__ import annotations
