@@ -16,6 +16,7 @@ for a channel that is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -124,7 +125,8 @@ class Waker:
             why = "not delivered: the operator unenrolled the workspace"
             for j in jobs:
                 skipped = gather.TaskFiles(skipped=tuple(SkippedArtifact(a, why) for a in j.artifacts))
-                results.append((j, *self._ended(j), skipped))
+                tdir, elapsed = self._ended(j)
+                results.append((j, tdir, elapsed, self._with_hint(skipped, tdir)))
             return results
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
@@ -140,12 +142,21 @@ class Waker:
                                 SkippedArtifact(a, "not collected: the task never ran") for a in j.artifacts
                             )
                         )
-                    results.append((j, tdir, elapsed, files))
+                    results.append((j, tdir, elapsed, self._with_hint(files, tdir)))
         except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
             # Retried at every tick until the channel is usable again; logged once per problem.
             self._problem("gather_deferred", key, seq, f"{type(e).__name__}: {e}")
             return None
         return results
+
+    def _with_hint(self, files: gather.TaskFiles, tdir: Path | None) -> gather.TaskFiles:
+        """(heavy pool) `files` with the hint of the task's end, read from its run directory here: the store step
+        that records the wake (`_record_gather`) uses sqlite only."""
+        if tdir is None:
+            return files
+        return dataclasses.replace(
+            files, hint=gather.end_hint(tdir, self.backend.hint_of, self.backend.outcome_of)
+        )
 
     def _record_gather(self, key: str, seq: int, results: list[Collected]) -> bool:
         """(store worker) Record the wake and the refunds (the sleep -> gathered)."""
@@ -168,17 +179,7 @@ class Waker:
                 refunded += settled.refunded_gpu_s
                 # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
                 self.store.release_job(key, seq, cur.launch, cur.task)
-                tasks.append(
-                    gather.task_result(
-                        cur,
-                        tdir,
-                        elapsed,
-                        files,
-                        self.backend.hint_of,
-                        self.backend.outcome_of,
-                        self.cfg.environment.mode,
-                    )
-                )
+                tasks.append(gather.task_result(cur, tdir, elapsed, files, self.cfg.environment.mode))
             shown, verdict = self.evaluation.judge(sleep, tuple(tasks))
             exec_row = self.store.exec_sleep(key, seq)
             wake = gather.build_wake(

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import anyio
 import pytest
-from _parts import enrolled
+from _parts import TOOL, enrolled
 
 from channel.paths import RunPaths
-from kernel.core.config import Config
+from kernel.backends.local import LocalBackend
+from kernel.core.config import Config, parse
 from kernel.io import stepguard
-from kernel.io.enroll import Grant
+from kernel.io.enroll import Grant, enroll
 from kernel.io.store import Store, StoreWorker
+from kernel.service.execute import RealExecutor
 from kernel.service.executor import PendingExecutor
 from kernel.service.pipeline import Pipeline
 
@@ -122,3 +125,52 @@ def test_tail_reads_the_run_directory_outside_the_store_step(
     anyio.run(pipeline.run_pass)
     assert (ws / ".syscall" / "answers" / "t1.json").read_bytes() == before
     assert [j.state for j in store.jobs_of(row.key, 1)] == ["PENDING"]  # a tail records nothing of the task
+
+
+def _committed_workspace(path: Path) -> Path:
+    path.mkdir()
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env["GIT_COMMITTER_EMAIL"] = "t@t"
+    (path / "train.py").write_text("print('hi')\n")
+    for argv in (["init", "-q"], ["add", "train.py"], ["commit", "-qm", "one"]):
+        subprocess.run(["git", "-C", str(path), *argv], check=True, env=env)
+    return path
+
+
+def test_a_sleep_runs_to_its_wake_with_no_file_call_in_a_store_step(tmp_path: Path) -> None:
+    """The real executor and the local backend, in-process: the start's recovery, the dispatch, the tracking of
+    the task's start and end, the gather and the wake. Their run-directory reads (exit records, `started`, the
+    end's hint) go before or after the store steps that record them."""
+    text = f'state_dir = "{tmp_path}/state"\nbackend = "local"\njail = "none"\n[environment]\nmode = "none"\n'
+    cfg = parse(text, "<test>", env={})
+    Path(cfg.state_dir).mkdir(parents=True)
+    store = Store.open(cfg.db_path)
+    ws = _committed_workspace(tmp_path / "ws")
+    row = enroll(store, cfg, str(ws), TOOL, Grant(launches=5, sleeps=5, gpu_hours=1)).row
+    executor = RealExecutor(cfg, StoreWorker(store), LocalBackend())
+    pipeline = Pipeline(cfg, executor.worker, executor)
+    pipeline.set_workspaces([row])
+    wakes = ws / ".syscall" / "wakes"
+    command = "echo hi; echo oops >&2; exit 3"
+    put(ws, "s1", {"type": "sleep", "launches": [{"name": "a", "command": command, "minutes": 1}]})
+
+    async def main() -> None:
+        await executor.recover()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(executor.run)
+            with anyio.fail_after(60):
+                while not list(wakes.glob("*.json")):
+                    pipeline.mark(row.key)
+                    await pipeline.run_pass()
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+    finally:
+        store.close()
+    assert stepguard.found() == []
+    (wake_file,) = wakes.glob("*.json")
+    (task,) = json.loads(wake_file.read_text())["tasks"]
+    assert (task["state"], task["exit_code"], task["stdout_tail"]) == ("FAILED", 3, "hi\n")
+    assert task["hint"] is not None  # the end's hint, read from the run directory before the gather's step
