@@ -26,9 +26,9 @@ step (look-ups, the pure decision in `kernel.core.rules`, the recording transact
 and the budget and remove the requests. A `tail` ends the sqlite step at it: its task's run directory is read in
 the same pool call, then a second step records its answer and decides the rest. A store step uses sqlite only
 (the tests fail any other file call in one: kernel.io.stepguard), so a workspace whose channel or run directory
-is slow or hung delays nobody else: past `channel_io_deadline_seconds` of channel I/O
-(time spent waiting for the store does not count) its problem shows in `syscall-kernel status`, nothing more is
-started for it until the I/O returns, and other workspaces are served.
+is slow or hung delays nobody else: past `channel_io_deadline_seconds` of channel I/O (time spent waiting for
+the store does not count) its problem shows in `syscall-kernel status`, nothing more is started for it until the
+I/O returns, and other workspaces are served.
 """
 
 from __future__ import annotations
@@ -511,9 +511,8 @@ class Pipeline:
         """One pool call (two thread hops, as when the store worker did it all): read, then the store step
         under the store worker's lock (`run_here`; the deadline pauses meanwhile), then deliver. A `tail` splits
         the store step in two: its task's run directory is read between them, here, never under the lock (on
-        Slurm it is a shared filesystem that can hang). Every answer is
-        committed before its file is written and its request removed, so a kill anywhere in between replays
-        the stored answer (exactly once)."""
+        Slurm it is a shared filesystem that can hang). Every answer is committed before its file is written and
+        its request removed, so a kill anywhere in between replays the stored answer (exactly once)."""
         taken = self._take(ws, t)
         try:
             if not taken.reads and ws.key not in self._problems:
