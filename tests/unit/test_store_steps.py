@@ -15,7 +15,7 @@ from _parts import TOOL, enrolled
 
 from channel.paths import RunPaths
 from kernel.backends.local import LocalBackend
-from kernel.core.config import Config, parse
+from kernel.core.config import Config, LiveConfig, parse
 from kernel.io import stepguard
 from kernel.io.enroll import Grant, enroll
 from kernel.io.store import Store, StoreWorker
@@ -86,7 +86,7 @@ def test_tail_reads_the_run_directory_outside_the_store_step(
     guard would fail a read in one), and the requests after it in the same turn are answered in order."""
     ws, row = enrolled(tmp_path, store, cfg, Grant(launches=5, sleeps=5, gpu_hours=1))
     worker = StoreWorker(store)
-    pipeline = Pipeline(cfg, worker, PendingExecutor(worker))
+    pipeline = Pipeline(LiveConfig(cfg), worker, PendingExecutor(worker))
     pipeline.set_workspaces([row])
     put(ws, "s1", {"type": "sleep", "launches": [{"name": "a", "command": "true", "minutes": 1}]})
     pipeline.mark(row.key)
@@ -144,11 +144,12 @@ def test_a_sleep_runs_to_its_wake_with_no_file_call_in_a_store_step(tmp_path: Pa
     text = f'state_dir = "{tmp_path}/state"\nbackend = "local"\njail = "none"\n[environment]\nmode = "none"\n'
     cfg = parse(text, "<test>", env={})
     Path(cfg.state_dir).mkdir(parents=True)
-    store = Store.open(cfg.db_path)
+    store = Store.open(cfg.paths.store)
     ws = _committed_workspace(tmp_path / "ws")
     row = enroll(store, cfg, str(ws), TOOL, Grant(launches=5, sleeps=5, gpu_hours=1)).row
-    executor = RealExecutor(cfg, StoreWorker(store), LocalBackend())
-    pipeline = Pipeline(cfg, executor.worker, executor)
+    live = LiveConfig(cfg)
+    executor = RealExecutor(live, StoreWorker(store), LocalBackend())
+    pipeline = Pipeline(live, executor.worker, executor)
     pipeline.set_workspaces([row])
     wakes = ws / ".syscall" / "wakes"
     command = "echo hi; echo oops >&2; exit 3"
