@@ -40,7 +40,7 @@ from kernel.io.repo import KernelRepo, RepoError, snapshot_ref
 from kernel.io.snapshot import release_sync
 from kernel.io.store import StoreWorker, timestamp
 from kernel.service import gather
-from kernel.service.evaluation import Evaluation
+from kernel.service.evaluation import Evaluation, Runs
 from kernel.service.gather import job_order
 from kernel.service.heavy import HeavyPool
 
@@ -158,7 +158,7 @@ class Waker:
             files, hint=gather.end_hint(tdir, self.backend.hint_of, self.backend.outcome_of)
         )
 
-    def _record_gather(self, key: str, seq: int, results: list[Collected]) -> bool:
+    def _record_gather(self, key: str, seq: int, results: list[Collected], runs: Runs) -> bool:
         """(store worker) Record the wake and the refunds (the sleep -> gathered)."""
         woken_at = timestamp()
         with self.store.transaction():
@@ -180,7 +180,7 @@ class Waker:
                 # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
                 self.store.release_job(key, seq, cur.launch, cur.task)
                 tasks.append(gather.task_result(cur, tdir, elapsed, files, self.cfg.environment.mode))
-            shown, verdict = self.evaluation.judge(sleep, tuple(tasks))
+            shown, verdict = self.evaluation.judge(sleep, tuple(tasks), runs)
             exec_row = self.store.exec_sleep(key, seq)
             wake = gather.build_wake(
                 sleep_id=sleep.id,
@@ -316,7 +316,11 @@ class Waker:
             if got is not True:
                 ws, jobs, unenrolled = got
                 results = await self.heavy.run(key, self._collect, ws, seq, jobs, unenrolled)
-                if results is None or not await self.worker.call(self._record_gather, key, seq, results):
+                if results is None:
+                    return
+                # What the verdict needs of the runs' directories: read here, not in the gather's store step.
+                runs = await self.heavy.run(key, self.evaluation.read_runs, jobs)
+                if not await self.worker.call(self._record_gather, key, seq, results, runs):
                     return
             crash_point("gathered")
             if await self._write_wake(key, seq):
