@@ -10,8 +10,9 @@ code pays). `install()` then fails every filesystem call Python code makes on a 
 of files and processes (`open`, `os.listdir`, `os.scandir`, `os.rename`, `subprocess.Popen`, ...; see the
 Python audit events table), and the calls that raise no audit event (`os.stat`, `os.lstat`, `os.access`, ...,
 so also `os.path.exists` and `Path.exists`), wrapped. The call raises `FileCallInStoreStep` and is recorded
-(`found()`) and logged (`event=store_step_file_call`), so a caller that catches it still fails the test that made it. It is never installed by default:
-the test suite installs it (tests/conftest.py), and a kernel started with `SYSCALL_KERNEL_STORE_GUARD=1` does.
+(`found()`) and logged (`event=store_step_file_call`), so a caller that catches it still fails the test that made
+it. It is never installed by default: the test suite installs it in its own process (tests/conftest.py), and a
+kernel started with `SYSCALL_KERNEL_STORE_GUARD=1` does (tests/kernelproc.py starts the tests' kernels so).
 
 Not counted: sqlite's own page I/O (C, no audit event; its `sqlite3.connect` is a file open and counts), and what
 the interpreter reads for itself in a step (a module's first import, the source lines of a traceback).
@@ -128,12 +129,9 @@ def leave() -> None:
     _local.step = False
 
 
-def in_step() -> bool:
-    return getattr(_local, "step", False)
-
-
 def found() -> list[str]:
-    """The filesystem calls made in store steps since the last `clear`, each as `event args`, oldest first."""
+    """The filesystem calls made in store steps since the last `clear`, oldest first, each as
+    `event(args) in a store step, on thread NAME`."""
     with _found_lock:
         return list(_found)
 
@@ -166,7 +164,7 @@ def _refuse(what: str, args: tuple[Any, ...]) -> None:
         _local.step = True
     raise FileCallInStoreStep(
         f"{line}: a store step holds the store's lock and uses sqlite only; touch files before or after it, "
-        "in the channel I/O or heavy pool"
+        "in the pool that owns them"
     )
 
 
