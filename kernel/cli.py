@@ -34,7 +34,7 @@ from kernel.core.evaluate import (
     is_trusted,
 )
 from kernel.core.records import WorkspaceRow
-from kernel.io import log, retention, statedir
+from kernel.io import log, retention, statedir, stepguard
 from kernel.io import submit as S
 from kernel.io.repo import KernelRepo, RepoError, UntrustedGit, base_ref
 from kernel.io.store import Store, StoreError, StoreNewer
@@ -301,6 +301,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         return 2
     log.setup(log_format=cfg.log_format)
+    if os.environ.get(stepguard.ENV) == "1":
+        stepguard.install()  # a debugging aid: every filesystem call of a store step fails, and is logged
+        log.event("store_guard_installed", env=stepguard.ENV)
     try:
         created = statedir.prepare(cfg.state_dir)
         lock = statedir.StateLock.acquire(cfg.state_dir)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from testenv import IN_CI, ROOT, need
+
+from kernel.io import stepguard
 
 __all__ = ["IN_CI", "ROOT", "need"]
 
@@ -46,3 +49,17 @@ def slurm_conf() -> Path:
     ok = bool(conf) and Path(conf or "").is_file() and shutil.which("sbatch") is not None
     need("slurm", ok, "no throwaway cluster is running (run the tests through ./dev test)")
     return Path(conf or "")
+
+
+# Every store step of an in-process service in these tests runs under the guard: a filesystem call it makes
+# fails the call and the test (kernel.io.stepguard).
+stepguard.install()
+
+
+@pytest.fixture(autouse=True)
+def no_file_calls_in_store_steps() -> Iterator[None]:
+    stepguard.clear()
+    yield
+    found = stepguard.found()
+    stepguard.clear()
+    assert not found, "store steps touched the filesystem (they hold the store's lock):\n" + "\n".join(found)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kernel.io.stepguard import ENV as STORE_GUARD
+
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
@@ -168,6 +170,8 @@ class Kernel:
         """Start `serve`; `prefix` is a command that execs the kernel (e.g. into its own mount namespace)."""
         self._log_file = open(self.log, "ab")  # noqa: SIM115 - closed in stop()/kill()
         full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+        # Every store step of a test's kernel uses sqlite only, or that call fails (kernel.io.stepguard).
+        full_env.setdefault(STORE_GUARD, "1")
         full_env.update(env or {})
         self.proc = subprocess.Popen(
             [*(prefix or []), sys.executable, "-m", "kernel.cli", "serve", "--config", str(self.config)],
@@ -201,6 +205,8 @@ class Kernel:
             rc = self.proc.wait(timeout)
         finally:
             self._close()
+        touched = [line for line in self.log_text().splitlines() if "event=store_step_file_call" in line]
+        assert not touched, "the kernel's store steps touched the filesystem:\n" + "\n".join(touched)
         return rc
 
     def kill(self) -> None:

@@ -44,7 +44,7 @@ from channel.paths import key_is_safe, workspace_key
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import ExecSleepRow, JobRow, RequestRow, SleepRow, WorkspaceRow
-from kernel.io import log
+from kernel.io import log, stepguard
 from kernel.io.budgetorder import BudgetOrder
 
 # The schema this kernel writes, in `PRAGMA user_version`. Releases at 1 made the tables and columns of
@@ -1435,9 +1435,13 @@ class StoreWorker:
     def run_here(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the calling thread (a worker thread, never the event loop), serialised with every
         other store step by the worker's lock: a channel I/O thread's store step without two hops through the
-        event loop."""
+        event loop. A step uses sqlite and memory only (kernel.io.stepguard): every other step waits for it."""
         with self._mutex:
-            return self._guarded(fn, *args)
+            stepguard.enter()
+            try:
+                return self._guarded(fn, *args)
+            finally:
+                stepguard.leave()
 
     def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
         before = self.store.changes()

@@ -12,19 +12,38 @@ The executor calls, in a sleep's order:
    again after a crash);
 3. `specs` (with the plain JobSpec of every launch to dispatch; returns them as they are to run);
 4. `forget` (after dispatch, also when it raised: drop what `prepare` kept for `specs`);
-5. `judge` (store worker thread, inside the gather transaction: the tasks the wake shows and the verdict);
+5. `read_runs` (heavy pool, before the gather transaction: what `judge` needs of the tasks' run directories),
+   then `judge` (store worker thread, inside the gather transaction, from the store and those reads only: the
+   tasks the wake shows and the verdict);
 6. `settle` (async, after every gathering attempt and every tick: follow-up work such as the operator's hook).
 `run` is started in the executor's task group (background work for as long as the service runs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from channel.messages import TaskResult, Verdict
 from kernel.backends.base import JobSpec
-from kernel.core.records import SleepRow
+from kernel.backends.jobscript import ExitRecord
+from kernel.core.records import JobRow, SleepRow
 from kernel.service.executor import SleepOrder
+
+
+@dataclass(frozen=True, slots=True)
+class RunFiles:
+    """What `judge` reads of one task's run directory (read before the gather's store step, which uses sqlite
+    only): its exit record, its stdout and, when its score stage ran, the scorer's stdout."""
+
+    exit: ExitRecord | None
+    stdout: str
+    score_stdout: str | None = None
+
+
+# (launch, task) -> its run directory's files; a task without one (never handed over) is absent.
+Runs = Mapping[tuple[str, int], RunFiles]
 
 
 class Evaluation(Protocol):
@@ -36,8 +55,10 @@ class Evaluation(Protocol):
 
     def forget(self, order: SleepOrder) -> None: ...
 
+    def read_runs(self, jobs: Sequence[JobRow]) -> Runs: ...
+
     def judge(
-        self, sleep: SleepRow, tasks: tuple[TaskResult, ...]
+        self, sleep: SleepRow, tasks: tuple[TaskResult, ...], runs: Runs
     ) -> tuple[tuple[TaskResult, ...], Verdict | None]: ...
 
     async def settle(self) -> None: ...
@@ -60,8 +81,11 @@ class PlainSleeps:
     def forget(self, order: SleepOrder) -> None:
         return None
 
+    def read_runs(self, jobs: Sequence[JobRow]) -> Runs:
+        return {}
+
     def judge(
-        self, sleep: SleepRow, tasks: tuple[TaskResult, ...]
+        self, sleep: SleepRow, tasks: tuple[TaskResult, ...], runs: Runs
     ) -> tuple[tuple[TaskResult, ...], Verdict | None]:
         return tasks, None
 

@@ -30,6 +30,7 @@ import logging
 from typing import Final
 
 import anyio
+import anyio.to_thread
 
 from channel.messages import JobRef
 from kernel.backends.base import RunnableBackend, TaskExit
@@ -92,7 +93,7 @@ class RealExecutor:
     # --- the Executor protocol ------------------------------------------------------------------------
 
     async def recover(self) -> None:
-        await self.worker.call(self._setup)
+        await anyio.to_thread.run_sync(self._setup)  # the kernel's own directories: no store step
         found = await self.backend.recover(self.cfg.paths.run_dir)
         klog.event(
             "backend_recovered",
@@ -109,7 +110,7 @@ class RealExecutor:
         try:
             refs = await self.dispatcher.dispatch(order)
             # Tasks that ended while the kernel was down (or before their ids were recorded), and a checkpoint.
-            await self.worker.call(self.tracker.sweep_sleep, key, seq)
+            await self.tracker.sweep([(key, seq)])
             await self._gather(key, seq)
             return refs
         finally:
@@ -144,7 +145,7 @@ class RealExecutor:
         await self.evaluation.settle()
 
     async def _tick(self) -> None:
-        for key, seq in await self.worker.call(self.tracker.sweep_all):
+        for key, seq in await self.tracker.sweep_all():
             await self._gather(key, seq)
         for key, seq in await self.worker.call(self.waker.unreleased):
             await self.waker.release(key, seq)

@@ -10,7 +10,8 @@
   not delivered is listed with its reason.
 - `build_wake`: the `Wake` message of a sleep from its task results and the budget after refunds.
 
-Everything here runs on the store worker thread (plain blocking I/O on kernel-owned files and one channel fd).
+Everything here is plain blocking I/O on kernel-owned files and one channel fd, so it never runs in a store step
+(kernel.io.stepguard): in the heavy pool, the channel I/O pool (`read_tail`) or a plain thread.
 """
 
 from __future__ import annotations
@@ -307,9 +308,23 @@ def backend_hint(task_dir: Path, hint_of: HintOf) -> str | None:
         return None
 
 
+def end_hint(task_dir: Path, hint_of: HintOf, outcome_of: OutcomeOf | None = None) -> str | None:
+    """The hint of a task's end as its run directory shows it: the backend's own explanation, else the hint of the
+    end the backend reads (`outcome_of`: the row of the state the task was recorded with), else the exit record's
+    row; None when no end is recorded there."""
+    # The backend's reading first: it also knows an end it could not write down (a full disk).
+    read = None if outcome_of is None else outcome_of(task_dir)
+    if read is None and (rec := jobscript.read_exit(task_dir)) is not None:
+        read = outcome(rec)
+    if read is None:
+        return None
+    return backend_hint(task_dir, hint_of) or read.hint
+
+
 @dataclass(frozen=True, slots=True)
 class TaskFiles:
-    """What was delivered of one task: its artifacts (and those skipped) and its two logs."""
+    """What was delivered of one task: its artifacts (and those skipped) and its two logs; and the hint of its end
+    (`end_hint`), read from its run directory with them."""
 
     artifacts: tuple[Artifact, ...] = ()
     skipped: tuple[SkippedArtifact, ...] = ()
@@ -317,6 +332,7 @@ class TaskFiles:
     stderr: LogScan | None = None
     stdout_log: LogFile | None = None
     stderr_log: LogFile | None = None
+    hint: str | None = None
 
 
 def deliver_task(
@@ -340,24 +356,15 @@ def task_result(
     task_dir: Path | None,
     elapsed_s: float | None,
     files: TaskFiles,
-    hint_of: HintOf,
-    outcome_of: OutcomeOf | None = None,
     environment_mode: str = "none",
 ) -> TaskResult:
-    """The task as the wake shows it; its hint is the backend's own explanation, else the hint of the end the
-    backend reads (`outcome_of`: the row of the state the task was recorded with), else the exit record's row;
-    a plain failure whose stderr shows a missing import gets that import's hint (`environment_mode`: what the
-    kernel builds jobs' environments from)."""
-    hint: str | None = None
-    if task_dir is not None:
-        # The backend's reading first: it also knows an end it could not write down (a full disk).
-        read = None if outcome_of is None else outcome_of(task_dir)
-        if read is None and (rec := jobscript.read_exit(task_dir)) is not None:
-            read = outcome(rec)
-        if read is not None:
-            hint = backend_hint(task_dir, hint_of) or read.hint
-    elif job.state == "CANCELLED":
-        hint = HINT_CANCELLED_EARLY
+    """The task as the wake shows it (pure: its files were read already, so this runs in a store step); its hint
+    is its end's (`files.hint`), a task never handed over (`task_dir` None) that was cancelled has the hint of
+    that, and a plain failure whose stderr shows a missing import gets that import's hint (`environment_mode`:
+    what the kernel builds jobs' environments from)."""
+    hint = files.hint
+    if task_dir is None:
+        hint = HINT_CANCELLED_EARLY if job.state == "CANCELLED" else None
     if hint == HINT_FAILED and files.stderr is not None:
         hint = import_hint(files.stderr.tail, environment_mode) or hint
     return TaskResult(

@@ -316,7 +316,7 @@ class Service:
                 self._to_look(row)
         return self.store.workspaces()
 
-    def _startup(self) -> tuple[list[WorkspaceRow], _Admission]:
+    def _startup(self, mounts: list[tuple[str, str]]) -> tuple[list[WorkspaceRow], _Admission]:
         """(store worker) After the start's enrollment (`Enroller.enroll`): the rows with this start's watch mode and
         policy, and the admission of their channels (`_admit_all`, in the channel look pool: no channel is opened
         here). Reads the store a few times in all, not per workspace."""
@@ -326,7 +326,6 @@ class Service:
         # channels are admitted) is followed at the first tick, not taken as already seen.
         self._data_version = self._read_data_version()
         self._paused = self.store.paused()
-        mounts = read_mounts()
         mount_points = {point for point, _ in mounts}
         fs_of_parent: dict[str, str] = {}
         stored = self.store.workspaces()
@@ -804,7 +803,9 @@ class Service:
                 if fresh is None or self.stopping:
                     return
                 self._fresh = set(fresh)
-                started = await self._retrying(lambda: self.worker.call(self._startup))
+                # The mount table is read before the store step (which uses sqlite only: kernel.io.stepguard).
+                mounts = await anyio.to_thread.run_sync(read_mounts)
+                started = await self._retrying(lambda: self.worker.call(self._startup, mounts))
                 if started is None or self.stopping:
                     return
                 stored, admission = started

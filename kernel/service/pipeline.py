@@ -23,10 +23,12 @@ one call in the channel I/O pool (`kernel.service.chanio`: bounded, one call per
 deadline): open and check the channel, list it or take the names events gave, read the requests; then its sqlite
 step (look-ups, the pure decision in `kernel.core.rules`, the recording transaction) under the store worker's lock
 (`StoreWorker.run_here`: one writer at a time, and no extra hops through the event loop); then write the answers
-and the budget and remove the requests. No channel I/O ever runs on the store worker or under its lock, so a
-workspace whose channel is slow or hung delays nobody else: past `channel_io_deadline_seconds` of channel I/O
-(time spent waiting for the store does not count) its problem shows in `syscall-kernel status`, nothing more is
-started for it until the I/O returns, and other workspaces are served.
+and the budget and remove the requests. A `tail` ends the sqlite step at it: its task's run directory is read in
+the same pool call, then a second step records its answer and decides the rest. A store step uses sqlite only
+(the tests fail any other file call in one: kernel.io.stepguard), so a workspace whose channel or run directory
+is slow or hung delays nobody else: past `channel_io_deadline_seconds` of channel I/O (time spent waiting for
+the store does not count) its problem shows in `syscall-kernel status`, nothing more is started for it until the
+I/O returns, and other workspaces are served.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from channel.paths import ChannelPaths, RunPaths
 from kernel.core import ledger, rules
 from kernel.core.budget import Balance
 from kernel.core.config import Config, LiveConfig
-from kernel.core.records import RequestRow, SleepRow, WorkspaceRow
+from kernel.core.records import JobRow, RequestRow, SleepRow, WorkspaceRow
 from kernel.io import crash, metrics
 from kernel.io.enroll import OwnedElsewhere, kernel_ref, owner_of, write_budget
 from kernel.io.log import event
@@ -156,6 +158,29 @@ class _Recorded:
     budget: tuple[Balance, str, int] | None = None  # the balance, when, its stamp (kernel.io.budgetorder)
     cont: Continuation | None = None
     left: list[str] = field(default_factory=list)
+    # A new `tail` whose task was found: the step ends at it, its run directory is read outside the store's lock,
+    # and the next step records its answer and decides `rest`, the reads after it.
+    look: _TailLook | None = None
+    rest: list[_Read] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _TailLook:
+    """A `tail` as the store answers it: the sleep and the task it names (`rules.tail_target`)."""
+
+    read: _Read
+    digest: str
+    req: TailRequest
+    sleep_id: str
+    job: JobRow
+
+
+@dataclass(frozen=True, slots=True)
+class _TailSeen:
+    """What a `tail` found in its task's run directory: the log so far, and whether the task has started."""
+
+    live: gather.LiveTail
+    started: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,15 +509,21 @@ class Pipeline:
 
     def _whole_turn(self, ws: WorkspaceRow, t: _Turn) -> _TurnDone:
         """One pool call (two thread hops, as when the store worker did it all): read, then the store step
-        under the store worker's lock (`run_here`; the deadline pauses meanwhile), then deliver. Every answer is
-        committed before its file is written and its request removed, so a kill anywhere in between replays
-        the stored answer (exactly once)."""
+        under the store worker's lock (`run_here`; the deadline pauses meanwhile), then deliver. A `tail` splits
+        the store step in two: its task's run directory is read between them, here, never under the lock (on
+        Slurm it is a shared filesystem that can hang). Every answer is committed before its file is written and
+        its request removed, so a kill anywhere in between replays the stored answer (exactly once)."""
         taken = self._take(ws, t)
         try:
             if not taken.reads and ws.key not in self._problems:
                 return _TurnDone(taken.relist)
             with store_step():
-                rec = self.worker.run_here(self._timed, self._record, ws, taken.reads)
+                rec = self.worker.run_here(self._timed, self._record, ws, taken.reads, _Recorded())
+            while rec.look is not None:
+                # The run directory: in this call, so in its deadline, and outside the store's lock.
+                seen = _look_at(rec.look)
+                with store_step():
+                    rec = self.worker.run_here(self._timed, self._record_tail, ws, seen, rec)
             answered = 0
             if rec.deliveries or rec.budget is not None:
                 answered = self._deliver_all(ws, taken.ch, rec)
@@ -642,17 +673,29 @@ class Pipeline:
 
     # --- the store part of a turn (store worker) ------------------------------------------------------------
 
-    def _record(self, ws: WorkspaceRow, reads: list[_Read]) -> _Recorded:
-        """Decide and record each request read, in order, up to the first that goes on to the executor (the
-        rest are read again after it)."""
-        rec = _Recorded()
+    def _record(self, ws: WorkspaceRow, reads: list[_Read], rec: _Recorded) -> _Recorded:
+        """Decide and record each request read, in order, into `rec`, up to the first that goes on to the
+        executor (the rest are read again after it) or a new `tail` (`rec.look`; the rest are decided after it,
+        in the step that records its answer)."""
         self._clear_problem(ws)
         for i, r in enumerate(reads):
             self._decide(ws, r, rec)
             if rec.cont is not None:
                 rec.left = [x.rid for x in reads[i + 1 :]]
                 break
+            if rec.look is not None:
+                rec.rest = reads[i + 1 :]
+                break
         return rec
+
+    def _record_tail(self, ws: WorkspaceRow, seen: _TailSeen, rec: _Recorded) -> _Recorded:
+        """Record the answer of the `tail` whose run directory was read (`seen`), then decide the reads after it."""
+        look, rest = rec.look, rec.rest
+        assert look is not None
+        rec.look, rec.rest = None, []
+        answer = encode(_tail_answer(look, seen))
+        self._record_read_only(rec, ws, look.read, look.digest, "tail", answer, "tail")
+        return self._record(ws, rest, rec)
 
     def _set_problem(self, ws: WorkspaceRow, problem: str) -> None:
         if self._problems.get(ws.key) != problem:
@@ -794,16 +837,20 @@ class Pipeline:
                     self._record_answer(ws.key, rid, digest, _verb(decoded), now, answer)
                     self._answer(rec, ws, r, answer, f"rejected:{err.code}")
                     return
+                if isinstance(decoded, TailRequest):
+                    try:
+                        rec.look = self._tail_look(ws.key, r, digest, decoded)
+                    except RequestError as err:  # a tail of a task the sleep does not have
+                        answer = encode(rejected(rid, err))
+                        self._record_read_only(rec, ws, r, digest, "tail", answer, f"rejected:{err.code}")
+                    return
                 outcome = _verb(decoded)
                 # Recorded without the WAL's fsync, so the answer is shown a disk flush sooner; `_deliver_all`
                 # syncs the store before the request is removed. A power cut before that leaves the request in
                 # place with no record, and it is answered afresh (read-only: nothing is done twice).
                 rec.unsynced = True
                 with self.store.transaction(durable=False):
-                    try:
-                        answer = encode(self._read_only(ws.key, decoded, received))
-                    except RequestError as err:  # a tail of a task the sleep does not have
-                        answer, outcome = encode(rejected(rid, err)), f"rejected:{err.code}"
+                    answer = encode(self._read_only(ws.key, decoded, received))
                     self.store.insert_request(
                         RequestRow(ws.key, rid, digest, _verb(decoded), now, None, None, answer, now)
                     )
@@ -821,9 +868,20 @@ class Pipeline:
         with self.store.transaction():
             self.store.insert_request(RequestRow(key, rid, digest, kind, now, None, None, answer, now))
 
+    def _record_read_only(
+        self, rec: _Recorded, ws: WorkspaceRow, r: _Read, digest: str, kind: str, answer: bytes, outcome: str
+    ) -> None:
+        """Record a read-only answer without the WAL's fsync (`_deliver_all` syncs it before the request is
+        removed), and deliver it."""
+        now = timestamp(r.received)
+        rec.unsynced = True
+        with self.store.transaction(durable=False):
+            self.store.insert_request(RequestRow(ws.key, r.rid, digest, kind, now, None, None, answer, now))
+        self._answer(rec, ws, r, answer, outcome)
+
     def _read_only(
-        self, key: str, req: StatusRequest | QueueRequest | HistoryRequest | TailRequest, now: float
-    ) -> StatusAnswer | QueueAnswer | HistoryAnswer | TailAnswer:
+        self, key: str, req: StatusRequest | QueueRequest | HistoryRequest, now: float
+    ) -> StatusAnswer | QueueAnswer | HistoryAnswer:
         ws = self.store.workspace(key)
         assert ws is not None
         match req:
@@ -839,34 +897,13 @@ class Pipeline:
                 return rules.history_answer(
                     req.id, [(s, self.store.jobs_of(key, s.seq)) for s in sleeps], commits
                 )
-            case TailRequest():
-                return self._tail(key, req)
 
-    def _tail(self, key: str, req: TailRequest) -> TailAnswer:
-        """A task's output so far, read from its run directory (kernel-owned; the log itself never through a
-        symlink) with a bounded read, so a tail of a 2-hour job costs what a status does."""
+    def _tail_look(self, key: str, r: _Read, digest: str, req: TailRequest) -> _TailLook:
+        """The task a `tail` names, from the store only (its run directory is read after the step)."""
         sleep = self.store.current_sleep(key) or next(iter(self.store.sleeps(key, 1)), None)
         job = rules.tail_target(sleep, self.store.jobs_of(key, sleep.seq) if sleep else [], req)
         assert sleep is not None
-        stream = RunPaths.STDERR if req.stderr else RunPaths.STDOUT
-        live = gather.read_tail(Path(job.run_dir) / stream if job.run_dir else None, req.lines)
-        state = job.state
-        if state == "PENDING" and job.run_dir and (Path(job.run_dir) / RunPaths.STARTED).exists():
-            state = "RUNNING"  # started on its node; the executor's next sweep records it
-        return TailAnswer(
-            protocol=L.PROTOCOL_VERSION,
-            id=req.id,
-            sleep=sleep.id,
-            launch=job.launch,
-            task=job.task,
-            state=state,
-            stream="stderr" if req.stderr else "stdout",
-            text=live.text,
-            lines=live.lines,
-            size=live.size,
-            cut=live.cut,
-            job_id=job.job_id,
-        )
+        return _TailLook(r, digest, req, sleep.id, job)
 
     def _sleep(
         self, ws: WorkspaceRow, rec: _Recorded, r: _Read, digest: str, req: SleepRequest, now: str
@@ -1164,6 +1201,36 @@ class Pipeline:
                 resumed += 1
                 await self._start(self._resume(row), spawn)
         return resumed
+
+
+def _look_at(look: _TailLook) -> _TailSeen:
+    """A task's output so far, read from its run directory (kernel-owned; the log itself never through a
+    symlink) with a bounded read, so a tail of a 2-hour job costs what a status does. Never in a store step."""
+    run_dir = look.job.run_dir
+    if not run_dir:
+        return _TailSeen(gather.read_tail(None, look.req.lines), False)
+    stream = RunPaths.STDERR if look.req.stderr else RunPaths.STDOUT
+    live = gather.read_tail(Path(run_dir) / stream, look.req.lines)
+    return _TailSeen(live, look.job.state == "PENDING" and (Path(run_dir) / RunPaths.STARTED).exists())
+
+
+def _tail_answer(look: _TailLook, seen: _TailSeen) -> TailAnswer:
+    job, req = look.job, look.req
+    # A PENDING task whose `started` is there started on its node; the executor's next sweep records it.
+    return TailAnswer(
+        protocol=L.PROTOCOL_VERSION,
+        id=req.id,
+        sleep=look.sleep_id,
+        launch=job.launch,
+        task=job.task,
+        state="RUNNING" if seen.started else job.state,
+        stream="stderr" if req.stderr else "stdout",
+        text=seen.live.text,
+        lines=seen.live.lines,
+        size=seen.live.size,
+        cut=seen.live.cut,
+        job_id=job.job_id,
+    )
 
 
 def _verb(req: StatusRequest | QueueRequest | HistoryRequest | TailRequest) -> str:

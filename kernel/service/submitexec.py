@@ -20,8 +20,9 @@ launch's). Here:
   it through the verified path when it is not (kernel.io.repo.import_base); a base the agent's `.git` cannot
   give intact refuses the sleep with `snapshot.failed`, nothing charged.
 - `run` (for as long as the service runs) holds each workspace's recorded base once per start (`_upgrade`).
-- `judge` (inside the gather transaction) reads each run's stdout (or its score stage's) from its run
-  directory, decides the verdict (`evaluate.decide`, `kernel.core.paired`), stores it exactly with the report and,
+- `read_runs` (heavy pool, before the gather transaction) reads each evaluation run's exit record and stdout
+  (and its score stage's) from its run directory; `judge` (inside the gather transaction, sqlite only) decides
+  from them the verdict (`evaluate.decide`, `kernel.core.paired`), stores it exactly with the report and,
   when the base was measured, the measurement; the wake gets what `[verdicts] disclosure` shows of it
   (`kernel.core.disclosure`, its state moved in the same transaction). The wake shows every evaluation run as a task labelled by a kernel hint;
   a seed that a run's own output printed is blanked from its tails (the seeds stay private).
@@ -61,6 +62,7 @@ from kernel.io import repo as R
 from kernel.io import submit as S
 from kernel.io.snapshot import SnapshotError
 from kernel.io.store import StoreWorker, timestamp
+from kernel.service.evaluation import RunFiles, Runs
 from kernel.service.executor import SleepOrder
 from kernel.service.heavy import HeavyPool
 
@@ -389,8 +391,23 @@ class SubmitEvaluation:
 
     # --- gathering ----------------------------------------------------------------------------------------
 
+    def read_runs(self, jobs: Sequence[JobRow]) -> Runs:
+        """(heavy pool; no store) The run directories of the evaluation runs among `jobs`, as `judge` reads them."""
+        runs: dict[tuple[str, int], RunFiles] = {}
+        for j in jobs:
+            if j.launch not in E.EVAL_LAUNCHES or j.run_dir is None:
+                continue
+            rec = read_exit(Path(j.run_dir))
+            scored = rec is not None and rec.score_code is not None
+            runs[(j.launch, j.task)] = RunFiles(
+                rec,
+                read_stdout(j.run_dir),
+                read_stdout(j.run_dir, RunPaths.SCORE_STDOUT) if scored else None,
+            )
+        return runs
+
     def judge(
-        self, sleep: SleepRow, tasks: tuple[TaskResult, ...]
+        self, sleep: SleepRow, tasks: tuple[TaskResult, ...], runs: Runs
     ) -> tuple[tuple[TaskResult, ...], Verdict | None]:
         if sleep.submit is None:
             return tasks, None
@@ -400,7 +417,7 @@ class SubmitEvaluation:
             return tasks, None
         every = self.store.jobs_of(key, seq)
         rows = [j for j in every if j.launch in E.EVAL_LAUNCHES]
-        verdict, public = self._verdict(plan, rows, only_submit=len(rows) == len(every))
+        verdict, public = self._verdict(plan, rows, runs, only_submit=len(rows) == len(every))
         shown = tuple(self._label(t, plan) for t in tasks)
         report = _submit_decoder.decode(sleep.submit).report
         # The exact verdict is the operator's (history --verdicts, the hook); the wake gets what the disclosure
@@ -424,7 +441,7 @@ class SubmitEvaluation:
         return shown, disclosed
 
     def _verdict(
-        self, plan: S.Plan, rows: list[JobRow], *, only_submit: bool
+        self, plan: S.Plan, rows: list[JobRow], runs: Runs, *, only_submit: bool
     ) -> tuple[Verdict, tuple[float, bool] | None]:
         """The exact verdict, and thresholdout's public estimate (evaluate.public_estimate) where there is one."""
         c = plan.contract
@@ -451,16 +468,16 @@ class SubmitEvaluation:
         assert plan.base_commit is not None
         assert plan.base_tree is not None
         by_task = sorted(rows, key=lambda j: j.task)
-        cand = [_run_of(j) for j in by_task if j.launch == E.EVAL_CANDIDATE]
+        cand = [_run_of(j, runs) for j in by_task if j.launch == E.EVAL_CANDIDATE]
         base: list[E.EvalRun] | list[Decimal]
         if plan.decision == "reuse":
             assert plan.reused_values is not None
             base = list(plan.reused_values)
         else:
-            runs = [_run_of(j) for j in by_task if j.launch == E.EVAL_BASE]
-            base = runs
+            measured = [_run_of(j, runs) for j in by_task if j.launch == E.EVAL_BASE]
+            base = measured
             try:
-                values = tuple(E.measure(r, c) for r in runs)
+                values = tuple(E.measure(r, c) for r in measured)
             except E.MetricError:
                 pass
             else:
@@ -479,7 +496,7 @@ class SubmitEvaluation:
             seeds_from_seq=plan.seeds_from_seq,
             protected_changed=plan.protected_changed,
             shadows_removed=(plan.removed.paths, plan.removed.count),
-            scorer_unseen=_unseen(plan, rows),
+            scorer_unseen=_unseen(plan, rows, runs),
         )
         return exact, E.public_estimate(c, base, cand, seeds=plan.seeds, base_tree=plan.base_tree)
 
@@ -571,7 +588,7 @@ def _protected_changed(
         return (), S.Removed()
 
 
-def _unseen(plan: S.Plan, rows: list[JobRow]) -> tuple[tuple[SidePath, ...], int]:
+def _unseen(plan: S.Plan, rows: list[JobRow], runs: Runs) -> tuple[tuple[SidePath, ...], int]:
     """The paths of the sides' trees that the score stage's copy left out (from each run's exit record, the
     wrapper's list): the distinct ones (up to S.PATHS_KEPT), and the most that one run's copy left out."""
     if plan.contract.score is None:
@@ -579,7 +596,8 @@ def _unseen(plan: S.Plan, rows: list[JobRow]) -> tuple[tuple[SidePath, ...], int
     shown: dict[SidePath, None] = {}
     count = 0
     for row in sorted(rows, key=lambda j: (j.launch, j.task)):
-        rec = None if row.run_dir is None else read_exit(Path(row.run_dir))
+        got = runs.get((row.launch, row.task))
+        rec = None if got is None else got.exit
         if rec is None:
             continue
         side: Literal["base", "candidate"] = "base" if row.launch == E.EVAL_BASE else "candidate"
@@ -609,15 +627,17 @@ def _legacy_refs_once(repo: R.KernelRepo, path: str) -> list[str]:
     return found
 
 
-def _run_of(row: JobRow) -> E.EvalRun:
-    rec = None if row.run_dir is None else read_exit(Path(row.run_dir))
-    score_code = None if rec is None else rec.score_code
+def _run_of(row: JobRow, runs: Runs) -> E.EvalRun:
+    got = runs.get((row.launch, row.task))
+    if got is None:  # never handed over: no run directory
+        return E.EvalRun(exit_code=row.exit_code, stdout="", state=row.state)
+    score_code = None if got.exit is None else got.exit.score_code
     return E.EvalRun(
         exit_code=row.exit_code,
-        stdout=read_stdout(row.run_dir),
+        stdout=got.stdout,
         state=row.state,
         score_code=score_code,
-        score_stdout=None if score_code is None else read_stdout(row.run_dir, RunPaths.SCORE_STDOUT),
+        score_stdout=None if score_code is None else got.score_stdout,
     )
 
 

@@ -16,6 +16,7 @@ for a channel that is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -39,7 +40,7 @@ from kernel.io.repo import KernelRepo, RepoError, snapshot_ref
 from kernel.io.snapshot import release_sync
 from kernel.io.store import StoreWorker, timestamp
 from kernel.service import gather
-from kernel.service.evaluation import Evaluation
+from kernel.service.evaluation import Evaluation, Runs
 from kernel.service.gather import job_order
 from kernel.service.heavy import HeavyPool
 
@@ -124,7 +125,8 @@ class Waker:
             why = "not delivered: the operator unenrolled the workspace"
             for j in jobs:
                 skipped = gather.TaskFiles(skipped=tuple(SkippedArtifact(a, why) for a in j.artifacts))
-                results.append((j, *self._ended(j), skipped))
+                tdir, elapsed = self._ended(j)
+                results.append((j, tdir, elapsed, self._with_hint(skipped, tdir)))
             return results
         try:
             with safefs.open_channel(ws.path, ws.identity) as ch:
@@ -140,14 +142,23 @@ class Waker:
                                 SkippedArtifact(a, "not collected: the task never ran") for a in j.artifacts
                             )
                         )
-                    results.append((j, tdir, elapsed, files))
+                    results.append((j, tdir, elapsed, self._with_hint(files, tdir)))
         except (safefs.ChannelMoved, safefs.Refused, OSError) as e:
             # Retried at every tick until the channel is usable again; logged once per problem.
             self._problem("gather_deferred", key, seq, f"{type(e).__name__}: {e}")
             return None
         return results
 
-    def _record_gather(self, key: str, seq: int, results: list[Collected]) -> bool:
+    def _with_hint(self, files: gather.TaskFiles, tdir: Path | None) -> gather.TaskFiles:
+        """(heavy pool) `files` with the hint of the task's end, read from its run directory here: the store step
+        that records the wake (`_record_gather`) uses sqlite only."""
+        if tdir is None:
+            return files
+        return dataclasses.replace(
+            files, hint=gather.end_hint(tdir, self.backend.hint_of, self.backend.outcome_of)
+        )
+
+    def _record_gather(self, key: str, seq: int, results: list[Collected], runs: Runs) -> bool:
         """(store worker) Record the wake and the refunds (the sleep -> gathered)."""
         woken_at = timestamp()
         with self.store.transaction():
@@ -168,18 +179,8 @@ class Waker:
                 refunded += settled.refunded_gpu_s
                 # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
                 self.store.release_job(key, seq, cur.launch, cur.task)
-                tasks.append(
-                    gather.task_result(
-                        cur,
-                        tdir,
-                        elapsed,
-                        files,
-                        self.backend.hint_of,
-                        self.backend.outcome_of,
-                        self.cfg.environment.mode,
-                    )
-                )
-            shown, verdict = self.evaluation.judge(sleep, tuple(tasks))
+                tasks.append(gather.task_result(cur, tdir, elapsed, files, self.cfg.environment.mode))
+            shown, verdict = self.evaluation.judge(sleep, tuple(tasks), runs)
             exec_row = self.store.exec_sleep(key, seq)
             wake = gather.build_wake(
                 sleep_id=sleep.id,
@@ -315,7 +316,11 @@ class Waker:
             if got is not True:
                 ws, jobs, unenrolled = got
                 results = await self.heavy.run(key, self._collect, ws, seq, jobs, unenrolled)
-                if results is None or not await self.worker.call(self._record_gather, key, seq, results):
+                if results is None:
+                    return
+                # What the verdict needs of the runs' directories: read here, not in the gather's store step.
+                runs = await self.heavy.run(key, self.evaluation.read_runs, jobs)
+                if not await self.worker.call(self._record_gather, key, seq, results, runs):
                     return
             crash_point("gathered")
             if await self._write_wake(key, seq):

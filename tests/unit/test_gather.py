@@ -128,8 +128,9 @@ def test_the_wake_hint_follows_the_end_the_backend_reads(tmp_path: Path) -> None
     assert out is not None
     assert out.state == "OUT_OF_MEMORY"
     job = JobRow("w-1", 3, "train", 0, 1, 0, "x", 10, 0, (), "", 0, out.state, exit_code=137, signal=9)
-    got = gather.task_result(job, tmp_path, 1.0, gather.TaskFiles(), S.hint_of, S.outcome_of)
+    hint = gather.end_hint(tmp_path, S.hint_of, S.outcome_of)
+    got = gather.task_result(job, tmp_path, 1.0, gather.TaskFiles(hint=hint))
     assert (got.state, got.hint) == ("OUT_OF_MEMORY", exits.HINT_OOM)
-    assert gather.task_result(job, tmp_path, 1.0, gather.TaskFiles(), S.hint_of).hint == (
-        "the command was killed by SIGKILL"
+    assert (
+        gather.end_hint(tmp_path, S.hint_of) == "the command was killed by SIGKILL"
     )  # the exit record's row alone
