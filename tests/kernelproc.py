@@ -165,16 +165,22 @@ class Kernel:
         self.cli("enroll", str(ws), *args)
 
     def start(
-        self, env: dict[str, str] | None = None, *, wait_ready: bool = True, prefix: list[str] | None = None
+        self,
+        env: dict[str, str] | None = None,
+        *,
+        wait_ready: bool = True,
+        prefix: list[str] | None = None,
+        python: str = sys.executable,
     ) -> subprocess.Popen[bytes]:
-        """Start `serve`; `prefix` is a command that execs the kernel (e.g. into its own mount namespace)."""
+        """Start `serve` with `python`; `prefix` is a command that execs the kernel (e.g. into its own mount
+        namespace)."""
         self._log_file = open(self.log, "ab")  # noqa: SIM115 - closed in stop()/kill()
         full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
         # Every store step of a test's kernel uses sqlite only, or that call fails (kernel.io.stepguard).
         full_env.setdefault(STORE_GUARD, "1")
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", "kernel.cli", "serve", "--config", str(self.config)],
+            [*(prefix or []), python, "-m", "kernel.cli", "serve", "--config", str(self.config)],
             cwd=self.root,
             stdout=self._log_file,
             stderr=self._log_file,

@@ -317,8 +317,8 @@ def bwrap_problem() -> str | None:
     detail = "did not answer" if probe is None else (probe.stderr.strip().splitlines() or ["?"])[-1]
     return (
         f"bwrap cannot make its namespaces here: {detail} (sysctl kernel.unprivileged_userns_clone=1, or "
-        "kernel.apparmor_restrict_unprivileged_userns=0; under systemd, a unit setting that hides /proc/sys or "
-        "forbids AF_NETLINK sockets)"
+        "kernel.apparmor_restrict_unprivileged_userns=0; under systemd, a unit setting that hides /proc/sys, "
+        "mounts over part of /proc (ProtectKernelTunables=, ProtectKernelLogs=) or forbids AF_NETLINK sockets)"
     )
 
 

