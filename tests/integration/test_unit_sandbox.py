@@ -58,25 +58,44 @@ def base() -> Iterator[Path]:
 def python(base: Path, can_emulate: None) -> str:
     """An interpreter INSTANCE can run that imports this checkout's kernel: the test's own, or (where it lies
     under root's home, as pyenv's does) the system's of the same version with a venv that adds the test's
-    site-packages (where the kernel is installed, editable)."""
-    candidates = [sys.executable]
-    system = Path(f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}")
-    if system.exists():
-        shim = base / "python"
-        subprocess.run([str(system), "-m", "venv", "--without-pip", str(shim)], check=True, timeout=120)
-        here = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
-        there = shim / "lib" / system.name / "site-packages"
-        (there / "test-site.pth").write_text(f"import site; site.addsitedir({str(here)!r})\n")
-        candidates.append(str(shim / "bin" / "python"))
-    tried = []
-    for exe in candidates:
+    site-packages (where the kernel is installed, editable), or, where the checkout itself is out of
+    INSTANCE's reach, that venv with a copy of the site-packages and of the kernel's packages."""
+    tried: list[str] = []
+
+    def runs(exe: str) -> bool:
         # The resolved file, searched for as the user (here an exec of pyenv's venv symlink succeeded as that
         # user outside the sandbox, and failed inside, where /root is searched as the mode says).
         real = os.path.realpath(exe)
         done = as_instance("sh", "-c", f"test -x {real} && exec {exe} -c 'import kernel.cli'", cwd=Path("/"))
-        if done.returncode == 0:
-            return exe
-        tried.append(f"{exe}: {done.stderr.strip()[-200:]}")
+        if done.returncode != 0:
+            tried.append(f"{exe}: {done.stderr.strip()[-200:]}")
+        return done.returncode == 0
+
+    if runs(sys.executable):
+        return sys.executable
+    system = Path(f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}")
+    if system.exists():
+        here = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
+        shim = base / "python"
+        subprocess.run([str(system), "-m", "venv", "--without-pip", str(shim)], check=True, timeout=120)
+        there = shim / "lib" / system.name / "site-packages"
+        (there / "test-site.pth").write_text(f"import site; site.addsitedir({str(here)!r})\n")
+        if runs(str(shim / "bin" / "python")):
+            return str(shim / "bin" / "python")
+        copy = base / "python-copy"
+        subprocess.run([str(system), "-m", "venv", "--without-pip", str(copy)], check=True, timeout=120)
+        there = copy / "lib" / system.name / "site-packages"
+        skip = shutil.ignore_patterns("__editable__*", "__pycache__")
+        shutil.copytree(here, there, symlinks=True, dirs_exist_ok=True, ignore=skip)
+        src = copy / "src"  # inside the venv: the sandbox binds that directory only
+        for package in ("kernel", "channel", "tool"):
+            shutil.copytree(U.ROOT / package, src / package, ignore=skip)
+        (there / "test-src.pth").write_text(f"{src}\n")
+        for tool in ("uv", "uvx"):  # the environment builder, found beside the interpreter
+            if (Path(sys.executable).parent / tool).exists():
+                shutil.copy2(Path(sys.executable).parent / tool, copy / "bin" / tool)
+        if runs(str(copy / "bin" / "python")):
+            return str(copy / "bin" / "python")
     need("an interpreter the unit's user can run", False, "; ".join(tried))
     raise AssertionError("unreachable")
 
