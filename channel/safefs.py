@@ -132,8 +132,8 @@ def open_dir(path: str | os.PathLike[str]) -> int:
     return os.open(text, _DIR_FLAGS)
 
 
-def _open_subdir(dir_fd: int, name: str, uid: int, shown_as: str) -> int:
-    """Open `name` under `dir_fd` as a directory owned by `uid`, or raise Refused."""
+def _open_subdir_st(dir_fd: int, name: str, uid: int, shown_as: str) -> tuple[int, os.stat_result]:
+    """Open `name` under `dir_fd` as a directory owned by `uid` (the fd and its stat), or raise Refused."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -146,7 +146,12 @@ def _open_subdir(dir_fd: int, name: str, uid: int, shown_as: str) -> int:
     if st.st_uid != uid:
         os.close(fd)
         raise Refused(f"owned by uid {st.st_uid}, not {uid}", shown_as)
-    return fd
+    return fd, st
+
+
+def _open_subdir(dir_fd: int, name: str, uid: int, shown_as: str) -> int:
+    """Open `name` under `dir_fd` as a directory owned by `uid`, or raise Refused."""
+    return _open_subdir_st(dir_fd, name, uid, shown_as)[0]
 
 
 def _open_workspace(workspace: str) -> int:
@@ -285,18 +290,11 @@ class Channel:
     def subdir(self, name: str) -> int:
         """An fd of the direct subdirectory `name` (not followed if a symlink, same owner, and where enrollment
         recorded it, the very directory it recorded: else SubdirReplaced); the caller closes it."""
-        fd = _open_subdir(self.fd, check_name(name), self.identity.uid, name)
+        fd, st = _open_subdir_st(self.fd, check_name(name), self.identity.uid, name)
         recorded = self.identity.subdir(name)
-        if recorded is not None:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != recorded:
-                os.close(fd)
-                raise SubdirReplaced(
-                    f"{self.workspace}/{CHANNEL_DIR}/{name} was replaced since enrollment (device {st.st_dev}, "
-                    f"inode {st.st_ino}; enrolled: device {recorded[0]}, inode {recorded[1]}); this workspace "
-                    f"is not served and its requests are kept until the operator checks it and runs "
-                    f"`syscall-kernel enroll {self.workspace}` to adopt the new directory"
-                )
+        if recorded is not None and (st.st_dev, st.st_ino) != recorded:
+            os.close(fd)
+            raise self._replaced(name, st, recorded)
         return fd
 
     def found_subdirs(self) -> tuple[tuple[str, int, int], ...]:
@@ -312,9 +310,27 @@ class Channel:
         return tuple(found)
 
     def check_subdirs(self) -> None:
-        """Raise SubdirReplaced (or Refused) unless every recorded subdirectory is still the one recorded."""
-        for sub, _dev, _ino in self.identity.subdirs:
-            os.close(self.subdir(sub))
+        """Raise SubdirReplaced (or Refused) unless every recorded subdirectory is still the one recorded: one
+        `fstatat` each (no symlink followed), the same judgement as `subdir` makes of the fd it opens."""
+        for sub, dev, ino in self.identity.subdirs:
+            try:
+                st = os.stat(check_name(sub), dir_fd=self.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise Refused("missing", sub) from None
+            if not stat.S_ISDIR(st.st_mode):
+                raise Refused("not a directory", sub)
+            if st.st_uid != self.identity.uid:
+                raise Refused(f"owned by uid {st.st_uid}, not {self.identity.uid}", sub)
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                raise self._replaced(sub, st, (dev, ino))
+
+    def _replaced(self, name: str, st: os.stat_result, recorded: tuple[int, int]) -> SubdirReplaced:
+        return SubdirReplaced(
+            f"{self.workspace}/{CHANNEL_DIR}/{name} was replaced since enrollment (device {st.st_dev}, "
+            f"inode {st.st_ino}; enrolled: device {recorded[0]}, inode {recorded[1]}); this workspace "
+            f"is not served and its requests are kept until the operator checks it and runs "
+            f"`syscall-kernel enroll {self.workspace}` to adopt the new directory"
+        )
 
     def list_requests(self) -> tuple[list[str], list[str]]:
         """(committed request ids, sorted; junk names to remove, sorted). In-flight temp files are neither."""

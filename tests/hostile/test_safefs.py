@@ -32,6 +32,7 @@ from channel.safefs import (
     ChannelMoved,
     Identity,
     Refused,
+    SubdirReplaced,
     copy_atomic_at,
     open_channel,
     open_dir,
@@ -181,6 +182,37 @@ def test_a_subdirectory_owned_by_someone_else_is_refused(ch: Channel, ws: Path) 
     with pytest.raises(Refused, match="owned by uid"):
         ch.write_file(ChannelPaths.WAKES, "s.json", b"{}")
     assert os.listdir(chan(ws) / ChannelPaths.WAKES) == []
+
+
+@pytest.mark.parametrize("swap", ["other-directory", "symlink-to-it", "fifo", "gone", "other-owner"])
+def test_check_subdirs_refuses_a_subdirectory_that_is_not_the_one_recorded(
+    ch: Channel, ws: Path, outside: Path, swap: str
+) -> None:
+    """The per-turn check (one fstatat each) judges as an open of the subdirectory would: a new directory under
+    the name is SubdirReplaced; a symlink (even to the recorded directory), a FIFO, nothing, or another owner
+    is refused, and nothing is followed."""
+    ch.check_subdirs()
+    answers = chan(ws) / ChannelPaths.ANSWERS
+    if swap == "other-owner":
+        if os.geteuid() != 0:
+            pytest.skip("changing a directory's owner needs root")
+        os.chown(answers, ch.identity.uid + 4242, -1)
+        with pytest.raises(Refused, match="owned by uid"):
+            ch.check_subdirs()
+        return
+    answers.rename(outside / "answers")
+    if swap == "other-directory":
+        answers.mkdir()
+        with pytest.raises(SubdirReplaced, match="was replaced since enrollment"):
+            ch.check_subdirs()
+        return
+    if swap == "symlink-to-it":
+        answers.symlink_to(outside / "answers", target_is_directory=True)
+    elif swap == "fifo":
+        os.mkfifo(answers)
+    with pytest.raises(Refused) as e, deadline(5):
+        ch.check_subdirs()
+    assert refusal(e) == ("missing" if swap == "gone" else "not a directory")
 
 
 def test_open_dir_needs_an_absolute_path_and_does_not_follow_a_final_symlink(tmp_path: Path) -> None:
