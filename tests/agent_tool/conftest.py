@@ -7,7 +7,6 @@ run. The versions actually used are printed in the terminal summary.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -15,17 +14,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import jsonschema
 import pytest
-from tool_fake_kernel import FakeKernel
-
-from channel.decode import decode_request
-from channel.messages import Rejected
+from tool_fake_kernel import FakeKernel, assert_requests_valid
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 PYENV_VERSIONS = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")) / "versions"
 OLDEST_SUPPORTED = (3, 8)
-REQUEST_SCHEMA = Path(__file__).resolve().parents[2] / "spec" / "schema" / "v1" / "request.json"
 USED: dict[str, str] = {}  # interpreter path -> its version, for the summary
 
 
@@ -78,21 +72,6 @@ def kernel(tmp_path: Path) -> Iterator[FakeKernel]:
     with fk.running():
         yield fk
     assert_requests_valid(fk)
-
-
-def assert_requests_valid(fk: FakeKernel) -> None:
-    """Every request the tool wrote matches spec/schema/v1/request.json and decodes to a request."""
-    leftovers = [p.name for p in (fk.channel / "requests").iterdir() if p.name.endswith(".tmp")]
-    assert not leftovers, f"half-written requests left behind: {leftovers}"
-    schema = json.loads(REQUEST_SCHEMA.read_text())
-    validator = jsonschema.validators.validator_for(schema)(schema)
-    for stem, data in fk.seen:
-        errors = [e.message for e in validator.iter_errors(json.loads(data))]
-        assert not errors, f"request {stem} does not match {REQUEST_SCHEMA.name}: {errors}\n{data!r}"
-        decoded = decode_request(data, stem)
-        assert not isinstance(decoded, Rejected), (
-            f"request {stem} is rejected by the decoder: {decoded.error}"
-        )
 
 
 @pytest.fixture

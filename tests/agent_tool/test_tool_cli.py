@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_requests_valid
-from tool_fake_kernel import FakeKernel
+from tool_fake_kernel import FakeKernel, assert_requests_valid
 
 from channel.messages import Budget, ErrorInfo, EvalContract, Policy
 

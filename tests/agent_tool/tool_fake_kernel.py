@@ -9,6 +9,7 @@ A thread polls `requests/` and answers each committed request once, then removes
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -18,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import jsonschema
 
 from channel import limits as L
 from channel.decode import RequestError, at_a_time, check_policy, clamp_note, decode_request, rejected
@@ -495,3 +498,21 @@ class FakeKernel:
 
 def is_executable(path: Path) -> bool:
     return bool(path.stat().st_mode & stat.S_IXUSR)
+
+
+REQUEST_SCHEMA = Path(__file__).resolve().parents[2] / "spec" / "schema" / "v1" / "request.json"
+
+
+def assert_requests_valid(fk: FakeKernel) -> None:
+    """Every request the tool wrote matches spec/schema/v1/request.json and decodes to a request."""
+    leftovers = [p.name for p in (fk.channel / "requests").iterdir() if p.name.endswith(".tmp")]
+    assert not leftovers, f"half-written requests left behind: {leftovers}"
+    schema = json.loads(REQUEST_SCHEMA.read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    for stem, data in fk.seen:
+        errors = [e.message for e in validator.iter_errors(json.loads(data))]
+        assert not errors, f"request {stem} does not match {REQUEST_SCHEMA.name}: {errors}\n{data!r}"
+        decoded = decode_request(data, stem)
+        assert not isinstance(decoded, Rejected), (
+            f"request {stem} is rejected by the decoder: {decoded.error}"
+        )
