@@ -383,6 +383,15 @@ def test_an_older_kernels_refs_are_reported_once_and_its_bases_re_imported_throu
     assert {ws.name: fingerprint(ws / ".git") for ws in (good, bad)} == before
 
 
+def twin_reuses_the_first_baseline(e: Env) -> None:
+    """ "one" measures its baseline; its twin "two" (the same base) reuses that measurement."""
+    e.sleeps["one"] = e.submit("one")
+    assert e.wake("one")["verdict"]["baseline_reused"] is False
+    e.sleeps["two"] = e.submit("two")
+    v = e.wake("two")["verdict"]
+    assert (v["outcome"], v["base_value"], v["baseline_reused"]) == ("not_improved", 0.5, True)
+
+
 def test_with_share_baselines_a_twin_reuses_the_measurement(tmp_path: Path, bwrap_available: None) -> None:
     """The operator's opt-in, `[defaults.submit] share_baselines = true` (off by default: see the twin above)."""
     kernel = Kernel(
@@ -396,12 +405,7 @@ def test_with_share_baselines_a_twin_reuses_the_measurement(tmp_path: Path, bwra
         (ws / "result.txt").write_text(WORSE)
     try:
         kernel.start()
-        e = Env(tmp_path, kernel, {"one": one, "two": two})
-        e.sleeps["one"] = e.submit("one")
-        assert e.wake("one")["verdict"]["baseline_reused"] is False
-        e.sleeps["two"] = e.submit("two")
-        v = e.wake("two")["verdict"]
-        assert (v["outcome"], v["base_value"], v["baseline_reused"]) == ("not_improved", 0.5, True)
+        twin_reuses_the_first_baseline(Env(tmp_path, kernel, {"one": one, "two": two}))
         assert kernel.stop() == 0
     finally:
         kernel.ensure_stopped()
@@ -425,12 +429,7 @@ def test_share_baselines_turned_on_by_a_sighup_holds_for_the_next_submits(
         proc.send_signal(signal.SIGHUP)
         kernel.wait_log("event=reloaded", 10)
         assert "changed=defaults.share_baselines" in kernel.log_text()
-        e = Env(tmp_path, kernel, {"one": one, "two": two})
-        e.sleeps["one"] = e.submit("one")
-        assert e.wake("one")["verdict"]["baseline_reused"] is False
-        e.sleeps["two"] = e.submit("two")
-        v = e.wake("two")["verdict"]
-        assert (v["outcome"], v["base_value"], v["baseline_reused"]) == ("not_improved", 0.5, True)
+        twin_reuses_the_first_baseline(Env(tmp_path, kernel, {"one": one, "two": two}))
         assert kernel.stop() == 0
     finally:
         kernel.ensure_stopped()
