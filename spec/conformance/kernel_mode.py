@@ -960,6 +960,9 @@ class KernelRun:
         answer to every sleep and cancel of the runner is still as it was read (their records, and so their
         answers, are kept while the workspace is enrolled), and so is the wake of each workspace's last sleep."""
         name = RETAIN_CHECK
+        if not self.kept:
+            self._add(not_run("2.7", name, "no sleep or cancel of the run was accepted: nothing to judge"))
+            return
         probe = self._id("retention")
         if self._ask(self.main, probe, _compact({"protocol": 1, "id": probe, "type": "status"})) is None:
             self._add(failed("2.7", name, f"no answer to {probe} within {self.opts.deadline:g} s"))

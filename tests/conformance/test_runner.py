@@ -28,7 +28,7 @@ from channel.messages import (
 )
 from channel.render import render_wake
 from spec import SCHEMA_DIR
-from spec.conformance import checks, vectors
+from spec.conformance import checks, cli, vectors
 from spec.conformance.inotify import (
     IN_CLOSE_WRITE,
     IN_CREATE,
@@ -393,3 +393,10 @@ def test_a_bad_vector_file_stops_the_run_before_the_channel_is_touched(tmp_path:
     with pytest.raises(VectorFileError, match=r"x\.json\[0\]: `section` is missing"):
         kernel_mode.KernelRun(opts).run()
     assert sorted(p.name for p in (ws / ".syscall").rglob("*")) == ["answers", "requests", "results", "wakes"]
+
+
+def test_the_help_points_to_the_suites_spec_and_names_every_section_it_checks() -> None:
+    text = cli.parser().format_help()
+    assert "spec/CONFORMANCE.md section 14.4" in text
+    for section in ("(3.5", "(2.7)", "(15.2)", "(15.3"):
+        assert section in text, section
