@@ -641,7 +641,7 @@ class KernelRun:
         the runner for an id of its own before the request is committed (the one thing it puts into `answers/`,
         CONFORMANCE.md 14.4.1). The kernel must leave the request in `requests/`, answer a later request
         meanwhile, and, once the directory is gone and it has looked at the channel again (a request committed
-        after that answered), write the answer and remove the request."""
+        after that answered), write the answer."""
         name = BLOCKED_CHECK
         p, rid = self.main, self._id("blocked")
         request = p.sub(ChannelPaths.REQUESTS) / ChannelPaths.request(rid)
@@ -660,6 +660,8 @@ class KernelRun:
             if not self._commit(p, rid, _compact({"protocol": 1, "id": rid, "type": "status"})):
                 self._add(failed("3.5", name, f"the runner's temp for {rid} vanished before its rename"))
                 return
+            # time for the kernel to meet the obstacle first (one that lists by name would see `later` first)
+            time.sleep(min(0.5, self.opts.deadline))
             later = self._id("blocked-later")
             if self._ask(p, later, _compact({"protocol": 1, "id": later, "type": "status"})) is None:
                 found.append(
@@ -692,12 +694,8 @@ class KernelRun:
             got = problem or f"a `{decoded.__struct_config__.tag}` answer"
             self._add(failed("3.5", name, f"the status request {rid} got {got} once unblocked"))
             return
-        end = time.monotonic() + self.opts.deadline
-        while os.path.lexists(request) and time.monotonic() < end:
-            time.sleep(0.02)
-        if os.path.lexists(request):
-            found.append(f"requests/{request.name} is still there {self.opts.deadline:g} s after its answer")
-        ok = "the request waited, a later one was answered; once unblocked, answered and removed"
+        # its removal, after the answer, is judged with every other request's (3.4, 15.2)
+        ok = "the request waited while a later one was answered; once unblocked, it was answered"
         self._add(_verdict("3.5", name, found, ok))
 
     # --- section 6.3: the codes and paths of stage-6 refusals --------------------------------------------
