@@ -231,6 +231,9 @@ def test_a_request_leaves_only_after_its_answer_and_no_answer_goes_while_it_is_q
     dropped = [commit("c"), answer("c"), removed(req, "c"), commit("c"), removed(ans, "c"), answer("c")]
     dropped.append(removed(req, "c"))
     assert checks.request_answer_order(dropped, req, ans, ["c"]) == checks.Order(early=(), dropped=("c",))
+    # an answer written in place (2.4's fault, not this one's) arrives when its writer closes it
+    rewritten = [commit("f"), Event(ans, "f.json", IN_MODIFY, 0), Event(ans, "f.json", IN_CLOSE_WRITE, 0)]
+    assert checks.request_answer_order([*rewritten, removed(req, "f")], req, ans, ["f"]).early == ()
     # directories named <id>.json (a hostile request, 3.5's obstacle) and other ids are not judged
     staged = [commit("d"), Event(ans, "d.json", IN_DELETE | IN_ISDIR, 4), answer("d"), removed(req, "d")]
     staged += [Event(req, "e.json", IN_MOVED_TO | IN_ISDIR, 5), Event(req, "e.json", IN_DELETE | IN_ISDIR, 6)]
