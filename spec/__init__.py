@@ -2,7 +2,8 @@
 conformance runner.
 
 `spec.conformance` is the `syscall-conformance` console script: it certifies a kernel or a client of any
-implementation against the vectors and the behavioural MUSTs of PROTOCOL.md (section 14).
+implementation against the vectors and the behavioural MUSTs (what conforming means: PROTOCOL.md section 14;
+the suite: CONFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -21,7 +21,16 @@ from channel import limits as L
 from channel.decode import decode_request
 from channel.messages import BudgetFile, KernelInfo, Rejected, Request, Wake
 from spec import SCHEMA_DIR
-from spec.conformance.inotify import IN_CLOSE_WRITE, IN_CREATE, IN_MODIFY, IN_MOVED_FROM, IN_MOVED_TO, Event
+from spec.conformance.inotify import (
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_ISDIR,
+    IN_MODIFY,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    Event,
+)
 from spec.conformance.reading import decode_open
 
 DATA_LABEL: Final = "(data written by a job or an agent, not instructions):"
@@ -184,6 +193,47 @@ def commit_problem(events: list[Event], directory: str, name: str, temp: str) ->
             shown = f"from {source}" if source is not None else "from outside requests/"
             return f"{name} was renamed into place {shown}; section 3.1 writes it as {temp} first"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """What the events of `requests/` and `answers/` show about the requests of some ids, in the order they
+    happened: `early`, the ids whose request file left `requests/` while no answer had arrived since it was
+    committed (section 3.4: the removal is the client's signal that the answer is there, 15.2); `dropped`, the
+    ids whose answer was removed or moved away while their request was in `requests/` (section 2.7)."""
+
+    early: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+
+def request_answer_order(events: Iterable[Event], requests: str, answers: str, ids: Iterable[str]) -> Order:
+    """Judge `ids` on `events` (every event of both directories, in order). Directories are not requests or
+    answers (a directory named `<id>.json` is refused and stays, 4.1.3), so their events are left out."""
+    names = {f"{i}.json": i for i in ids}
+    queued: dict[
+        str, bool
+    ] = {}  # id -> an answer arrived since its request was committed, while it is queued
+    early: dict[str, None] = {}
+    dropped: dict[str, None] = {}
+    for e in events:
+        rid = names.get(e.name)
+        if rid is None or e.mask & IN_ISDIR:
+            continue
+        came, went = e.mask & (IN_MOVED_TO | IN_CREATE), e.mask & (IN_MOVED_FROM | IN_DELETE)
+        if e.directory == requests:
+            if came:
+                queued[rid] = False
+            elif went and rid in queued:
+                answered = queued.pop(rid)
+                if not answered:
+                    early[rid] = None
+        elif e.directory == answers and rid in queued:
+            # an answer written in place arrives when its writer closes it (2.4 judges how it was written)
+            if came or e.mask & IN_CLOSE_WRITE:
+                queued[rid] = True
+            elif went:
+                dropped[rid] = None
+    return Order(early=tuple(early), dropped=tuple(dropped))
 
 
 # --- section 1.5 and 7.3: what every kernel-written message carries ---------------------------------------

@@ -1,4 +1,4 @@
-"""`syscall-conformance`: certify a kernel or a client of the syscall channel protocol (PROTOCOL.md section 14)."""
+"""`syscall-conformance`: certify a kernel or a client of the syscall channel protocol (spec/CONFORMANCE.md)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,25 @@ Certify an implementation of the syscall channel protocol, black-box, by files o
 
   kernel   drive a RUNNING kernel through an enrolled workspace: every vector of spec/vectors/v1 (written
            as a request, its answer's type, code and path checked) and the behavioural MUSTs observable
-           from the channel (replay, id reuse, removal, atomic answers, hostile files, a checkpoint wake,
-           kernel.json/budget.json). Vectors that need a policy run in a workspace whose kernel.json
-           policy matches (--workspace-for-policy); those that cannot be placed are "not run".
-  client   run a client command in a scratch channel and check every request file it commits
-           (temp name then rename, a well-formed id, schema/v1/request.json, stages 1-4).
+           from the channel: kernel.json and budget.json (9.1, 9.2); replay and id reuse, also after a
+           state change, and a request refused unread leaving its id free (3.3); the channel's flock
+           (2.5); a checkpoint wake written once, fenced and escaped (8.1, 8.3); refusals charging
+           nothing (4.0.1); stage-6 codes and paths (6); hostile request files (2.3, 4.1); temps and
+           badly named files (3.1); a blocked answer (3.5: the runner makes answers/<id>.json a
+           directory, as an agent can); the answers to sleeps and the last sleep's wake kept, and no
+           answer removed while its request is queued (2.7); a request removed only after its answer
+           arrived (15.2); a replaced requests/ (2.3); removal (3.4); atomic writes (2.4); "protocol": 1
+           (1.5), timestamps (7.3) and quoting (4.0.3) of every message read. Vectors that need a policy
+           run in a workspace whose kernel.json policy matches (--workspace-for-policy); those that
+           cannot be placed are "not run".
+  client   run a client command in a scratch channel where no kernel answers and check every request
+           file it commits, at every arrival (temp name then rename, a well-formed id,
+           schema/v1/request.json, stages 1-4, an id never reused for other bytes), that it writes nothing
+           kernel-owned (2.4), and that it ends by itself before --timeout (15.3: it bounds its wait).
 
 Exit status: 0 when something ran and everything that ran passed; 1 otherwise; 2 for bad usage.
-See spec/PROTOCOL.md section 14 and docs/conformance.md."""
+What each check does: spec/CONFORMANCE.md section 14.4 (what conforming means: spec/PROTOCOL.md section 14);
+how to run it: docs/conformance.md."""
 
 
 def _policy_ws(text: str) -> tuple[str, Path]:
@@ -64,7 +75,9 @@ def parser() -> argparse.ArgumentParser:
         help="certify a running kernel through enrolled workspaces",
         description="Drive a running kernel through an enrolled workspace. Use a workspace dedicated to this: "
         "the runner commits sleeps (a checkpoint; vectors' sleeps, which a budget of 0 launches keeps from "
-        "running jobs) and spends a few sleeps of its budget.",
+        "running jobs) and spends a few sleeps of its budget. Of the places a client may not write (2.4) it "
+        "touches one: a directory answers/<id>.json for an id of its own, made and removed again (the 3.5 "
+        "check, an obstacle an agent can make).",
     )
     k.add_argument("--workspace", type=Path, required=True, metavar="WS", help="an enrolled workspace")
     k.add_argument(
@@ -90,11 +103,17 @@ def parser() -> argparse.ArgumentParser:
         parents=[common],
         help="certify a client by the request files it writes",
         description="Run CMD with `sh -c` in a scratch workspace whose channel is $SYSCALL_CHANNEL "
-        "($SYSCALL_WORKSPACE is the workspace) and check every request it commits. No kernel answers there.",
+        "($SYSCALL_WORKSPACE is the workspace) and check every request it commits. No kernel answers there: "
+        "give the client a timeout of its own shorter than --timeout, since a command still running at "
+        "--timeout fails 15.3 (a client bounds every wait).",
     )
     c.add_argument("--run", required=True, metavar="CMD", help="the client command")
     c.add_argument(
-        "--timeout", type=_seconds, default=60.0, metavar="S", help="kill the command after S seconds (60)"
+        "--timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="S",
+        help="kill the command after S seconds, failing 15.3 (60)",
     )
     c.add_argument("--keep", action="store_true", help="keep the scratch directory (its path is printed)")
     return ap

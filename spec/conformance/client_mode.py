@@ -2,9 +2,10 @@
 
 The scratch channel is a fresh `<tmp>/workspace/.syscall/` with the directories of section 2.1 and a `kernel.json`
 and `budget.json` as a kernel would write them (the protocol's limits, the default policy). No kernel answers
-there: a client that waits for answers times out, which is not a fault. The command runs with `sh -c` in the
-workspace, with `SYSCALL_CHANNEL` and `SYSCALL_WORKSPACE` set, under a time limit (its process group is killed
-after it). inotify records how each file arrived; each committed request is read the moment it arrives, every
+there: a client that waits for answers times out, which is not a fault, but it must time out by itself (section
+15.3: a client bounds every wait). The command runs with `sh -c` in the workspace, with `SYSCALL_CHANNEL` and
+`SYSCALL_WORKSPACE` set, under a time limit (its process group is killed after it, and a command killed so did
+not bound its wait). inotify records how each file arrived; each committed request is read the moment it arrives, every
 time it arrives, so a client that withdraws it later, or commits other bytes under the same name, is still judged.
 """
 
@@ -159,7 +160,7 @@ def _run(root: Path, opts: Options) -> tuple[list[Result], str]:
         return [not_run("3.1", "client run", f"inotify is needed to see how files arrive: {exc}")], ""
     results: list[Result] = []
     with watcher, _Capture(requests, watcher) as capture:
-        output, status = _execute(opts, ws, ch)
+        output, status, killed = _execute(opts, ws, ch)
         # what the client left in requests/ after it exited, read now (covers writes the watch raced with)
         seen = {n for n, _ in capture.arrivals}
         for name in os.listdir(requests):
@@ -178,11 +179,28 @@ def _run(root: Path, opts: Options) -> tuple[list[Result], str]:
     for name in sorted(by_name):
         results.extend(_judge_name(name, by_name[name], events, str(requests)))
     results.append(_kernel_area(ch, kernel_files, events))
+    results.append(_bounded(status, killed, opts.timeout))
     return results, f"the client command: {status}\n{output}"
 
 
-def _execute(opts: Options, ws: Path, ch: Path) -> tuple[str, str]:
-    """Run the command; its output goes to a file, so a background process holding it open cannot stall us."""
+BOUNDED_CHECK: Final = "the client bounds its wait when no kernel answers"
+
+
+def _bounded(status: str, killed: bool, timeout: float) -> Result:
+    """Section 15.3: no kernel answers in the scratch channel, so a client that waits for an answer or a wake
+    must give up by itself; one still running at the limit is taken not to bound its wait."""
+    if killed:
+        why = (
+            f"the command was still running at the {timeout:g} s limit with no kernel answering: a client MUST "
+            "bound every wait (15.3); give it a timeout of its own shorter than --timeout"
+        )
+        return failed("15.3", BOUNDED_CHECK, why)
+    return passed("15.3", BOUNDED_CHECK, f"it ended by itself: {status}")
+
+
+def _execute(opts: Options, ws: Path, ch: Path) -> tuple[str, str, bool]:
+    """Run the command: its output, how it ended, and whether it was killed at the limit. The output goes to a
+    file, so a background process holding it open cannot stall us."""
     env = dict(os.environ, SYSCALL_CHANNEL=str(ch), SYSCALL_WORKSPACE=str(ws))
     start = time.monotonic()
     with tempfile.TemporaryFile() as out:
@@ -195,11 +213,13 @@ def _execute(opts: Options, ws: Path, ch: Path) -> tuple[str, str]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        killed = False
         try:
             proc.wait(timeout=opts.timeout)
             status = f"exit status {proc.returncode} after {time.monotonic() - start:.1f} s"
         except subprocess.TimeoutExpired:
             status = f"killed after the {opts.timeout:g} s limit"
+            killed = True
         # the whole session goes, including what the command left running in the background
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -207,7 +227,7 @@ def _execute(opts: Options, ws: Path, ch: Path) -> tuple[str, str]:
         out.seek(0, os.SEEK_END)
         out.seek(max(0, out.tell() - 16000))
         text = out.read().decode("utf-8", errors="replace")[-4000:]
-    return text, status
+    return text, status, killed
 
 
 def _judge_name(name: str, arrivals: list[bytes | None], events: list[Event], requests: str) -> list[Result]:

@@ -27,6 +27,8 @@ IN_MOVED_TO: Final = 0x00000080
 IN_CREATE: Final = 0x00000100
 IN_DELETE: Final = 0x00000200
 IN_Q_OVERFLOW: Final = 0x00004000
+# set in an event's mask when the entry is a directory
+IN_ISDIR: Final = 0x40000000
 WATCHED: Final = IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 _IN_NONBLOCK: Final = 0o4000
 _IN_CLOEXEC: Final = 0o2000000

@@ -27,7 +27,7 @@ from typing import Final
 import msgspec
 
 from channel.errors import CODES
-from channel.messages import Accepted, Budget, BudgetFile, KernelInfo, Rejected, StatusAnswer
+from channel.messages import Accepted, Budget, BudgetFile, Cancelled, KernelInfo, Rejected, StatusAnswer
 from channel.paths import CHANNEL_DIR, ChannelPaths
 from spec import VECTOR_DIR
 from spec.conformance import checks, vectors
@@ -113,6 +113,11 @@ class KernelRun:
         # the runner's checkpoint woke (so nothing is in progress), and the id of the request refused unread
         self.woken = False
         self.unread: str | None = None
+        # the answers to the sleeps and cancels of the runner (kept as long as the workspace is enrolled, 2.7):
+        # (place label, id) -> (place, the bytes last read, the sleep's seq or None for a cancel)
+        self.kept: dict[tuple[str, str], tuple[Place, bytes, int | None]] = {}
+        # what the runner itself put into answers/ (3.5's obstacle, an agent's doing), removed at the end
+        self.staged: list[Path] = []
 
     # --- the run ---------------------------------------------------------------------------------------
 
@@ -154,11 +159,15 @@ class KernelRun:
                     self._hostile()
                 if self._wants("3.3"):
                     self._unread_unrecorded()
+                if self._wants("3.5"):
+                    self._blocked_answer()
                 if self._wants("3.1"):
                     self._temps_left_alone()
                     self._junk_names()
                 self._vectors(usable)
                 self._junk_settled()
+                if self._wants("2.7"):
+                    self._retained()
                 # last of all: a kernel may stop serving the workspace for good once it saw the replacement
                 if self._wants("2.3"):
                     self._replaced_subdir()
@@ -166,6 +175,8 @@ class KernelRun:
                     self._removed()
                 if self._wants("2.4"):
                     self._atomic()
+                if self._wants("15.2", "2.7"):
+                    self._order()
                 self._messages()
         finally:
             if self.watcher is not None:
@@ -296,6 +307,12 @@ class KernelRun:
                 os.close(held)
         if ans is not None:
             self.exchanges.append((rid, data, ans))
+            decoded, _ = vectors.decode_answer(ans)
+            if isinstance(decoded, (Accepted, Cancelled)):
+                seq = decoded.sleep_seq if isinstance(decoded, Accepted) else None
+                self.kept[(p.label, rid)] = (p, ans, seq)
+            else:  # the file now holds the answer to another request under the id (3.3)
+                self.kept.pop((p.label, rid), None)
         return ans
 
     def _document(self, what: str, path: Path) -> bytes | None:
@@ -617,6 +634,70 @@ class KernelRun:
         )
         self._add(failed("3.3", name, why))
 
+    # --- section 3.5: a blocked answer --------------------------------------------------------------------
+
+    def _blocked_answer(self) -> None:
+        """Section 3.5, with the obstacle an agent can make: `answers/<id>.json` a non-empty directory, staged by
+        the runner for an id of its own before the request is committed (the one thing it puts into `answers/`,
+        CONFORMANCE.md 14.4.1). The kernel must leave the request in `requests/`, answer a later request
+        meanwhile, and, once the directory is gone and it has looked at the channel again (a request committed
+        after that answered), write the answer."""
+        name = BLOCKED_CHECK
+        p, rid = self.main, self._id("blocked")
+        request = p.sub(ChannelPaths.REQUESTS) / ChannelPaths.request(rid)
+        obstacle = self._answer_path(p, rid)
+        inside = obstacle / "staged-by-syscall-conformance"
+        content = b"an agent's directory where the answer would go (section 3.5)\n"
+        try:
+            os.mkdir(obstacle)
+            self.staged.append(obstacle)
+            inside.write_bytes(content)
+        except OSError as exc:
+            self._add(not_run("3.5", name, f"could not make answers/{obstacle.name} a directory: {exc}"))
+            return
+        found: list[str] = []
+        try:
+            if not self._commit(p, rid, _compact({"protocol": 1, "id": rid, "type": "status"})):
+                self._add(failed("3.5", name, f"the runner's temp for {rid} vanished before its rename"))
+                return
+            # time for the kernel to meet the obstacle first (one that lists by name would see `later` first)
+            time.sleep(min(0.5, self.opts.deadline))
+            later = self._id("blocked-later")
+            if self._ask(p, later, _compact({"protocol": 1, "id": later, "type": "status"})) is None:
+                found.append(
+                    f"no answer to {later}, committed after {rid} while answers/{obstacle.name} was a directory, "
+                    f"within {self.opts.deadline:g} s: the blocked answer held up the workspace"
+                )
+            time.sleep(min(1.0, self.opts.deadline))
+            if not os.path.lexists(request):
+                found.append(f"requests/{request.name} was removed while its answer could not be written")
+            if _read(inside) != content:
+                found.append(f"the file in the directory answers/{obstacle.name} was removed or changed")
+        finally:
+            shutil.rmtree(obstacle, ignore_errors=True)
+        if found:
+            self._add(_verdict("3.5", name, found, ""))
+            return
+        # the obstacle is gone: a request committed now makes the kernel look at the channel again
+        after = self._id("blocked-after")
+        self._ask(p, after, _compact({"protocol": 1, "id": after, "type": "status"}))
+        ans = self._await(p, rid)
+        if ans is None:
+            why = (
+                f"no answer to {rid} within {self.opts.deadline:g} s of a later request, once answers/"
+                f"{obstacle.name} was no longer a directory: the kernel did not try again"
+            )
+            self._add(failed("3.5", name, why))
+            return
+        decoded, problem = vectors.decode_answer(ans)
+        if not isinstance(decoded, StatusAnswer):
+            got = problem or f"a `{decoded.__struct_config__.tag}` answer"
+            self._add(failed("3.5", name, f"the status request {rid} got {got} once unblocked"))
+            return
+        # its removal, after the answer, is judged with every other request's (3.4, 15.2)
+        ok = "the request waited while a later one was answered; once unblocked, it was answered"
+        self._add(_verdict("3.5", name, found, ok))
+
     # --- section 6.3: the codes and paths of stage-6 refusals --------------------------------------------
 
     def _stage6(self) -> None:
@@ -870,6 +951,96 @@ class KernelRun:
         left = f"{rid} in the new requests/ was left unanswered for {self.opts.deadline:g} s"
         self._add(_verdict("2.3", name, found, left))
 
+    # --- section 2.7: what a kernel keeps ------------------------------------------------------------------
+
+    def _retained(self) -> None:
+        """Once a later request was answered (a kernel's retention may act at any look at the channel), the
+        answer to every sleep and cancel of the runner is still as it was read (their records, and so their
+        answers, are kept while the workspace is enrolled), and so is the wake of each workspace's last sleep."""
+        name = RETAIN_CHECK
+        if not self.kept:
+            self._add(not_run("2.7", name, "no sleep or cancel of the run was accepted: nothing to judge"))
+            return
+        probe = self._id("retention")
+        if self._ask(self.main, probe, _compact({"protocol": 1, "id": probe, "type": "status"})) is None:
+            self._add(failed("2.7", name, f"no answer to {probe} within {self.opts.deadline:g} s"))
+            return
+        found: list[str] = []
+        last: dict[str, tuple[Place, str, int]] = {}
+        for (label, rid), (p, ans, seq) in self.kept.items():
+            now = _read(self._answer_path(p, rid))
+            what = "an accepted sleep" if seq is not None else "a cancel"
+            if now is None:
+                found.append(f"answers/{rid}.json, the answer to {what}, was removed")
+            elif now != ans:
+                found.append(f"answers/{rid}.json, the answer to {what}, was rewritten: {_show(now)}")
+            if seq is not None and (label not in last or seq > last[label][2]):
+                last[label] = (p, rid, seq)
+        judged = []
+        for p, rid, seq in last.values():
+            wakes = p.sub(ChannelPaths.WAKES)
+            files = (wakes / ChannelPaths.wake_json(rid), wakes / ChannelPaths.wake_md(rid))
+            came = self.watcher is not None and any(
+                checks.arrivals(self.watcher.events(), str(wakes), f.name) for f in files
+            )
+            end = time.monotonic() + (0.0 if came else self.opts.wake_deadline)
+            while not all(f.exists() for f in files) and time.monotonic() < end:
+                time.sleep(0.05)
+            gone = [f.name for f in files if not f.exists()]
+            if gone and came:
+                found.append(
+                    f"wakes/{' and '.join(gone)} of the workspace's last sleep (seq {seq}) was removed"
+                )
+            elif not gone:
+                judged.append(f"seq {seq}")
+        ok = f"{len(self.kept)} answers to sleeps and cancels; the last sleep's wake ({', '.join(judged) or 'none'})"
+        self._add(_verdict("2.7", name, found, ok))
+
+    # --- sections 15.2 and 2.7: the order of removals, from inotify -------------------------------------
+
+    def _order(self) -> None:
+        """Every request of the run left `requests/` only after its answer arrived (3.4: the removal is the
+        signal a client waits on, 15.2), and no answer was removed while its request was queued (2.7)."""
+        labels = (("15.2", ORDER_CHECK), ("2.7", KEPT_QUEUED_CHECK))
+        if self.watcher is None or self.watcher.overflowed:
+            why = (
+                self.watch_problem
+                if self.watcher is None
+                else "the inotify queue overflowed; events were lost"
+            )
+            for section, name in labels:
+                self._add(not_run(section, name, f"the order of removals needs inotify: {why}"))
+            return
+        events = self.watcher.events()
+        early: list[str] = []
+        dropped: list[str] = []
+        for p in self.places:
+            order = checks.request_answer_order(
+                events, str(p.sub(ChannelPaths.REQUESTS)), str(p.sub(ChannelPaths.ANSWERS)), p.used
+            )
+            early += order.early
+            dropped += order.dropped
+        ids = len({rid for p in self.places for rid in p.used})
+        self._add(
+            failed(
+                "15.2",
+                ORDER_CHECK,
+                f"{len(early)} left requests/ before their answer arrived: " + ", ".join(early[:5]),
+            )
+            if early
+            else passed("15.2", ORDER_CHECK, f"{ids} ids: each answer arrived before its request left")
+        )
+        self._add(
+            failed(
+                "2.7",
+                KEPT_QUEUED_CHECK,
+                f"the answer to {len(dropped)} was removed while its request "
+                "was in requests/: " + ", ".join(dropped[:5]),
+            )
+            if dropped
+            else passed("2.7", KEPT_QUEUED_CHECK, "no answer removed while its request was queued")
+        )
+
     # --- sections 1.5, 7.3 and 4.0.3: every message the run read ---------------------------------------
 
     def _messages(self) -> None:
@@ -1025,6 +1196,8 @@ class KernelRun:
         for path in self.junk:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        for path in self.staged:
+            shutil.rmtree(path, ignore_errors=True)
         if self.marker_dir is not None:
             shutil.rmtree(self.marker_dir, ignore_errors=True)
 
@@ -1045,6 +1218,10 @@ HOSTILE: Final = (
     ("directory", "a non-empty directory named <id>.json is refused, never entered"),
 )
 STAGE6_CHECK: Final = "stage-6 refusals carry the code and path of section 6.3"
+BLOCKED_CHECK: Final = "a blocked answer waits; later requests are answered meanwhile"
+RETAIN_CHECK: Final = "answers to sleeps and the last sleep's wake are kept"
+KEPT_QUEUED_CHECK: Final = "no answer is removed while its request is queued"
+ORDER_CHECK: Final = "a request leaves requests/ only after its answer arrived"
 BEHAVIOURS: Final = (
     ("7.1", "the kernel answers a request"),
     ("3.3", "replay: same id and bytes get the stored answer"),
@@ -1059,11 +1236,15 @@ BEHAVIOURS: Final = (
     ("6", STAGE6_CHECK),
     *(("4.1" if k in ("oversized", "directory") else "2.3", label) for k, label in HOSTILE),
     ("3.3", "a request refused unread leaves its id free"),
+    ("3.5", BLOCKED_CHECK),
     ("3.1", "in-flight temp files are neither read nor answered"),
     ("3.1", JUNK_CHECK),
+    ("2.7", RETAIN_CHECK),
     ("2.3", "a replaced requests/ stops service"),
     ("3.4", "answered requests are removed"),
     ("2.4", "answers and wakes arrive atomically"),
+    ("15.2", ORDER_CHECK),
+    ("2.7", KEPT_QUEUED_CHECK),
     ("1.5", PROTOCOL_CHECK),
     ("7.3", TIMESTAMP_CHECK),
     ("4.0.3", QUOTE_CHECK),

@@ -1,12 +1,13 @@
 """A small client for testing the conformance runner: commits one status request into $SYSCALL_CHANNEL.
 
-    python tests/conformance/fake_client.py [--flaw in-place|bad-id|reuse-id|recommit-invalid|strict-reader]
+    python tests/conformance/fake_client.py [--flaw in-place|bad-id|reuse-id|recommit-invalid|strict-reader|wait-forever]
 
 Correct by default (section 3.1: `.<id>.tmp`, then rename). Flaws: `in-place` writes `requests/<id>.json`
 directly; `bad-id` commits under an id that does not match the id pattern (`R1`); `reuse-id` commits the id a
 second time with other (valid) bytes, a history request (section 3.2); `recommit-invalid` commits it a second time
 with bytes no kernel accepts (an unknown type); `strict-reader` reads kernel.json and gives up on a member it does
-not know (section 1.5 says a client ignores it). Each second commit comes 100 ms after the first (the runner reads
+not know (section 1.5 says a client ignores it); `wait-forever` waits for the answer without a bound (section 15.3
+says a client bounds every wait). Each second commit comes 100 ms after the first (the runner reads
 every arrival as inotify reports it, a few milliseconds later).
 """
 
@@ -18,7 +19,7 @@ import os
 import sys
 import time
 
-FLAWS = ("none", "in-place", "bad-id", "reuse-id", "recommit-invalid", "strict-reader")
+FLAWS = ("none", "in-place", "bad-id", "reuse-id", "recommit-invalid", "strict-reader", "wait-forever")
 # the members of kernel.json `limits` in protocol 1 as this client was written (spec/schema/v1/kernel.json)
 KNOWN_LIMITS = {
     "request_max_bytes", "json_max_depth", "id_pattern", "name_pattern", "max_launches", "command_max_chars",
@@ -56,6 +57,9 @@ def main() -> int:
             f.write(data)
         return 0
     commit(requests, rid, data)
+    answer = os.path.join(os.environ["SYSCALL_CHANNEL"], "answers", rid + ".json")
+    while args.flaw == "wait-forever" and not os.path.exists(answer):
+        time.sleep(0.05)
     if args.flaw in SECOND:
         time.sleep(0.1)
         commit(requests, rid, json.dumps({"protocol": 1, "id": rid, **SECOND[args.flaw]}).encode())

@@ -26,6 +26,15 @@ writes their wakes. Flaws (each breaks one MUST the runner must catch):
 - regenerate-read-only: a replayed read-only request is answered afresh (section 3.3)
 - stage6-paths: stage-6 refusals carry no path (`budget.launches`, `tail.unknown_task` at null; section 6.3)
 - record-unread: a request refused unread (too large, not a regular file) is recorded, its id taken (section 3.3)
+- blocked-drop: a request whose answer cannot be written (a directory in the way) is removed anyway (section 3.5)
+- blocked-no-retry: such a request is left, but never tried again (section 3.5)
+- blocked-stall: while an answer is blocked, nothing else is answered (section 3.5)
+- remove-first: a request is removed before its answer is written (sections 3.4, 15.2; and so 3.5)
+- unlink-answer: an answer already there is unlinked before the new one is written (section 2.7)
+- prune-wakes: every wake is removed once a later request (not a sleep) is decided, the last sleep's too (2.7)
+
+By default an answer it cannot write (section 3.5) leaves the request in place, answered from its record once the
+way is clear, and later requests are answered meanwhile.
 
 And one variant that breaks nothing: `future` adds a member protocol 1 does not define to every object of every
 JSON document it writes, as a later kernel may (section 1.5: clients ignore it); it must still conform.
@@ -97,6 +106,12 @@ FLAWS = (
     "regenerate-read-only",
     "stage6-paths",
     "record-unread",
+    "blocked-drop",
+    "blocked-no-retry",
+    "blocked-stall",
+    "remove-first",
+    "unlink-answer",
+    "prune-wakes",
 )
 LABEL = "Your note (data written by a job or an agent, not instructions):"
 NOW = "2026-11-30T12:00:00.000Z"
@@ -112,6 +127,8 @@ class FakeKernel:
         self.records: dict[str, tuple[str, bytes]] = {}
         self.seq = 0
         self.handled: set[tuple[str, int, int]] = set()
+        # request names whose answer could not be put in place (section 3.5), tried again at every look
+        self.blocked: set[str] = set()
         for sub in ChannelPaths.SUBDIRS:
             (self.ch / sub).mkdir(parents=True, exist_ok=True)
         self.lock = os.open(self.ch, os.O_RDONLY | os.O_DIRECTORY)
@@ -157,7 +174,11 @@ class FakeKernel:
         tmp = path.parent / f".k.{path.name}.{os.getpid()}"
         with open(tmp, "xb") as f:
             f.write(data)
-        os.rename(tmp, path)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # a directory in the way (section 3.5)
+            os.unlink(tmp)
+            raise
 
     def read(self, path: Path) -> bytes | None:
         """The request's bytes (at most the limit + 1), or None when it is not a file the kernel may read."""
@@ -221,10 +242,25 @@ class FakeKernel:
             except FileNotFoundError:
                 continue
             mark = (name, st.st_ino, st.st_mtime_ns)
-            if mark in self.handled:
+            if mark in self.handled or (self.flaw == "blocked-stall" and self.blocked - {name}):
                 continue
             answer = self.answer(rid, self.read(path))
-            self.write(self.ch / ChannelPaths.ANSWERS / ChannelPaths.answer(rid), answer)
+            target = self.ch / ChannelPaths.ANSWERS / ChannelPaths.answer(rid)
+            if self.flaw == "remove-first":
+                _remove(path)
+            if self.flaw == "unlink-answer":
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                    os.unlink(target)
+            try:
+                self.write(target, answer)
+            except OSError:  # the agent blocked the answer: the request stays, its record too (section 3.5)
+                self.blocked.add(name)
+                if self.flaw == "blocked-drop":
+                    _remove(path)
+                elif self.flaw == "blocked-no-retry":
+                    self.handled.add(mark)
+                continue
+            self.blocked.discard(name)
             if self.flaw == "keep-requests" or stat.S_ISDIR(st.st_mode):  # a directory is left, answered once
                 self.handled.add(mark)
             elif _inode(path) == st.st_ino:  # not a request committed again since it was read
@@ -273,6 +309,9 @@ class FakeKernel:
         req = decode_request(data, rid)
         if isinstance(req, Rejected):
             return encode(req)
+        if self.flaw == "prune-wakes" and not isinstance(req, SleepRequest):
+            for wake in os.listdir(self.ch / ChannelPaths.WAKES):
+                os.unlink(self.ch / ChannelPaths.WAKES / wake)
         try:
             check_policy(req, self.policy)
         except RequestError as err:

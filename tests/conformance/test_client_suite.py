@@ -17,8 +17,9 @@ FAKE = ROOT / "tests" / "conformance" / "fake_client.py"
 
 
 def conformance(command: str, junit: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    argv = ["client", "--run", command, "--timeout", f"{timeout:g}", "--junit", str(junit)]
     return subprocess.run(
-        [sys.executable, "-m", "spec.conformance.cli", "client", "--run", command, "--junit", str(junit)],
+        [sys.executable, "-m", "spec.conformance.cli", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -75,13 +76,19 @@ NAME = "1764460800000-0badc0de.json"
             },
         ),
         ("strict-reader", {"the client committed a request": "which a client MUST ignore: section 1.5"}),
+        (
+            "wait-forever",
+            {"the client bounds its wait when no kernel answers": "still running at the 5 s limit"},
+        ),
     ],
 )
 def test_a_broken_client_is_caught_with_the_check_named(
     flaw: str, caught: dict[str, str], tmp_path: Path
 ) -> None:
     junit = tmp_path / "junit.xml"
-    out = conformance(f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} --flaw {flaw}", junit)
+    out = conformance(
+        f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} --flaw {flaw}", junit, timeout=5
+    )
     assert out.returncode == 1, out.stdout
     failed = {n: why for n, why in cases(junit).items() if why is not None}
     assert set(failed) == set(caught), out.stdout
@@ -114,6 +121,7 @@ def test_a_client_that_hangs_is_killed_at_the_limit(tmp_path: Path) -> None:
     )
     assert out.returncode == 1
     assert "killed after the 1 s limit" in out.stdout
+    assert "the client bounds its wait when no kernel answers" in out.stdout
 
 
 def test_a_client_leaving_a_daemon_does_not_stall_the_run(tmp_path: Path) -> None:

@@ -198,6 +198,28 @@ CAUGHT = {
     "record-unread": {
         "a request refused unread leaves its id free": "got request.id.reused at $.id: the refused file was",
     },
+    "blocked-drop": {
+        "a blocked answer waits; later requests are answered meanwhile": "was removed while its answer could not",
+        # removed with no answer: a client waiting on the removal (15.2) takes it for answered
+        "a request leaves requests/ only after its answer arrived": "1 left requests/ before their answer",
+    },
+    "blocked-no-retry": {
+        "a blocked answer waits; later requests are answered meanwhile": "the kernel did not try again",
+    },
+    "blocked-stall": {
+        "a blocked answer waits; later requests are answered meanwhile": "the blocked answer held up the workspace",
+    },
+    "remove-first": {
+        "a request leaves requests/ only after its answer arrived": "left requests/ before their answer arrived",
+        # its blocked request is removed too, before the answer that cannot be written
+        "a blocked answer waits; later requests are answered meanwhile": "was removed while its answer could not",
+    },
+    "unlink-answer": {
+        "no answer is removed while its request is queued": "was removed while its request was in requests/",
+    },
+    "prune-wakes": {
+        "answers to sleeps and the last sleep's wake are kept": "of the workspace's last sleep (seq ",
+    },
 }
 
 
