@@ -83,6 +83,9 @@ COMMIT_WAIT_S = 0.25
 # call only: past the deadline another call takes the rest.
 ADMIT_CALLS = CHANNEL_IO_SLOTS
 GIL_SWITCH_S = 0.001
+# The polled channels' looks start at most this often (each start takes every look then due, in batches): a
+# look is due at most this much late, and the loop never wakes more often than this for looks.
+LOOK_QUANTUM_S = 0.02
 T = TypeVar("T")
 # Why a start-up or rescan check (`_admit_io`, `_refresh_io`) does not serve a channel: `Custody.not_served` says
 # what each means.
@@ -210,6 +213,7 @@ class Service:
             on_changed=self._wake,
         )
         self._token: EventLoopToken | None = None
+        self._next_looks = 0.0  # the earliest the next batch of looks may start (`_look_at`)
         self._tg: anyio.abc.TaskGroup | None = None
         self._mine = ""  # this store's id, read by `_startup`
         self._ready = anyio.Event()
@@ -940,7 +944,7 @@ class Service:
             self._poll()
             if not self.pipeline.has_work():
                 wake_at = min(next_rescan, next_tick, retry_at if retry_at is not None else next_tick)
-                look_at = self.polls.next_at()
+                look_at = self._look_at()
                 if look_at is not None:
                     wake_at = min(wake_at, look_at)
                 timeout = max(0.0, wake_at - self.clock())
@@ -1024,10 +1028,18 @@ class Service:
         requests/ comes back through `_wake`, as an event would)."""
         if self._token is None:
             return
-        look_at = self.polls.next_at()
-        if look_at is not None and look_at <= self.clock():
+        look_at = self._look_at()
+        now = self.clock()
+        if look_at is not None and look_at <= now:
+            self._next_looks = now + LOOK_QUANTUM_S
             rows = self.pipeline.workspaces
             self.poller.tick(self._token, lambda key: rows[key].path if key in rows else None)
+
+    def _look_at(self) -> float | None:
+        """When the next looks start: the earliest due, but at most once per LOOK_QUANTUM_S, so that 10,000
+        channels due one after another are looked at in a few batches a second, not a thread per look."""
+        due = self.polls.next_at()
+        return None if due is None else max(due, self._next_looks)
 
     async def _pinger(self) -> None:
         interval = self.notifier.watchdog_interval
