@@ -470,7 +470,7 @@ def test_the_wrapper_is_told_the_job_variables_environment_gpus_and_limits() -> 
         "mount": J.SHARED_VENV,
     }
     assert cfg["gpu"] == {"count": 2, "constrained": False}
-    assert cfg["limits"] == {"mem_mb": 512, "max_procs": 100, "tree_mb": 0}
+    assert cfg["limits"] == {"mem_mb": 512, "max_procs": 100, "tree_mb": 0, "cpus": 0}
     assert cfg["forward_vars"] == ["CUDA_VISIBLE_DEVICES"]
     argv = cfg["jail"]["argv"]  # type: ignore[index]
     # bound from the venv the node has (its own, or the cache's) at the path the job sees
