@@ -2649,18 +2649,13 @@ def _launch_in(lim: dict[str, Any], pol: dict[str, Any]) -> dict[str, Any]:
                 "default": 0,
                 "description": "per task",
             },
+            # Absent: the site's default for a task.
             "mem_mb": {
                 "type": "integer",
                 "minimum": lim["mem_mb_min"],
                 "maximum": min(lim["mem_mb_ceiling"], pol["max_mem_mb"]),
-                "description": "memory MB per task (default: the site's)",
             },
-            "cpus": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": min(lim["cpus_ceiling"], pol["max_cpus"]),
-                "description": "CPUs per task (default: the site's)",
-            },
+            "cpus": {"type": "integer", "minimum": 1, "maximum": min(lim["cpus_ceiling"], pol["max_cpus"])},
             "array": {
                 "type": "integer",
                 "minimum": 1,
@@ -2786,8 +2781,8 @@ MCP_TOOLS = [
     ),
     McpTool(
         "launch",
-        "Stage a job for the next sleep (checked now: a refusal names its code and path). Costs one launch "
-        '(any array size) and the GPU-hours used. Example: launch {"name": "a", "command": "python t.py"}',
+        "Stage a job for the next sleep (checked now: a refusal names code and path). Costs one launch "
+        '(any array) and the GPU-hours used. Example: launch {"name": "a", "command": "python t.py"}',
         _run_launch,
         _members("launches", "submit"),
         inputs=_launch_in,

@@ -42,9 +42,10 @@ HINT_ENVIRONMENT: Final = (
     "the locked environment (uv.lock) could not be installed on the node before the command started; the "
     "stderr tail has uv's message; your command did not run"
 )
+# Where the kernel knows neither the task's limit nor the workspace's ceiling (`oom_hint` says both).
 HINT_OOM: Final = (
-    "the task went over its memory limit and was killed (`syscall env` shows the limit); use less memory, "
-    "smaller batches or fewer workers"
+    "the task went over its memory limit and was killed (`syscall env` shows the limit); ask for more with "
+    "`launch --mem MB` (up to kernel.json policy.max_mem_mb), or use less memory, smaller batches or fewer workers"
 )
 
 

@@ -829,6 +829,8 @@ class Limiter:
                 return False
         if self.cpus and "cpu" in own and os.path.exists(os.path.join(self.root, "cpu", "cgroup.procs")):
             wanted.append("cpu")
+        if not wanted:
+            return False
         for c in wanted:
             group = os.path.join(self.root, c, own[c].lstrip("/"), CGROUP_GROUP + "-" + self.name)
             os.mkdir(group)
