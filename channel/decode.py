@@ -545,6 +545,20 @@ def _check_sleep_policy(req: SleepRequest, policy: Policy) -> None:
                 f"{at}.gpus is {launch.gpus}; this workspace allows at most {policy.max_gpus}",
                 f"{at}.gpus",
             )
+        if launch.mem_mb is not None and launch.mem_mb > policy.max_mem_mb:
+            raise RequestError(
+                "policy.mem_mb",
+                f"{at}.mem_mb is {launch.mem_mb} (MB per task); this workspace allows at most "
+                f"{policy.max_mem_mb} (kernel.json policy.max_mem_mb): ask for {policy.max_mem_mb} or less",
+                f"{at}.mem_mb",
+            )
+        if launch.cpus is not None and launch.cpus > policy.max_cpus:
+            raise RequestError(
+                "policy.cpus",
+                f"{at}.cpus is {launch.cpus} (per task); this workspace allows at most {policy.max_cpus} "
+                f"(kernel.json policy.max_cpus): ask for {policy.max_cpus} or fewer",
+                f"{at}.cpus",
+            )
     if req.submit is not None:
         if policy.submit is None:
             raise RequestError(
@@ -582,6 +596,8 @@ def _quote(s: str) -> str:
 
 
 def _article(t: str) -> str:
+    if t.endswith(" | null"):
+        return f"{_article(t.removesuffix(' | null'))} or null"
     t = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "null": "null"}.get(t, t)
     return f"an {t}" if t[:1] in "aeiou" else f"a {t}"
 

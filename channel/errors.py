@@ -51,6 +51,8 @@ CODES: Final[dict[str, Code]] = {
     "launch.command.invalid": Code("4.4", "the command contains a NUL or other control character"),
     "launch.minutes.out_of_range": Code("4.4", "minutes outside the protocol's bounds"),
     "launch.gpus.out_of_range": Code("4.4", "gpus outside the protocol's bounds"),
+    "launch.mem_mb.out_of_range": Code("4.4", "mem_mb outside the protocol's bounds"),
+    "launch.cpus.out_of_range": Code("4.4", "cpus outside the protocol's bounds"),
     "launch.array.out_of_range": Code("4.4", "array width outside 1..array limit"),
     "launch.concurrency.out_of_range": Code("4.4", "concurrency outside 0..array"),
     "launch.artifacts.too_many": Code("4.4", "more artifact paths than the limit"),
@@ -72,6 +74,8 @@ CODES: Final[dict[str, Code]] = {
     # 5 policy (the workspace's ceilings, published in kernel.json)
     "policy.minutes": Code("5", "minutes above the workspace's maximum"),
     "policy.gpus": Code("5", "gpus above the workspace's maximum"),
+    "policy.mem_mb": Code("5", "mem_mb above the workspace's maximum"),
+    "policy.cpus": Code("5", "cpus above the workspace's maximum"),
     "policy.submit_disabled": Code("5", "the workspace has no evaluation contract, so submit is unavailable"),
     "policy.eval_minutes": Code("5", "eval_minutes above the workspace's maximum"),
     "policy.verb_disabled": Code("5", "the verb is not enabled for this workspace"),

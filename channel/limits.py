@@ -27,6 +27,10 @@ MINUTES_MIN: Final = 1
 MINUTES_DEFAULT: Final = 30
 MINUTES_CEILING: Final = 7 * 24 * 60  # no policy may allow more than a week
 GPUS_CEILING: Final = 64
+# A launch's own memory (MB) and CPUs per task (absent: the site's default); no policy may allow more.
+MEM_MB_MIN: Final = 16
+MEM_MB_CEILING: Final = 4 * 1024 * 1024  # 4 TiB
+CPUS_CEILING: Final = 1024
 ARRAY_MAX: Final = 16
 MAX_ARTIFACTS: Final = 8
 ARTIFACT_MAX_CHARS: Final = 500
@@ -60,6 +64,8 @@ TAIL_VERB_MAX_BYTES: Final = 16000
 # Policy defaults (operator-configurable per workspace, never above the ceilings above).
 POLICY_MAX_MINUTES: Final = 240
 POLICY_MAX_GPUS: Final = 8
+POLICY_MAX_MEM_MB: Final = 65536
+POLICY_MAX_CPUS: Final = 16
 BUDGET_LAUNCHES: Final = 100
 BUDGET_SLEEPS: Final = 50
 BUDGET_GPU_HOURS: Final = 100.0

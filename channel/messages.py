@@ -55,6 +55,9 @@ class Launch(_Strict, frozen=True):
     command: Annotated[str, Meta(min_length=1, max_length=L.COMMAND_MAX_CHARS)]
     minutes: Annotated[int, Meta(ge=L.MINUTES_MIN, le=L.MINUTES_CEILING)] = L.MINUTES_DEFAULT
     gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING)] = 0
+    # Per task: memory (MB) and CPUs the task asks for; absent (null) = the site's default for a task.
+    mem_mb: Annotated[int, Meta(ge=L.MEM_MB_MIN, le=L.MEM_MB_CEILING)] | None = None
+    cpus: Annotated[int, Meta(ge=1, le=L.CPUS_CEILING)] | None = None
     array: Annotated[int, Meta(ge=1, le=L.ARRAY_MAX)] = 1
     concurrency: Annotated[int, Meta(ge=0, le=L.ARRAY_MAX)] = 0
     artifacts: Annotated[
@@ -161,6 +164,9 @@ class LaunchSummary(_Strict, frozen=True):
     gpus: int = 0
     minutes: int = L.MINUTES_DEFAULT
     clamp: str | None = None
+    # What the launch asked for per task (null: the site's default).
+    mem_mb: int | None = None
+    cpus: int | None = None
     why: str = ""
 
 
@@ -491,6 +497,9 @@ class Policy(_Strict, frozen=True):
     max_minutes: int = L.POLICY_MAX_MINUTES
     max_gpus: int = L.POLICY_MAX_GPUS
     max_concurrent_gpus: int = L.POLICY_MAX_GPUS
+    # The most memory (MB) and CPUs a launch may ask for per task (`mem_mb`, `cpus`).
+    max_mem_mb: int = L.POLICY_MAX_MEM_MB
+    max_cpus: int = L.POLICY_MAX_CPUS
     network: bool = False
     submit: EvalContract | None = None
     # the verbs this workspace may use (an operator may withhold `queue`, which shows other workspaces' jobs)
@@ -512,6 +521,9 @@ class Limits(_Strict, frozen=True):
     minutes_min: int = L.MINUTES_MIN
     minutes_ceiling: int = L.MINUTES_CEILING
     gpus_ceiling: int = L.GPUS_CEILING
+    mem_mb_min: int = L.MEM_MB_MIN
+    mem_mb_ceiling: int = L.MEM_MB_CEILING
+    cpus_ceiling: int = L.CPUS_CEILING
     array_max: int = L.ARRAY_MAX
     max_artifacts: int = L.MAX_ARTIFACTS
     artifact_max_chars: int = L.ARTIFACT_MAX_CHARS

@@ -41,7 +41,10 @@ HINTS: Final[dict[str, str]] = {
         "can be later than the declared minutes (its elapsed time says when); ask for more minutes or make the "
         "job faster"
     ),
-    "OUT_OF_MEMORY": "killed for running out of memory; use less memory or smaller batches",
+    "OUT_OF_MEMORY": (
+        "killed for running out of memory; ask for more with `launch --mem MB` (up to kernel.json "
+        "policy.max_mem_mb) or use less memory or smaller batches"
+    ),
     "CANCELLED": "cancelled before it finished",
     "NODE_FAIL": "the node running it failed; this was not your job's fault, you may relaunch it",
     "PREEMPTED": "preempted by the scheduler for other work; not your job's fault, you may relaunch it",
@@ -392,7 +395,11 @@ def render_launches(w: Wake) -> str:
         return ""
     lines = []
     for x in w.launches:
-        shape = f" (x{x.array}, {x.at_a_time} at a time)" if x.array > 1 else ""
+        asked = [f"{x.mem_mb} MB"] if x.mem_mb is not None else []
+        asked += [f"{x.cpus} CPU" + ("" if x.cpus == 1 else "s")] if x.cpus is not None else []
+        parts = [f"x{x.array}", f"{x.at_a_time} at a time"] if x.array > 1 else []
+        parts += asked
+        shape = f" ({', '.join(parts)}{' per task' if asked else ''})" if parts else ""
         lines.append(f"{x.name}{shape}: {x.command}")
         if x.why:
             lines.append(f"  why: {x.why}")

@@ -129,6 +129,12 @@ def _parser() -> argparse.ArgumentParser:
     pol.add_argument("--max-minutes", type=int, metavar="M", help="walltime ceiling per launch")
     pol.add_argument("--max-gpus", type=int, metavar="G", help="GPUs per task")
     pol.add_argument("--max-concurrent-gpus", type=int, metavar="G", help="GPUs across running tasks")
+    pol.add_argument(
+        "--max-mem-mb", type=int, metavar="MB", help="memory a launch may ask for per task (launch --mem)"
+    )
+    pol.add_argument(
+        "--max-cpus", type=int, metavar="N", help="CPUs a launch may ask for per task (launch --cpus)"
+    )
     pol.add_argument("--network", action=argparse.BooleanOptionalAction, help="jobs get the network (or not)")
     pol.add_argument(
         "--account",
@@ -396,7 +402,14 @@ def cmd_enroll(args: argparse.Namespace) -> int:
             take_over=args.take_over,
             overrides={
                 k: v
-                for k in ("max_minutes", "max_gpus", "max_concurrent_gpus", "network")
+                for k in (
+                    "max_minutes",
+                    "max_gpus",
+                    "max_concurrent_gpus",
+                    "max_mem_mb",
+                    "max_cpus",
+                    "network",
+                )
                 if (v := getattr(args, k)) is not None
             },
             slurm_account=args.account,

@@ -65,6 +65,9 @@ DEFAULT_LIMITS: dict[str, Any] = {
     "minutes_min": 1,
     "minutes_ceiling": 7 * 24 * 60,
     "gpus_ceiling": 64,
+    "mem_mb_min": 16,
+    "mem_mb_ceiling": 4 * 1024 * 1024,
+    "cpus_ceiling": 1024,
     "cancel_max_names": 8 * 4,
     "history_max": 100,
     "history_default": 20,
@@ -87,6 +90,8 @@ DEFAULT_POLICY: dict[str, Any] = {
     "max_minutes": 240,
     "max_gpus": 8,
     "max_concurrent_gpus": 8,
+    "max_mem_mb": 65536,
+    "max_cpus": 16,
     "network": False,
     "submit": None,
     "verbs": list(REQUEST_TYPES),
@@ -424,6 +429,13 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
                     False,
                 ),
                 "gpus": (_int(0, lim["gpus_ceiling"], "launch.gpus.out_of_range"), False),
+                "mem_mb": (
+                    _int(
+                        lim["mem_mb_min"], lim["mem_mb_ceiling"], "launch.mem_mb.out_of_range", nullable=True
+                    ),
+                    False,
+                ),
+                "cpus": (_int(1, lim["cpus_ceiling"], "launch.cpus.out_of_range", nullable=True), False),
                 "array": (_int(1, lim["array_max"], "launch.array.out_of_range"), False),
                 "concurrency": (_int(0, lim["array_max"], "launch.concurrency.out_of_range"), False),
                 "artifacts": (
@@ -604,6 +616,23 @@ def _check_policy(req: dict[str, Any], pol: dict[str, Any]) -> None:
                 "policy.gpus",
                 "{}.gpus is {}; this workspace allows at most {}".format(at, gpus, pol["max_gpus"]),
                 at + ".gpus",
+            )
+        mem_mb, cpus = launch.get("mem_mb"), launch.get("cpus")
+        if mem_mb is not None and mem_mb > pol["max_mem_mb"]:
+            raise _Refuse(
+                "policy.mem_mb",
+                "{}.mem_mb is {} (MB per task); this workspace allows at most {} (kernel.json "
+                "policy.max_mem_mb): ask for {} or less".format(
+                    at, mem_mb, pol["max_mem_mb"], pol["max_mem_mb"]
+                ),
+                at + ".mem_mb",
+            )
+        if cpus is not None and cpus > pol["max_cpus"]:
+            raise _Refuse(
+                "policy.cpus",
+                "{}.cpus is {} (per task); this workspace allows at most {} (kernel.json policy.max_cpus): "
+                "ask for {} or fewer".format(at, cpus, pol["max_cpus"], pol["max_cpus"]),
+                at + ".cpus",
             )
     submit = req.get("submit")
     if submit is not None:
@@ -1200,6 +1229,8 @@ CLI_FLAGS = {
     "command": "the command after --",
     "minutes": "--minutes",
     "gpus": "--gpus",
+    "mem_mb": "--mem",
+    "cpus": "--cpus",
     "array": "--array",
     "concurrency": "--concurrency",
     "artifacts": "--artifact",
@@ -1286,6 +1317,10 @@ def _describe_launch(x: Any, pol: Dict[str, Any]) -> str:
     parts = ["{} min".format(x.get("minutes"))]
     if x.get("gpus"):
         parts.append(_n(int(x.get("gpus") or 0), "GPU", "GPUs"))
+    if x.get("mem_mb") is not None:
+        parts.append("{} MB".format(x.get("mem_mb")))
+    if x.get("cpus") is not None:
+        parts.append(_n(int(x.get("cpus") or 0), "CPU", "CPUs"))
     if x.get("array", 1) != 1:
         clamp = clamp_note(x, pol)
         conc = x.get("concurrency") or "all"
@@ -1345,6 +1380,11 @@ def cmd_launch(ch: Channel, args: argparse.Namespace) -> int:
         "artifacts": list(args.artifact or []),
         "why": args.why,
     }
+    # Absent, not null: a launch that asks for neither gets the site's default (and reads as before).
+    if args.mem is not None:
+        launch["mem_mb"] = args.mem
+    if args.cpus is not None:
+        launch["cpus"] = args.cpus
     return stage_launch(ch, launch, args.json)
 
 
@@ -2270,7 +2310,12 @@ def workspace_lock(ch: Channel) -> dict[str, Any]:
     return out
 
 
-def _env_lines(doc: dict[str, Any], local: dict[str, Any], show: Callable[[str], str]) -> list[str]:
+def _env_lines(
+    doc: dict[str, Any],
+    local: dict[str, Any],
+    show: Callable[[str], str],
+    pol: Optional[Dict[str, Any]] = None,
+) -> list[str]:
     lines: list[str] = []
     add = lines.append
     locked = doc.get("locked") if isinstance(doc.get("locked"), dict) else None
@@ -2355,6 +2400,13 @@ def _env_lines(doc: dict[str, Any], local: dict[str, Any], show: Callable[[str],
         )
     else:
         add("limits:       none per task besides the walltime")
+    if pol is not None:
+        add(
+            "resources:    a launch may ask for its own per task: --mem MB (at most {} MB) and --cpus N "
+            "(at most {}); one that asks for neither gets the site's default".format(
+                pol["max_mem_mb"], pol["max_cpus"]
+            )
+        )
     for d in doc.get("path_dirs") or []:
         add(f"on PATH:      {d} (read-only)")
     add("variables:    every task gets:")
@@ -2398,7 +2450,7 @@ def cmd_env(ch: Channel, args: argparse.Namespace) -> int:
         )
     )
     _out()
-    for line in _env_lines(doc, local, ch.show):
+    for line in _env_lines(doc, local, ch.show, ch.policy):
         _out(line)
     return EXIT_OK
 
@@ -2428,6 +2480,8 @@ MCP_FLAGS = {
     "command": "argument `command` of launch",
     "minutes": "argument `minutes` of launch",
     "gpus": "argument `gpus` of launch",
+    "mem_mb": "argument `mem_mb` of launch",
+    "cpus": "argument `cpus` of launch",
     "array": "argument `array` of launch",
     "concurrency": "argument `concurrency` of launch",
     "artifacts": "argument `artifacts` of launch",
@@ -2595,6 +2649,13 @@ def _launch_in(lim: dict[str, Any], pol: dict[str, Any]) -> dict[str, Any]:
                 "default": 0,
                 "description": "per task",
             },
+            # Absent: the site's default for a task.
+            "mem_mb": {
+                "type": "integer",
+                "minimum": lim["mem_mb_min"],
+                "maximum": min(lim["mem_mb_ceiling"], pol["max_mem_mb"]),
+            },
+            "cpus": {"type": "integer", "minimum": 1, "maximum": min(lim["cpus_ceiling"], pol["max_cpus"])},
             "array": {
                 "type": "integer",
                 "minimum": 1,
@@ -2720,8 +2781,8 @@ MCP_TOOLS = [
     ),
     McpTool(
         "launch",
-        "Stage a job for the next sleep (checked now: a refusal names its code and path). Costs one launch "
-        '(any array size) and the GPU-hours used. Example: launch {"name": "a", "command": "python t.py"}',
+        "Stage a job for the next sleep (checked now: a refusal names code and path). Costs one launch "
+        '(any array) and the GPU-hours used. Example: launch {"name": "a", "command": "python t.py"}',
         _run_launch,
         _members("launches", "submit"),
         inputs=_launch_in,
@@ -3221,6 +3282,16 @@ def _positive_seconds(text: str) -> float:
     return v
 
 
+def _mem_mb(text: str) -> int:
+    """`--mem`: megabytes, as a whole number with an optional unit M or G (Slurm's `--mem`, binary units)."""
+    m = re.fullmatch(r"\s*([0-9]{1,12})\s*([MmGg]?)[Bb]?\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an amount of memory: give megabytes (e.g. 4096) or gigabytes with G (e.g. 8G)"
+        )
+    return int(m.group(1)) * (1024 if m.group(2) in ("G", "g") else 1)
+
+
 OVERVIEW = """\
 Run jobs outside your sandbox: stage launches, then sleep until they end, then read the wake.
 
@@ -3308,6 +3379,19 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
     )
     p.add_argument("--minutes", type=int, help="walltime in minutes (default from kernel.json, usually 30)")
     p.add_argument("--gpus", type=int, default=0, help="GPUs per task (default 0)")
+    p.add_argument(
+        "--mem",
+        type=_mem_mb,
+        metavar="MB",
+        help="memory per task in MB, or with G (8G); a task past it is killed (OUT_OF_MEMORY). Default: the "
+        "site's (`{} env` shows it); at most kernel.json policy.max_mem_mb".format(PROG),
+    )
+    p.add_argument(
+        "--cpus",
+        type=int,
+        metavar="N",
+        help="CPUs per task (default: the site's); at most kernel.json policy.max_cpus",
+    )
     p.add_argument("--array", type=int, default=1, help="run N copies as a job array (default 1, at most 16)")
     p.add_argument("--concurrency", type=int, default=0, help="at most K array tasks at once (0 = all)")
     p.add_argument(

@@ -75,6 +75,10 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     array: Annotated[int, Meta(ge=1, le=L.ARRAY_MAX)] = 1
     concurrency: Annotated[int, Meta(ge=0, le=L.ARRAY_MAX)] = 0  # 0 = the whole array at once
     gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING)] = 0
+    # What the launch asked for per task (None: the backend's default). The Slurm backend asks the scheduler for
+    # them; the local backend's wrapper enforces them from `jail` (dispatch puts them there).
+    mem_mb: Annotated[int, Meta(ge=L.MEM_MB_MIN, le=L.MEM_MB_CEILING)] | None = None
+    cpus: Annotated[int, Meta(ge=1, le=L.CPUS_CEILING)] | None = None
     artifacts: tuple[str, ...] = ()
     jail: JailPolicy = JailPolicy()
     # A submit's evaluation run: task i gets seed i as EVAL_SEED (the command only when `seeds_to_command`;

@@ -126,6 +126,7 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
             "mem_mb": spec.jail.mem_mb,
             "max_procs": spec.jail.max_procs,
             "tree_mb": spec.jail.tree_mb,
+            "cpus": spec.jail.cpus,
         },
         "environment": None
         if spec.environment is None

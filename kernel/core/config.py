@@ -46,6 +46,10 @@ class Defaults(_Strict, frozen=True, kw_only=True):
     max_minutes: Annotated[int, Meta(ge=L.MINUTES_MIN, le=L.MINUTES_CEILING)] = L.POLICY_MAX_MINUTES
     max_gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING)] = L.POLICY_MAX_GPUS
     max_concurrent_gpus: Annotated[int, Meta(ge=0, le=L.GPUS_CEILING * L.ARRAY_MAX)] = L.POLICY_MAX_GPUS
+    # The most memory (MB) and CPUs per task a launch may ask for (`launch --mem`, `--cpus`); a launch that asks
+    # for none gets the backend's default ([slurm] mem_mb and cpus_per_task, [local] mem_mb).
+    max_mem_mb: Annotated[int, Meta(ge=L.MEM_MB_MIN, le=L.MEM_MB_CEILING)] = L.POLICY_MAX_MEM_MB
+    max_cpus: Annotated[int, Meta(ge=1, le=L.CPUS_CEILING)] = L.POLICY_MAX_CPUS
     network: bool = False
     submit: EvalContract | None = None
     # the verbs a workspace may use (policy.verb_disabled for the others); e.g. withhold `queue`, which shows
@@ -65,6 +69,8 @@ class Defaults(_Strict, frozen=True, kw_only=True):
             max_minutes=self.max_minutes,
             max_gpus=self.max_gpus,
             max_concurrent_gpus=self.max_concurrent_gpus,
+            max_mem_mb=self.max_mem_mb,
+            max_cpus=self.max_cpus,
             network=self.network,
             submit=self.submit,
             verbs=self.verbs,
@@ -250,6 +256,16 @@ class Config(_Strict, frozen=True, kw_only=True):
     def paths(self) -> StatePaths:
         """The kernel's own directories and files (kernel.core.statepaths)."""
         return StatePaths(Path(self.state_dir), Path(self.run_dir))
+
+
+def default_task_mem_mb(cfg: Config, gpus: int) -> int | None:
+    """The memory limit (MB) of a task of `gpus` GPUs whose launch asks for none: the backend's default ([slurm]
+    mem_mb plus mem_per_gpu_mb per GPU, as kernel.backends.slurm.submit asks; [local] mem_mb); None for none."""
+    if cfg.backend == "slurm":
+        return cfg.slurm.mem_mb + gpus * cfg.slurm.mem_per_gpu_mb
+    if cfg.backend == "local" and cfg.local.mem_mb:
+        return cfg.local.mem_mb
+    return None
 
 
 class LiveConfig:

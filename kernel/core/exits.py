@@ -42,10 +42,35 @@ HINT_ENVIRONMENT: Final = (
     "the locked environment (uv.lock) could not be installed on the node before the command started; the "
     "stderr tail has uv's message; your command did not run"
 )
+# Where the kernel knows neither the task's limit nor the workspace's ceiling (`oom_hint` says both).
 HINT_OOM: Final = (
-    "the task went over its memory limit and was killed (`syscall env` shows the limit); use less memory, "
-    "smaller batches or fewer workers"
+    "the task went over its memory limit and was killed (`syscall env` shows the limit); ask for more with "
+    "`launch --mem MB` (up to kernel.json policy.max_mem_mb), or use less memory, smaller batches or fewer workers"
 )
+
+
+def oom_hint(limit_mb: int | None, asked_mb: int | None, max_mem_mb: int) -> str:
+    """The hint of a task killed for its memory: the limit it had (`limit_mb`; None where the kernel does not know
+    it), whether its launch asked for it (`asked_mb`, `launch --mem`) or had the site's default, and how to get
+    more: `--mem` up to the workspace's `max_mem_mb`, unless the task already had that much."""
+    had = f" of {limit_mb} MB" if limit_mb else ""
+    source = (
+        " (its launch asked for it: `launch --mem`)"
+        if asked_mb is not None
+        else " (the site's default for a task: its launch gave no `--mem`)"
+    )
+    smaller = "use less memory, smaller batches or fewer workers"
+    if limit_mb is not None and limit_mb >= max_mem_mb:
+        return (
+            f"the task went over its memory limit{had}{source} and was killed; that is already as much as this "
+            f"workspace allows a task ({max_mem_mb} MB, kernel.json policy.max_mem_mb): {smaller}"
+        )
+    return (
+        f"the task went over its memory limit{had}{source} and was killed; ask for more with `launch --mem MB` "
+        f"(this workspace allows up to {max_mem_mb} MB per task, kernel.json policy.max_mem_mb), or {smaller}"
+    )
+
+
 # What follows the record's own detail (which says what happened, with the amounts) in the hint of a disk end.
 AFTER_DISK_FULL: Final = "the output shown may be cut short; relaunch once the operator has freed space"
 AFTER_DISK_LIMIT: Final = (

@@ -78,6 +78,9 @@ class JobRow:
     # When the kernel recorded this task's last change of state or placement, by its own clock (ended_at is the
     # backend's); rules.cancelled_by compares it with a cancel's received_at.
     updated_at: str = ""
+    # The memory (MB) and CPUs the task's launch asked for (None: the backend's default for a task).
+    mem_mb: int | None = None
+    cpus: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

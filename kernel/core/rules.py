@@ -139,6 +139,8 @@ def accept_sleep(
             reserved_gpu_s=ledger.task_reservation(launch.gpus, launch.minutes),
             state="PENDING",
             updated_at=now,
+            mem_mb=launch.mem_mb,
+            cpus=launch.cpus,
         )
         for launch in req.launches
         for task in range(launch.array)
@@ -263,6 +265,8 @@ def launch_summaries(jobs: Sequence[JobRow], max_concurrent_gpus: int) -> tuple[
             minutes=j.minutes,
             clamp=clamp_note(j.array_size, j.concurrency, j.gpus, max_concurrent_gpus),
             why=j.why,
+            mem_mb=j.mem_mb,
+            cpus=j.cpus,
         )
         for j in first.values()
     )

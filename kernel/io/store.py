@@ -49,8 +49,9 @@ from kernel.io.budgetorder import BudgetOrder
 
 # The schema this kernel writes, in `PRAGMA user_version`. Releases at 1 made the tables and columns of
 # _ADMIN_SCHEMA and _ADDED_COLUMNS when missing without changing it, so a store at 1 holds any subset of them;
-# 2 is a store with all of them. A change to the schema raises it and adds a step to _MIGRATIONS.
-SCHEMA_VERSION: Final = 2
+# 2 is a store with all of them; 3 adds the memory and CPUs a launch asked for per task (jobs.mem_mb, jobs.cpus). A
+# change to the schema raises it and adds a step to _MIGRATIONS.
+SCHEMA_VERSION: Final = 3
 
 
 def _sql_states(states: frozenset[str]) -> str:
@@ -135,6 +136,8 @@ CREATE TABLE jobs (
     ended_at        TEXT,
     run_dir         TEXT,
     updated_at      TEXT NOT NULL,
+    mem_mb          INTEGER,
+    cpus            INTEGER,
     PRIMARY KEY (workspace, seq, launch, task),
     FOREIGN KEY (workspace, seq) REFERENCES sleeps(workspace, seq)
 ) STRICT;
@@ -284,8 +287,19 @@ def _ensure_additive(c: sqlite3.Connection) -> None:
             c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
 
+def _add_job_resources(c: sqlite3.Connection) -> None:
+    """Schema 3: each task's own memory (MB) and CPUs, NULL where its launch asked for none (every older task)."""
+    have = {r[1] for r in c.execute("PRAGMA table_info(jobs)")}
+    for column in ("mem_mb", "cpus"):
+        if column not in have:
+            c.execute(f"ALTER TABLE jobs ADD COLUMN {column} INTEGER")
+
+
 # version -> the step that takes a store at that version to the next one, run in the migrating transaction.
-_MIGRATIONS: Final[dict[int, Callable[[sqlite3.Connection], None]]] = {1: _ensure_additive}
+_MIGRATIONS: Final[dict[int, Callable[[sqlite3.Connection], None]]] = {
+    1: _ensure_additive,
+    2: _add_job_resources,
+}
 assert set(_MIGRATIONS) == set(range(1, SCHEMA_VERSION)), "a step for every version below SCHEMA_VERSION"
 
 
@@ -1243,7 +1257,8 @@ class Store:
 
     _JOB_COLS: Final = (
         "workspace, seq, launch, task, array_size, concurrency, command, minutes, gpus, artifacts, why, "
-        "reserved_gpu_s, state, backend, job_id, exit_code, signal, started_at, ended_at, run_dir, updated_at"
+        "reserved_gpu_s, state, backend, job_id, exit_code, signal, started_at, ended_at, run_dir, updated_at, "
+        "mem_mb, cpus"
     )
 
     @staticmethod
@@ -1261,7 +1276,7 @@ class Store:
                     f"task {j.launch}[{j.task}] of sleep {j.seq} recorded as {j.state!r}, not {FIRST_TASK_STATE!r}"
                 )
         self._conn.executemany(
-            f"INSERT INTO jobs ({self._JOB_COLS}) VALUES ({','.join('?' * 21)})",
+            f"INSERT INTO jobs ({self._JOB_COLS}) VALUES ({','.join('?' * 23)})",
             [
                 (
                     j.workspace,
@@ -1285,6 +1300,8 @@ class Store:
                     j.ended_at,
                     j.run_dir,
                     j.updated_at,
+                    j.mem_mb,
+                    j.cpus,
                 )
                 for j in jobs
             ],

@@ -126,9 +126,25 @@ class JailPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Per task, enforced by the wrapper (kernel.node.wrapper.Limiter), 0 = none: memory (MB) and processes.
     mem_mb: int = 0
     max_procs: int = 0
+    # Per task, enforced by the wrapper, 0 = none: CPUs (a CPU-time quota where a cgroup can be made, else the
+    # task is pinned to that many of the node's CPUs).
+    cpus: int = 0
     # What a job may put on disk in its tree, home and work directories together (MiB), and the largest file it
     # may write anywhere; 0 = none (kernel.node.wrapper.TreeWatch, RLIMIT_FSIZE). The local backend's.
     tree_mb: int = 0
+
+
+def with_resources(policy: JailPolicy, mem_mb: int | None, cpus: int | None) -> JailPolicy:
+    """The policy of a task whose launch asked for its own memory (MB) and CPUs (None: the policy's, the site's
+    default): the memory limit is the launch's (and /dev/shm, a tmpfs counted in it, half of it, as the site's)."""
+    if mem_mb is None and cpus is None:
+        return policy
+    return msgspec.structs.replace(
+        policy,
+        mem_mb=policy.mem_mb if mem_mb is None else mem_mb,
+        shm_mb=policy.shm_mb if mem_mb is None else mem_mb // 2,
+        cpus=policy.cpus if cpus is None else cpus,
+    )
 
 
 class JobEnvironment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

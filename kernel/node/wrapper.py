@@ -727,14 +727,23 @@ def own_cgroups(text: str) -> dict[str, str]:
     return out
 
 
+CPU_PERIOD_US = 100000
+
+
 class Limiter:
-    """Memory, process and OOM accounting for one task: a cgroup where this process can create one (v2: a
-    `syscall-jobs/<task>` group with memory.max, memory.swap.max and pids.max; v1: one group per controller
-    below our own), else rlimits (RLIMIT_AS, RLIMIT_NPROC: weaker, see docs/operator.md). The jail is moved
-    into the group before it execs, so everything it forks is counted and, at the end, killed."""
+    """Memory, CPU, process and OOM accounting for one task: a cgroup where this process can create one (v2: a
+    `syscall-jobs/<task>` group with memory.max, memory.swap.max, cpu.max and pids.max; v1: one group per
+    controller below our own), else rlimits (RLIMIT_AS, RLIMIT_NPROC: weaker, see docs/operator.md). The jail is
+    moved into the group before it execs, so everything it forks is counted and, at the end, killed. A CPU limit
+    is a CPU-time quota of `cpus` CPUs where a cgroup's cpu controller is there, else (`cpu_by` "affinity") the
+    jail is pinned to `cpus` of the CPUs this process may use, the `slot`-th such block (tasks of one launch
+    side by side)."""
 
     def __init__(self, limits: dict[str, Any], name: str, root: str = CGROUP_ROOT) -> None:
         self.mem_mb = int(limits.get("mem_mb") or 0)
+        self.cpus = int(limits.get("cpus") or 0)
+        self.slot = int(limits.get("slot") or 0)
+        self.cpu_by = "none"
         self.max_procs = int(limits.get("max_procs") or 0)
         self.tree_mb = int(
             limits.get("tree_mb") or 0
@@ -750,20 +759,33 @@ class Limiter:
     @property
     def wanted(self) -> bool:
         """Whether `enter` has something to do in the jail's process."""
-        return bool(self.mem_mb or self.max_procs or self.tree_mb)
+        return bool(self.mem_mb or self.max_procs or self.tree_mb or self.cpus)
 
     def setup(self) -> str:
-        if not (self.mem_mb or self.max_procs):
+        if not (self.mem_mb or self.max_procs or self.cpus):
             return "none"
         for attempt in (self._v2, self._v1):
             try:
                 if attempt():
                     self.mechanism = "cgroup"
-                    return self.mechanism
+                    break
             except OSError:
                 self._remove()
-        self.mechanism = "rlimit"
+                self.cpu_by = "none"
+        else:
+            self.mechanism = "rlimit"
+        if self.cpus and self.cpu_by == "none":
+            self.cpu_by = "affinity"
         return self.mechanism
+
+    def affinity(self, allowed: set[int]) -> set[int]:
+        """The CPUs a task limited to `cpus` CPUs by affinity runs on: the `slot`-th block of `cpus` of the
+        allowed ones (wrapping round), all of them when there are no more than `cpus`."""
+        cpus = sorted(allowed)
+        if len(cpus) <= self.cpus:
+            return set(cpus)
+        start = (self.slot * self.cpus) % len(cpus)
+        return {cpus[(start + i) % len(cpus)] for i in range(self.cpus)}
 
     def _write(self, path: str, value: str) -> None:
         with open(path, "w") as f:
@@ -776,16 +798,20 @@ class Limiter:
             have = f.read().split()
         if "memory" not in have or "pids" not in have:
             return False
+        controllers = ["memory", "pids"] + (["cpu"] if self.cpus and "cpu" in have else [])
         parent = os.path.join(self.root, CGROUP_GROUP)
         os.makedirs(parent, exist_ok=True)
         for d in (self.root, parent):
             with open(os.path.join(d, "cgroup.subtree_control")) as f:
                 enabled = f.read().split()
-            if "memory" not in enabled or "pids" not in enabled:
-                self._write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids")
+            if any(c not in enabled for c in controllers):
+                self._write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in controllers))
         group = os.path.join(parent, self.name)
         os.mkdir(group)
         self.groups, self.memory_group, self.v2 = [group], group, True
+        if "cpu" in controllers:
+            self._write(os.path.join(group, "cpu.max"), f"{self.cpus * CPU_PERIOD_US} {CPU_PERIOD_US}")
+            self.cpu_by = "cgroup"
         if self.mem_mb:
             self._write(os.path.join(group, "memory.max"), str(self.mem_mb << 20))
             with contextlib.suppress(OSError):
@@ -801,6 +827,10 @@ class Limiter:
         for c in wanted:
             if c not in own or not os.path.exists(os.path.join(self.root, c, "cgroup.procs")):
                 return False
+        if self.cpus and "cpu" in own and os.path.exists(os.path.join(self.root, "cpu", "cgroup.procs")):
+            wanted.append("cpu")
+        if not wanted:
+            return False
         for c in wanted:
             group = os.path.join(self.root, c, own[c].lstrip("/"), CGROUP_GROUP + "-" + self.name)
             os.mkdir(group)
@@ -811,6 +841,10 @@ class Limiter:
                 self._write(os.path.join(group, "memory.limit_in_bytes"), limit)
                 with contextlib.suppress(OSError):  # no swap accounting: swap stays possible
                     self._write(os.path.join(group, "memory.memsw.limit_in_bytes"), limit)
+            elif c == "cpu":
+                self._write(os.path.join(group, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+                self._write(os.path.join(group, "cpu.cfs_quota_us"), str(self.cpus * CPU_PERIOD_US))
+                self.cpu_by = "cgroup"
             else:
                 self._write(os.path.join(group, "pids.max"), str(self.max_procs))
         return True
@@ -823,6 +857,8 @@ class Limiter:
             # Inherited by bwrap and everything the job starts: a write or fallocate past it fails with EFBIG
             # (and SIGXFSZ), so one file never outgrows the tree limit whatever the watchdog's interval.
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.tree_mb << 20, self.tree_mb << 20))
+        if self.cpu_by == "affinity":
+            os.sched_setaffinity(0, self.affinity(os.sched_getaffinity(0)))
         if self.mechanism == "cgroup":
             for group in self.groups:
                 self._write(os.path.join(group, "cgroup.procs"), str(os.getpid()))
@@ -1759,7 +1795,7 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         argv[0] = jail_program(argv[0], environ.get("PATH"))
         import subprocess
 
-        limits = dict(config.get("limits") or {}, gpus=gpu.get("count", 0))
+        limits = dict(config.get("limits") or {}, gpus=gpu.get("count", 0), slot=index)
         limiter = Limiter(limits, "{}-{}-{}".format(str(config["key"]).replace("/", "-"), index, os.getpid()))
         watch = tree_watch(limiter.tree_mb, [tree, home, work], runner)
         filter_fd = None

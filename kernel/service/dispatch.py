@@ -41,7 +41,7 @@ from kernel.io.crash import crash_point
 from kernel.io.repo import KernelRepo, RepoError
 from kernel.io.snapshot import Snapshot, SnapshotError, SnapshotTooLarge, listing_jail, snapshot_sync
 from kernel.io.store import StoreWorker, timestamp
-from kernel.node.jail import JailPolicy, JobEnvironment
+from kernel.node.jail import JailPolicy, JobEnvironment, with_resources
 from kernel.service.evaluation import Evaluation
 from kernel.service.executor import DispatchRefused, ExecutorUnavailable, SleepOrder
 from kernel.service.gather import job_order
@@ -154,6 +154,8 @@ class Dispatcher:
                 continue
             width = at_a_time(j.array_size, j.concurrency, j.gpus, ws.policy.max_concurrent_gpus)
             specs[j.launch] = JobSpec(
+                mem_mb=j.mem_mb,
+                cpus=j.cpus,
                 workspace=ws.key,
                 workspace_path=ws.path,
                 seq=order.sleep.seq,
@@ -167,7 +169,7 @@ class Dispatcher:
                 concurrency=0 if width >= j.array_size else width,
                 gpus=j.gpus,
                 artifacts=j.artifacts,
-                jail=jail,
+                jail=jail if local is None else with_resources(jail, j.mem_mb, j.cpus),
                 path_dirs=self.cfg.environment.extra_dirs,
                 sleep_id=order.sleep.id,
                 gpus_constrained=self.cfg.backend == "slurm",

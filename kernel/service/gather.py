@@ -357,12 +357,18 @@ def task_result(
     elapsed_s: float | None,
     files: TaskFiles,
     environment_mode: str = "none",
+    memory: tuple[int | None, int] | None = None,
 ) -> TaskResult:
     """The task as the wake shows it (pure: its files were read already, so this runs in a store step); its hint
     is its end's (`files.hint`), a task never handed over (`task_dir` None) that was cancelled has the hint of
     that, and a plain failure whose stderr shows a missing import gets that import's hint (`environment_mode`:
-    what the kernel builds jobs' environments from)."""
+    what the kernel builds jobs' environments from). A task killed for its memory gets the hint of its limit and
+    how to ask for more (`memory`: the default limit of a task that asked for none, and the workspace's
+    `max_mem_mb`; without it, the end's own hint)."""
     hint = files.hint
+    if job.state == "OUT_OF_MEMORY" and memory is not None:
+        default_mb, max_mem_mb = memory
+        hint = exits.oom_hint(job.mem_mb or default_mb, job.mem_mb, max_mem_mb)
     if task_dir is None:
         hint = HINT_CANCELLED_EARLY if job.state == "CANCELLED" else None
     if hint == HINT_FAILED and files.stderr is not None:

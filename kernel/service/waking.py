@@ -31,7 +31,7 @@ from channel.paths import ChannelPaths
 from channel.render import render_wake
 from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, RunnableBackend
 from kernel.core import ledger
-from kernel.core.config import Config, LiveConfig
+from kernel.core.config import Config, LiveConfig, default_task_mem_mb
 from kernel.core.records import JobRow, WorkspaceRow
 from kernel.io import log as klog
 from kernel.io.crash import crash_point
@@ -179,7 +179,8 @@ class Waker:
                 refunded += settled.refunded_gpu_s
                 # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
                 self.store.release_job(key, seq, cur.launch, cur.task)
-                tasks.append(gather.task_result(cur, tdir, elapsed, files, self.cfg.environment.mode))
+                memory = (default_task_mem_mb(self.cfg, cur.gpus), ws.policy.max_mem_mb)
+                tasks.append(gather.task_result(cur, tdir, elapsed, files, self.cfg.environment.mode, memory))
             shown, verdict = self.evaluation.judge(sleep, tuple(tasks), runs)
             exec_row = self.store.exec_sleep(key, seq)
             wake = gather.build_wake(

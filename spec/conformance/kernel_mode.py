@@ -1083,7 +1083,7 @@ class KernelRun:
     def _vectors(self, usable: list[Place]) -> None:
         vs = self.vectors
         shared = vectors.shared_stems(vs)
-        by_key: dict[tuple[int, int, frozenset[str], bool], Place] = {}
+        by_key: dict[vectors.PolicyKey, Place] = {}
         for p in usable:
             assert p.info is not None
             by_key.setdefault(vectors.policy_key(p.info.policy), p)

@@ -239,19 +239,32 @@ def placed_bytes(vector: Vector, new_id: str) -> bytes:
     return out
 
 
-def policy_key(policy: Policy) -> tuple[int, int, frozenset[str], bool]:
+PolicyKey = tuple[int, int, int, int, frozenset[str], bool]
+
+
+def policy_key(policy: Policy) -> PolicyKey:
     """What section 5.1 refuses by: a workspace whose policy has the same key gives a vector its outcome.
 
     `max_concurrent_gpus` and `network` never refuse a request (5.2), and only the presence of an evaluation
     contract matters to `policy.submit_disabled`.
     """
-    return (policy.max_minutes, policy.max_gpus, frozenset(policy.verbs), policy.submit is not None)
+    return (
+        policy.max_minutes,
+        policy.max_gpus,
+        policy.max_mem_mb,
+        policy.max_cpus,
+        frozenset(policy.verbs),
+        policy.submit is not None,
+    )
 
 
 def describe_policy(policy: Policy) -> str:
-    mm, mg, verbs, submit = policy_key(policy)
+    mm, mg, mem, cpus, verbs, submit = policy_key(policy)
     shown = ",".join(v for v in ANSWER_TYPE if v in verbs)
-    return f"max_minutes={mm} max_gpus={mg} verbs={shown} submit={'yes' if submit else 'no'}"
+    return (
+        f"max_minutes={mm} max_gpus={mg} max_mem_mb={mem} max_cpus={cpus} verbs={shown} "
+        f"submit={'yes' if submit else 'no'}"
+    )
 
 
 # --- judging an answer -----------------------------------------------------------------------------------

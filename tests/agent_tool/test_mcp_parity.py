@@ -39,6 +39,8 @@ OPEN_POLICY = Policy(
     max_minutes=L.MINUTES_CEILING,
     max_gpus=L.GPUS_CEILING,
     max_concurrent_gpus=L.GPUS_CEILING,
+    max_mem_mb=L.MEM_MB_CEILING,
+    max_cpus=L.CPUS_CEILING,
     submit=EvalContract(command="python eval.py", metric="accuracy"),
 )
 KERNEL_STATE = {c for c, info in CODES.items() if info.section == "6"}

@@ -878,3 +878,33 @@ def test_env_lists_what_a_lock_installs_once_per_package(
     assert "numpy 2.0.2 | 2.3.5, six 1.16.0" in r.stdout, r.stdout
     assert "exp 0.1.0" not in r.stdout
     assert "tool-pkg" not in r.stdout
+
+
+def test_launch_mem_and_cpus_stage_the_tasks_own_resources_within_the_policy(
+    python: str, tmp_path: Path, elsewhere: Path
+) -> None:
+    """`--mem 8G` is 8192 MB; a launch without --mem/--cpus stages neither (the site's default); one over the
+    workspace's ceiling is refused locally with the path, the ceiling and the flag."""
+    fk = FakeKernel(tmp_path / "ws", policy=Policy(max_mem_mb=16384, max_cpus=4))
+    with fk.running():
+        ok = run(
+            python, fk, "launch", "--name", "big", "--mem", "8G", "--cpus", "4", "--", "true", cwd=elsewhere
+        )
+        assert ok.returncode == 0, ok.stderr
+        assert run(python, fk, "launch", "--name", "plain", "--", "true", cwd=elsewhere).returncode == 0
+        big, plain = staged(fk)["launches"]
+        assert (big["mem_mb"], big["cpus"]) == (8192, 4)
+        assert "mem_mb" not in plain
+        assert "cpus" not in plain
+        over = run(python, fk, "launch", "--name", "huge", "--mem", "20000", "--", "true", cwd=elsewhere)
+        assert over.returncode == 2
+        assert "policy.mem_mb at $.launches[2].mem_mb" in over.stderr
+        assert "this workspace allows at most 16384 (kernel.json policy.max_mem_mb)" in over.stderr
+        assert "(this launch: --mem)" in over.stderr
+        bad = run(python, fk, "launch", "--name", "x", "--mem", "8T", "--", "true", cwd=elsewhere)
+        assert bad.returncode == 2
+        assert "is not an amount of memory" in bad.stderr
+        assert len(staged(fk)["launches"]) == 2
+        usage = run(python, fk, "launch", "--help", cwd=elsewhere).stdout
+        assert "--mem MB" in usage
+        assert "--cpus N" in usage

@@ -39,7 +39,7 @@ from kernel.io.crash import CRASH_ENV
 
 pytestmark = [pytest.mark.slurm, pytest.mark.bwrap]
 
-SCENARIOS = ("walltime", "sweep", "cancel", "outside", "refused", "outage")
+SCENARIOS = ("walltime", "sweep", "cancel", "outside", "refused", "outage", "sized")
 CONFIG = """backend = "slurm"
 jail = "bwrap"
 rescan_seconds = 2
@@ -233,6 +233,23 @@ def test_a_sweep_with_concurrency_2_is_throttled_by_slurm_beside_a_failing_launc
     for a, b, c in itertools.combinations(spans, 3):
         assert not (max(a[0], b[0], c[0]) < min(a[1], b[1], c[1])), f"three tasks overlapped: {spans}"
     assert wake["budget"] == env.budget("sweep")
+
+
+def test_a_launchs_own_memory_and_cpus_are_slurms_allocation_and_in_the_wake(env: Env) -> None:
+    """`launch --mem 48 --cpus 2` through the kernel: Slurm allocates exactly that (the site's default is
+    [slurm] mem_mb and cpus_per_task), the job runs, and the wake says what the launch asked for."""
+    env.ok("sized", "launch", "--name", "sized", "--mem", "48", "--cpus", "2", "--", "sh", "-c", "echo ran")
+    [job] = env.accepted("sized")["jobs"]
+    shown = slurm(env.conf, "scontrol", "show", "job", "-o", job["job_id"])
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+    assert (fields["MinMemoryNode"], fields["CPUs/Task"]) == ("48M", "2"), shown.stdout
+    wake = env.wake("sized", 90)
+    [t] = wake["tasks"]
+    assert (t["state"], t["stdout_tail"]) == ("COMPLETED", "ran\n"), t
+    [x] = wake["launches"]
+    assert (x["mem_mb"], x["cpus"]) == (48, 2)
+    assert "sized (48 MB, 2 CPUs per task): sh -c 'echo ran'" in env.wake_md("sized", wake)
 
 
 def test_cancel_through_the_kernel_stops_a_running_job(env: Env) -> None:

@@ -27,10 +27,20 @@ def test_policy_budget_pause_and_unenroll(tmp_path: Path) -> None:
     bad = k.cli("enroll", str(ws), "--max-gpus", "99", check=False)
     assert bad.returncode == 1
     assert "--max-gpus must be an integer from 0 to 64, got 99" in bad.stderr
-    k.enroll(ws, "--max-minutes", "20", "--max-gpus", "2", "--network")
+    bad = k.cli("enroll", str(ws), "--max-mem-mb", "8", check=False)
+    assert bad.returncode == 1
+    assert "--max-mem-mb must be an integer from 16 to 4194304, got 8" in bad.stderr
+    bad = k.cli("enroll", str(ws), "--max-cpus", "0", check=False)
+    assert "--max-cpus must be an integer from 1 to 1024, got 0" in bad.stderr
+    k.enroll(
+        ws, "--max-minutes", "20", "--max-gpus", "2", "--network", "--max-mem-mb", "2048", "--max-cpus", "4"
+    )
     k.enroll(ws)
     policy = kernel_json(ws)["policy"]
     assert (policy["max_minutes"], policy["max_gpus"], policy["network"]) == (20, 2, True)  # type: ignore[index]
+    assert (policy["max_mem_mb"], policy["max_cpus"]) == (2048, 4)  # type: ignore[index]
+    limits = kernel_json(ws)["limits"]
+    assert (limits["mem_mb_min"], limits["mem_mb_ceiling"], limits["cpus_ceiling"]) == (16, 4194304, 1024)  # type: ignore[index]
     k.start()
     try:
         assert kernel_json(ws)["policy"]["max_minutes"] == 20  # type: ignore[index]

@@ -67,7 +67,15 @@ class Cluster:
         return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60, check=False)
 
     def stage(
-        self, launch: str, script: str, *, minutes: int = 5, array: int = 1, concurrency: int = 0
+        self,
+        launch: str,
+        script: str,
+        *,
+        minutes: int = 5,
+        array: int = 1,
+        concurrency: int = 0,
+        mem_mb: int | None = None,
+        cpus: int | None = None,
     ) -> list[str]:
         """Write job.sh and the task directories; return the sbatch argv."""
         self.seq += 1
@@ -79,7 +87,14 @@ class Cluster:
         (paths.launch_dir / paths.JOB_SCRIPT).write_text(body)
         (paths.launch_dir / paths.JOB_SCRIPT).chmod(0o755)
         job = SbatchJob(
-            workspace=WS, seq=self.seq, launch=launch, minutes=minutes, array=array, concurrency=concurrency
+            workspace=WS,
+            seq=self.seq,
+            launch=launch,
+            minutes=minutes,
+            array=array,
+            concurrency=concurrency,
+            mem_mb=mem_mb,
+            cpus=cpus,
         )
         return render_sbatch_argv(job, POLICY, paths)
 
@@ -158,6 +173,28 @@ def test_array_is_throttled_by_slurm(cluster: Cluster, walltime_job: tuple[str, 
         code = int((sleep_dir / f"sweep.{k}" / "exit-code").read_text())
         assert resolve_task((job, k), exit_code=code, queue=q).state == "COMPLETED"
         assert (sleep_dir / f"sweep.{k}" / "scheduler.out").exists()
+
+
+def test_a_launchs_own_memory_and_cpus_are_what_slurm_allocates(cluster: Cluster) -> None:
+    """`launch --mem 48 --cpus 2` reaches Slurm as the job's allocation (the site default here is 64 MB, 1 CPU);
+    the job runs with them."""
+    job = cluster.submit(cluster.stage("sized", "#!/bin/sh\nnproc\n", mem_mb=48, cpus=2))
+    shown = cluster.run(["scontrol", "show", "job", "-o", job])
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+    assert fields["MinMemoryNode"] == "48M", shown.stdout
+    assert (fields["NumCPUs"], fields["CPUs/Task"]) == ("2", "2"), shown.stdout
+    key: TaskKey = (job, None)
+    q = cluster.wait([job], _all_ended({key}), "the sized job to end")
+    assert q.entries[key].state == "COMPLETED"
+    plain = cluster.submit(cluster.stage("unsized", "#!/bin/sh\ntrue\n"))
+    fields = dict(
+        f.split("=", 1)
+        for f in cluster.run(["scontrol", "show", "job", "-o", plain]).stdout.split()
+        if "=" in f
+    )
+    assert (fields["MinMemoryNode"], fields["CPUs/Task"]) == ("64M", "1")
+    cluster.cancel(plain)
 
 
 def test_squeue_forms_and_the_single_id_pitfall(cluster: Cluster) -> None:

@@ -344,8 +344,12 @@ def _sleep(**launch: Any) -> SleepRequest:
 
 
 def test_check_policy_accepts_what_the_policy_allows() -> None:
-    policy = Policy(max_minutes=60, max_gpus=2, submit=EvalContract(command="e", metric="m"))
-    check_policy(_sleep(minutes=60, gpus=2), policy)
+    policy = Policy(
+        max_minutes=60, max_gpus=2, max_mem_mb=2048, max_cpus=4, submit=EvalContract(command="e", metric="m")
+    )
+    check_policy(_sleep(minutes=60, gpus=2, mem_mb=2048, cpus=4), policy)
+    # Asking for neither is the site's default, whatever the ceilings.
+    check_policy(_sleep(), Policy(max_mem_mb=16, max_cpus=1))
     check_policy(StatusRequest(protocol=1, id="r1"), Policy(verbs=("status",)))
 
 
@@ -354,6 +358,8 @@ def test_check_policy_accepts_what_the_policy_allows() -> None:
     [
         (_sleep(minutes=61), Policy(max_minutes=60), "policy.minutes"),
         (_sleep(gpus=3), Policy(max_gpus=2), "policy.gpus"),
+        (_sleep(mem_mb=2049), Policy(max_mem_mb=2048), "policy.mem_mb"),
+        (_sleep(cpus=5), Policy(max_cpus=4), "policy.cpus"),
         (SleepRequest(protocol=1, id="r1", submit=Submit(report="r")), Policy(), "policy.submit_disabled"),
         (
             SleepRequest(protocol=1, id="r1", submit=Submit(report="r", eval_minutes=61)),
@@ -389,3 +395,68 @@ def test_whitespace_and_printable_ascii_commands_survive() -> None:
     cmd = string.printable.replace("\r", "").replace("\x0b", "").replace("\x0c", "")
     req = SleepRequest(protocol=1, id="r1", launches=(Launch(name="a", command=cmd),))
     assert decode_request(encode(req), "r1") == req
+
+
+@pytest.mark.parametrize(
+    ("launch", "policy", "code", "path", "message"),
+    [
+        (
+            {"mem_mb": 9000},
+            Policy(max_mem_mb=8192),
+            "policy.mem_mb",
+            "$.launches[1].mem_mb",
+            "$.launches[1].mem_mb is 9000 (MB per task); this workspace allows at most 8192 (kernel.json "
+            "policy.max_mem_mb): ask for 8192 or less",
+        ),
+        (
+            {"cpus": 9},
+            Policy(max_cpus=8),
+            "policy.cpus",
+            "$.launches[1].cpus",
+            "$.launches[1].cpus is 9 (per task); this workspace allows at most 8 (kernel.json policy.max_cpus): "
+            "ask for 8 or fewer",
+        ),
+    ],
+)
+def test_a_resource_over_the_ceiling_is_refused_naming_the_path_the_ceiling_and_the_fix(
+    launch: dict[str, int], policy: Policy, code: str, path: str, message: str
+) -> None:
+    req = SleepRequest(
+        protocol=1, id="r1", launches=(Launch(name="a", command="x"), Launch(name="b", command="x", **launch))
+    )
+    with pytest.raises(RequestError) as info:
+        check_policy(req, policy)
+    assert (info.value.code, info.value.path, info.value.message) == (code, path, message)
+
+
+@pytest.mark.parametrize(
+    ("member", "value", "code", "message"),
+    [
+        (
+            "mem_mb",
+            15,
+            "launch.mem_mb.out_of_range",
+            "$.launches[0].mem_mb is out of range; it must be >= 16",
+        ),
+        (
+            "mem_mb",
+            L.MEM_MB_CEILING + 1,
+            "launch.mem_mb.out_of_range",
+            f"$.launches[0].mem_mb is out of range; it must be <= {L.MEM_MB_CEILING}",
+        ),
+        ("cpus", 0, "launch.cpus.out_of_range", "$.launches[0].cpus is out of range; it must be >= 1"),
+        ("mem_mb", "8G", "field.type", "$.launches[0].mem_mb must be an integer or null, got a string"),
+    ],
+)
+def test_a_resource_outside_the_protocols_bounds_is_refused_with_its_path(
+    member: str, value: object, code: str, message: str
+) -> None:
+    body = {
+        "protocol": 1,
+        "id": "r1",
+        "type": "sleep",
+        "launches": [{"name": "a", "command": "x", member: value}],
+    }
+    got = decode_request(json.dumps(body).encode(), "r1")
+    assert isinstance(got, Rejected)
+    assert (got.error.code, got.error.path, got.error.message) == (code, f"$.launches[0].{member}", message)

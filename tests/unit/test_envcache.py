@@ -470,7 +470,7 @@ def test_the_wrapper_is_told_the_job_variables_environment_gpus_and_limits() -> 
         "mount": J.SHARED_VENV,
     }
     assert cfg["gpu"] == {"count": 2, "constrained": False}
-    assert cfg["limits"] == {"mem_mb": 512, "max_procs": 100, "tree_mb": 0}
+    assert cfg["limits"] == {"mem_mb": 512, "max_procs": 100, "tree_mb": 0, "cpus": 0}
     assert cfg["forward_vars"] == ["CUDA_VISIBLE_DEVICES"]
     argv = cfg["jail"]["argv"]  # type: ignore[index]
     # bound from the venv the node has (its own, or the cache's) at the path the job sees
@@ -510,6 +510,52 @@ def test_without_limits_nothing_is_set_up(tmp_path: Path) -> None:
     lim = W.Limiter({}, "t", str(tmp_path))
     assert lim.setup() == "none"
     assert lim.groups == []
+
+
+def test_a_cpu_limit_is_a_cgroup_v2_quota_where_the_cpu_controller_is_there(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    (tmp_path / W.CGROUP_GROUP).mkdir()
+    (tmp_path / W.CGROUP_GROUP / "cgroup.subtree_control").write_text("")
+    lim = W.Limiter({"cpus": 2, "mem_mb": 64}, "t", str(tmp_path))
+    assert (lim.setup(), lim.cpu_by) == ("cgroup", "cgroup")
+    group = tmp_path / W.CGROUP_GROUP / "t"
+    assert (group / "cpu.max").read_text() == "200000 100000"  # two CPUs' worth of each 100 ms period
+    assert (group / "memory.max").read_text() == str(64 << 20)
+    assert "+cpu" in (tmp_path / "cgroup.subtree_control").read_text().split()
+
+
+def test_without_a_cgroup_a_cpu_limit_pins_the_task_to_its_own_block_of_cpus(tmp_path: Path) -> None:
+    """No cgroup can be made under `tmp_path`: the task is pinned to `cpus` CPUs, task k to the k-th block."""
+    lim = W.Limiter({"cpus": 2, "slot": 1}, "t", str(tmp_path))
+    assert (lim.setup(), lim.cpu_by) == ("rlimit", "affinity")
+    assert lim.affinity({0, 1, 2, 3, 4, 5}) == {2, 3}
+    assert W.Limiter({"cpus": 2, "slot": 3}, "t").affinity({0, 1, 2, 3, 4, 5}) == {0, 1}  # round again
+    assert W.Limiter({"cpus": 4, "slot": 2}, "t").affinity({5, 7}) == {5, 7}  # no more than asked: all
+    import os
+
+    allowed = os.sched_getaffinity(0)
+    one = W.Limiter({"cpus": 1, "slot": 0}, "t", str(tmp_path))
+    one.setup()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the jail's side: enter() before exec
+        one.enter()
+        os.write(write, ",".join(map(str, sorted(os.sched_getaffinity(0)))).encode())
+        os._exit(0)
+    os.close(write)
+    got = os.read(read, 4096).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert got == str(min(allowed))
+
+
+def test_a_launchs_own_memory_and_cpus_replace_the_sites_in_its_jail_policy() -> None:
+    site = J.JailPolicy(mem_mb=4096, shm_mb=2048, max_procs=100)
+    assert J.with_resources(site, None, None) is site
+    own = J.with_resources(site, 64, 2)
+    assert (own.mem_mb, own.shm_mb, own.cpus, own.max_procs) == (64, 32, 2, 100)
+    assert (J.with_resources(site, None, 3).mem_mb, J.with_resources(site, None, 3).cpus) == (4096, 3)
 
 
 def test_prune_removes_caches_unused_for_keep_days(tmp_path: Path) -> None:

@@ -134,3 +134,43 @@ def test_the_wake_hint_follows_the_end_the_backend_reads(tmp_path: Path) -> None
     assert (
         gather.end_hint(tmp_path, S.hint_of) == "the command was killed by SIGKILL"
     )  # the exit record's row alone
+
+
+@pytest.mark.parametrize(
+    ("asked", "default", "hint"),
+    [
+        (
+            64,
+            4096,
+            "the task went over its memory limit of 64 MB (its launch asked for it: `launch --mem`) and was "
+            "killed; ask for more with `launch --mem MB` (this workspace allows up to 8192 MB per task, "
+            "kernel.json policy.max_mem_mb), or use less memory, smaller batches or fewer workers",
+        ),
+        (
+            None,
+            4096,
+            "the task went over its memory limit of 4096 MB (the site's default for a task: its launch gave no "
+            "`--mem`) and was killed; ask for more with `launch --mem MB` (this workspace allows up to 8192 MB "
+            "per task, kernel.json policy.max_mem_mb), or use less memory, smaller batches or fewer workers",
+        ),
+        (
+            8192,
+            4096,
+            "the task went over its memory limit of 8192 MB (its launch asked for it: `launch --mem`) and was "
+            "killed; that is already as much as this workspace allows a task (8192 MB, kernel.json "
+            "policy.max_mem_mb): use less memory, smaller batches or fewer workers",
+        ),
+    ],
+)
+def test_an_out_of_memory_hint_names_the_limit_where_it_came_from_and_how_to_ask_for_more(
+    tmp_path: Path, asked: int | None, default: int, hint: str
+) -> None:
+    """The old hint said "use less memory" with no way to ask for more; the limit is the launch's own when it
+    asked, else the site's default, and more is offered only up to the workspace's max_mem_mb."""
+    jobscript.write_exit(tmp_path, ExitRecord(137, "out_of_memory", signal="SIGKILL"))
+    job = JobRow(
+        "w-1", 3, "train", 0, 1, 0, "x", 10, 0, (), "", 0, "OUT_OF_MEMORY", exit_code=137, mem_mb=asked
+    )
+    files = gather.TaskFiles(hint=gather.end_hint(tmp_path, lambda _: None))
+    got = gather.task_result(job, tmp_path, 1.0, files, memory=(default, 8192))
+    assert (got.state, got.hint) == ("OUT_OF_MEMORY", hint)

@@ -291,4 +291,9 @@ def test_a_record_is_written_into_its_reserve_in_place(tmp_path: Path) -> None:
 
 def test_the_tree_limit_reaches_the_wrapper(tmp_path: Path) -> None:
     spec = _spec(tmp_path, jail=JailPolicy(kind="bwrap", tree_mb=2048))
-    assert jobscript.wrapper_config(spec)["limits"] == {"mem_mb": 0, "max_procs": 0, "tree_mb": 2048}
+    assert jobscript.wrapper_config(spec)["limits"] == {
+        "mem_mb": 0,
+        "max_procs": 0,
+        "tree_mb": 2048,
+        "cpus": 0,
+    }

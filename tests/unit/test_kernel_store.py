@@ -337,12 +337,53 @@ def store_with_w1(path: Path) -> Path:
     return path
 
 
+def _without_job_resources(db: sqlite3.Connection) -> None:
+    """The jobs table as schema 2 and older had it: no `mem_mb`, no `cpus`."""
+    db.execute("ALTER TABLE jobs DROP COLUMN mem_mb")
+    db.execute("ALTER TABLE jobs DROP COLUMN cpus")
+
+
+def test_a_schema_2_store_gets_the_job_resource_columns_and_its_tasks_read_as_asking_for_none(
+    tmp_path: Path,
+) -> None:
+    """Schema 3 added `jobs.mem_mb` and `jobs.cpus`: a store at 2 (its tasks recorded without them) is migrated,
+    its tasks read as the site's default (None), and a new task's request is kept."""
+    from kernel.core.records import JobRow, SleepRow
+
+    path = store_with_w1(tmp_path / "state.sqlite")
+    s = Store.open(path)
+    with s.transaction():
+        s.insert_sleep(SleepRow("w-1", 1, "s1", "validated", "", None, NOW, None, None))
+        s.insert_jobs([JobRow("w-1", 1, "old", 0, 1, 0, "x", 10, 0, (), "", 0, "PENDING", updated_at=NOW)])
+    s.close()
+    db = sqlite3.connect(path)
+    _without_job_resources(db)
+    db.execute("PRAGMA user_version = 2")
+    db.commit()
+    db.close()
+    s = Store.open(path)
+    assert s._one("PRAGMA user_version")[0] == 3
+    (old,) = s.jobs_of("w-1", 1)
+    assert (old.mem_mb, old.cpus) == (None, None)
+    new = JobRow(
+        "w-1", 2, "big", 0, 1, 0, "x", 10, 0, (), "", 0, "PENDING", updated_at=NOW, mem_mb=8192, cpus=4
+    )
+    with s.transaction():
+        s.insert_sleep(SleepRow("w-1", 2, "s2", "validated", "", None, NOW, None, None))
+        s.insert_jobs([new])
+    assert [(j.mem_mb, j.cpus) for j in s.jobs_of("w-1", 2)] == [(8192, 4)]
+    s.close()
+    (backup,) = backups(path, 2)
+    assert backup.name.startswith("state.sqlite.v2-before-v3.")
+
+
 def _as_schema_1(path: Path) -> None:
     """Make the store at `path` what a release at schema 1 left: user_version 1, without the columns and tables
     releases at 1 added later (`workspaces.subdirs`, `store_meta`)."""
     db = sqlite3.connect(path)
     db.execute("ALTER TABLE workspaces DROP COLUMN subdirs")
     db.execute("DROP TABLE store_meta")
+    _without_job_resources(db)
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
@@ -356,14 +397,14 @@ def test_an_older_store_is_backed_up_then_migrated_and_says_so(
     _as_schema_1(path)
     caplog.set_level(logging.INFO)
     s = Store.open(path)
-    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 2
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 3
     assert s.workspace("w-1") is not None
     assert s.store_id() is not None
     s.close()
     (backup,) = backups(path, 1)
-    assert backup.name.startswith("state.sqlite.v1-before-v2.")
+    assert backup.name.startswith("state.sqlite.v1-before-v3.")
     (line,) = [r.getMessage() for r in caplog.records if "event=store_migrated" in r.getMessage()]
-    for part in (f"backup={backup}", f"store={path}", "from=1", "to=2"):
+    for part in (f"backup={backup}", f"store={path}", "from=1", "to=3"):
         assert part in line.split(" "), (part, line)
     # the backup is the store as it was: schema 1, its rows, not the migrated columns
     old = sqlite3.connect(f"file:{backup}?mode=ro", uri=True)
@@ -381,10 +422,10 @@ def test_an_older_store_is_backed_up_then_migrated_and_says_so(
 def test_a_newer_store_is_refused_naming_both_versions_and_the_way_back(tmp_path: Path) -> None:
     """Rolling back made the old kernel crash on what the newer one wrote (`Invalid enum value 'tail'`)."""
     path = store_with_w1(tmp_path / "state.sqlite")
-    (tmp_path / "state.sqlite.v2-before-v3.20270101T000000Z.bak").write_bytes(path.read_bytes())
+    (tmp_path / "state.sqlite.v3-before-v4.20270101T000000Z.bak").write_bytes(path.read_bytes())
     db = sqlite3.connect(path)
     db.execute("UPDATE store_meta SET value = 'syscall-kernel 9.1.0 (commit 0123abc)' WHERE name = 'release'")
-    db.execute("PRAGMA user_version = 3")
+    db.execute("PRAGMA user_version = 4")
     db.commit()
     db.close()
     before = path.read_bytes()
@@ -392,11 +433,11 @@ def test_a_newer_store_is_refused_naming_both_versions_and_the_way_back(tmp_path
         with pytest.raises(StoreNewer) as err:
             Store.open(path, readonly=readonly)
         msg = str(err.value)
-        assert "has schema version 3 (written by syscall-kernel 9.1.0 (commit 0123abc))" in msg
+        assert "has schema version 4 (written by syscall-kernel 9.1.0 (commit 0123abc))" in msg
         assert f"syscall-kernel {release.VERSION}" in msg
-        assert "reads schema versions up to 2" in msg
+        assert "reads schema versions up to 3" in msg
         assert "Install the newer release again" in msg
-        assert str(tmp_path / "state.sqlite.v2-before-v3.20270101T000000Z.bak") in msg
+        assert str(tmp_path / "state.sqlite.v3-before-v4.20270101T000000Z.bak") in msg
     assert path.read_bytes() == before
 
 
@@ -406,7 +447,7 @@ def test_a_read_only_open_of_an_older_store_reads_a_migrated_copy_and_writes_not
     _as_schema_1(path)
     before = path.read_bytes()
     s = Store.open(path, readonly=True)
-    assert s.pending_migration == (1, 2)
+    assert s.pending_migration == (1, 3)
     (ws,) = s.workspaces()
     assert (ws.key, ws.identity.subdirs, ws.balance) == ("w-1", (), row("w-1").balance)
     assert s.store_id() is None  # drawn by the migrating open, not made up by a reader

@@ -495,3 +495,14 @@ def test_every_job_and_agent_written_field_is_escaped_in_the_markdown() -> None:
     assert [line for line in md.splitlines() if line.startswith("## Submit verdict")] == [
         "## Submit verdict: failed (self-reported)"
     ]
+
+
+def test_the_wake_shows_the_memory_and_cpus_a_launch_asked_for() -> None:
+    """A launch's own --mem / --cpus are in its line of the wake; one that asked for neither reads as before."""
+    w = sweep(failed=False)
+    asked = LaunchSummary(name="big", command="python big.py", mem_mb=8192, cpus=4)
+    arr = LaunchSummary(name="grid", command="python grid.py", array=3, at_a_time=3, cpus=1)
+    md = render_wake(msgspec.structs.replace(w, launches=(*w.launches, asked, arr)))
+    assert "big (8192 MB, 4 CPUs per task): python big.py" in md
+    assert "grid (x3, 3 at a time, 1 CPU per task): python grid.py" in md
+    assert "sweep (x4, 2 at a time): python train.py" in md

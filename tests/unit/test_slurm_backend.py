@@ -155,6 +155,16 @@ def test_submit_renders_the_argv_and_records_the_job_id(w: World) -> None:
     assert w.calls()["sbatch"] == 1
 
 
+def test_a_launchs_own_memory_and_cpus_reach_sbatch_and_the_default_stays_the_sites(w: World) -> None:
+    """The backend passes the JobSpec's request on to the renderer; a launch that asked for neither is asked for
+    the site's [slurm] mem_mb and cpus_per_task, as before."""
+    b = w.backend(policy=SbatchPolicy(mem_mb=512, cpus_per_task=2))
+    run(lambda: b.submit(w.spec("big", mem_mb=64, cpus=3)))
+    assert {"--mem=64M", "--cpus-per-task=3"} <= set(w.fake.last_args("sbatch"))
+    run(lambda: b.submit(w.spec("plain")))
+    assert {"--mem=512M", "--cpus-per-task=2"} <= set(w.fake.last_args("sbatch"))
+
+
 def test_sbatch_that_timed_out_after_creating_the_job_is_adopted_not_duplicated(w: World) -> None:
     spec = w.spec("once")
     w.fake.fail_next("sbatch", 1, stderr=TRANSIENT, act=True)

@@ -297,3 +297,30 @@ def test_the_workspace_account_beats_the_sites_and_the_wckey_is_the_sites() -> N
 def test_bad_attribution_is_refused(job: SbatchJob, policy: SbatchPolicy, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         render_sbatch_argv(job, policy, _paths())
+
+
+@pytest.mark.parametrize(
+    ("asked", "expected"),
+    [
+        # Neither asked: the site's default, as before (the floor, or per GPU).
+        ({}, {"--mem": "72000M", "--cpus-per-task": "16"}),
+        # What the launch asked is what the task gets, GPUs or not.
+        ({"mem_mb": 64}, {"--mem": "64M", "--cpus-per-task": "16"}),
+        ({"cpus": 3}, {"--mem": "72000M", "--cpus-per-task": "3"}),
+        ({"mem_mb": 200000, "cpus": 48}, {"--mem": "200000M", "--cpus-per-task": "48"}),
+    ],
+)
+def test_a_launchs_own_memory_and_cpus_are_what_slurm_is_asked_for(
+    asked: dict[str, int], expected: dict[str, str]
+) -> None:
+    policy = SbatchPolicy(cpus_per_task=2, cpus_per_gpu=8, mem_mb=8000, mem_per_gpu_mb=32000)
+    argv = render_sbatch_argv(_job(gpus=2, **asked), policy, _paths())
+    flags = _flags(argv)
+    assert {k: flags[k] for k in expected} == expected
+    assert sum(a.startswith(("--mem=", "--cpus-per-task=")) for a in argv) == 2
+
+
+@pytest.mark.parametrize("asked", [{"mem_mb": 0}, {"cpus": 0}, {"cpus": -1}])
+def test_a_directly_built_job_asking_for_no_memory_or_cpus_is_refused(asked: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="bad job sizes"):
+        render_sbatch_argv(_job(**asked), SbatchPolicy(), _paths())

@@ -496,6 +496,8 @@ class SlurmBackend:
             launch=spec.launch,
             minutes=spec.minutes,
             gpus=spec.gpus,
+            mem_mb=spec.mem_mb,
+            cpus=spec.cpus,
             array=spec.array,
             concurrency=spec.concurrency,
             sleep_id=spec.sleep_id or None,

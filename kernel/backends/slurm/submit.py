@@ -69,6 +69,9 @@ class SbatchJob(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     launch: str
     minutes: Annotated[int, Meta(ge=1)]
     gpus: Annotated[int, Meta(ge=0)] = 0
+    # The launch's own memory (MB) and CPUs per task; None: the policy's (mem_mb, cpus_per_task, and per GPU).
+    mem_mb: Annotated[int, Meta(ge=1)] | None = None
+    cpus: Annotated[int, Meta(ge=1)] | None = None
     array: Annotated[int, Meta(ge=1)] = 1
     # 0 = the whole array at once.
     concurrency: Annotated[int, Meta(ge=0)] = 0
@@ -159,15 +162,28 @@ def walltime_minutes(job: SbatchJob, policy: SbatchPolicy) -> int:
     return job.minutes + policy.setup_slack_minutes
 
 
+def default_resources(gpus: int, policy: SbatchPolicy) -> tuple[int, int]:
+    """The CPUs and memory (MB) a task of `gpus` GPUs gets when its launch asks for neither."""
+    return max(policy.cpus_per_task, gpus * policy.cpus_per_gpu), policy.mem_mb + gpus * policy.mem_per_gpu_mb
+
+
 def render_sbatch_argv(
     job: SbatchJob, policy: SbatchPolicy, paths: RunPaths, sbatch: str = "sbatch"
 ) -> list[str]:
     """The argv that submits `job` (its `job.sh` in the run directory) under `policy`."""
     # Struct constraints hold only for decoded values; a directly built job is checked here.
-    if job.minutes < 1 or job.gpus < 0 or job.array < 1 or job.concurrency < 0:
+    if (
+        job.minutes < 1
+        or job.gpus < 0
+        or job.array < 1
+        or job.concurrency < 0
+        or (job.mem_mb is not None and job.mem_mb < 1)
+        or (job.cpus is not None and job.cpus < 1)
+    ):
         raise ValueError(
             f"bad job sizes: minutes={job.minutes} (>= 1), gpus={job.gpus} (>= 0), array={job.array} (>= 1), "
-            f"concurrency={job.concurrency} (>= 0)"
+            f"concurrency={job.concurrency} (>= 0), mem_mb={job.mem_mb} (>= 1 or None), cpus={job.cpus} "
+            "(>= 1 or None)"
         )
     if job.array > SLURM_ARRAY_MAX:
         raise ValueError(
@@ -193,8 +209,10 @@ def render_sbatch_argv(
         output = str(paths.sleep_dir / f"{job.launch}.%a" / paths.SCHEDULER_OUT)
     _check_path("run directory", launch_dir)
 
-    cpus = max(policy.cpus_per_task, job.gpus * policy.cpus_per_gpu)
-    mem = policy.mem_mb + job.gpus * policy.mem_per_gpu_mb
+    cpus, mem = default_resources(job.gpus, policy)
+    # What the launch asked for is what the task gets (within the workspace's policy, checked at `sleep`).
+    cpus = cpus if job.cpus is None else job.cpus
+    mem = mem if job.mem_mb is None else job.mem_mb
     argv = [
         sbatch,
         "--parsable",
