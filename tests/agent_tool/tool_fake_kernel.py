@@ -25,8 +25,6 @@ import jsonschema
 from channel import limits as L
 from channel.decode import RequestError, at_a_time, check_policy, clamp_note, decode_request, rejected
 from channel.messages import (
-    ProgressFile,
-    TaskProgress,
     VERBS,
     Accepted,
     Answer,
@@ -46,6 +44,7 @@ from channel.messages import (
     LaunchSummary,
     Limits,
     Policy,
+    ProgressFile,
     QueueAnswer,
     QueueEntry,
     QueueRequest,
@@ -56,6 +55,7 @@ from channel.messages import (
     StatusRequest,
     TailAnswer,
     TailRequest,
+    TaskProgress,
     TaskResult,
     TaskView,
     Wake,
