@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 
 import anyio
 
@@ -56,29 +57,31 @@ class Progress:
         self._dirty: set[tuple[str, int]] = set()
         self._draining: set[tuple[str, int]] = set()
         self._problems: dict[tuple[str, int], str] = {}
-        self._send, self._receive = anyio.create_memory_object_stream[tuple[str, int]](1 << 16)
+        self._queue: deque[tuple[str, int]] = deque()  # sleeps for `run` to start a drain for
+        self._wakeup: anyio.Event | None = None  # made by `run`, in the event loop
 
     def changed(self, key: str, seq: int) -> None:
         """(event loop) A task of the sleep changed state in the store: its file is rewritten soon (`run`)."""
         if (key, seq) in self._dirty:
             return
         self._dirty.add((key, seq))
-        if (key, seq) not in self._draining:
-            try:
-                self._send.send_nowait((key, seq))
-            except (
-                anyio.WouldBlock
-            ):  # 65,536 sleeps waiting for a write: this one is written at its next change
-                self._dirty.discard((key, seq))
+        if (key, seq) not in self._draining:  # a drain running for it sees it dirty
+            self._queue.append((key, seq))
+            if self._wakeup is not None:
+                self._wakeup.set()
 
     async def run(self) -> None:
         """Write the files `changed` asked for, each sleep in a task of its own (one slow channel delays only
         its own workspace's files)."""
         async with anyio.create_task_group() as tg:
-            async for sleep in self._receive:
-                if sleep not in self._draining:
-                    self._draining.add(sleep)
-                    tg.start_soon(self._drain, sleep)
+            while True:
+                self._wakeup = anyio.Event()  # before the queue is emptied: a later `changed` sets it
+                while self._queue:
+                    sleep = self._queue.popleft()
+                    if sleep not in self._draining:
+                        self._draining.add(sleep)
+                        tg.start_soon(self._drain, sleep)
+                await self._wakeup.wait()
 
     async def _drain(self, sleep: tuple[str, int]) -> None:
         try:
