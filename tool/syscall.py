@@ -1797,8 +1797,8 @@ def wait_for_wake(ch: Channel, sleep_id: str, deadline: float | None, every: flo
                 f"{again} waits again.",
                 {"type": "timeout", "id": sleep_id},
             )
-        try:
-            poll(deadline)
+        try:  # woken for the next look on time: looks are `every` apart, whatever the poll has grown to
+            poll(next_look if seq is not None and (deadline is None or next_look < deadline) else deadline)
         except WaitStopped:
             if status_id is not None:
                 ch.withdraw(status_id)
@@ -2903,8 +2903,8 @@ MCP_TOOLS = [
         inputs=lambda lim, pol: {
             "properties": {
                 "sleep_id": {"type": "string"},
-                "timeout_s": _TIMEOUT_IN,
-                "interval_s": {"type": "number", "exclusiveMinimum": 0, "default": PROGRESS_EVERY_S},
+                "timeout_s": {k: v for k, v in _TIMEOUT_IN.items() if k != "description"},  # said above
+                "interval_s": {"type": "number"},  # seconds between looks (default 0.2); > 0
             }
         },
     ),
