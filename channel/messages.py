@@ -660,6 +660,32 @@ class JobEnvFile(_Strict, frozen=True):
     package_index: str | None = None
 
 
+class TaskProgress(_Strict, frozen=True):
+    """One task in `progress.json`: its state as the kernel recorded it, its times, and once it has ended its
+    exit code and measured run time (`elapsed_s`, null while it runs: the file is not rewritten as time passes)."""
+
+    launch: str
+    task: int
+    state: TaskState
+    job_id: str | None = None
+    exit_code: int | None = None
+    started_at: Timestamp | None = None
+    ended_at: Timestamp | None = None
+    elapsed_s: float | None = None
+
+
+class ProgressFile(_Strict, frozen=True):
+    """`results/<seq>/progress.json`: each task of a sleep in flight as the kernel last recorded it, rewritten
+    whenever one changes state, so a client can follow the sleep by looking at one file (spec 8.7)."""
+
+    protocol: int
+    id: str
+    seq: int
+    state: SleepState
+    updated_at: Timestamp
+    tasks: tuple[TaskProgress, ...] = ()
+
+
 _encoder: Final = msgspec.json.Encoder()
 
 

@@ -58,6 +58,8 @@ class ChannelPaths:
     def wake_md(sleep_id: str) -> str:
         return f"{sleep_id}.md"
 
+    PROGRESS: Final = "progress.json"  # results/<seq>/progress.json: no launch name holds a dot
+
     @staticmethod
     def result_dir(seq: int, launch: str, task: int | None) -> tuple[str, ...]:
         """Components under `results/` for one task's artifacts (`task` is None for a single-task launch)."""

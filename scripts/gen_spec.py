@@ -25,7 +25,15 @@ sys.path.insert(0, str(ROOT))
 from channel import limits as L  # noqa: E402
 from channel.errors import CODES  # noqa: E402
 from channel.lifecycle import render_tables  # noqa: E402
-from channel.messages import Answer, BudgetFile, JobEnvFile, KernelInfo, Request, Wake  # noqa: E402
+from channel.messages import (  # noqa: E402
+    Answer,
+    BudgetFile,
+    JobEnvFile,
+    KernelInfo,
+    ProgressFile,
+    Request,
+    Wake,
+)
 
 SPEC = ROOT / "spec" / "PROTOCOL.md"
 SCHEMA_DIR = ROOT / "spec" / "schema" / "v1"
@@ -35,12 +43,23 @@ SCHEMA_BASE = "https://syscall-kernel.invalid/spec/schema/v1/"
 # What a client reads is open (spec 1.5): a client MUST ignore members and values it does not know, so these schemas
 # allow unknown members and any string where the Structs list the values known today. What a client writes (a
 # request) stays closed: the kernel refuses what it does not know (`field.unknown`).
-KERNEL_WRITTEN: Final = ("answer.json", "wake.json", "kernel.json", "budget.json", "jobenv.json")
+KERNEL_WRITTEN: Final = (
+    "answer.json",
+    "wake.json",
+    "progress.json",
+    "kernel.json",
+    "budget.json",
+    "jobenv.json",
+)
 
 SCHEMAS: dict[str, tuple[Any, str]] = {
     "request.json": (Request, "A request file, `requests/<id>.json` (agent -> kernel)."),
     "answer.json": (Answer, "An answer file, `answers/<id>.json` (kernel -> agent)."),
     "wake.json": (Wake, "A wake, `wakes/<sleep-id>.json` (kernel -> agent)."),
+    "progress.json": (
+        ProgressFile,
+        "A sleep's progress, `results/<seq>/progress.json` (kernel -> agent), rewritten as its tasks change.",
+    ),
     "kernel.json": (KernelInfo, "`kernel.json`: the kernel, its limits and the workspace's policy."),
     "budget.json": (BudgetFile, "`budget.json`: the workspace's remaining budget."),
     "jobenv.json": (

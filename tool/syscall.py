@@ -113,7 +113,8 @@ TERMINAL_STATES = frozenset(
     }
 )
 ANSWER_TIMEOUT_S = 60.0
-PROGRESS_EVERY_S = 10.0
+PROGRESS_EVERY_S = 0.2  # between looks at a sleep's results/<seq>/progress.json (a stat: no request)
+STATUS_EVERY_S = 10.0  # a kernel that writes no progress file is asked `status` at most this often
 ANSWER_MAX_BYTES = 16 * 1024 * 1024
 
 # Control characters are Unicode category Cc: C0, DEL and C1 (U+0080-U+009F, which include NEL, a line break).
@@ -983,10 +984,12 @@ class WaitStopped(ToolError):
 
 
 class _Poll:
-    """Short sleeps that grow from 5 ms to 200 ms: fast answers are seen at once, long waits stay cheap."""
+    """Short sleeps that grow from 5 ms to 200 ms (or `most`): fast answers are seen at once, long waits stay
+    cheap."""
 
-    def __init__(self) -> None:
-        self.delay = 0.005
+    def __init__(self, most: float = 0.2) -> None:
+        self.delay = min(0.005, most)
+        self.most = most
 
     def __call__(self, deadline: float | None) -> None:
         delay = self.delay
@@ -997,7 +1000,7 @@ class _Poll:
             time.sleep(delay)
         elif stop.wait(delay):
             raise WaitStopped()
-        self.delay = min(self.delay * 1.5, 0.2)
+        self.delay = min(self.delay * 1.5, self.most)
 
 
 def find_channel(explicit: str | None) -> Channel:
@@ -1686,61 +1689,101 @@ def _current_sleep(ch: Channel, args: argparse.Namespace) -> str:
 
 
 def wait_for_wake(ch: Channel, sleep_id: str, deadline: float | None, every: float, json_mode: bool) -> int:
-    """Wait for `wakes/<sleep_id>`, printing one line per task as it ends; then print the wake."""
+    """Wait for `wakes/<sleep_id>`, printing one line per task as it ends; then print the wake.
+
+    The ends come from the sleep's `results/<seq>/progress.json` (PROTOCOL.md 8.7), looked at every `every`
+    seconds: a `stat`, and a read only when the kernel wrote it anew. A kernel that writes none (it is there
+    before the `accepted` answer when the kernel writes one) is asked `status` instead, at most every
+    max(`every`, STATUS_EVERY_S) seconds."""
 
     def say(line: str) -> None:
         (_err if json_mode else _out)(line)
         _progress(line)
 
+    def report(tasks: list[dict[str, Any]]) -> None:
+        nonlocal announced
+        if not announced:
+            announced = True
+            say(
+                "Waiting for sleep {} ({}, {} done; a line per task as it ends).".format(
+                    sleep_id,
+                    _n(len(tasks), "task", "tasks"),
+                    sum(1 for t in tasks if t.get("state") in TERMINAL_STATES),
+                )
+            )
+        _report_ended(say, tasks, reported)
+
+    def drop_status() -> None:
+        nonlocal status_id
+        if status_id is not None:
+            ch.withdraw(status_id)
+            ch.discard_answer(status_id)
+            status_id = None
+
     wake_name = sleep_id + (".json" if json_mode else ".md")
-    progress = "status" in ch.enabled_verbs()
+    can_ask = "status" in ch.enabled_verbs()
+    status_every = max(every, STATUS_EVERY_S)
     reported: set[Any] = set()  # (launch, task) already printed as ended
     status_id: str | None = None
     status_sent = 0.0
-    next_status = time.monotonic()
+    now = time.monotonic()
+    next_status = now + status_every  # sooner once the answer shows that no progress file is written
+    seq: int | None = None  # from the accepted answer: names results/<seq>/progress.json
+    stamp: Any = None  # (inode, mtime, size) of the progress file last read
+    watching = False  # the kernel writes the progress file: no status is asked
+    next_look = now
+    first_look = False  # the answer was just read: the look after it decides whether to ask `status`
     announced = False
     settled = False
-    poll = _Poll()
+    poll = _Poll(min(every, 0.2))
     while True:
         if os.path.exists(ch.path("wakes", wake_name)):
             if announced:  # finish the progress report from the wake itself
                 wake = ch.read_json("wakes", sleep_id + ".json")
-                tasks = [t for t in (wake or {}).get("tasks") or [] if isinstance(t, dict)]
-                _report_ended(say, tasks, reported)
-            if status_id is not None:
-                ch.withdraw(status_id)
-                ch.discard_answer(status_id)
+                report([t for t in (wake or {}).get("tasks") or [] if isinstance(t, dict)])
+            drop_status()
             return _print_wake(ch, sleep_id, json_mode, announced)
+        now = time.monotonic()
         if not settled:
             ans = ch.answer(sleep_id)
             if ans is not None:
                 settled = True
                 _settle_staging(ch)
                 _check_rejected(ans, json_mode, "The sleep never started; nothing was charged.")
-        now = time.monotonic()
-        if status_id is not None:
+                n = ans.get("sleep_seq")
+                if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                    seq = n
+                if ans.get("jobs") == []:
+                    can_ask = False  # a checkpoint: nothing to report, its wake comes at once
+                first_look = True
+        if seq is not None and now >= next_look:
+            next_look = now + every
+            got = _look(ch, seq, stamp)
+            if got is not None:
+                stamp, doc = got
+                if isinstance(doc, dict) and doc.get("id") == sleep_id:
+                    watching = True
+                    drop_status()
+                    report([t for t in doc.get("tasks") or [] if isinstance(t, dict)])
+        if first_look:
+            first_look = False
+            if not watching:
+                next_status = now  # no progress file after the answer: ask the kernel instead
+        if watching or not can_ask:
+            pass
+        elif status_id is not None:
             sa = ch.answer(status_id)
             if sa is not None:
                 ch.discard_answer(status_id)
                 status_id = None
-                next_status = now + every
+                next_status = now + status_every
                 view = sa.get("sleep") if sa.get("type") == "status" else None
                 if isinstance(view, dict) and view.get("id") == sleep_id:
-                    tasks = [t for t in view.get("tasks") or [] if isinstance(t, dict)]
-                    if not announced:
-                        announced = True
-                        say(
-                            "Waiting for sleep {} ({}, {} done; a line per task as it ends).".format(
-                                sleep_id,
-                                _n(len(tasks), "task", "tasks"),
-                                sum(1 for t in tasks if t.get("state") in TERMINAL_STATES),
-                            )
-                        )
-                    _report_ended(say, tasks, reported)
-            elif now - status_sent > max(30.0, every):
+                    report([t for t in view.get("tasks") or [] if isinstance(t, dict)])
+            elif now - status_sent > max(30.0, status_every):
                 ch.withdraw(status_id)
                 status_id = None  # unanswered; ask again
-        elif progress and now >= next_status:
+        elif now >= next_status:
             req = _request(ch, "status")
             ch.write_request(req)
             status_id, status_sent = req["id"], now
@@ -1754,12 +1797,29 @@ def wait_for_wake(ch: Channel, sleep_id: str, deadline: float | None, every: flo
                 f"{again} waits again.",
                 {"type": "timeout", "id": sleep_id},
             )
-        try:
-            poll(deadline)
+        try:  # woken for the next look on time: looks are `every` apart, whatever the poll has grown to
+            poll(next_look if seq is not None and (deadline is None or next_look < deadline) else deadline)
         except WaitStopped:
             if status_id is not None:
                 ch.withdraw(status_id)
             raise
+
+
+def _look(ch: Channel, seq: Optional[int], stamp: Any) -> Optional[Tuple[Any, Any]]:
+    """(stamp, JSON) of `results/<seq>/progress.json` when it is there and not the file last read (`stamp`);
+    else None. The kernel renames a new file into place at each change, so a new one has a new stamp."""
+    if seq is None:
+        return None
+    parts = ("results", str(seq), "progress.json")
+    try:
+        st = os.stat(ch.path(*parts))
+    except OSError:
+        return None
+    now = (st.st_ino, st.st_mtime_ns, st.st_size)
+    if now == stamp:
+        return None
+    doc = ch.read_json(*parts)
+    return None if doc is None else (now, doc)
 
 
 def _progress(line: str) -> None:
@@ -2578,9 +2638,11 @@ def _run_sleep(ch: Channel, a: dict[str, Any]) -> int:
 
 
 def _run_wait(ch: Channel, a: dict[str, Any]) -> int:
-    _only(a, ("sleep_id", "timeout_s"))
+    _only(a, ("sleep_id", "timeout_s", "interval_s"))
     sleep_id = _arg(a, "sleep_id", "string", None)
-    return cmd_wait(ch, _ns(sleep_id=sleep_id, timeout=_arg(a, "timeout_s", "seconds", MCP_WAIT_DEFAULT_S)))
+    timeout = _arg(a, "timeout_s", "seconds", MCP_WAIT_DEFAULT_S)
+    every = _arg(a, "interval_s", "seconds", PROGRESS_EVERY_S)
+    return cmd_wait(ch, _ns(sleep_id=sleep_id, timeout=timeout, every=every))
 
 
 def _run_cancel(ch: Channel, a: dict[str, Any]) -> int:
@@ -2841,7 +2903,8 @@ MCP_TOOLS = [
         inputs=lambda lim, pol: {
             "properties": {
                 "sleep_id": {"type": "string"},
-                "timeout_s": _TIMEOUT_IN,
+                "timeout_s": {k: v for k, v in _TIMEOUT_IN.items() if k != "description"},  # said above
+                "interval_s": {"type": "number"},  # seconds between looks (default 0.2); > 0
             }
         },
     ),
@@ -3470,7 +3533,8 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "--every",
         type=_positive_seconds,
         default=PROGRESS_EVERY_S,
-        help=f"seconds between progress checks (default {PROGRESS_EVERY_S:g})",
+        help=f"seconds between looks for ended tasks (default {PROGRESS_EVERY_S:g}; a look reads the sleep's "
+        f"progress file, no request; a kernel that writes none is asked at most every {STATUS_EVERY_S:g} s)",
     )
     p.set_defaults(func=cmd_wait)
 

@@ -20,7 +20,7 @@ import msgspec
 
 from channel import limits as L
 from channel.decode import RequestError, at_a_time, check_policy, clamp_note
-from channel.lifecycle import LIVE_TASK_STATES, SLEEP_OVER_FOR_AGENT
+from channel.lifecycle import LIVE_TASK_STATES, SLEEP_OVER_FOR_AGENT, TERMINAL_TASK_STATES
 from channel.messages import (
     CancelRequest,
     HistoryAnswer,
@@ -29,12 +29,14 @@ from channel.messages import (
     JobRef,
     KernelRef,
     LaunchSummary,
+    ProgressFile,
     QueueAnswer,
     QueueEntry,
     SleepRequest,
     SleepView,
     StatusAnswer,
     TailRequest,
+    TaskProgress,
     TaskView,
 )
 from channel.paths import CHANNEL_DIR, ChannelPaths, RunPaths
@@ -289,6 +291,30 @@ def sleep_view(s: SleepRow, jobs: Sequence[JobRow], now: float, max_concurrent_g
                 job_id=j.job_id,
                 exit_code=j.exit_code,
                 elapsed_s=elapsed(j, now),
+            )
+            for j in jobs
+        ),
+    )
+
+
+def progress_file(s: SleepRow, jobs: Sequence[JobRow], updated_at: str) -> ProgressFile:
+    """`results/<seq>/progress.json` of a sleep in flight: each task as recorded; an ended task's elapsed time."""
+    return ProgressFile(
+        protocol=L.PROTOCOL_VERSION,
+        id=s.id,
+        seq=s.seq,
+        state=s.state,
+        updated_at=updated_at,
+        tasks=tuple(
+            TaskProgress(
+                launch=j.launch,
+                task=j.task,
+                state=j.state,
+                job_id=j.job_id,
+                exit_code=j.exit_code,
+                started_at=j.started_at,
+                ended_at=j.ended_at,
+                elapsed_s=elapsed(j, 0.0) if j.state in TERMINAL_TASK_STATES and j.ended_at else None,
             )
             for j in jobs
         ),

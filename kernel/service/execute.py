@@ -6,7 +6,8 @@ step in a component of its own, composed by `RealExecutor`:
 1. dispatch (kernel.service.dispatch): snapshot the workspace into the kernel's own repository of it, record it,
    write each launch's run directory and hand it to the backend; record every task's job id.
 2. tracking (kernel.service.tracking): `backend.wait_any_exit` reports each task's end at once; a tick re-reads
-   the exit files of every live task (the ground truth) and marks started tasks RUNNING.
+   the exit files of every live task (the ground truth) and marks started tasks RUNNING. Each recorded change
+   rewrites the sleep's `results/<seq>/progress.json` (kernel.service.progress), first written before the answer.
 3. gathering and waking (kernel.service.waking), when the sleep's last task has ended: artifacts delivered, ONE
    transaction for the refunds, the verdict and the wake's exact bytes (sleep `gathered`); then the wake files
    and `budget.json`, the sleep `woken`, the snapshot ref released.
@@ -41,6 +42,7 @@ from kernel.service.dispatch import Dispatcher
 from kernel.service.evaluation import Evaluation, PlainSleeps
 from kernel.service.executor import ExecutorUnavailable, SleepOrder
 from kernel.service.heavy import HeavyPool
+from kernel.service.progress import Progress
 from kernel.service.tracking import Tracker
 from kernel.service.upkeep import Upkeep
 from kernel.service.waking import Waker
@@ -72,6 +74,7 @@ class RealExecutor:
         self.tracker = Tracker(worker, backend)
         self.waker = Waker(live, worker, backend, self.heavy, self.evaluation)
         self.upkeep = Upkeep(live, worker, self.heavy)
+        self.progress = Progress(worker, self.heavy)
         # Sleeps of unenrolled workspaces whose cancel this process sent (`_withdraw`).
         self._withdrawn: set[tuple[str, int]] = set()
         self._withdraw_deferred: set[tuple[str, int]] = set()
@@ -111,6 +114,8 @@ class RealExecutor:
             refs = await self.dispatcher.dispatch(order)
             # Tasks that ended while the kernel was down (or before their ids were recorded), and a checkpoint.
             await self.tracker.sweep([(key, seq)])
+            # Before the answer: a client that reads `accepted` finds the file if it could be written.
+            await self.progress.publish(key, seq)
             await self._gather(key, seq)
             return refs
         finally:
@@ -118,6 +123,7 @@ class RealExecutor:
 
     async def cancel(self, order: SleepOrder, launches: tuple[str, ...]) -> None:
         await self.dispatcher.cancel(order, launches)
+        self.progress.changed(order.workspace.key, order.sleep.seq)
         # Work that ends from here on is gathered as usual; a sleep whose tasks had all ended wakes now.
         await self._gather(order.workspace.key, order.sleep.seq)
 
@@ -127,6 +133,7 @@ class RealExecutor:
             await tg.start(self.backend.run)
             tg.start_soon(self._exit_loop)
             tg.start_soon(self.upkeep.run)
+            tg.start_soon(self.progress.run)
             while True:
                 await anyio.sleep(TICK_S)
                 # A store that cannot be written (logged by the worker) only delays the tick's work.
@@ -145,7 +152,10 @@ class RealExecutor:
         await self.evaluation.settle()
 
     async def _tick(self) -> None:
-        for key, seq in await self.tracker.sweep_all():
+        sleeps, changed = await self.tracker.sweep_all()
+        for key, seq in changed:
+            self.progress.changed(key, seq)
+        for key, seq in sleeps:
             await self._gather(key, seq)
         for key, seq in await self.worker.call(self.waker.unreleased):
             await self.waker.release(key, seq)
@@ -172,7 +182,10 @@ class RealExecutor:
     async def _on_exit(self, ex: TaskExit) -> None:
         ended = await self.tracker.on_exit(ex)
         if ended is not None:
-            await self._gather(*ended)
+            key, seq, recorded = ended
+            if recorded:
+                self.progress.changed(key, seq)
+            await self._gather(key, seq)
 
     async def _exit_loop(self) -> None:
         while True:

@@ -127,32 +127,34 @@ class Tracker:
         return found
 
     def record_seen(self, found: list[tuple[JobRow, Seen]]) -> list[JobRow]:
-        """(store worker) Record the ends and starts `look_at` found; the tasks whose end this recorded."""
+        """(store worker) Record the ends and starts `look_at` found; the tasks whose end or start this recorded."""
         changed = []
         for j, seen in found:
             assert j.run_dir is not None  # live_tasks
-            if self.record_exit(j.workspace, j.seq, j.launch, j.task, Path(j.run_dir), seen):
+            if self.record_exit(j.workspace, j.seq, j.launch, j.task, Path(j.run_dir), seen) or (
+                j.state == "PENDING" and seen.running and self.mark_running(j, seen.started)
+            ):
                 changed.append(j)
-            elif j.state == "PENDING" and seen.running:
-                self.mark_running(j, seen.started)
         return changed
 
     async def sweep(self, sleeps: list[tuple[str, int]]) -> list[JobRow]:
-        """Ground truth for `sleeps`: record ends whose exit file is there; mark started tasks RUNNING."""
+        """Ground truth for `sleeps`: record ends whose exit file is there; mark started tasks RUNNING. The tasks
+        whose end or start this recorded."""
         jobs = await self.worker.call(self.live_tasks, sleeps)
         if not jobs:
             return []
         found = await anyio.to_thread.run_sync(self.look_at, jobs)
         return await self.worker.call(self.record_seen, found) if found else []
 
-    async def sweep_all(self) -> list[tuple[str, int]]:
-        """`sweep` every sleep in flight; those sleeps."""
+    async def sweep_all(self) -> tuple[list[tuple[str, int]], set[tuple[str, int]]]:
+        """`sweep` every sleep in flight; those sleeps, and those of them whose tasks this changed."""
         sleeps = await self.worker.call(self.live_sleeps)
-        await self.sweep(sleeps)
-        return sleeps
+        changed = await self.sweep(sleeps)
+        return sleeps, {(j.workspace, j.seq) for j in changed}
 
-    def mark_running(self, job: JobRow, started: float | None) -> None:
-        """(store worker) A PENDING task whose `started` file appeared (at `started`) is RUNNING."""
+    def mark_running(self, job: JobRow, started: float | None) -> bool:
+        """(store worker) A PENDING task whose `started` file appeared (at `started`) is RUNNING; True if this call
+        recorded it."""
         now = timestamp()
         with self.store.transaction():
             fresh = next(
@@ -173,9 +175,10 @@ class Tracker:
                 at=now,
                 started_at=timestamp(started) if started is not None else now,
             ):
-                return
+                return False
             # The first task seen running moves the sleep on; a later one finds it moved already.
             self.store.advance_sleep(job.workspace, job.seq, "submitted", SleepEvent.START)
+        return True
 
     def live_sleeps(self) -> list[tuple[str, int]]:
         """(store worker) The sleeps whose tasks are tracked."""
@@ -185,8 +188,9 @@ class Tracker:
             if s.state in ("submitted", "running", "gathered")
         ]
 
-    async def on_exit(self, ex: TaskExit) -> tuple[str, int] | None:
-        """Record the end the backend reported; the sleep to offer to gathering (None: not a launch of ours)."""
+    async def on_exit(self, ex: TaskExit) -> tuple[str, int, bool] | None:
+        """Record the end the backend reported; the sleep to offer to gathering and whether this call recorded the
+        end (None: not a launch of ours)."""
         parsed = _split_key(ex.key)
         if parsed is None:
             return None
@@ -200,4 +204,4 @@ class Tracker:
             live = await self.worker.call(self.store.jobs_of, key, seq)
             if any(j.state in LIVE_TASK_STATES for j in live):
                 crash_point("task_end")
-        return key, seq
+        return key, seq, recorded

@@ -168,6 +168,7 @@ def test_stage_sleep_wait_and_read_the_wake(python: str, kernel: FakeKernel, els
     assert staged(kernel)["launches"] == []
     assert staged(kernel)["current_sleep"] == sleep.id
 
+    asked = kernel.requests_of("status")
     with subprocess.Popen(
         [python, str(kernel.tool), "wait", "--every", "0.05"],
         cwd=elsewhere,
@@ -192,6 +193,8 @@ def test_stage_sleep_wait_and_read_the_wake(python: str, kernel: FakeKernel, els
         assert proc.wait(timeout=30) == 0, stderr
     wake_md = (kernel.channel / "wakes" / f"{sleep.id}.md").read_text()
     assert wake_md.strip() in rest
+    # every line came from the sleep's progress file: the kernel was asked nothing while the tool waited
+    assert kernel.requests_of("status") == asked
     assert "| sweep[1] | FAILED | 1 | 3.0 s |" in rest
     assert "- .syscall/results/1/sweep/<task>/: 'out/curve.json'" in rest
     assert (
@@ -908,3 +911,38 @@ def test_launch_mem_and_cpus_stage_the_tasks_own_resources_within_the_policy(
         usage = run(python, fk, "launch", "--help", cwd=elsewhere).stdout
         assert "--mem MB" in usage
         assert "--cpus N" in usage
+
+
+def test_wait_asks_status_of_a_kernel_that_writes_no_progress_file(
+    python: str, tmp_path: Path, elsewhere: Path
+) -> None:
+    """A kernel without progress files (PROTOCOL.md 8.7 is a SHOULD): `wait` asks `status` once at once (the
+    waiting line), not again within 10 s, and prints the end from the wake."""
+    fk = FakeKernel(tmp_path / "ws", progress=False)
+    with fk.running():
+        r = run(python, fk, "launch", "--name", "a", "--", "true", cwd=elsewhere)
+        assert r.returncode == 0, r.stderr
+        r = run(python, fk, "sleep", cwd=elsewhere)
+        assert r.returncode == 0, r.stderr
+        sleep = fk.current()
+        assert sleep is not None
+        assert not (fk.channel / "results" / "1").exists()
+        with subprocess.Popen(
+            [python, str(fk.tool), "wait", "--every", "0.05"],
+            cwd=elsewhere,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as proc:
+            try:
+                lines = Lines(proc)
+                lines.until(lambda s: s.startswith(f"Waiting for sleep {sleep.id} (1 task, 0 done"))
+                fk.finish("a", 0, elapsed_s=2.0)
+                assert "a[0] COMPLETED  exit 0  2.0 s  (1/1 done)" in lines.until(lambda s: "a[0]" in s)
+                lines.rest()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            assert proc.wait(timeout=30) == 0
+        assert len(fk.requests_of("status")) == 1
+    assert_requests_valid(fk)

@@ -44,6 +44,7 @@ from channel.messages import (
     LaunchSummary,
     Limits,
     Policy,
+    ProgressFile,
     QueueAnswer,
     QueueEntry,
     QueueRequest,
@@ -54,6 +55,7 @@ from channel.messages import (
     StatusRequest,
     TailAnswer,
     TailRequest,
+    TaskProgress,
     TaskResult,
     TaskView,
     Wake,
@@ -111,11 +113,14 @@ class FakeKernel:
         verbs: tuple[str, ...] = VERBS,
         budget: Budget | None = None,
         future: bool = False,
+        progress: bool = True,
     ) -> None:
         self.channel = workspace / ".syscall"
         # A later kernel (spec 1.5): every JSON document written carries a member this protocol does not know
         # in each of its objects; `finish(state=...)` may end a task in a state it does not know.
         self.future = future
+        # Whether it writes `results/<seq>/progress.json` (spec 8.7; a kernel that does not is asked `status`).
+        self.progress = progress
         self.policy = policy or Policy()
         self.budget = budget or Budget(launches=100, sleeps=50, gpu_hours=100.0)
         self.seen: list[tuple[str, bytes]] = []  # every committed request, as (stem, bytes)
@@ -200,6 +205,7 @@ class FakeKernel:
                     )
                 )
             t.delivered = tuple(delivered)
+            self._write_progress(sleep)
             self._maybe_wake(sleep)
 
     def requests_of(self, verb: str) -> list[bytes]:
@@ -311,6 +317,8 @@ class FakeKernel:
             launches=b.launches - len(req.launches), sleeps=b.sleeps - 1, gpu_hours=b.gpu_hours
         )
         self._write_budget()
+        if sleep.tasks:
+            self._write_progress(sleep)  # before the answer (spec 8.7)
         self._maybe_wake(sleep)  # a checkpoint wakes at once
         jobs = tuple(JobRef(launch=t.launch, task=t.task, job_id=t.job_id) for t in sleep.tasks)
         return Accepted(protocol=1, id=req.id, sleep_seq=sleep.seq, jobs=jobs, budget=self.budget)
@@ -329,6 +337,7 @@ class FakeKernel:
             if t.launch in names and t.state not in ("COMPLETED", "FAILED", "CANCELLED"):
                 t.state = "CANCELLED"
                 done.append(JobRef(launch=t.launch, task=t.task, job_id=t.job_id))
+        self._write_progress(sleep)
         self._maybe_wake(sleep)
         return Cancelled(protocol=1, id=req.id, sleep=sleep.id, cancelled=tuple(done), budget=self.budget)
 
@@ -482,6 +491,30 @@ class FakeKernel:
         # The machine-readable wake first: once the .md exists, both do.
         self._write(ChannelPaths.WAKES, ChannelPaths.wake_json(sleep.id), encode(wake))
         self._write(ChannelPaths.WAKES, ChannelPaths.wake_md(sleep.id), render_wake(wake).encode())
+
+    def _write_progress(self, sleep: _Sleep) -> None:
+        if not self.progress:
+            return
+        doc = ProgressFile(
+            protocol=1,
+            id=sleep.id,
+            seq=sleep.seq,
+            state="running",
+            updated_at=stamp(),
+            tasks=tuple(
+                TaskProgress(
+                    launch=t.launch,
+                    task=t.task,
+                    state=t.state,  # type: ignore[arg-type]
+                    job_id=t.job_id,
+                    exit_code=t.exit_code,
+                    elapsed_s=t.elapsed_s,
+                )
+                for t in sleep.tasks
+            ),
+        )
+        (self.channel / ChannelPaths.RESULTS / str(sleep.seq)).mkdir(exist_ok=True)
+        self._write(f"{ChannelPaths.RESULTS}/{sleep.seq}", ChannelPaths.PROGRESS, encode(doc))
 
     def _write_budget(self) -> None:
         data = encode(BudgetFile(protocol=1, budget=self.budget, updated_at=stamp()))

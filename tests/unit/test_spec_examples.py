@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from channel.decode import RequestError, check_policy, decode_request
-from channel.messages import Accepted, Budget, BudgetFile, KernelInfo, SleepRequest, Wake
+from channel.messages import Accepted, Budget, BudgetFile, KernelInfo, ProgressFile, SleepRequest, Wake
 from channel.render import render_wake
 from spec import EXAMPLE_DIR, SCHEMA_DIR
 from tool import syscall as tool
@@ -25,6 +25,7 @@ SCHEMA_OF = {
     "answer-accepted.json": "answer.json",
     "answer-rejected.json": "answer.json",
     "wake.json": "wake.json",
+    "progress.json": "progress.json",
 }
 
 
@@ -131,3 +132,20 @@ def test_the_refusal_is_the_decoders() -> None:
         check_policy(decoded, policy)
     got = {"code": err.value.code, "message": err.value.message, "path": err.value.path}
     assert got == rejected["error"]
+
+
+def test_the_progress_file_is_the_sleep_in_flight() -> None:
+    """The progress example decodes as the kernel's Struct and shows the wake's sleep before it woke: the same
+    id, seq and job ids; the task that had ended as the wake reports it, the other still running."""
+    progress = msgspec.json.decode(example("progress.json"), type=ProgressFile)
+    wake = msgspec.json.decode(example("wake.json"), type=Wake)
+    assert (progress.id, progress.seq) == (wake.id, wake.seq)
+    assert [(t.launch, t.task, t.job_id) for t in progress.tasks] == [
+        (t.launch, t.task, t.job_id) for t in wake.tasks
+    ]
+    ended = {(t.launch, t.task): t for t in progress.tasks if t.state != "RUNNING"}
+    for t in wake.tasks:
+        if (t.launch, t.task) in ended:
+            got = ended[(t.launch, t.task)]
+            assert (got.state, got.exit_code, got.elapsed_s) == (t.state, t.exit_code, t.elapsed_s)
+    assert wake.created_at < progress.updated_at < wake.woken_at
