@@ -2,7 +2,9 @@
 
 A real kernel process serves N enrolled git workspaces with `watch = "poll"` (the HPC default on NFS, Lustre and
 GPFS, where a write on another host raises no inotify event). Once the start-up work after `ready` is over
-(`event=channels_refreshed`; the workspaces have no commit, so no base to import), the bench reads the kernel's CPU time (utime + stime from
+(`event=channels_refreshed`; the workspaces have no commit, so no base to import) and the looks have converged
+(every channel listed once after its first look: no look has listed one for 3 s, from the kernel's
+`syscall_kernel_poll_looks_total`), the bench reads the kernel's CPU time (utime + stime from
 /proc/<pid>/stat) over `--idle-s` seconds with nothing arriving, and counts its threads. Then it sends
 `--samples` status requests to one workspace, each after a random pause of up to `--poll-seconds` (so requests
 are not in phase with the poll), and times each from the rename to the answer's appearance (checked every 1 ms).
@@ -20,11 +22,14 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,6 +54,34 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def poll_looks(port: int) -> tuple[int, int]:
+    """(looks counted `unchanged`, looks counted `listed`) from the kernel's metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = dict(re.findall(r'^syscall_kernel_poll_looks_total\{outcome="(\w+)"\} (\S+)$', text, re.M))
+    return int(float(got.get("unchanged", 0))), int(float(got.get("listed", 0)))
+
+
+def settle(port: int, limit: float = 600) -> float:
+    """Seconds until no look has listed a channel for 3 s."""
+    t0 = time.perf_counter()
+    last, since = poll_looks(port)[1], time.perf_counter()
+    while time.perf_counter() - since < 3:
+        if time.perf_counter() - t0 > limit:
+            raise SystemExit("the polled channels never settled")
+        time.sleep(0.5)
+        now = poll_looks(port)[1]
+        if now != last:
+            last, since = now, time.perf_counter()
+    return time.perf_counter() - t0
+
+
 def pickup_ms(ws: Path, rid: str) -> float:
     requests, answers = ws / ".syscall" / "requests", ws / ".syscall" / "answers"
     tmp = requests / f".{rid}.tmp"
@@ -71,9 +104,10 @@ def scenario(base: Path, n: int, args: argparse.Namespace, root: Path) -> dict[s
     workspaces = make_workspaces(spaces, n, commit=False)
     state = base / f"state-{n}"
     shutil.rmtree(state, ignore_errors=True)
+    port = free_port()
     extra = (
         f'watch = "poll"\npoll_seconds = {args.poll_seconds}\nrescan_seconds = {args.rescan_seconds}\n'
-        'backend = "none"\njail = "none"\n'
+        f'backend = "none"\njail = "none"\nmetrics_listen = "127.0.0.1:{port}"\n'
     )
     config = write_config(base / f"config-{n}.toml", state, spaces, extra)
     log = base / f"kernel-{n}.log"
@@ -85,10 +119,14 @@ def scenario(base: Path, n: int, args: argparse.Namespace, root: Path) -> dict[s
     settled_s = time.perf_counter() - t0
     assert k.proc is not None
     pid = k.proc.pid
-    time.sleep(min(5.0, args.idle_s / 4))  # past the first poll intervals after the start-up work
+    # Converged: every channel listed once after its first look (its stamp trusted), so no look lists any more.
+    converged_s = settle(port)
+    looks0 = poll_looks(port)
     c0, w0 = cpu_seconds(pid), time.perf_counter()
     time.sleep(args.idle_s)
-    idle_cpu = (cpu_seconds(pid) - c0) / (time.perf_counter() - w0)
+    window = time.perf_counter() - w0
+    idle_cpu = (cpu_seconds(pid) - c0) / window
+    looks1 = poll_looks(port)
     idle_threads, idle_rss = threads(pid), rss_mb(pid)
     active = workspaces[0]
     pickup_ms(active, "warm")  # after the idle window: this one wakes it (as `pickup_after_idle_ms` measures)
@@ -104,7 +142,10 @@ def scenario(base: Path, n: int, args: argparse.Namespace, root: Path) -> dict[s
         "poll_seconds": args.poll_seconds,
         "rescan_seconds": args.rescan_seconds,
         "settled_s": round(settled_s, 1),
+        "converged_s": round(converged_s, 1),
         "idle_cpu_pct_of_core": round(100 * idle_cpu, 1),
+        "looks_per_s": round((looks1[0] - looks0[0]) / window),
+        "listings_in_window": looks1[1] - looks0[1],
         "threads": idle_threads,
         "rss_mb": round(idle_rss, 1),
         "active_pickup_ms": {
