@@ -23,7 +23,7 @@ from kernelproc import ROOT, Kernel, git_workspace, put_request, read_answer, wa
 
 from channel import release
 from channel.paths import workspace_key
-from kernel.io.store import backups
+from kernel.io.store import SCHEMA_VERSION, backups
 
 # The parent of 86036f0 (`git log -S subdirs -- kernel/io/store.py`), the commit that added workspaces.subdirs.
 OLD_COMMIT = "4575f23899c5086510135cb793da1a520782da47"
@@ -125,10 +125,10 @@ def test_a_store_of_an_older_commit_is_upgraded_with_a_sleep_in_flight_then_a_ro
         new_log = kernel.log_text()[log_at:]
         (backup,) = backups(db, 1)
         assert f"event=store_migrated store={db} backup={backup}" in new_log
-        assert "from=1 to=2" in new_log
+        assert f"from=1 to={SCHEMA_VERSION}" in new_log
         assert schema_of(backup)[0] == 1
         version, columns = schema_of(db)
-        assert (version, "subdirs" in columns) == (2, True)
+        assert (version, "subdirs" in columns) == (SCHEMA_VERSION, True)
         (marks / "go").touch()
         wake_file = ws / ".syscall" / "wakes" / "s1.json"
         wait_for(wake_file.exists, 30, "the wake from the upgraded kernel")
@@ -163,7 +163,7 @@ def test_a_store_of_an_older_commit_is_upgraded_with_a_sleep_in_flight_then_a_ro
     refused = kernel.log_text()[log_at:]
     assert rc != 0
     # OLD_COMMIT's own words (a refusal logged as its crash line); not `Invalid enum value` on what it cannot read
-    assert "schema version 2, this kernel needs 1" in refused, refused
+    assert f"schema version {SCHEMA_VERSION}, this kernel needs 1" in refused, refused
     assert "Invalid enum value" not in refused, refused
     # and the documented way back: the backup copied over the store, which the older kernel serves
     for leftover in (db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
@@ -192,7 +192,7 @@ def test_serve_refuses_a_store_of_a_newer_schema_naming_both_releases(tmp_path: 
     db = kernel.state / "state.sqlite"
     c = sqlite3.connect(db)
     c.execute("UPDATE store_meta SET value = 'syscall-kernel 9.0.0 (commit 1234abc)' WHERE name = 'release'")
-    c.execute("PRAGMA user_version = 3")
+    c.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     c.commit()
     c.close()
     proc = kernel.start(wait_ready=False)
@@ -202,11 +202,11 @@ def test_serve_refuses_a_store_of_a_newer_schema_naming_both_releases(tmp_path: 
         kernel.ensure_stopped()
     said = kernel.log_text()
     assert "event=store_refused" in said
-    assert "has schema version 3 (written by syscall-kernel 9.0.0 (commit 1234abc))" in said
+    assert f"has schema version {SCHEMA_VERSION + 1} (written by syscall-kernel 9.0.0 (commit 1234abc))" in said
     assert f"this kernel, syscall-kernel {release.VERSION}" in said
     assert "event=crashed" not in said
     for verb in ("status", "check"):
         done = kernel.cli(verb, check=False)
         assert done.returncode != 0
-        assert "reads schema versions up to 2" in done.stdout + done.stderr
+        assert f"reads schema versions up to {SCHEMA_VERSION}" in done.stdout + done.stderr
         assert "Traceback" not in done.stdout + done.stderr
