@@ -202,7 +202,9 @@ def test_serve_refuses_a_store_of_a_newer_schema_naming_both_releases(tmp_path: 
         kernel.ensure_stopped()
     said = kernel.log_text()
     assert "event=store_refused" in said
-    assert f"has schema version {SCHEMA_VERSION + 1} (written by syscall-kernel 9.0.0 (commit 1234abc))" in said
+    assert (
+        f"has schema version {SCHEMA_VERSION + 1} (written by syscall-kernel 9.0.0 (commit 1234abc))" in said
+    )
     assert f"this kernel, syscall-kernel {release.VERSION}" in said
     assert "event=crashed" not in said
     for verb in ("status", "check"):
