@@ -51,9 +51,12 @@ sleep {seconds}
 date +%s.%N > "$dir/ended"
 echo 0 > "$dir/exit-code"
 """
+# `wait` returns on a trapped signal at once, so the trap runs when USR2 arrives: with a foreground `sleep` bash
+# runs it only after the sleep, and a time-limit SIGTERM arriving just after the warning (a loaded controller
+# may send both in one pass) killed the shell first.
 WALLTIME_SCRIPT = """#!/bin/bash
 trap 'date +%s > "{launch_dir}/warned"' USR2
-while :; do sleep 1; done
+while :; do sleep 1 & wait $!; done
 """
 
 
