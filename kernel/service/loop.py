@@ -112,6 +112,12 @@ class _Admission:
     overdue: set[str] = dataclasses.field(default_factory=set)
 
 
+def poll_intervals(cfg: Config) -> tuple[float, float]:
+    """(an active polled channel's interval, an idle one's longest): `poll_idle_seconds` is at least
+    `poll_seconds`."""
+    return cfg.poll_seconds, max(cfg.poll_seconds, cfg.poll_idle_seconds)
+
+
 class Service:
     def __init__(
         self,
@@ -203,9 +209,7 @@ class Service:
         )
         # The polled channels' looks (kernel.service.polling): a stat of each requests/ on the schedule's clock,
         # a listing only where it changed; only the event loop touches the schedule.
-        self.polls = PollSchedule(
-            self.cfg.poll_seconds, max(self.cfg.poll_seconds, self.cfg.poll_idle_seconds)
-        )
+        self.polls = PollSchedule(*poll_intervals(self.cfg))
         self.poller = Poller(
             self.polls,
             self.clock,
@@ -1083,10 +1087,7 @@ class Service:
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
         self.live.current = cfg  # every component reads it from here (kernel.core.config.LiveConfig)
-        self.polls.base_s, self.polls.idle_max_s = (
-            cfg.poll_seconds,
-            max(cfg.poll_seconds, cfg.poll_idle_seconds),
-        )
+        self.polls.base_s, self.polls.idle_max_s = poll_intervals(cfg)
         rows = await self.worker.call(self._reapply)
         await self.worker.call(self._apply_rows, rows)
         self._take_looks()

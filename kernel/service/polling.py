@@ -54,7 +54,6 @@ class _Batch:
     stamps: list[DirStamp | None] = field(default_factory=list)
     cut: int = -1  # >= 0: only the first `cut` keys are this batch's (the rest were handed back)
     applied: int = 0  # the first `applied` stamps were fed to the schedule already (at the cut)
-    done: bool = False
 
 
 class Poller:
@@ -73,18 +72,16 @@ class Poller:
         self.deadline = deadline
         self.on_changed = on_changed
         self.stamp = stamp
-        self._batches: list[_Batch] = []
-        self.looks = 0  # stats done, for the benchmarks and the status line
-        self.listings = 0  # looks that led to a full listing
+        self._batches: list[_Batch] = []  # running or stuck; a batch leaves it when its thread returns
 
     def stuck(self) -> list[_Batch]:
-        return [b for b in self._batches if b.cut >= 0 and not b.done]
+        return [b for b in self._batches if b.cut >= 0]
 
     def tick(self, token: EventLoopToken, paths: Callable[[str], str | None]) -> None:
         """(event loop) Give up on batches past their deadline, then start batches for the looks now due."""
         now = self.clock()
         for b in self._batches:
-            if not b.done and b.cut < 0 and now - b.started > self.deadline():
+            if b.cut < 0 and now - b.started > self.deadline():
                 i = min(len(b.stamps), len(b.keys) - 1)
                 b.cut = i + 1
                 self._apply(b, i, now)  # what it found before it stuck
@@ -120,7 +117,6 @@ class Poller:
 
     def _returned(self, batch: _Batch) -> None:
         """(event loop) Feed a batch's stamps to the schedule; mark the channels to list."""
-        batch.done = True
         self._batches.remove(batch)
         n = len(batch.stamps) if batch.cut < 0 else min(batch.cut, len(batch.stamps))
         self._apply(batch, n, self.clock())
@@ -129,9 +125,7 @@ class Poller:
         """Feed the stamps `batch.applied:n` to the schedule (each once)."""
         for i in range(batch.applied, n):
             key = batch.keys[i]
-            self.looks += 1
             if self.schedule.looked(key, batch.stamps[i], batch.wall_ns, now):
-                self.listings += 1
                 metrics.POLL_LOOKS.labels("listed").inc()
                 self.on_changed(key)
             else:
