@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from testenv import IN_CI, ROOT, need
+from testenv import IN_CI, ROOT, need, python38
 
 from kernel.io import stepguard
 
@@ -54,6 +54,17 @@ def slurm_conf() -> Path:
 # Every store step of an in-process service in these tests runs under the guard: a filesystem call it makes
 # fails the call and the test (kernel.io.stepguard).
 stepguard.install()
+
+
+@pytest.fixture(scope="session")
+def py38() -> str:
+    """The oldest Python the tool supports (3.8), for the MCP server's tests; CI must have it."""
+    exe, why = python38()
+    if exe is None:
+        if IN_CI:
+            pytest.fail(f"{why} (CI=true: the MCP server must be tested on the tool's oldest Python, 3.8)")
+        pytest.skip(why)
+    return exe
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,6 @@ import anyio
 import jsonschema
 import pytest
 from kernelproc import Kernel, make_workspace, run_tool, wait_for
-from testenv import IN_CI, python38
 
 from spec import SCHEMA_DIR
 
@@ -113,16 +112,6 @@ def test_the_tool_prints_a_task_end_within_a_second_of_it(workspace: tuple[Kerne
     check_progress_file(ws, sleep_id, seq)
     # the tool asked the kernel nothing while it waited: the progress file told it everything
     assert kernel.log_text().count("outcome=status") == asked
-
-
-@pytest.fixture(scope="module")
-def py38() -> str:
-    exe, why = python38()
-    if exe is None:
-        if IN_CI:
-            pytest.fail(f"{why} (CI=true: the MCP server must be tested on the tool's oldest Python, 3.8)")
-        pytest.skip(why)
-    return exe
 
 
 async def mcp_wait(ws: Path, py38: str) -> tuple[list[tuple[float, str]], Any]:

@@ -20,7 +20,6 @@ import jsonschema
 import pytest
 from kernelproc import Kernel, git, wait_for
 from mcp import Client, StdioServerParameters
-from testenv import IN_CI, python38
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
 
@@ -38,16 +37,6 @@ TOOLS = [
     "history",
     "tail",
 ]
-
-
-@pytest.fixture(scope="module")
-def py38() -> str:
-    exe, why = python38()
-    if exe is None:
-        if IN_CI:
-            pytest.fail(f"{why} (CI=true: the MCP server must be tested on the tool's oldest Python, 3.8)")
-        pytest.skip(why)
-    return exe
 
 
 @pytest.fixture(scope="module")
