@@ -14,6 +14,13 @@ loop stops it too). SIGTERM/SIGINT: STOPPING=1, finish the turns in flight (no n
 I/O is past `channel_io_deadline_seconds` is abandoned to its thread), stop the watcher, close the store;
 unhandled requests stay on disk for the next start. Whatever still runs STOP_DEADLINE_S after the signal is
 abandoned (`arm_stop_deadline`): the process is gone within a second at any point.
+
+Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, the poll
+schedule) is the pure serve core's (kernel.core.serving): this module is its driver. It turns what happens into
+events (`_feed`) and runs the actions the core returns (`_act`) in the pools, as tasks whose outcome comes back as
+another event. Only the event loop feeds the core: a pool call (an admission, a look) or a store step returns
+what it found (an `Outcome`, the rows to look at), or, for the start's admission calls that take one channel
+after another, appends it to the admission's hand-over list, which the loop drains (`_drain`).
 """
 
 from __future__ import annotations
