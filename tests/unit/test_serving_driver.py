@@ -95,19 +95,27 @@ def problem(svc: Service, key: str) -> Callable[[], Awaitable[str | None]]:
     return read
 
 
-def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Config, Store, Path]:
+def setup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: str = CONFIG
+) -> tuple[Config, Store, Path]:
     """The config, the store and the hang file (kernel.io.crash.hang_point) of a kernel run in process."""
-    cfg = parse(f'state_dir = "{tmp_path}/state"\n{CONFIG}', "<test>", env={})
+    cfg = parse(f'state_dir = "{tmp_path}/state"\n{config}', "<test>", env={})
     hang = tmp_path / "hang"
     monkeypatch.setenv(HANG_ENV, str(hang))
     return cfg, Store.open(cfg.paths.store), hang
 
 
 def serve_while(
-    cfg: Config, store: Store, handled: list[Handled], body: Callable[[Service], Awaitable[None]]
+    cfg: Config,
+    store: Store,
+    handled: list[Handled],
+    body: Callable[[Service], Awaitable[None]],
+    *,
+    fed_back: bool = True,
 ) -> None:
     """Run a Service until `body(svc)`, started once it is ready, returns; then check that every change of its
-    serving state was made on the event loop's thread."""
+    serving state was made on the event loop's thread (and, with `fed_back`, that a look's outcome was among
+    them)."""
     notifier = ReadyNotifier()
     svc = Service(LiveConfig(cfg), store, notifier, TOOL)
     loop_thread: list[int] = []
@@ -127,7 +135,7 @@ def serve_while(
         store.close()
     off = [ev for thread, ev, _ in handled if thread != loop_thread[0]]
     assert not off, f"serving state changed off the event loop: {off[:5]}"
-    assert any(isinstance(ev, sv.LookDone) for _, ev, _ in handled), "no admission or look was fed back"
+    assert any(isinstance(ev, sv.LookDone) for _, ev, _ in handled) or not fed_back, "no look was fed back"
 
 
 async def _shows(read: Callable[[], Awaitable[str | None]], text: str) -> bool:
@@ -201,5 +209,92 @@ def test_a_hung_look_at_a_workspace_enrolled_meanwhile_holds_no_other_and_is_ser
         await until(lambda: answered(a, "a1"), 5, "A served once its look returned")
         await until(lambda: _clear(problem(svc, key)), 5, "A's problem cleared")
         await served_meanwhile(b)
+
+    serve_while(cfg, store, handled_on, body)
+
+
+def test_a_hung_re_watch_shows_its_problem_holds_no_other_workspace_and_the_channel_is_watched_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handled_on: list[Handled]
+) -> None:
+    """A's watch is lost (its requests/ moved away and back) and its channel hangs when it is opened to be
+    watched again: B is served, A's overdue I/O is its problem (A stays served: only its watch waits), and once
+    it returns A is watched again: a request is answered within a second, with no rescan (10 minutes away) and no
+    poll to find it."""
+    config = CONFIG.replace("rescan_seconds = 0.5", "rescan_seconds = 600")
+    cfg, store, hang = setup(tmp_path, monkeypatch, config)
+    a, b = workspace(tmp_path, "a"), workspace(tmp_path, "b")
+    key = enrolled(store, cfg, a).key
+    enrolled(store, cfg, b)
+    requests, away = a / ".syscall" / "requests", a / ".syscall" / "requests.away"
+
+    async def body(svc: Service) -> None:
+        await served_meanwhile(a, 1)
+        hang.write_text(f"watch {a.resolve()}")
+        os.rename(requests, away)
+        os.rename(away, requests)
+        await until(lambda: _shows(problem(svc, key), OVERDUE), 5, "A's overdue re-watch is its problem")
+        assert svc.serving.phase(key) is sv.Phase.SERVED
+        await served_meanwhile(b)
+        hang.unlink()
+        await until(lambda: _clear(problem(svc, key)), 5, "A's problem cleared")
+        put_status(a, "a1")
+        await until(lambda: answered(a, "a1"), 1, "A watched again: answered at once")
+        await served_meanwhile(b)
+
+    serve_while(cfg, store, handled_on, body, fed_back=False)
+
+
+def test_a_hung_turn_shows_its_problem_once_holds_no_other_workspace_and_answers_once_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handled_on: list[Handled]
+) -> None:
+    """A's full listing of requests/ hangs (a huge or slow directory): B is served, A's problem says that
+    nothing more is started for it (the request path's wording, built by the serve core); once the listing
+    returns A's waiting request is answered and the problem clears."""
+    cfg, store, hang = setup(tmp_path, monkeypatch)
+    a, b = workspace(tmp_path, "a"), workspace(tmp_path, "b")
+    key = enrolled(store, cfg, a).key
+    enrolled(store, cfg, b)
+    requests = a / ".syscall" / "requests"
+
+    async def body(svc: Service) -> None:
+        await served_meanwhile(a, 1)
+        hang.write_text(f"listing {a.resolve()}")
+        (requests / "junk").write_bytes(b"")  # a junk name asks for a full listing: it hangs
+        put_status(a, "a1")  # waits for the listing
+        await until(lambda: _shows(problem(svc, key), OVERDUE), 5, "A's overdue turn is its problem")
+        shown = await problem(svc, key)()
+        assert "nothing more is started for this workspace until it returns" in (shown or "")
+        await served_meanwhile(b)
+        assert not answered(a, "a1"), "A's listing never returned, yet its request was answered"
+        hang.unlink()
+        await until(lambda: answered(a, "a1"), 5, "A answered once its listing returned")
+        await until(lambda: _clear(problem(svc, key)), 5, "A's problem cleared")
+        await served_meanwhile(a, 1)
+
+    serve_while(cfg, store, handled_on, body, fed_back=False)
+
+
+def test_a_channel_that_hangs_in_the_after_ready_refresh_holds_no_other_workspace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handled_on: list[Handled]
+) -> None:
+    """After `ready` the kernel-written files of every admitted channel (stale: kernel.core.serving) are
+    refreshed in the background. A's channel hangs there: B is served meanwhile, A's budget.json is not
+    rewritten while it hangs, and is once the refresh returns; then A is served."""
+    cfg, store, hang = setup(tmp_path, monkeypatch)
+    a, b = workspace(tmp_path, "a"), workspace(tmp_path, "b")
+    row_a = enrolled(store, cfg, a)
+    enrolled(store, cfg, b)
+    budget = a / ".syscall" / "budget.json"
+    budget.write_text("damaged")  # rewritten by the refresh once A answers
+    hang.write_text(f"refresh {row_a.path}")
+
+    async def body(svc: Service) -> None:
+        await until(lambda: _shows(problem(svc, row_a.key), OVERDUE), 5, "A's overdue refresh is its problem")
+        await served_meanwhile(b)
+        assert budget.read_text() == "damaged"
+        hang.unlink()
+        await until(lambda: budget.read_text() != "damaged", 5, "A's budget.json rewritten")
+        assert json.loads(budget.read_text())["budget"]["launches"] > 0
+        await served_meanwhile(a, 1)
 
     serve_while(cfg, store, handled_on, body)
