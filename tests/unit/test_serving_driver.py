@@ -238,7 +238,7 @@ def test_a_hung_re_watch_shows_its_problem_holds_no_other_workspace_and_the_chan
         hang.unlink()
         await until(lambda: _clear(problem(svc, key)), 5, "A's problem cleared")
         put_status(a, "a1")
-        await until(lambda: answered(a, "a1"), 1, "A watched again: answered at once")
+        await until(lambda: answered(a, "a1"), 3, "A watched again: answered with no rescan")
         await served_meanwhile(b)
 
     serve_while(cfg, store, handled_on, body, fed_back=False)
@@ -260,8 +260,8 @@ def test_a_hung_turn_shows_its_problem_once_holds_no_other_workspace_and_answers
         await served_meanwhile(a, 1)
         hang.write_text(f"listing {a.resolve()}")
         (requests / "junk").write_bytes(b"")  # a junk name asks for a full listing: it hangs
-        put_status(a, "a1")  # waits for the listing
         await until(lambda: _shows(problem(svc, key), OVERDUE), 5, "A's overdue turn is its problem")
+        put_status(a, "a1")  # waits for the listing
         shown = await problem(svc, key)()
         assert "nothing more is started for this workspace until it returns" in (shown or "")
         await served_meanwhile(b)
