@@ -287,6 +287,9 @@ class Serving:
     _calls: dict[str, str] = field(default_factory=dict)
     _overdue: dict[str, tuple[str, str]] = field(default_factory=dict)
     _next_looks: float = 0.0  # the earliest the next batch of polled looks may start
+    # The workspaces whose `_Ws.republish` is not "", with it: a republish ending looks at those, not at every
+    # workspace.
+    _republishing: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.polls = PollSchedule(self.poll_s, max(self.poll_s, self.poll_idle_s))
@@ -392,14 +395,17 @@ class Serving:
             case BalanceChanged(keys):
                 for key in keys:
                     ws = self._get(key)
-                    ws.republish = "again" if ws.republish in ("running", "again") else "next"
+                    if ws.republish in ("running", "again"):
+                        self._set_republish(key, ws, "again")
+                    else:
+                        self._set_republish(key, ws, "next")
                 return self._republish()
             case Republished(key, failed):
                 ws = self._get(key)
                 if ws.republish == "again":
-                    ws.republish = "next"
+                    self._set_republish(key, ws, "next")
                 else:
-                    ws.republish = "failed" if failed else ""
+                    self._set_republish(key, ws, "failed" if failed else "")
                 return self._republish()
             case Tick(now):
                 look_at = self.look_at()
@@ -408,9 +414,8 @@ class Serving:
                 self._next_looks = now + self.look_quantum_s
                 return [PollLooks()]
             case Rescan():
-                for ws in self._ws.values():
-                    if ws.republish == "failed":
-                        ws.republish = "next"
+                for key in [k for k, v in self._republishing.items() if v == "failed"]:
+                    self._set_republish(key, self._ws[key], "next")
                 return self._republish()
             case Ready():
                 self.ready = True
@@ -464,11 +469,18 @@ class Serving:
         keys = self.take_stale()
         return [Refresh(keys)] if keys else []
 
+    def _set_republish(self, key: str, ws: _Ws, state: str) -> None:
+        ws.republish = state
+        if state:
+            self._republishing[key] = state
+        else:
+            self._republishing.pop(key, None)
+
     def _republish(self) -> list[Action]:
         if not self.ready or self.stopping:
             return []
         out: list[Action] = []
-        for key in sorted(k for k, ws in self._ws.items() if ws.republish == "next"):
-            self._ws[key].republish = "running"
+        for key in sorted(k for k, v in self._republishing.items() if v == "next"):
+            self._set_republish(key, self._ws[key], "running")
             out.append(Republish(key))
         return out
