@@ -615,7 +615,7 @@ class Service:
         return sv.Outcome.PROBLEM
 
     def _watch_fresh(self, row: WorkspaceRow, paused: bool) -> sv.Outcome:
-        """A channel enrolled by this very start needs no admission: only its watch."""
+        """(channel look pool) A channel enrolled by this very start needs no admission: only its watch."""
         if paused:
             return sv.Outcome.SERVED
         try:
@@ -679,6 +679,7 @@ class Service:
             self._feed(sv.LookDone(row.key, outcome))
 
     def _look_io(self, row: WorkspaceRow, mine: str, paused: bool) -> sv.Outcome:
+        """(channel look pool) The look itself (`_refresh_io`); what it found."""
         crash.hang_point("look", row.path)
         return self._refresh_io(row, mine, watch=not paused)
 
@@ -732,9 +733,9 @@ class Service:
         self._feed(sv.TakenOver(row.key))
 
     def _check_owners(self) -> list[WorkspaceRow]:
-        """(a store step) At every rescan: serve the channels that became ours (the rows to look at). (Whether a served channel was taken
-        over by another store is checked by its next turn in the pipeline, off the store worker:
-        `Pipeline.sweep(owners=True)`, `_taken_over`.)"""
+        """(a store step) At every rescan: serve the channels that became ours (the rows to look at). (Whether a
+        served channel was taken over by another store is checked by its next turn in the pipeline, off the store
+        worker: `Pipeline.sweep(owners=True)`, `_taken_over`.)"""
         # Channels not locked yet (another process held the lock, the channel could not be opened, or its
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
         # The look is the loop's (`_look_at_rows`, in the channel look pool): no channel is opened here.

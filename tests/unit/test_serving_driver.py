@@ -298,3 +298,45 @@ def test_a_channel_that_hangs_in_the_after_ready_refresh_holds_no_other_workspac
         await served_meanwhile(a, 1)
 
     serve_while(cfg, store, handled_on, body)
+
+
+# What runs off the event loop in the driver says so first in its docstring.
+OFF_LOOP = ("(a store step)", "(store worker)", "(channel look pool)", "(channel I/O pool)")
+
+
+def test_no_pool_call_or_store_step_of_the_driver_can_reach_the_serving_state() -> None:
+    """The service's methods that run on a pool thread or the store worker, and every method of the service they
+    call, never touch the serving state (`serving`, `_feed`): they return what they found, the loop feeds it."""
+    import ast
+    import inspect
+
+    import kernel.service.loop as loop
+
+    cls = next(
+        n
+        for n in ast.parse(inspect.getsource(loop)).body
+        if isinstance(n, ast.ClassDef) and n.name == "Service"
+    )
+    methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+    def uses(f: ast.AST) -> set[str]:
+        return {
+            n.attr
+            for n in ast.walk(f)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+        }
+
+    off = [name for name, f in methods.items() if (ast.get_docstring(f) or "").startswith(OFF_LOOP)]
+    assert {"_admit_from", "_admit_io", "_refresh_io", "_look_io", "_startup", "_read_changes"} <= set(off)
+    for name in off:
+        seen, todo = set(), [name]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            got = uses(methods[m])
+            assert not got & {"serving", "_feed", "_act"}, (
+                f"{name} (off the loop) reaches the serving state via {m}"
+            )
+            todo += [a for a in got if a in methods]
