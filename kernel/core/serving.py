@@ -24,8 +24,9 @@ Invariants, and why they hold:
   turns), shown once, and cleared when the look returns only while it still shows (`ShowProblem.unless`): the
   look's own outcome (a lock held elsewhere) stays.
 - After `Stop` no look, refresh or republish starts.
-- The polled channels' timing is the pure `PollSchedule` (kernel.core.polling), owned here; looks start at most
-  once per `look_quantum_s`, each start taking every look then due.
+- The polled channels' timing is the pure `PollSchedule` (kernel.core.polling), owned here, and so is the set
+  of channels polled rather than watched with inotify (`polled`: what each watch made found); looks start at
+  most once per `look_quantum_s`, each start taking every look then due.
 """
 
 from __future__ import annotations
@@ -100,11 +101,29 @@ class LookTaken:
 class LookDone:
     """The look at (or admission of) `key` returned with `outcome`; None: it did not finish (stopping, the store
     could not be written, never taken): not served, looked at again at the next rescan. `stale`: its
-    kernel-written files wait for the refresh after `ready`."""
+    kernel-written files wait for the refresh after `ready`. `polled`: the watch it made (True: polled, False:
+    watched with inotify, None: none)."""
 
     key: str
     outcome: Outcome | None
     stale: bool = False
+    polled: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Watched:
+    """`key`'s requests/ is now polled (`polled`) or watched with inotify (a re-watch, or a channel served
+    anew whose filesystem raises no events)."""
+
+    key: str
+    polled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Unserved:
+    """These workspaces are no longer served: neither polled nor watched."""
+
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +213,8 @@ Event = (
     | LookWanted
     | LookTaken
     | LookDone
+    | Watched
+    | Unserved
     | Overdue
     | Returned
     | Paused
@@ -290,6 +311,7 @@ class Serving:
     # The workspaces whose `_Ws.republish` is not "", with it: a republish ending looks at those, not at every
     # workspace.
     _republishing: dict[str, str] = field(default_factory=dict)
+    _polled: set[str] = field(default_factory=set)  # the served channels polled rather than watched
 
     def __post_init__(self) -> None:
         self.polls = PollSchedule(self.poll_s, max(self.poll_s, self.poll_idle_s))
@@ -340,6 +362,13 @@ class Serving:
     def paused(self) -> frozenset[str]:
         return frozenset(k for k, ws in self._ws.items() if ws.paused)
 
+    def polled(self) -> frozenset[str]:
+        """The served channels polled (the poll schedule follows them: `PollSchedule.sync`)."""
+        return frozenset(self._polled)
+
+    def is_polled(self, key: str) -> bool:
+        return key in self._polled
+
     def look_at(self) -> float | None:
         """When the next polled looks start: the earliest due, but at most once per `look_quantum_s`."""
         due = self.polls.next_at()
@@ -365,8 +394,15 @@ class Serving:
             case LookTaken(call, key):
                 self._calls[call] = key
                 return []
-            case LookDone(key, outcome, stale):
+            case LookDone(key, outcome, stale, polled):
+                self._watched(key, polled)
                 return self._look_done(key, outcome, stale)
+            case Watched(key, polled):
+                self._watched(key, polled)
+                return []
+            case Unserved(keys):
+                self._polled.difference_update(keys)
+                return []
             case Overdue(call, since, deadline_s):
                 return self._look_overdue(call, since, deadline_s)
             case Returned(call):
@@ -437,6 +473,12 @@ class Serving:
         for key in keys:
             self._ws[key].stale = False
         return keys
+
+    def _watched(self, key: str, polled: bool | None) -> None:
+        if polled:
+            self._polled.add(key)
+        elif polled is not None:
+            self._polled.discard(key)
 
     def _look_done(self, key: str, outcome: Outcome | None, stale: bool) -> list[Action]:
         ws = self._get(key)

@@ -15,8 +15,8 @@ I/O is past `channel_io_deadline_seconds` is abandoned to its thread), stop the 
 unhandled requests stay on disk for the next start. Whatever still runs STOP_DEADLINE_S after the signal is
 abandoned (`arm_stop_deadline`): the process is gone within a second at any point.
 
-Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, the poll
-schedule) is the pure serve core's (kernel.core.serving): this module is its driver. It turns what happens into
+Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, whether it is
+polled, the poll schedule) is the pure serve core's (kernel.core.serving): this module is its driver. It turns what happens into
 events (`_feed`) and runs the actions the core returns (`_act`) in the pools, as tasks whose outcome comes back as
 another event. Only the event loop feeds the core: a pool call (an admission, a look) or a store step returns
 what it found (an `Outcome`, the rows to look at), or, for the start's admission calls that take one channel
@@ -166,8 +166,8 @@ class Service:
         # While the service loop waits for news: how it starts a turn (`_arrived` starts one at once).
         self._starter: tuple[Callable[..., object], Spawn] | None = None
         self._reload_wanted = False
-        # Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, the
-        # poll schedule): changed by the event loop alone, through `_feed` (kernel.core.serving).
+        # Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, polled
+        # or watched, the poll schedule): changed by the event loop alone, through `_feed` (kernel.core.serving).
         self.serving = sv.Serving(self.cfg.poll_seconds, self.cfg.poll_idle_seconds, LOOK_QUANTUM_S)
         self._reserving = False  # an `_apply_current` runs (`_reserve`); `_reserve_again`: another after it
         self._reserve_again = False
@@ -320,7 +320,8 @@ class Service:
 
     def status_line(self) -> str:
         n = len(self.pipeline.workspaces)
-        watched = n - len(self.watches.polled)
+        polled = len(self.serving.polled())
+        watched = n - polled
         why = self.degraded()
         reload = (
             f"reload failed ({self._reload_problem}): running with the config loaded before; "
@@ -331,13 +332,16 @@ class Service:
             (("degraded (" + why + "); ") if why else "")
             + reload
             + (
-                f"serving {n} workspaces ({watched} inotify, {len(self.watches.polled)} poll); "
+                f"serving {n} workspaces ({watched} inotify, {polled} poll); "
                 f"{self.pipeline.answered} requests answered; last pass {self.pipeline.last_pass_ms:.1f} ms"
             )
         )
 
-    def _rewatched(self, key: str) -> None:
-        """A re-watch ended: list `key`'s whole requests/ (what was committed while it was not watched)."""
+    def _rewatched(self, key: str, polled: bool | None) -> None:
+        """A re-watch ended with what it made (`Watches.watch_one`): list `key`'s whole requests/ (what was
+        committed while it was not watched)."""
+        if polled is not None:
+            self._feed(sv.Watched(key, polled))
         self.pipeline.mark(key)
         self._wake("")
 
@@ -546,15 +550,14 @@ class Service:
                     break
             admission.current[call] = row
             timed_afresh()
-            found: tuple[sv.Outcome, bool] | None = None
+            found = sv.LookDone(row.key, None)  # not served: the rescan looks at it again
             try:
                 found = self._admit_io(row, admission)
             except StoreUnavailable:
-                pass  # not served: the rescan looks at it again
+                pass
             finally:
                 admission.current.pop(call, None)
-                outcome, stale = found or (None, False)
-                admission.results.append(sv.LookDone(row.key, outcome, stale))
+                admission.results.append(found)
             admitted.append(row.key)
             if call in admission.overdue:  # its slot was given back: the other calls take the rest
                 break
@@ -565,7 +568,7 @@ class Service:
         with store_step():
             return self.worker.run_here(fn, *args)
 
-    def _admit_io(self, row: WorkspaceRow, admission: _Admission) -> tuple[sv.Outcome, bool]:
+    def _admit_io(self, row: WorkspaceRow, admission: _Admission) -> sv.LookDone:
         """(channel look pool) At start, before `row`'s channel is served: it is still the enrolled directory
         (device, inode, owner), its kernel.json names no other store, this kernel holds its lock; then its
         requests/ is watched. That is all a restart does per workspace before `ready` (10,000 of them must be
@@ -577,14 +580,15 @@ class Service:
         its lock and wrote its files moments ago). The owner check is one lstat when kernel.json is, unchanged, the
         file an earlier check read (`seen`: enrollment.owner_unchanged), else a full read whose fingerprint is
         recorded for the next start (a network filesystem's is always read). The store is touched only when the
-        outcome needs it (`_store_step`). What it found, and whether the kernel-written files wait for the
-        refresh after `ready`."""
+        outcome needs it (`_store_step`). What it found (whether the kernel-written files wait for the refresh
+        after `ready`, the watch it made), for the loop to hand to the serve core."""
         crash.hang_point("admit", row.path)
         paused = row.key in admission.paused
         if row.key in admission.fresh and self.custody.locks.holds(row.key):
-            return self._watch_fresh(row, paused), False
+            return self._watch_fresh(row, paused)
         if row.tool_sha256 != self.tool.sha256 or not row.identity.subdirs:
-            return self._refresh_io(row, admission.mine, watch=not paused), False
+            return self._refresh_io(row, admission.mine, watch=not paused)
+        polled = None
         seen = None if row.key in admission.network else admission.seen
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
@@ -598,11 +602,11 @@ class Service:
                 if row.key in self.custody.foreign or row.key in self.custody.held_elsewhere:
                     self._store_step(self.custody.served_again, row)
                 if not paused:
-                    self.watches.watch_one(row, ch)
+                    polled = self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
-            return self._not_served(row, exc), False
+            return sv.LookDone(row.key, self._not_served(row, exc))
         self.custody.channel_checked(row.key)
-        return sv.Outcome.SERVED, True
+        return sv.LookDone(row.key, sv.Outcome.SERVED, stale=True, polled=polled)
 
     def _not_served(self, row: WorkspaceRow, exc: Exception) -> sv.Outcome:
         """(channel look pool) A check of `row`'s channel failed with `exc`: recorded (`Custody.not_served`, a
@@ -614,24 +618,25 @@ class Service:
             return sv.Outcome.HELD_ELSEWHERE
         return sv.Outcome.PROBLEM
 
-    def _watch_fresh(self, row: WorkspaceRow, paused: bool) -> sv.Outcome:
+    def _watch_fresh(self, row: WorkspaceRow, paused: bool) -> sv.LookDone:
         """(channel look pool) A channel enrolled by this very start needs no admission: only its watch."""
         if paused:
-            return sv.Outcome.SERVED
+            return sv.LookDone(row.key, sv.Outcome.SERVED)
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
-                self.watches.watch_one(row, ch)
+                polled = self.watches.watch_one(row, ch)
         except CHANNEL_ERRORS as exc:
             self.custody.channel_problem(row, exc)
-            return sv.Outcome.PROBLEM
-        return sv.Outcome.SERVED
+            return sv.LookDone(row.key, sv.Outcome.PROBLEM)
+        return sv.LookDone(row.key, sv.Outcome.SERVED, polled=polled)
 
-    def _refresh_io(self, row: WorkspaceRow, mine: str, *, watch: bool) -> sv.Outcome:
+    def _refresh_io(self, row: WorkspaceRow, mine: str, *, watch: bool) -> sv.LookDone:
         """(channel look pool) Check `row`'s channel as `_admit_io` does and rewrite its kernel-written files where
         stale and remove leftover kernel temps (`Refresher.rewrite_kernel_files`); with `watch` (not paused),
-        watch its requests/ too. What it found. The store is touched only in store steps (`_store_step`, under the store worker's lock),
+        watch its requests/ too. What it found (the kernel-written files are fresh: not stale). The store is touched only in store steps (`_store_step`, under the store worker's lock),
         never while the channel is: the row written to kernel.json and budget.json is read, with its budget stamp,
         in the step that records the new tool (kernel.io.budgetorder, as `Refresher.refresh_one`)."""
+        polled = None
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
@@ -645,11 +650,11 @@ class Service:
                 if self.refresher.rewrite_kernel_files(ch, current, owner, stamp) is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
                 if watch:
-                    self.watches.watch_one(row, ch)
+                    polled = self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
-            return self._not_served(row, exc)
+            return sv.LookDone(row.key, self._not_served(row, exc))
         self.custody.channel_checked(row.key)
-        return sv.Outcome.SERVED
+        return sv.LookDone(row.key, sv.Outcome.SERVED, polled=polled)
 
     def _refreshed_row(self, row: WorkspaceRow, identity: safefs.Identity) -> tuple[WorkspaceRow, int]:
         """(a store step) Record the new tool and the subdirectory identities where `row` lacks them; the channel
@@ -670,15 +675,17 @@ class Service:
         `looking`) until the look returns, then served if it found the channel ours and locked it. A look past the
         deadline shows as the workspace's problem (`_look_overdue`) and holds nothing else: the service loop does
         not wait for it."""
-        outcome = None
+        done = sv.LookDone(
+            row.key, None
+        )  # stopping, or the store cannot be written: looked at again at the rescan
         try:
-            outcome = await self.looks.run(row.key, self._look_io, row, self._mine, paused)
+            done = await self.looks.run(row.key, self._look_io, row, self._mine, paused)
         except (ChannelIOAbandoned, StoreUnavailable):
-            pass  # stopping, or the store cannot be written: looked at again at the next rescan
+            pass
         finally:
-            self._feed(sv.LookDone(row.key, outcome))
+            self._feed(done)
 
-    def _look_io(self, row: WorkspaceRow, mine: str, paused: bool) -> sv.Outcome:
+    def _look_io(self, row: WorkspaceRow, mine: str, paused: bool) -> sv.LookDone:
         """(channel look pool) The look itself (`_refresh_io`); what it found."""
         crash.hang_point("look", row.path)
         return self._refresh_io(row, mine, watch=not paused)
@@ -834,32 +841,43 @@ class Service:
         return self.refresher.row_stamped(key)
 
     async def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
-        """(event loop) Serve the rows now `served` (decided here, on the loop), then start the re-watches."""
-        await self.worker.call(self._serve_rows, {r.key for r in rows}, self.served(rows))
-        self._start_rewatches()
-
-    def _serve_rows(self, enrolled: set[str], rows: list[WorkspaceRow]) -> None:
-        """(store worker) Let the unenrolled channels' locks go and serve `rows`."""
-        self.custody.locks.keep_only(enrolled)  # an unenrolled channel's lock (and fd) is let go
-        old = self.pipeline.workspaces
-        self.pipeline.set_workspaces(rows)
-        new_keys = {r.key for r in rows}
-        for key in set(old) - new_keys:
+        """(event loop) Serve the rows now `served` (decided here, on the loop); those no longer served are
+        neither watched nor polled; those served anew (or whose channel changed) are watched, unless the look
+        that found them watched them already, and listed in full; then start the re-watches."""
+        served = self.served(rows)
+        gone, changed = await self.worker.call(self._serve_rows, {r.key for r in rows}, served)
+        for key in gone:
             self.watches.forget(key)
-        changed = {r.key for r in rows if r.key not in old or old[r.key].identity != r.identity}
+        self._feed(sv.Unserved(tuple(gone)))
         if changed:
-            # A channel admitted or looked at in the channel look pool was watched there.
             watcher = self.watcher
-            self.watches.watch_all(
-                rows,
+            self._watch_all(
+                served,
                 {
                     k
                     for k in changed
-                    if k not in self.watches.polled and (watcher is None or not watcher.watching(k))
+                    if not self.serving.is_polled(k) and (watcher is None or not watcher.watching(k))
                 },
             )
             for key in changed:
                 self.pipeline.mark(key)
+        self._start_rewatches()
+
+    def _watch_all(self, rows: list[WorkspaceRow], only: set[str]) -> None:
+        """(event loop) Watch these rows' channels (those in `only`) again (`Watches.watch_all`); those it polls
+        are the serve core's to know."""
+        for key in self.watches.watch_all(rows, only):
+            self._feed(sv.Watched(key, polled=True))
+
+    def _serve_rows(self, enrolled: set[str], rows: list[WorkspaceRow]) -> tuple[list[str], set[str]]:
+        """(store worker) Let the unenrolled channels' locks go and serve `rows`: (the workspaces no longer
+        served, those served anew or whose channel changed)."""
+        self.custody.locks.keep_only(enrolled)  # an unenrolled channel's lock (and fd) is let go
+        old = self.pipeline.workspaces
+        self.pipeline.set_workspaces(rows)
+        new_keys = {r.key for r in rows}
+        changed = {r.key for r in rows if r.key not in old or old[r.key].identity != r.identity}
+        return sorted(set(old) - new_keys), changed
 
     # --- the service --------------------------------------------------------------------------------------
 
@@ -901,7 +919,7 @@ class Service:
                 if self.halted():
                     return
                 self.pipeline.sweep()
-                log.event("ready", workspaces=len(rows), polled=len(self.watches.polled), resumed=resumed)
+                log.event("ready", workspaces=len(rows), polled=len(self.serving.polled()), resumed=resumed)
                 self._ready.set()
                 line = self.status_line()
                 self.notifier.ready(line)
@@ -1047,7 +1065,7 @@ class Service:
                 if lost:
                     # Watched again in the background (`_rewatch`), but not a channel whose I/O is overdue (its
                     # re-watch would only hang a second thread): the rescan watches it once its I/O returned.
-                    self.watches.watch_all(
+                    self._watch_all(
                         list(self.pipeline.workspaces.values()), lost - set(self.pipeline.chanio.overdue)
                     )
                     self._start_rewatches()
@@ -1056,7 +1074,7 @@ class Service:
             now = self.clock()
             if now >= next_tick:
                 next_tick = now + self.cfg.poll_seconds
-                self.polls.sync(self.watches.polled, now)
+                self.polls.sync(set(self.serving.polled()), now)
                 changes = await self.worker.call(self._read_changes)
                 if changes is not None:
                     await self._apply_rows(self._changed(changes))
@@ -1066,7 +1084,7 @@ class Service:
                 unwatched = {
                     k
                     for k in self.pipeline.workspaces
-                    if k not in self.watches.polled and self.watcher is not None
+                    if not self.serving.is_polled(k) and self.watcher is not None
                 } - {k for k in self.pipeline.workspaces if self.watcher and self.watcher.watching(k)}
                 unwatched -= (
                     set(self.pipeline.chanio.overdue)
@@ -1074,7 +1092,7 @@ class Service:
                     | set(self.watches.in_flight)
                 )
                 if unwatched:
-                    self.watches.watch_all(list(self.pipeline.workspaces.values()), unwatched)
+                    self._watch_all(list(self.pipeline.workspaces.values()), unwatched)
                 self.enroller.soon()  # new glob matches, in the background
                 self._look_at_rows(await self.worker.call(self._check_owners))
                 self._start_rewatches()

@@ -338,3 +338,26 @@ def test_only_the_lock_holder_serves() -> None:
     core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
     rows = [row("a"), row("b")]
     assert [r.key for r in core.served(rows, lambda key: key == "b")] == ["b"]
+
+
+# --- watch state ------------------------------------------------------------------------------------------
+
+
+def test_which_channels_are_polled_follows_what_each_watch_made() -> None:
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    core.handle(sv.Admitting(("a", "b", "c")))
+    core.handle(sv.LookDone("a", sv.Outcome.SERVED, polled=True))  # a network filesystem: polled
+    core.handle(sv.LookDone("b", sv.Outcome.SERVED, polled=False))  # watched with inotify
+    core.handle(sv.LookDone("c", sv.Outcome.SERVED))  # paused: no watch made
+    assert core.polled() == {"a"}
+    # The inotify watch limit: b falls back to polling; a's re-watch gets an inotify watch.
+    core.handle(sv.Watched("b", polled=True))
+    core.handle(sv.Watched("a", polled=False))
+    assert core.polled() == {"b"}
+    # A look that found the channel moved made no watch: what was made before stays.
+    core.handle(sv.LookWanted(row("b")))
+    core.handle(sv.LookDone("b", sv.Outcome.PROBLEM))
+    assert core.is_polled("b")
+    # No longer served: not polled (the poll schedule forgets it at its next sync).
+    core.handle(sv.Unserved(("b",)))
+    assert core.polled() == frozenset()
