@@ -16,11 +16,11 @@ unhandled requests stay on disk for the next start. Whatever still runs STOP_DEA
 abandoned (`arm_stop_deadline`): the process is gone within a second at any point.
 
 Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, whether it is
-polled, the poll schedule) is the pure serve core's (kernel.core.serving): this module is its driver. It turns what happens into
-events (`_feed`) and runs the actions the core returns (`_act`) in the pools, as tasks whose outcome comes back as
-another event. Only the event loop feeds the core: a pool call (an admission, a look) or a store step returns
-what it found (an `Outcome`, the rows to look at), or, for the start's admission calls that take one channel
-after another, appends it to the admission's hand-over list, which the loop drains (`_drain`).
+polled, the poll schedule) is the pure serve core's (kernel.core.serving): this module is its driver. It turns what
+happens into events (`_feed`) and runs the actions the core returns (`_act`) in the pools, as tasks whose outcome
+comes back as another event. Only the event loop feeds the core: a pool call (an admission, a look) or a store step
+returns what it found (a `LookDone`, the rows to look at), or, for the start's admission calls that take one
+channel after another, appends it to the admission's hand-over list, which the loop drains (`_drain`).
 """
 
 from __future__ import annotations
@@ -632,10 +632,11 @@ class Service:
 
     def _refresh_io(self, row: WorkspaceRow, mine: str, *, watch: bool) -> sv.LookDone:
         """(channel look pool) Check `row`'s channel as `_admit_io` does and rewrite its kernel-written files where
-        stale and remove leftover kernel temps (`Refresher.rewrite_kernel_files`); with `watch` (not paused),
-        watch its requests/ too. What it found (the kernel-written files are fresh: not stale). The store is touched only in store steps (`_store_step`, under the store worker's lock),
-        never while the channel is: the row written to kernel.json and budget.json is read, with its budget stamp,
-        in the step that records the new tool (kernel.io.budgetorder, as `Refresher.refresh_one`)."""
+        stale and remove leftover kernel temps (`Refresher.rewrite_kernel_files`); with `watch` (not paused), watch
+        its requests/ too. What it found (the kernel-written files are fresh: not stale). The store is touched only
+        in store steps (`_store_step`, under the store worker's lock), never while the channel is: the row written
+        to kernel.json and budget.json is read, with its budget stamp, in the step that records the new tool
+        (kernel.io.budgetorder, as `Refresher.refresh_one`)."""
         polled = None
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
@@ -1024,9 +1025,10 @@ class Service:
     ) -> None:
         """The service loop. It never waits for a workspace's channel I/O, nor for any filesystem: each pass starts
         its workspaces' turns as tasks (`start`) and goes on; a turn that ends wakes it. Looks at channels not
-        served yet, re-watches and the enrollment of new glob matches run as tasks too (`_feed`, `_start_rewatches`,
-        `Enroller.soon`), in the channel look pool. Only its own steps on the store worker (reloads, the rescan's
-        look at the store, recovery) are awaited here, and none of them touches a workspace's filesystem."""
+        served yet, re-watches and the enrollment of new glob matches run as tasks too (`_feed`,
+        `_start_rewatches`, `Enroller.soon`), in the channel look pool. Only its own steps on the store worker
+        (reloads, the rescan's look at the store, recovery) are awaited here, and none of them touches a
+        workspace's filesystem."""
         now = self.clock()
         next_rescan = now + self.cfg.rescan_seconds
         next_tick = now + self.cfg.poll_seconds

@@ -1,10 +1,10 @@
 """The kernel-written files of served channels, refreshed off the store worker: `Refresher`.
 
-At start, the admission checks each channel and watches it, and nothing more (a restart with 10,000 workspaces
-is ready in 2 s); the channels it admitted are stale (kernel.core.serving). After `ready`, `refresh_served`
-rewrites their kernel-written files where stale (the tool, kernel.json, budget.json, jobenv.json) and sweeps an earlier process's
-temps, each channel in its own turn in the pipeline's channel I/O pool. A look at a channel not served yet
-rewrites them too, while it has the channel open (`rewrite_kernel_files`).
+At start, the admission checks each channel and watches it, and nothing more (a restart with 10,000 workspaces is
+ready in 2 s); the channels it admitted are stale (kernel.core.serving). After `ready`, `refresh_served` rewrites
+their kernel-written files where stale (the tool, kernel.json, budget.json, jobenv.json) and sweeps an earlier
+process's temps, each channel in its own turn in the pipeline's channel I/O pool. A look at a channel not served
+yet rewrites them too, while it has the channel open (`rewrite_kernel_files`).
 
 Invariants, and why they hold:
 - Never on the store worker, and a hung channel holds only its own workspace: each refresh is a call in the
