@@ -134,7 +134,7 @@ class Enroller:
         self.stopping = stopping
         self.ready = ready
         self.on_enrolled = on_enrolled
-        self.tg: anyio.abc.TaskGroup | None = None
+        self.tg: anyio.abc.TaskGroup | None = None  # the service's (`attach`): later rounds run there
         # Glob matches refused (with why): logged once per path and reason.
         self._refused: dict[str, str] = {}
         # One round at a time, the start's before the admission and later ones by `_enroller`. What a round left
@@ -534,6 +534,10 @@ class Enroller:
             self._prepare_overdue(rnd, call, since)
             return True
         return False
+
+    def attach(self, tg: anyio.abc.TaskGroup) -> None:
+        """The running service's task group: the rounds after the start's run there (`soon`)."""
+        self.tg = tg
 
     def stop(self) -> None:
         """SIGTERM: whatever waits for a call of the enrollment goes on (and records nothing more)."""

@@ -14,6 +14,13 @@ loop stops it too). SIGTERM/SIGINT: STOPPING=1, finish the turns in flight (no n
 I/O is past `channel_io_deadline_seconds` is abandoned to its thread), stop the watcher, close the store;
 unhandled requests stay on disk for the next start. Whatever still runs STOP_DEADLINE_S after the signal is
 abandoned (`arm_stop_deadline`): the process is gone within a second at any point.
+
+Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, whether it is
+polled, the poll schedule) is the pure serve core's (kernel.core.serving): this module is its driver. It turns what
+happens into events (`_feed`) and runs the actions the core returns (`_act`) in the pools, as tasks whose outcome
+comes back as another event. Only the event loop feeds the core: a pool call (an admission, a look) or a store step
+returns what it found (a `LookDone`, the rows to look at), or, for the start's admission calls that take one
+channel after another, appends it to the admission's hand-over list, which the loop drains (`_drain`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from anyio.lowlevel import EventLoopToken
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from channel import safefs
+from kernel.core import serving as sv
 from kernel.core.config import Config, ConfigError, LiveConfig
 from kernel.core.config import load as load_config
 from kernel.core.polling import PollSchedule
@@ -94,6 +102,16 @@ NOT_SERVED = (enrollment.OwnedElsewhere, enrollment.HeldElsewhere, *CHANNEL_ERRO
 ExecutorFactory = Callable[[StoreWorker], Executor]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Changes:
+    """What another process changed in the store (`Service._read_changes`): the paused workspaces, the rows,
+    and the held workspaces whose budget.json does not show their balance."""
+
+    paused: frozenset[str]
+    rows: list[WorkspaceRow]
+    unshown: frozenset[str]
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _Admission:
     """A start's admission of the enrolled channels (`Service._admit_all`), shared by its pool calls."""
@@ -105,17 +123,17 @@ class _Admission:
     mine: str
     seen: dict[str, enrollment.Fingerprint]
     settled: anyio.Event
+    paused: frozenset[str]  # as the start read them: not watched
+    # Handed from the pool calls to the event loop (which alone feeds them to kernel.core.serving): the row each
+    # call is on now, and each channel's outcome in the order admitted (`Service._drain`).
+    current: dict[str, WorkspaceRow] = dataclasses.field(default_factory=dict)
+    results: list[sv.LookDone] = dataclasses.field(default_factory=list)
+    drained: int = 0
     # Calls started, and those neither returned nor overdue: the start waits for these alone.
     started: int = 0
     running: int = 0
     # Calls past the deadline on one channel: their channel is admitted (and served) once its I/O returns.
     overdue: set[str] = dataclasses.field(default_factory=set)
-
-
-def poll_intervals(cfg: Config) -> tuple[float, float]:
-    """(an active polled channel's interval, an idle one's longest): `poll_idle_seconds` is at least
-    `poll_seconds`."""
-    return cfg.poll_seconds, max(cfg.poll_seconds, cfg.poll_idle_seconds)
 
 
 class Service:
@@ -148,7 +166,11 @@ class Service:
         # While the service loop waits for news: how it starts a turn (`_arrived` starts one at once).
         self._starter: tuple[Callable[..., object], Spawn] | None = None
         self._reload_wanted = False
-        self._paused: set[str] = set()
+        # Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, polled
+        # or watched, the poll schedule): changed by the event loop alone, through `_feed` (kernel.core.serving).
+        self.serving = sv.Serving(self.cfg.poll_seconds, self.cfg.poll_idle_seconds, LOOK_QUANTUM_S)
+        self._reserving = False  # an `_apply_current` runs (`_reserve`); `_reserve_again`: another after it
+        self._reserve_again = False
         # Every workspace the store lists as enrolled, as this kernel last read them: one another process (the
         # operator's `enroll`, `unenroll`) adds or removes is logged when the poll tick notices it.
         self._enrolled: set[str] = set()
@@ -163,14 +185,8 @@ class Service:
         self._fresh: set[str] = set()
         # kernel.json fingerprints taken by this start's owner checks, recorded after the admission (`_admitted`).
         self._seen_now: dict[str, enrollment.Fingerprint] = {}
-        # Workspaces whose balance another process (the operator's `budget`, `enroll`) changed and whose budget.json
-        # this kernel rewrites (`_republish`), those being rewritten now, and those whose channel failed (tried
-        # again at the next rescan).
-        self._republish_next: set[str] = set()
-        self._republishing: set[str] = set()
-        self._republish_failed: set[str] = set()
         # The kernel-written files of served channels, refreshed off the store worker (kernel.service.refreshing):
-        # those `_admit_io` left stale, after `ready`.
+        # those `_admit_io` left stale, after `ready` (`serving` says which).
         self.refresher = Refresher(
             live,
             self.worker,
@@ -192,13 +208,6 @@ class Service:
             on_returned=self._look_returned,
             thread_name="channel-look",
         )
-        # The row each look call is on now (by call key), the overdue ones with the problem they show, and the
-        # workspaces whose admission or look has not returned: not served (`served`) nor looked at again meanwhile.
-        self._looking: dict[str, WorkspaceRow] = {}
-        self._overdue_looks: dict[str, tuple[WorkspaceRow, str]] = {}
-        self._unadmitted: set[str] = set()
-        # Rows a store step asked the loop to look at (`_to_look`), taken by `_take_looks`.
-        self._look_next: list[WorkspaceRow] = []
         self._admission: _Admission | None = None
         # The watches of the served channels' requests/ (kernel.service.watching): re-watches in the look pool.
         self.watches = Watches(
@@ -207,9 +216,8 @@ class Service:
             served=lambda key: key in self.pipeline.workspaces,
             on_watched=self._rewatched,
         )
-        # The polled channels' looks (kernel.service.polling): a stat of each requests/ on the schedule's clock,
-        # a listing only where it changed; only the event loop touches the schedule.
-        self.polls = PollSchedule(*poll_intervals(self.cfg))
+        # The polled channels' looks (kernel.service.polling): a stat of each requests/ on the schedule's clock
+        # (`serving.polls`), a listing only where it changed; only the event loop touches the schedule.
         self.poller = Poller(
             self.polls,
             self.clock,
@@ -217,7 +225,6 @@ class Service:
             on_changed=self._wake,
         )
         self._token: EventLoopToken | None = None
-        self._next_looks = 0.0  # the earliest the next batch of looks may start (`_look_at`)
         self._tg: anyio.abc.TaskGroup | None = None
         self._mine = ""  # this store's id, read by `_startup`
         self._ready = anyio.Event()
@@ -239,6 +246,62 @@ class Service:
         """The running config, read at each use (kernel.core.config.LiveConfig)."""
         return self.live.current
 
+    @property
+    def polls(self) -> PollSchedule:
+        """The polled channels' schedule (kernel.core.polling), owned by `serving`."""
+        return self.serving.polls
+
+    # --- the serving state: events in, actions run (event loop only) -------------------------------------
+
+    def _feed(self, ev: sv.Event) -> None:
+        """(event loop) Hand `ev` to the serving state and run the actions it returns: the slow ones as tasks
+        (their outcome comes back as another event), so the loop never waits here."""
+        for action in self.serving.handle(ev):
+            self._act(action)
+
+    def _act(self, action: sv.Action) -> None:
+        tg = self._tg
+        match action:
+            case sv.PollLooks():
+                if self._token is not None:
+                    rows = self.pipeline.workspaces
+                    self.poller.tick(self._token, lambda key: rows[key].path if key in rows else None)
+            case sv.ShowProblem(key, problem, unless):
+                if problem is not None:
+                    log.event("channel_problem", logging.WARNING, ws=key, problem=problem)
+                else:
+                    log.event("channel_io_returned", ws=key)
+                if tg is not None:
+                    tg.start_soon(self.worker.call, self._set_look_problem, key, problem, unless)
+            case sv.Look(row, paused) if tg is not None:
+                tg.start_soon(self._look, row, paused)
+            case sv.Reserve() if tg is not None:
+                self._reserve(tg)
+            case sv.Refresh(keys) if tg is not None:
+                tg.start_soon(self.refresher.refresh_served, keys)
+            case sv.Republish(key) if tg is not None:
+                tg.start_soon(self._republish, key)
+
+    def _reserve(self, tg: anyio.abc.TaskGroup) -> None:
+        """Serve what is served now (`_apply_current`), one at a time: many looks returning at once (10,000 new
+        workspaces) read the rows a few times, not once each."""
+        if self._reserving:
+            self._reserve_again = True
+            return
+        self._reserving = True
+
+        async def run() -> None:
+            try:
+                while True:
+                    self._reserve_again = False
+                    await self._apply_current()
+                    if not self._reserve_again or self.stopping:
+                        return
+            finally:
+                self._reserving = False
+
+        tg.start_soon(run)
+
     # --- health -------------------------------------------------------------------------------------------
 
     def healthy(self) -> bool:
@@ -257,7 +320,8 @@ class Service:
 
     def status_line(self) -> str:
         n = len(self.pipeline.workspaces)
-        watched = n - len(self.watches.polled)
+        polled = len(self.serving.polled())
+        watched = n - polled
         why = self.degraded()
         reload = (
             f"reload failed ({self._reload_problem}): running with the config loaded before; "
@@ -268,13 +332,16 @@ class Service:
             (("degraded (" + why + "); ") if why else "")
             + reload
             + (
-                f"serving {n} workspaces ({watched} inotify, {len(self.watches.polled)} poll); "
+                f"serving {n} workspaces ({watched} inotify, {polled} poll); "
                 f"{self.pipeline.answered} requests answered; last pass {self.pipeline.last_pass_ms:.1f} ms"
             )
         )
 
-    def _rewatched(self, key: str) -> None:
-        """A re-watch ended: list `key`'s whole requests/ (what was committed while it was not watched)."""
+    def _rewatched(self, key: str, polled: bool | None) -> None:
+        """A re-watch ended with what it made (`Watches.watch_one`): list `key`'s whole requests/ (what was
+        committed while it was not watched)."""
+        if polled is not None:
+            self._feed(sv.Watched(key, polled))
         self.pipeline.mark(key)
         self._wake("")
 
@@ -292,6 +359,7 @@ class Service:
         log.event("stopping", reason=why)
         self.notifier.stopping(f"draining ({why}): finishing the turns in flight")
         self.on_stop()
+        self._feed(sv.Stop())
         self.looks.stop()
         if self._admission is not None:
             self._admission.settled.set()
@@ -304,16 +372,17 @@ class Service:
     async def _serve_enrolled(self, keys: list[str]) -> None:
         """After a running kernel's enrollment round (`Enroller.soon`): each workspace it enrolled is looked at
         (`_look`) and then served."""
-        rows = await self.worker.call(self._to_serve, keys)
-        await self.worker.call(self._apply_rows, rows)
-        self._take_looks()
+        looks, rows = await self.worker.call(self._to_serve, keys)
+        self._look_at_rows(looks)
+        await self._apply_rows(rows)
 
-    def _to_serve(self, keys: list[str]) -> list[WorkspaceRow]:
+    def _to_serve(self, keys: list[str]) -> tuple[list[WorkspaceRow], list[WorkspaceRow]]:
         """(a store step) After a running kernel's enrollment round: each new workspace, given the policy of the
-        config now (a SIGHUP may have come during the round), is looked at (`_to_look`) before it is served; the
-        rows."""
+        config now (a SIGHUP may have come during the round), is looked at before it is served. (the rows to
+        look at, the rows)."""
         new = set(keys)
         self._enrolled |= new  # enrolled by this kernel: not another process's `enroll`
+        looks = []
         for row in self.store.workspaces():
             if row.key in new:
                 policy = enrollment.policy_for(self.store, row.key, self.cfg)
@@ -321,8 +390,14 @@ class Service:
                     with self.store.transaction():
                         self.store.set_policy(row.key, policy)
                     row = dataclasses.replace(row, policy=policy)
-                self._to_look(row)
-        return self.store.workspaces()
+                looks.append(row)
+        return looks, self.store.workspaces()
+
+    def _look_at_rows(self, rows: list[WorkspaceRow]) -> None:
+        """(event loop) Look at each of these rows' channels (once per workspace while its look is in flight),
+        not serving them meanwhile."""
+        for row in rows:
+            self._feed(sv.LookWanted(row))
 
     def _startup(self, mounts: list[tuple[str, str]]) -> tuple[list[WorkspaceRow], _Admission]:
         """(store worker) After the start's enrollment (`Enroller.enroll`): the rows with this start's watch mode and
@@ -333,7 +408,7 @@ class Service:
         # this start reads, so a change committed during the start (an operator's `budget` or `pause` while the
         # channels are admitted) is followed at the first tick, not taken as already seen.
         self._data_version = self._read_data_version()
-        self._paused = self.store.paused()
+        paused = frozenset(self.store.paused())
         mount_points = {point for point, _ in mounts}
         fs_of_parent: dict[str, str] = {}
         stored = self.store.workspaces()
@@ -379,6 +454,7 @@ class Service:
             mine=mine,
             seen=self.store.owners_seen(),
             settled=anyio.Event(),
+            paused=paused,
         )
         return rows, admission
 
@@ -398,11 +474,11 @@ class Service:
         filesystems' channels, up to ADMIT_CALLS for the network filesystems': see ADMIT_CALLS);
         return once each channel is admitted or its call is overdue (its I/O past `channel_io_deadline_seconds`:
         `_look_overdue` shows it and starts another call for the channels left). A channel whose admission has
-        not returned stays in `_unadmitted`: not served (`served`) until it returns, then served
+        not returned stays unadmitted (kernel.core.serving): not served until it returns, then served
         (`_admitter`). SIGTERM: the calls take no further channel and the start stops before serving."""
         self._admission = admission
-        self._unadmitted.update(r.key for r in admission.todo)
-        self._unadmitted.update(r.key for r in admission.remote)
+        self._feed(sv.Paused(admission.paused))
+        self._feed(sv.Admitting(tuple(r.key for r in (*admission.todo, *admission.remote))))
         if admission.todo:
             self._start_admitter(admission, tg, remote_first=False)
         for _ in range(min(ADMIT_CALLS - (1 if admission.todo else 0), len(admission.remote))):
@@ -420,11 +496,22 @@ class Service:
     def _settle(self, admission: _Admission) -> None:
         """The start goes on: channels no call took (every call overdue, past OVERDUE_MAX) are left to the
         rescan, which looks at each channel it does not serve."""
+        self._drain(admission)
         for queue in (admission.todo, admission.remote):
             while queue:
                 with contextlib.suppress(IndexError):
-                    self._unadmitted.discard(queue.popleft().key)
+                    self._feed(sv.LookDone(queue.popleft().key, None))
         admission.settled.set()
+
+    def _drain(self, admission: _Admission, *, stale: bool = True) -> list[str]:
+        """(event loop) Feed the admission outcomes its calls handed over since the last drain (without `stale`:
+        the caller refreshes them itself); their keys."""
+        end = len(admission.results)
+        done = admission.results[admission.drained : end]
+        admission.drained = end
+        for ev in done:
+            self._feed(ev if stale else dataclasses.replace(ev, stale=False))
+        return [ev.key for ev in done]
 
     async def _admitter(self, admission: _Admission, call: str, remote_first: bool) -> None:
         try:
@@ -441,10 +528,11 @@ class Service:
             await self._ready.wait()
             if self.stopping:
                 return
+            # Refreshed here: `refresh_served` may have passed it by (not served then).
+            self._drain(admission, stale=False)
             await self.worker.call(self._record_seen)
             await self._apply_current()
-            for key in admitted:  # `refresh_served` may have passed it by (not served then)
-                self.refresher.stale.discard(key)
+            for key in admitted:
                 await self.refresher.refresh_one(key, admission.mine)
 
     def _admit_from(self, call: str, admission: _Admission, remote_first: bool) -> list[str]:
@@ -460,15 +548,16 @@ class Service:
                     row = queues[1].popleft()
                 except IndexError:
                     break
-            self._looking[call] = row
+            admission.current[call] = row
             timed_afresh()
+            found = sv.LookDone(row.key, None)  # not served: the rescan looks at it again
             try:
-                self._admit_io(row, admission)
+                found = self._admit_io(row, admission)
             except StoreUnavailable:
-                pass  # not served: the rescan looks at it again
+                pass
             finally:
-                self._looking.pop(call, None)
-                self._unadmitted.discard(row.key)
+                admission.current.pop(call, None)
+                admission.results.append(found)
             admitted.append(row.key)
             if call in admission.overdue:  # its slot was given back: the other calls take the rest
                 break
@@ -479,7 +568,7 @@ class Service:
         with store_step():
             return self.worker.run_here(fn, *args)
 
-    def _admit_io(self, row: WorkspaceRow, admission: _Admission) -> None:
+    def _admit_io(self, row: WorkspaceRow, admission: _Admission) -> sv.LookDone:
         """(channel look pool) At start, before `row`'s channel is served: it is still the enrolled directory
         (device, inode, owner), its kernel.json names no other store, this kernel holds its lock; then its
         requests/ is watched. That is all a restart does per workspace before `ready` (10,000 of them must be
@@ -491,14 +580,15 @@ class Service:
         its lock and wrote its files moments ago). The owner check is one lstat when kernel.json is, unchanged, the
         file an earlier check read (`seen`: enrollment.owner_unchanged), else a full read whose fingerprint is
         recorded for the next start (a network filesystem's is always read). The store is touched only when the
-        outcome needs it (`_store_step`)."""
+        outcome needs it (`_store_step`). What it found (whether the kernel-written files wait for the refresh
+        after `ready`, the watch it made), for the loop to hand to the serve core."""
         crash.hang_point("admit", row.path)
+        paused = row.key in admission.paused
         if row.key in admission.fresh and self.custody.locks.holds(row.key):
-            self._watch_fresh(row)
-            return
+            return self._watch_fresh(row, paused)
         if row.tool_sha256 != self.tool.sha256 or not row.identity.subdirs:
-            self._refresh_io(row, admission.mine, watch=True)
-            return
+            return self._refresh_io(row, admission.mine, watch=not paused)
+        polled = None
         seen = None if row.key in admission.network else admission.seen
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
@@ -511,30 +601,43 @@ class Service:
                 enrollment.claim_channel(self.custody.claim, row.key, ch, row.path)
                 if row.key in self.custody.foreign or row.key in self.custody.held_elsewhere:
                     self._store_step(self.custody.served_again, row)
-                self.refresher.stale.add(row.key)
-                if row.key not in self._paused:
-                    self.watches.watch_one(row, ch)
+                if not paused:
+                    polled = self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
-            self._store_step(self.custody.not_served, row, exc)
-            return
+            return sv.LookDone(row.key, self._not_served(row, exc))
         self.custody.channel_checked(row.key)
+        return sv.LookDone(row.key, sv.Outcome.SERVED, stale=True, polled=polled)
 
-    def _watch_fresh(self, row: WorkspaceRow) -> None:
-        """A channel enrolled by this very start needs no admission: only its watch."""
-        if row.key in self._paused:
-            return
+    def _not_served(self, row: WorkspaceRow, exc: Exception) -> sv.Outcome:
+        """(channel look pool) A check of `row`'s channel failed with `exc`: recorded (`Custody.not_served`, a
+        store step); what it means for serving it."""
+        self._store_step(self.custody.not_served, row, exc)
+        if isinstance(exc, enrollment.OwnedElsewhere):
+            return sv.Outcome.FOREIGN
+        if isinstance(exc, enrollment.HeldElsewhere):
+            return sv.Outcome.HELD_ELSEWHERE
+        return sv.Outcome.PROBLEM
+
+    def _watch_fresh(self, row: WorkspaceRow, paused: bool) -> sv.LookDone:
+        """(channel look pool) A channel enrolled by this very start needs no admission: only its watch."""
+        if paused:
+            return sv.LookDone(row.key, sv.Outcome.SERVED)
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
-                self.watches.watch_one(row, ch)
+                polled = self.watches.watch_one(row, ch)
         except CHANNEL_ERRORS as exc:
             self.custody.channel_problem(row, exc)
+            return sv.LookDone(row.key, sv.Outcome.PROBLEM)
+        return sv.LookDone(row.key, sv.Outcome.SERVED, polled=polled)
 
-    def _refresh_io(self, row: WorkspaceRow, mine: str, *, watch: bool) -> None:
+    def _refresh_io(self, row: WorkspaceRow, mine: str, *, watch: bool) -> sv.LookDone:
         """(channel look pool) Check `row`'s channel as `_admit_io` does and rewrite its kernel-written files where
-        stale and remove leftover kernel temps (`Refresher.rewrite_kernel_files`); with `watch`, watch its
-        requests/ too. The store is touched only in store steps (`_store_step`, under the store worker's lock),
-        never while the channel is: the row written to kernel.json and budget.json is read, with its budget stamp,
-        in the step that records the new tool (kernel.io.budgetorder, as `Refresher.refresh_one`)."""
+        stale and remove leftover kernel temps (`Refresher.rewrite_kernel_files`); with `watch` (not paused), watch
+        its requests/ too. What it found (the kernel-written files are fresh: not stale). The store is touched only
+        in store steps (`_store_step`, under the store worker's lock), never while the channel is: the row written
+        to kernel.json and budget.json is read, with its budget stamp, in the step that records the new tool
+        (kernel.io.budgetorder, as `Refresher.refresh_one`)."""
+        polled = None
         try:
             with safefs.open_channel(row.path, row.identity) as ch:
                 owner = enrollment.check_owner(self.store, ch, row.path, mine=mine)
@@ -547,12 +650,12 @@ class Service:
                 current, stamp = self._store_step(self._refreshed_row, row, identity)
                 if self.refresher.rewrite_kernel_files(ch, current, owner, stamp) is not None:
                     log.event("tool_updated", ws=row.key, sha256=self.tool.sha256[:16])
-                if watch and row.key not in self._paused:
-                    self.watches.watch_one(row, ch)
+                if watch:
+                    polled = self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
-            self._store_step(self.custody.not_served, row, exc)
-            return
+            return sv.LookDone(row.key, self._not_served(row, exc))
         self.custody.channel_checked(row.key)
+        return sv.LookDone(row.key, sv.Outcome.SERVED, polled=polled)
 
     def _refreshed_row(self, row: WorkspaceRow, identity: safefs.Identity) -> tuple[WorkspaceRow, int]:
         """(a store step) Record the new tool and the subdirectory identities where `row` lacks them; the channel
@@ -567,40 +670,34 @@ class Service:
         self.custody.served_again(row)
         return current, self.store.budget_order.stamp()
 
-    async def _look(self, row: WorkspaceRow) -> None:
+    async def _look(self, row: WorkspaceRow, paused: bool) -> None:
         """The running kernel's look at a channel it does not serve yet (enrolled meanwhile, its lock let go,
-        taken back): `_refresh_io` in the channel look pool, in `row`'s turn; not served (`_unadmitted`) until the
-        look returns, then served if it found the channel ours and locked it. A look past the deadline shows as
-        the workspace's problem (`_look_overdue`) and holds nothing else: the service loop does not wait for it."""
-        self._looking[row.key] = row
+        taken back): `_refresh_io` in the channel look pool, in `row`'s turn; not served (kernel.core.serving:
+        `looking`) until the look returns, then served if it found the channel ours and locked it. A look past the
+        deadline shows as the workspace's problem (`_look_overdue`) and holds nothing else: the service loop does
+        not wait for it."""
+        done = sv.LookDone(
+            row.key, None
+        )  # stopping, or the store cannot be written: looked at again at the rescan
         try:
-            await self.looks.run(row.key, self._look_io, row, self._mine)
+            done = await self.looks.run(row.key, self._look_io, row, self._mine, paused)
         except (ChannelIOAbandoned, StoreUnavailable):
-            return  # stopping, or the store cannot be written: looked at again at the next rescan
+            pass
         finally:
-            self._looking.pop(row.key, None)
-            self._unadmitted.discard(row.key)
-        if not self.stopping and self.custody.locks.holds(row.key):
-            await self._apply_current()
+            self._feed(done)
 
-    def _look_io(self, row: WorkspaceRow, mine: str) -> None:
+    def _look_io(self, row: WorkspaceRow, mine: str, paused: bool) -> sv.LookDone:
+        """(channel look pool) The look itself (`_refresh_io`); what it found."""
         crash.hang_point("look", row.path)
-        self._refresh_io(row, mine, watch=True)
+        return self._refresh_io(row, mine, watch=not paused)
 
-    def _take_looks(self) -> None:
-        """Look at each row a store step asked for (`_to_look`), and watch again each one `Watches.watch_all`
-        queued, in the background (`_look`, `Watches.start_queued`): the loop does not wait for a channel."""
-        rows, self._look_next = self._look_next, []
-        if self._tg is not None:
-            for row in rows:
-                if row.key not in self._looking:
-                    self._tg.start_soon(self._look, row)
+    def _start_rewatches(self) -> None:
+        """Watch again each channel `Watches.watch_all` queued, in the background (`Watches.start_queued`): the
+        loop does not wait for a channel."""
         self.watches.start_queued(self._tg)
 
     async def _apply_current(self) -> None:
-        rows = await self.worker.call(self.store.workspaces)
-        await self.worker.call(self._apply_rows, rows)
-        self._take_looks()
+        await self._apply_rows(await self.worker.call(self.store.workspaces))
 
     async def _look_overdue(self, call: str, since: float) -> None:
         """A look call (admission, rescan or re-watch) past the deadline on one channel: that workspace's problem
@@ -609,9 +706,11 @@ class Service:
         it (`Enroller.overdue`)."""
         if self.enroller.overdue(call, since):
             return
-        row = self._looking.get(call) or self.watches.in_flight.get(call)
         admission = self._admission
         if admission is not None and call.startswith("start-up admission "):
+            row = admission.current.get(call)
+            if row is not None:
+                self._feed(sv.LookTaken(call, row.key))
             admission.overdue.add(call)
             admission.running -= 1
             left = admission.todo or admission.remote
@@ -619,23 +718,12 @@ class Service:
                 self._start_admitter(admission, self._tg, remote_first=bool(admission.remote))
             elif admission.running == 0:
                 admission.settled.set()
-        if row is None:
-            return
-        problem = (
-            f"channel I/O has not returned since {timestamp(since)} (over {self.looks.deadline:g} s: a hung "
-            "filesystem?); this workspace is not served until it returns; other workspaces are served meanwhile"
-        )
-        self._overdue_looks[call] = (row, problem)
-        log.event("channel_problem", logging.WARNING, ws=row.key, problem=problem)
-        await self.worker.call(self._set_look_problem, row.key, problem, None)
+        elif call in self.watches.in_flight:
+            self._feed(sv.LookTaken(call, call))  # a re-watch: its call is its workspace's key
+        self._feed(sv.Overdue(call, timestamp(since), self.looks.deadline))
 
     async def _look_returned(self, call: str) -> None:
-        got = self._overdue_looks.pop(call, None)
-        if got is None:
-            return
-        row, problem = got
-        log.event("channel_io_returned", ws=row.key)
-        await self.worker.call(self._set_look_problem, row.key, None, problem)
+        self._feed(sv.Returned(call))
 
     def _set_look_problem(self, key: str, problem: str | None, unless: str | None) -> None:
         """(a store step) Show `problem` as the workspace's; None clears it, only while it still shows `unless`
@@ -650,54 +738,35 @@ class Service:
         """A served channel's kernel.json names another store (the rescan's owner check, made in the
         pipeline's channel I/O pool): stop serving it."""
         await self.worker.call(self.custody.owned_elsewhere, row, exc)
-        await self._apply_current()
+        self._feed(sv.TakenOver(row.key))
 
-    def _check_owners(self) -> None:
-        """(a store step) At every rescan: serve the channels that became ours. (Whether a served channel was taken
-        over by another store is checked by its next turn in the pipeline, off the store worker:
-        `Pipeline.sweep(owners=True)`, `_taken_over`.)"""
+    def _check_owners(self) -> list[WorkspaceRow]:
+        """(a store step) At every rescan: serve the channels that became ours (the rows to look at). (Whether a
+        served channel was taken over by another store is checked by its next turn in the pipeline, off the store
+        worker: `Pipeline.sweep(owners=True)`, `_taken_over`.)"""
         # Channels not locked yet (another process held the lock, the channel could not be opened, or its
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
-        # The look is the loop's (`_take_looks`, in the channel look pool): no channel is opened here.
-        for row in self.store.workspaces():
-            if not self.custody.locks.holds(row.key):
-                self._to_look(row)
-
-    def _to_look(self, row: WorkspaceRow) -> None:
-        """(store worker) Have the loop look at `row`'s channel (`_look`), not serving it meanwhile; once per
-        workspace while its admission or look has not returned."""
-        if row.key not in self._unadmitted:
-            self._unadmitted.add(row.key)
-            self._look_next.append(row)
+        # The look is the loop's (`_look_at_rows`, in the channel look pool): no channel is opened here.
+        return [row for row in self.store.workspaces() if not self.custody.locks.holds(row.key)]
 
     def served(self, rows: list[WorkspaceRow]) -> list[WorkspaceRow]:
-        """The rows this kernel answers: those whose channel lock it holds (kernel.io.chanlock: so no other
-        kernel answers them), not those another store owns, nor those the operator paused (their requests wait
-        in their channels; their jobs in flight go on and their wakes are written)."""
-        return [
-            r
-            for r in rows
-            if r.key not in self.custody.foreign
-            and r.key not in self._paused
-            and r.key not in self._unadmitted
-            and self.custody.locks.holds(r.key)
-        ]
+        """(event loop) The rows this kernel answers: those whose channel lock it holds (kernel.io.chanlock: so no
+        other kernel answers them) and whose phase is `served` (kernel.core.serving: not another store's, not
+        paused by the operator (their requests wait in their channels; their jobs in flight go on and their
+        wakes are written), no look in flight)."""
+        return self.serving.served(rows, self.custody.locks.holds)
 
     def _read_data_version(self) -> int:
         # Changes when another process (an `enroll`) commits to the store.
         return self.store.data_version()
 
-    def _reload_if_changed(self) -> list[WorkspaceRow] | None:
+    def _read_changes(self) -> _Changes | None:
+        """(a store step) What another process changed since the last look (None: nothing)."""
         version = self._read_data_version()
         if version == self._data_version:
             return None
         self._data_version = version
-        paused = self.store.paused()
-        for key in sorted(paused - self._paused):
-            log.event("paused", ws=key)
-        for key in sorted(self._paused - paused):
-            log.event("resumed", ws=key)
-        self._paused = paused
+        paused = frozenset(self.store.paused())
         rows = self.store.workspaces()
         enrolled = {r.key: r for r in rows}
         for key in sorted(enrolled.keys() - self._enrolled):
@@ -705,49 +774,52 @@ class Service:
         for key in sorted(self._enrolled - enrolled.keys()):
             log.event("unenroll_noticed", ws=key, by="another process (`unenroll`)")
         self._enrolled = set(enrolled)
-        known = self.pipeline.workspaces
         order = self.store.budget_order
-        for row in rows:
+        unshown = frozenset(
+            r.key for r in rows if self.custody.locks.holds(r.key) and not order.shows(r.key, r.balance)
+        )
+        return _Changes(paused, rows, unshown)
+
+    def _changed(self, changes: _Changes) -> list[WorkspaceRow]:
+        """(event loop) Follow what another process changed (`_read_changes`): the pauses, the channels to look
+        at, the budget.json files to rewrite; the rows."""
+        before = self.serving.paused()
+        for key in sorted(changes.paused - before):
+            log.event("paused", ws=key)
+        for key in sorted(before - changes.paused):
+            log.event("resumed", ws=key)
+        self._feed(sv.Paused(changes.paused))
+        known = self.pipeline.workspaces
+        republish = []
+        for row in changes.rows:
             old = known.get(row.key)
             # A channel taken back with `enroll --take-over` is served again once its refresh finds it ours.
-            if old is None or old.identity != row.identity or row.key in self.custody.foreign:
-                self._to_look(row)
+            if old is None or old.identity != row.identity or self.serving.phase(row.key) is sv.Phase.FOREIGN:
+                self._feed(sv.LookWanted(row))
             # Another process changed the balance (kernel.io.budgetorder, across processes): budget.json is
-            # rewritten here, in this kernel's order. A channel still to be refreshed after `ready` (`Refresher.stale`)
-            # is read and written then, in a store step after this one.
-            elif (
-                self.custody.locks.holds(row.key)
-                and row.key not in self.refresher.stale
-                and not order.shows(row.key, row.balance)
-            ):
-                self._republish_next.add(row.key)
-        return rows
-
-    def _take_republish(self) -> None:
-        """Rewrite the budget.json of each workspace `_reload_if_changed` found changed by another process, in the
-        background (`_republish`), one rewrite at a time per workspace."""
-        if self._tg is None:
-            return
-        for key in sorted(self._republish_next - self._republishing):
-            self._republish_next.discard(key)
-            self._republishing.add(key)
-            self._tg.start_soon(self._republish, key)
+            # rewritten here, in this kernel's order. A channel still to be refreshed after `ready` (stale) is
+            # read and written then, in a store step after this one.
+            elif row.key in changes.unshown and not self.serving.is_stale(row.key):
+                republish.append(row.key)
+        self._feed(sv.BalanceChanged(tuple(republish)))
+        return changes.rows
 
     async def _republish(self, key: str) -> None:
         """`_republish_io` in the channel I/O pool, in `key`'s turn (after whatever channel I/O of it runs now: a
         write of an older balance still in flight lands first and is then replaced). A channel that fails is tried
         again at each rescan (logged once) while this kernel holds it, until a write runs."""
+        failed = False
         try:
             await self.pipeline.chanio.run(key, self._republish_io, key)
         except CHANNEL_ERRORS as exc:
             row = self.pipeline.workspaces.get(key)
             if row is not None:
                 self.custody.channel_problem(row, exc)
-            self._republish_failed.add(key)
+            failed = True
         except (ChannelIOAbandoned, StoreUnavailable):
-            return  # stopping, or the store cannot be read: the next start rewrites it
+            pass  # stopping, or the store cannot be read: the next start rewrites it
         finally:
-            self._republishing.discard(key)
+            self._feed(sv.Republished(key, failed))
 
     def _republish_io(self, key: str) -> None:
         """(channel I/O pool) Rewrite budget.json from the store's balance, read with its stamp in a store step made
@@ -769,35 +841,52 @@ class Service:
             return None, 0
         return self.refresher.row_stamped(key)
 
-    def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
-        self.custody.locks.keep_only({r.key for r in rows})  # an unenrolled channel's lock (and fd) is let go
-        rows = self.served(rows)
-        old = self.pipeline.workspaces
-        self.pipeline.set_workspaces(rows)
-        new_keys = {r.key for r in rows}
-        for key in set(old) - new_keys:
+    async def _apply_rows(self, rows: list[WorkspaceRow]) -> None:
+        """(event loop) Serve the rows now `served` (decided here, on the loop); those no longer served are
+        neither watched nor polled; those served anew (or whose channel changed) are watched, unless the look
+        that found them watched them already, and listed in full; then start the re-watches."""
+        served = self.served(rows)
+        gone, changed = await self.worker.call(self._serve_rows, {r.key for r in rows}, served)
+        for key in gone:
             self.watches.forget(key)
-        changed = {r.key for r in rows if r.key not in old or old[r.key].identity != r.identity}
+        self._feed(sv.Unserved(tuple(gone)))
         if changed:
-            # A channel admitted or looked at in the channel look pool was watched there.
             watcher = self.watcher
-            self.watches.watch_all(
-                rows,
+            self._watch_all(
+                served,
                 {
                     k
                     for k in changed
-                    if k not in self.watches.polled and (watcher is None or not watcher.watching(k))
+                    if not self.serving.is_polled(k) and (watcher is None or not watcher.watching(k))
                 },
             )
             for key in changed:
                 self.pipeline.mark(key)
+        self._start_rewatches()
+
+    def _watch_all(self, rows: list[WorkspaceRow], only: set[str]) -> None:
+        """(event loop) Watch these rows' channels (those in `only`) again (`Watches.watch_all`); those it polls
+        are the serve core's to know."""
+        for key in self.watches.watch_all(rows, only):
+            self._feed(sv.Watched(key, polled=True))
+
+    def _serve_rows(self, enrolled: set[str], rows: list[WorkspaceRow]) -> tuple[list[str], set[str]]:
+        """(store worker) Let the unenrolled channels' locks go and serve `rows`: (the workspaces no longer
+        served, those served anew or whose channel changed)."""
+        self.custody.locks.keep_only(enrolled)  # an unenrolled channel's lock (and fd) is let go
+        old = self.pipeline.workspaces
+        self.pipeline.set_workspaces(rows)
+        new_keys = {r.key for r in rows}
+        changed = {r.key for r in rows if r.key not in old or old[r.key].identity != r.identity}
+        return sorted(set(old) - new_keys), changed
 
     # --- the service --------------------------------------------------------------------------------------
 
     async def run(self) -> None:
         send, recv = anyio.create_memory_object_stream[str](EVENT_STREAM_SIZE)
         async with anyio.create_task_group() as tg:
-            self._tg = self.enroller.tg = tg
+            self._tg = tg
+            self.enroller.attach(tg)
             tg.start_soon(self._signals)
             try:
                 # Start-up steps run on the worker thread (the store's) and in the channel look pool (the
@@ -831,7 +920,7 @@ class Service:
                 if self.halted():
                     return
                 self.pipeline.sweep()
-                log.event("ready", workspaces=len(rows), polled=len(self.watches.polled), resumed=resumed)
+                log.event("ready", workspaces=len(rows), polled=len(self.serving.polled()), resumed=resumed)
                 self._ready.set()
                 line = self.status_line()
                 self.notifier.ready(line)
@@ -840,7 +929,7 @@ class Service:
                     await self.worker.call(metrics.refresh, self.store, False)
                 tg.start_soon(self._pinger)
                 tg.start_soon(self.executor.run)
-                tg.start_soon(self.refresher.refresh_served)
+                self._feed(sv.Ready())  # the refresh of what the admission left stale, in the background
                 self._send = send
                 self.pipeline.on_idle = self._wake
                 self.pipeline.on_turn_done = lambda: self._wake("")
@@ -936,9 +1025,10 @@ class Service:
     ) -> None:
         """The service loop. It never waits for a workspace's channel I/O, nor for any filesystem: each pass starts
         its workspaces' turns as tasks (`start`) and goes on; a turn that ends wakes it. Looks at channels not
-        served yet, re-watches and the enrollment of new glob matches run as tasks too (`_take_looks`,
-        `Enroller.soon`), in the channel look pool. Only its own steps on the store worker (reloads, the rescan's
-        look at the store, recovery) are awaited here, and none of them touches a workspace's filesystem."""
+        served yet, re-watches and the enrollment of new glob matches run as tasks too (`_feed`,
+        `_start_rewatches`, `Enroller.soon`), in the channel look pool. Only its own steps on the store worker
+        (reloads, the rescan's look at the store, recovery) are awaited here, and none of them touches a
+        workspace's filesystem."""
         now = self.clock()
         next_rescan = now + self.cfg.rescan_seconds
         next_tick = now + self.cfg.poll_seconds
@@ -948,7 +1038,7 @@ class Service:
             self._poll()
             if not self.pipeline.has_work():
                 wake_at = min(next_rescan, next_tick, retry_at if retry_at is not None else next_tick)
-                look_at = self._look_at()
+                look_at = self.serving.look_at()
                 if look_at is not None:
                     wake_at = min(wake_at, look_at)
                 timeout = max(0.0, wake_at - self.clock())
@@ -977,40 +1067,38 @@ class Service:
                 if lost:
                     # Watched again in the background (`_rewatch`), but not a channel whose I/O is overdue (its
                     # re-watch would only hang a second thread): the rescan watches it once its I/O returned.
-                    self.watches.watch_all(
+                    self._watch_all(
                         list(self.pipeline.workspaces.values()), lost - set(self.pipeline.chanio.overdue)
                     )
-                    self._take_looks()
+                    self._start_rewatches()
                     for key in lost:
                         self.pipeline.mark(key)
             now = self.clock()
             if now >= next_tick:
                 next_tick = now + self.cfg.poll_seconds
-                self.polls.sync(self.watches.polled, now)
-                rows = await self.worker.call(self._reload_if_changed)
-                if rows is not None:
-                    await self.worker.call(self._apply_rows, rows)
-                self._take_looks()
-                self._take_republish()
+                self.polls.sync(set(self.serving.polled()), now)
+                changes = await self.worker.call(self._read_changes)
+                if changes is not None:
+                    await self._apply_rows(self._changed(changes))
             if now >= next_rescan:
                 next_rescan = now + self.cfg.rescan_seconds
                 self.pipeline.sweep(owners=True)
                 unwatched = {
                     k
                     for k in self.pipeline.workspaces
-                    if k not in self.watches.polled and self.watcher is not None
+                    if not self.serving.is_polled(k) and self.watcher is not None
                 } - {k for k in self.pipeline.workspaces if self.watcher and self.watcher.watching(k)}
                 unwatched -= (
-                    set(self.pipeline.chanio.overdue) | self._unadmitted | set(self.watches.in_flight)
+                    set(self.pipeline.chanio.overdue)
+                    | {k for k in self.pipeline.workspaces if self.serving.looking(k)}
+                    | set(self.watches.in_flight)
                 )
                 if unwatched:
-                    self.watches.watch_all(list(self.pipeline.workspaces.values()), unwatched)
+                    self._watch_all(list(self.pipeline.workspaces.values()), unwatched)
                 self.enroller.soon()  # new glob matches, in the background
-                await self.worker.call(self._check_owners)
-                self._take_looks()
-                self._republish_next |= self._republish_failed
-                self._republish_failed.clear()
-                self._take_republish()
+                self._look_at_rows(await self.worker.call(self._check_owners))
+                self._start_rewatches()
+                self._feed(sv.Rescan())
                 resumed = await self.pipeline.recover(spawn)
                 if resumed:
                     log.event("resumed", count=resumed)
@@ -1030,20 +1118,10 @@ class Service:
     def _poll(self) -> None:
         """Start the polled channels' looks now due (their stats run on threads of their own; a changed
         requests/ comes back through `_wake`, as an event would)."""
-        if self._token is None:
-            return
-        look_at = self._look_at()
-        now = self.clock()
-        if look_at is not None and look_at <= now:
-            self._next_looks = now + LOOK_QUANTUM_S
-            rows = self.pipeline.workspaces
-            self.poller.tick(self._token, lambda key: rows[key].path if key in rows else None)
-
-    def _look_at(self) -> float | None:
-        """When the next looks start: the earliest due, but at most once per LOOK_QUANTUM_S, so that 10,000
-        channels due one after another are looked at in a few batches a second, not a thread per look."""
-        due = self.polls.next_at()
-        return None if due is None else max(due, self._next_looks)
+        if self._token is not None:
+            # At most once per LOOK_QUANTUM_S (`Serving.look_at`), so that 10,000 channels due one after another
+            # are looked at in a few batches a second, not a thread per look.
+            self._feed(sv.Tick(self.clock()))
 
     async def _pinger(self) -> None:
         interval = self.notifier.watchdog_interval
@@ -1087,33 +1165,33 @@ class Service:
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
         self.live.current = cfg  # every component reads it from here (kernel.core.config.LiveConfig)
-        self.polls.base_s, self.polls.idle_max_s = poll_intervals(cfg)
-        rows = await self.worker.call(self._reapply)
-        await self.worker.call(self._apply_rows, rows)
-        self._take_looks()
+        self._feed(sv.Reload(cfg.poll_seconds, cfg.poll_idle_seconds))
+        stale, looks, rows = await self.worker.call(self._reapply)
+        self._feed(sv.PolicyChanged(tuple(stale)))  # their kernel.json is rewritten in the background
+        self._look_at_rows(looks)
+        await self._apply_rows(rows)
         self.enroller.soon()  # the new globs' matches, in the background
-        if self.refresher.stale and self._tg is not None:
-            self._tg.start_soon(self.refresher.refresh_served)
         log.event(
             "reloaded", config=cfg.source, changed=",".join(applied) or "nothing", kept=",".join(kept) or None
         )
         self._publish_status()
 
-    def _reapply(self) -> list[WorkspaceRow]:
-        """After a reload: give every workspace the policy of the new defaults (new glob matches are enrolled
-        after it, in the background: `Enroller.soon`). A channel whose policy changed gets its kernel.json
-        rewritten off the store worker: in the channel I/O pool when served (`Refresher.refresh_served`), else by a look
-        (`_to_look`)."""
+    def _reapply(self) -> tuple[list[str], list[WorkspaceRow], list[WorkspaceRow]]:
+        """(a store step) After a reload: give every workspace the policy of the new defaults (new glob matches
+        are enrolled after it, in the background: `Enroller.soon`). A channel whose policy changed gets its
+        kernel.json rewritten off the store worker: in the channel I/O pool when served (the first list:
+        `Refresher.refresh_served`), else by a look (the second). The rows are the third."""
+        stale, looks = [], []
         for row in self.store.workspaces():
             policy = enrollment.policy_for(self.store, row.key, self.cfg)
             if policy != row.policy:
                 with self.store.transaction():
                     self.store.set_policy(row.key, policy)
                 if row.key in self.pipeline.workspaces:
-                    self.refresher.stale.add(row.key)
+                    stale.append(row.key)
                 else:
-                    self._to_look(dataclasses.replace(row, policy=policy))
-        return self.store.workspaces()
+                    looks.append(dataclasses.replace(row, policy=policy))
+        return stale, looks, self.store.workspaces()
 
 
 def helper_children() -> list[int]:

@@ -71,6 +71,7 @@ from kernel.core import ledger, rules
 from kernel.core.budget import Balance
 from kernel.core.config import Config, LiveConfig
 from kernel.core.records import JobRow, RequestRow, SleepRow, WorkspaceRow
+from kernel.core.serving import overdue_problem
 from kernel.io import crash, metrics
 from kernel.io.enroll import OwnedElsewhere, kernel_ref, owner_of, write_budget
 from kernel.io.log import event
@@ -714,11 +715,7 @@ class Pipeline:
         ws = self.workspaces.get(key)
         if ws is None:
             return
-        problem = (
-            f"channel I/O has not returned since {timestamp(since)} (over "
-            f"{self.chanio.deadline:g} s: a hung filesystem?); nothing more is started for this workspace until "
-            "it returns; other workspaces are served meanwhile"
-        )
+        problem = overdue_problem(timestamp(since), self.chanio.deadline, served=True)
         self._overdue[key] = problem
         await self.worker.call(self._set_problem, ws, problem)
 

@@ -1,10 +1,10 @@
 """The kernel-written files of served channels, refreshed off the store worker: `Refresher`.
 
-At start, the admission checks each channel and watches it, and nothing more (a restart with 10,000 workspaces
-is ready in 2 s); the channels it admitted are `stale`. After `ready`, `refresh_served` rewrites their
-kernel-written files where stale (the tool, kernel.json, budget.json, jobenv.json) and sweeps an earlier process's
-temps, each channel in its own turn in the pipeline's channel I/O pool. A look at a channel not served yet
-rewrites them too, while it has the channel open (`rewrite_kernel_files`).
+At start, the admission checks each channel and watches it, and nothing more (a restart with 10,000 workspaces is
+ready in 2 s); the channels it admitted are stale (kernel.core.serving). After `ready`, `refresh_served` rewrites
+their kernel-written files where stale (the tool, kernel.json, budget.json, jobenv.json) and sweeps an earlier
+process's temps, each channel in its own turn in the pipeline's channel I/O pool. A look at a channel not served
+yet rewrites them too, while it has the channel open (`rewrite_kernel_files`).
 
 Invariants, and why they hold:
 - Never on the store worker, and a hung channel holds only its own workspace: each refresh is a call in the
@@ -15,8 +15,8 @@ Invariants, and why they hold:
   (kernel.io.budgetorder).
 - Nothing is written to a channel another store took over since its admission (the owner is checked first:
   `on_taken_over`), and no temp younger than this process is swept (it may be a write in flight).
-- Owns `stale` and this process's start time; the pipeline, the store worker and the channel problems are the
-  service's.
+- Owns this process's start time (which channels are stale is kernel.core.serving's); the pipeline, the store
+  worker and the channel problems are the service's.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ REFRESH_CALLS = 2
 
 
 class Refresher:
-    """Rewrites the kernel-written files of the channels in `stale` (after `ready`: `refresh_served`) and of one
+    """Rewrites the kernel-written files of the channels it is given (after `ready`: `refresh_served`) and of one
     open channel (`rewrite_kernel_files`). The service gives it the live config, the store worker, the
     pipeline (its served workspaces and channel I/O pool), the tool, `stopping`, `on_taken_over` (another store
     owns the channel now) and `on_problem` (the channel cannot be opened or read)."""
@@ -70,9 +70,7 @@ class Refresher:
         self.stopping = stopping
         self.on_taken_over = on_taken_over
         self.on_problem = on_problem
-        # Channels admitted at start whose kernel-written files are refreshed after `ready`; temps older than
-        # this process are an earlier one's leftovers.
-        self.stale: set[str] = set()
+        # Temps older than this process are an earlier one's leftovers.
         self._started_ns = time.time_ns()
 
     @property
@@ -148,14 +146,13 @@ class Refresher:
         if note is not None:
             log.event("tool_updated", ws=key, sha256=self.tool.sha256[:16])
 
-    async def refresh_served(self) -> None:
-        """After `ready`: refresh what the admission left stale (`_rewrite_stale`), in the channel I/O pool, never on
+    async def refresh_served(self, keys: tuple[str, ...]) -> None:
+        """After `ready`: refresh the channels the admission left stale, or a reload's new policy made stale
+        (`keys`: kernel.core.serving owns that list) (`_rewrite_stale`), in the channel I/O pool, never on
         the store worker: a channel that hangs there holds only its own workspace (the pool's deadline marks it
         overdue), and the store worker stays free for every other workspace's requests. At most REFRESH_CALLS
         refreshes are in the pool at once, so a request's turn waits behind at most that many of them for a
         slot."""
-        keys = sorted(self.stale)
-        self.stale.clear()
         mine = await self.worker.call(self.store.store_id) if keys else None
         if mine is None:
             log.event("channels_refreshed", workspaces=0)

@@ -5,7 +5,12 @@ driven by SYSCALL_KERNEL_HANG_CHANNEL) blocks workspace A's channel I/O where a 
 channel call, or inside a full listing of `requests/` (a huge or slow directory, isolation case c). Meanwhile
 workspace B's `status` requests must be answered, A's problem must show in `syscall-kernel status` once its I/O
 is past `channel_io_deadline_seconds`, and once the I/O returns A's request is answered and the problem clears.
-On the old kernel every channel call ran on the one store worker, so B waited for A."""
+On the old kernel every channel call ran on the one store worker, so B waited for A.
+
+The same scenarios without a kernel process (a hung admission, a look at a workspace enrolled meanwhile, a lost
+watch's re-watch, a full listing, the after-`ready` refresh) are tests/unit/test_serving_driver.py: the same
+driver, pools and hang point in process, with a 0.3 s deadline. Those left here are end to end: the CLI's
+`status`, SIGTERM, another process holding a lock, the enrollment's globs and syncs."""
 
 from __future__ import annotations
 
@@ -65,24 +70,19 @@ def assert_answered_at_the_next_start(k: Kernel, hang: Path, a: Path, rid: str) 
     assert wait_answer(a, rid, 15)["type"] == "status"
 
 
-@pytest.mark.parametrize("step", ["channel", "listing"])
-def test_a_workspace_whose_channel_io_hangs_holds_no_other_workspace(tmp_path: Path, step: str) -> None:
+def test_a_workspace_whose_channel_io_hangs_holds_no_other_workspace(tmp_path: Path) -> None:
+    """A's next channel call hangs (its event starts it): B is served meanwhile, A's overdue I/O shows in
+    `syscall-kernel status` (logged once) and clears once it returns. A hung full listing of requests/ is the
+    in-process scenario tests/unit/test_serving_driver.py (the same driver and pools, without a kernel process)."""
     k, (a, b), hang = kernel_with(tmp_path, "a", "b")
-    for i in range(3000):  # temps in flight: A's listing has something to list
-        (a / ".syscall" / "requests" / f".t{i:05d}.tmp").write_bytes(b"{")
     k.start(env=hang_env(hang))
     try:
         put_request(a, "before", status("before"))
         wait_answer(a, "before")
 
-        hang.write_text(f"{step} {a.resolve()}")
-        if step == "channel":
-            put_request(a, "a1", status("a1"))  # its event starts A's next channel call: it hangs
-            k.wait_log(f"event=hang_injected step={step}", 15)
-        else:
-            put_request(a, "junk", b"")  # a junk name asks for a full listing: it hangs
-            k.wait_log(f"event=hang_injected step={step}", 15)
-            put_request(a, "a1", status("a1"))  # waits for the listing
+        hang.write_text(f"channel {a.resolve()}")
+        put_request(a, "a1", status("a1"))  # its event starts A's next channel call: it hangs
+        k.wait_log("event=hang_injected step=channel", 15)
 
         assert_served_meanwhile(b)
         assert "other workspaces are served meanwhile" in assert_overdue_shown(k, a)
@@ -122,38 +122,6 @@ def test_the_kernel_stops_while_a_channel_io_hangs(tmp_path: Path) -> None:
         k.ensure_stopped()
 
 
-def test_a_channel_that_hangs_in_the_after_ready_refresh_holds_no_other_workspace(tmp_path: Path) -> None:
-    """Issue 13: after a restart's `ready`, the kernel-written files of every admitted channel are refreshed in
-    the background. A's channel hangs in that refresh (the test-only hang point `refresh`); B's `status` must
-    still be answered, again and again, and A's refresh completes once its channel answers. On the old kernel the
-    refresh ran on the store worker, so every workspace's answer waited behind A's hung channel."""
-    k, (a, b), hang = kernel_with(tmp_path, "a", "b")
-    k.start()
-    assert k.stop() == 0
-    (a / ".syscall" / "budget.json").write_text("damaged")  # rewritten by the refresh once A answers
-    hang.write_text(f"refresh {a.resolve()}")
-    k.start(env=hang_env(hang), wait_ready=False)
-    try:
-        k.wait_log("event=ready", 60, count=2)
-        k.wait_log("event=hang_injected step=refresh", 15)
-        assert_served_meanwhile(b)
-        assert "event=channels_refreshed" not in k.log_text().rsplit("event=starting", 1)[1]
-        assert (a / ".syscall" / "budget.json").read_text() == "damaged"
-
-        hang.unlink()
-        wait_for(
-            lambda: "event=channels_refreshed workspaces=2" in k.log_text().rsplit("event=starting", 1)[1],
-            15,
-            "the restart's refresh",
-        )
-        assert json.loads((a / ".syscall" / "budget.json").read_text())["budget"]["launches"] > 0
-        put_request(a, "a1", status("a1"))
-        assert wait_answer(a, "a1", 15)["type"] == "status"
-    finally:
-        hang.unlink(missing_ok=True)
-        k.stop()
-
-
 def problem_of(k: Kernel, ws: Path) -> str | None:
     """The problem `syscall-kernel status --json` shows for `ws`."""
     shown = json.loads(k.cli("status", "--json").stdout)
@@ -176,42 +144,10 @@ def assert_overdue_shown(k: Kernel, a: Path) -> str:
     return shown
 
 
-def test_a_channel_that_hangs_at_start_up_admission_holds_neither_the_start_nor_another_workspace(
-    tmp_path: Path,
-) -> None:
-    """Issue 13: at start every enrolled channel is admitted (its directory, owner and lock checked, its requests/
-    watched) before it is served. A's channel hangs there (the test-only hang point `admit`): the kernel must
-    still reach `ready` within seconds, serve B again and again, show A's overdue I/O in `syscall-kernel status`,
-    and admit and serve A once its channel answers. On the old kernel the admission ran serially on the store
-    worker: no `ready`, nobody served, while A hung."""
-    k, (a, b), hang = kernel_with(tmp_path, "a", "b")
-    put_request(a, "a1", status("a1"))  # waiting in A's channel from before the start
-    hang.write_text(f"admit {a.resolve()}")
-    t0 = time.monotonic()
-    k.start(env=hang_env(hang), wait_ready=False)
-    try:
-        k.wait_log("event=ready", 20)
-        assert time.monotonic() - t0 < 15
-        assert "event=hang_injected step=admit" in k.log_text()
-        assert_served_meanwhile(b)
-        assert_overdue_shown(k, a)
-        assert read_answer(a, "a1") is None, "A's admission never returned, yet its request was answered"
-
-        # The filesystem answers again: A is admitted, its waiting request answered, and its problem clears.
-        hang.unlink()
-        assert wait_answer(a, "a1", 15)["type"] == "status"
-        wait_for(lambda: problem_of(k, a) is None, 15, "A's problem cleared")
-        put_request(a, "after", status("after"))
-        wait_answer(a, "after")
-        assert_served_meanwhile(b)
-    finally:
-        hang.unlink(missing_ok=True)
-        k.stop()
-
-
 def test_the_kernel_stops_while_a_channel_hangs_at_start_up_admission(tmp_path: Path) -> None:
     """SIGTERM after `ready` while A's admission has not returned: exit 0 promptly; A is admitted and its
-    request answered at the next start."""
+    request answered at the next start. (That the start reaches `ready`, serves B, shows A's problem and serves
+    A once its admission returns is the in-process scenario in tests/unit/test_serving_driver.py.)"""
     k, (a, b), hang = kernel_with(tmp_path, "a", "b")
     put_request(a, "a1", status("a1"))
     hang.write_text(f"admit {a.resolve()}")
@@ -227,32 +163,26 @@ def test_the_kernel_stops_while_a_channel_hangs_at_start_up_admission(tmp_path: 
         k.ensure_stopped()
 
 
-@pytest.mark.parametrize("how", ["enrolled_while_serving", "lock_let_go"])
-def test_a_channel_that_hangs_in_the_rescans_look_holds_no_other_workspace(tmp_path: Path, how: str) -> None:
+def test_a_channel_that_hangs_in_the_rescans_look_holds_no_other_workspace(tmp_path: Path) -> None:
     """Issue 13: a channel the running kernel does not serve yet is looked at (checked, locked, its kernel files
-    rewritten) when the poll tick sees it enrolled or the rescan retries it (its lock was held by another
-    process). A's channel hangs in that look (the test-only hang point `look`): B must still be answered, again
-    and again, A's overdue I/O shows in `syscall-kernel status`, and A is served once its channel answers. On the
-    old kernel the look ran on the store worker, so the service loop and every answer waited behind A."""
-    names = ("b",) if how == "enrolled_while_serving" else ("a", "b")
-    k, spaces, hang = kernel_with(tmp_path, *names)
-    b = spaces[-1]
-    a = spaces[0] if how == "lock_let_go" else git_workspace(tmp_path / "a")
-    locker = None
-    if how == "lock_let_go":  # another process holds A's channel lock: not served, retried at every rescan
-        locker = os.open(a / ".syscall", os.O_RDONLY | os.O_DIRECTORY)
-        fcntl.flock(locker, fcntl.LOCK_EX)
+    rewritten) when the rescan retries it (its lock was held by another process). A's channel hangs in that look
+    (the test-only hang point `look`): B must still be answered, again and again, A's overdue I/O shows in
+    `syscall-kernel status`, and A is served once its channel answers. On the old kernel the look ran on the
+    store worker, so the service loop and every answer waited behind A. (A look at a workspace the poll tick
+    sees enrolled meanwhile is the in-process scenario in tests/unit/test_serving_driver.py.)"""
+    k, (a, b), hang = kernel_with(tmp_path, "a", "b")
+    # Another process holds A's channel lock: not served, retried at every rescan.
+    locker = os.open(a / ".syscall", os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(locker, fcntl.LOCK_EX)
+    held = True
     k.start(env=hang_env(hang))
     try:
         put_request(b, "before", status("before"))
         wait_answer(b, "before")
         hang.write_text(f"look {a.resolve()}")
-        if locker is not None:
-            k.wait_log("event=channel_held_elsewhere", 10)
-            os.close(locker)
-            locker = None
-        else:
-            k.enroll(a)
+        k.wait_log("event=channel_held_elsewhere", 10)
+        os.close(locker)
+        held = False
         k.wait_log("event=hang_injected step=look", 15)
         put_request(a, "a1", status("a1"))
 
@@ -267,7 +197,7 @@ def test_a_channel_that_hangs_in_the_rescans_look_holds_no_other_workspace(tmp_p
         hang.write_text(f"look {a.resolve()}")  # served now: no look at A any more, nothing hangs
         assert_stops_within(k, 5)
     finally:
-        if locker is not None:
+        if held:
             os.close(locker)
         hang.unlink(missing_ok=True)
         k.ensure_stopped()
@@ -444,36 +374,26 @@ def test_a_new_match_that_hangs_in_its_preparation_holds_no_other_new_match(tmp_
         k.stop()
 
 
-@pytest.mark.parametrize("how", ["lost", "unwatched"])
-def test_a_channel_whose_re_watch_hangs_holds_no_other_workspace(tmp_path: Path, how: str) -> None:
-    """Issue 13: A's watch is lost (its requests/ moved away and back), or A is served unwatched (its requests/
-    was replaced when the lost watch was retried, then put back: the rescan watches it again), and A's channel
-    hangs when it is opened to watch it again (the test-only hang point `watch`). B must still be answered, again
-    and again; A's overdue I/O shows in `syscall-kernel status`; once it returns A is watched (a request answered
-    within seconds, with no rescan or poll to find it, in the `lost` case) and served. On the old kernel the
-    re-watch ran on the store worker and the loop awaited it: nobody was answered while A hung."""
-    rescan = 600 if how == "lost" else 1
-    config = (
-        f'backend = "none"\nchannel_io_deadline_seconds = 1\nrescan_seconds = {rescan}\npoll_seconds = 0.2\n'
-    )
-    k, (a, b), hang = kernel_with(tmp_path, "a", "b", config=config)
+def test_a_channel_whose_re_watch_hangs_holds_no_other_workspace(tmp_path: Path) -> None:
+    """Issue 13: A is served unwatched (its requests/ was replaced when the lost watch was retried, then put
+    back: the rescan watches it again), and A's channel hangs when it is opened to watch it again (the test-only
+    hang point `watch`). B must still be answered, again and again; A's overdue I/O shows in `syscall-kernel
+    status`; once it returns A is watched and served. On the old kernel the re-watch ran on the store worker and
+    the loop awaited it: nobody was answered while A hung. (A lost watch whose re-watch hangs is the in-process
+    scenario in tests/unit/test_serving_driver.py.)"""
+    k, (a, b), hang = kernel_with(tmp_path, "a", "b")
     k.start(env=hang_env(hang))
     requests = a / ".syscall" / "requests"
     away = a / ".syscall" / "requests.away"
     try:
         put_request(a, "before", status("before"))
         wait_answer(a, "before")
-        if how == "unwatched":
-            os.rename(requests, away)
-            requests.mkdir()  # not the directory enrolled: the re-watch fails (ChannelMoved)
-            k.wait_log("event=watch_failed", 15)
-            hang.write_text(f"watch {a.resolve()}")
-            requests.rmdir()
-            os.rename(away, requests)
-        else:
-            hang.write_text(f"watch {a.resolve()}")
-            os.rename(requests, away)
-            os.rename(away, requests)
+        os.rename(requests, away)
+        requests.mkdir()  # not the directory enrolled: the re-watch fails (ChannelMoved)
+        k.wait_log("event=watch_failed", 15)
+        hang.write_text(f"watch {a.resolve()}")
+        requests.rmdir()
+        os.rename(away, requests)
         k.wait_log("event=hang_injected step=watch", 15)
 
         assert_served_meanwhile(b)

@@ -6,11 +6,26 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import anyio
+
 from kernel.core.config import Config
 from kernel.core.records import WorkspaceRow
 from kernel.io.enroll import Grant, enroll
 from kernel.io.install import ToolSource
 from kernel.io.store import Store
+from kernel.service.notify import Notifier
+
+
+class ReadyNotifier(Notifier):
+    """A notifier whose `is_ready` is set when the service says READY=1."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+        self.is_ready = anyio.Event()
+
+    def ready(self, status: str) -> None:
+        self.is_ready.set()
+
 
 TOOL = ToolSource(b'#!/usr/bin/env python3\nVERSION = "9.9"\nsub.add_parser("status")\n')
 T0 = 1_800_000_000.0

@@ -8,21 +8,11 @@ import json
 from pathlib import Path
 
 import anyio
-from _parts import TOOL, enrolled
+from _parts import TOOL, ReadyNotifier, enrolled
 
 from kernel.core.config import LiveConfig, parse
 from kernel.io.store import Store
 from kernel.service.loop import Service
-from kernel.service.notify import Notifier
-
-
-class ReadyNotifier(Notifier):
-    def __init__(self) -> None:
-        super().__init__(None, None)
-        self.is_ready = anyio.Event()
-
-    def ready(self, status: str) -> None:
-        self.is_ready.set()
 
 
 def test_a_request_to_an_idle_kernel_starts_its_turn_where_the_event_is_handed_over(tmp_path: Path) -> None:

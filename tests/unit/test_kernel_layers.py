@@ -95,6 +95,47 @@ def test_core_does_no_io(path: Path) -> None:
     assert not bad, f"{path.name} imports {sorted(bad)}; kernel/core holds pure decisions only"
 
 
+# The serve core and the poll schedule are sans-IO state machines (events in, actions out; h11's habit): not even
+# the operating system, the clock or a file. The service's driver (kernel.service.loop) does all of that.
+SANS_IO = ("serving.py", "polling.py")
+SANS_IO_FORBIDDEN = {
+    "os",
+    "io",
+    "pathlib",
+    "time",
+    "select",
+    "signal",
+    "fcntl",
+    "tempfile",
+    "glob",
+    "logging",
+}
+SANS_IO_CALLS = {"open", "print", "input", "exec", "eval", "__import__"}
+
+
+def _sans_io_problems(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad = [f"imports {m}" for m in sorted({m.split(".")[0] for m in _imports(path)} & SANS_IO_FORBIDDEN)]
+    bad += [
+        f"calls {node.func.id}() at line {node.lineno}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in SANS_IO_CALLS
+    ]
+    return bad
+
+
+@pytest.mark.parametrize("name", SANS_IO)
+def test_the_serve_core_is_sans_io(name: str) -> None:
+    bad = _sans_io_problems(KERNEL / "core" / name)
+    assert not bad, f"kernel/core/{name}: {bad}; it takes events and returns actions, the driver does the I/O"
+
+
+def test_the_sans_io_check_sees_a_violation(tmp_path: Path) -> None:
+    sample = tmp_path / "m.py"
+    sample.write_text("import os.path\nimport time\ndef f():\n    return open('x')\n")
+    assert _sans_io_problems(sample) == ["imports os", "imports time", "calls open() at line 4"]
+
+
 def test_node_is_stdlib_only() -> None:
     # wrapper.py runs on compute nodes with whatever python3 they have: nothing outside the standard library
     bad = {m.split(".")[0] for m in _imports(KERNEL / "node" / "wrapper.py")} - set(_stdlib())
