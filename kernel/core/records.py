@@ -81,6 +81,11 @@ class JobRow:
     # The memory (MB) and CPUs the task's launch asked for (None: the backend's default for a task).
     mem_mb: int | None = None
     cpus: int | None = None
+    # A swept launch's task: its value of each sweep key, in the sweep's order (empty: no sweep); the key its
+    # launch is ranked by (`-key`: higher is better); and its last JSON line of stdout, recorded at gathering.
+    params: tuple[tuple[str, str], ...] = ()
+    rank: str | None = None
+    result: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
