@@ -3932,6 +3932,24 @@ def _subparser(parser: argparse.ArgumentParser, verb: str) -> Optional[argparse.
     return None
 
 
+# Options whose value may start with '-' (`--rank -accuracy`: highest first), which argparse would read as an option.
+DASH_VALUE_OPTIONS = ("--rank", "--metric")
+
+
+def joined_keys(argv: List[str]) -> List[str]:
+    """`--rank -acc` -> `--rank=-acc` (the command after `--` is cut off before this)."""
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in DASH_VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1] != "--":
+            out.append(argv[i] + "=" + argv[i + 1])
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def parse(argv: List[str]) -> argparse.Namespace:
     wants_help = argv[:1] == ["submit"] and any(a in ("-h", "--help") for a in argv)
     parser = build_parser(_submit_help_contract(argv) if wants_help else "")
@@ -3939,7 +3957,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     if argv[:1] == ["launch"] and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(joined_keys(argv))
     if extra:
         _unknown(parser, args.verb, extra)
     if command is not None:
