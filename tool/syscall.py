@@ -660,8 +660,8 @@ def _check_sleep_rules(req: dict[str, Any]) -> None:
         if launch.get("rank") is not None and array == 1 and not launch.get("sweep"):
             raise _Refuse(
                 "launch.rank.invalid",
-                f"{at}.rank ranks the tasks of an array or a sweep, and this launch has one task; drop rank, or "
-                "give the launch a sweep or an array",
+                f"{at}.rank ranks the tasks of an array or a sweep, and this launch has one task; drop "
+                "rank, or give the launch a sweep or an array",
                 at + ".rank",
             )
         problem = sweep_problem(launch.get("sweep") or [], array, at)
@@ -707,7 +707,8 @@ def sweep_problem(axes: List[Dict[str, Any]], array: int, at: str) -> Optional[R
         if key in SWEEP_RESERVED_KEYS:
             return (
                 "launch.sweep.key.invalid",
-                f"{where}.key {key!r} would set SWEEP_{key.upper()}, which the kernel sets itself; rename the key",
+                f"{where}.key {key!r} would set SWEEP_{key.upper()}, which the kernel sets itself; "
+                "rename the key",
                 where + ".key",
             )
         if key in seen:
@@ -733,15 +734,15 @@ def sweep_problem(axes: List[Dict[str, Any]], array: int, at: str) -> Optional[R
     if axes and size > DEFAULT_LIMITS["array_max"]:
         return (
             "launch.sweep.too_large",
-            f"{at}.sweep makes {shape} = {size} tasks; a launch has at most {DEFAULT_LIMITS['array_max']}: drop "
-            "values, or split the grid over several launches",
+            f"{at}.sweep makes {shape} = {size} tasks; a launch has at most "
+            f"{DEFAULT_LIMITS['array_max']}: drop values, or split the grid over several launches",
             at + ".sweep",
         )
     if axes and array != size:
         return (
             "launch.sweep.array_mismatch",
-            f"{at}.array is {array} but its sweep makes {shape} = {size} tasks; set array to {size} (or leave "
-            "it out of the tool's launch: the grid sets it)",
+            f"{at}.array is {array} but its sweep makes {shape} = {size} tasks; set array to {size} "
+            "(or leave it out of the tool's launch: the grid sets it)",
             at + ".array",
         )
     return None
@@ -2111,9 +2112,8 @@ def _question(ch: Channel, args: argparse.Namespace, verb: str, **fields: Any) -
     req = _request(ch, verb, **fields)
     problem = validate_request(req, ch.limits, ch.policy, stem=req["id"])
     if problem:
-        refuse(
-            problem, args.json, {"history": "(--limit, --metric)", "tail": "(NAME[/TASK], --lines)"}.get(verb, "")
-        )
+        hints = {"history": "(--limit, --metric)", "tail": "(NAME[/TASK], --lines)"}
+        refuse(problem, args.json, hints.get(verb, ""))
     ans = ask(ch, req, args.timeout or ANSWER_TIMEOUT_S, args.json, question=True)
     _check_rejected(ans, args.json)
     _expect(ans, verb)
@@ -2860,7 +2860,8 @@ def _run_env(ch: Channel, a: dict[str, Any]) -> int:
 
 
 def _run_launch(ch: Channel, a: dict[str, Any]) -> int:
-    return stage_launch(ch, with_grid(a), False)  # every argument is a field of the launch; the rules judge it
+    # every argument is a field of the launch; the request's rules judge it
+    return stage_launch(ch, with_grid(a), False)
 
 
 def with_grid(launch: Dict[str, Any]) -> Dict[str, Any]:
@@ -3189,7 +3190,12 @@ MCP_TOOLS = [
         request={"limit": "limit", "metric": "metric"},
         inputs=lambda lim, pol: {
             "properties": {
-                "limit": {"type": "integer", "minimum": 1, "maximum": HISTORY_MAX, "default": HISTORY_DEFAULT},
+                "limit": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": HISTORY_MAX,
+                    "default": HISTORY_DEFAULT,
+                },
                 "metric": {"type": "string"},
             }
         },
@@ -3693,9 +3699,9 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "grid, in order, the last key varying fastest, and each task also gets its values: --sweep\n"
         "lr=1e-3,3e-3 gives $SWEEP_LR and $SWEEP_PARAMS={\"lr\":\"1e-3\"} (values are strings as typed).\n"
         "Print a JSON object as the last JSON line of stdout ({\"val_loss\": 0.31}) and --rank val_loss\n"
-        f"sorts the wake's table by it; `{PROG} history --metric val_loss` compares sleeps. `{PROG} env` shows what a\n"
-        "job sees: the interpreter and packages (from your uv.lock, if you commit one), GPUs,\n"
-        "network, limits and every variable.",
+        f"sorts the wake's table by it; `{PROG} history --metric val_loss` compares sleeps.\n"
+        f"`{PROG} env` shows what a job sees: the interpreter and packages (from your uv.lock, if\n"
+        "you commit one), GPUs, network, limits and every variable.",
     )
     p.add_argument(
         "--name", help="(required) unique name in this sleep: lowercase letters, digits, '-' (<= 32)"
@@ -3727,8 +3733,8 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
     p.add_argument(
         "--rank",
         metavar="KEY",
-        help="rank the tasks in the wake by KEY of their last JSON line of stdout, lowest first (-KEY: highest "
-        "first), e.g. --rank val_loss, --rank -accuracy",
+        help="rank the tasks in the wake by KEY of their last JSON line of stdout, lowest first "
+        "(-KEY: highest first), e.g. --rank val_loss, --rank -accuracy",
     )
     p.add_argument("--concurrency", type=int, default=0, help="at most K array tasks at once (0 = all)")
     p.add_argument(
@@ -3841,8 +3847,8 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
     p.add_argument(
         "--metric",
         metavar="KEY",
-        help="per sleep, the best value of KEY in its tasks' last JSON lines of stdout, the task and its sweep "
-        "values: lowest is best (-KEY: highest), e.g. --metric val_loss, --metric -val_acc",
+        help="per sleep, the best value of KEY in its tasks' last JSON lines of stdout, the task and its "
+        "sweep values: lowest is best (-KEY: highest), e.g. --metric val_loss, --metric -val_acc",
     )
     p.add_argument("--timeout", type=_positive_seconds, help="seconds to wait for the answer (default 60)")
     p.set_defaults(func=cmd_history)
@@ -3932,7 +3938,7 @@ def _subparser(parser: argparse.ArgumentParser, verb: str) -> Optional[argparse.
     return None
 
 
-# Options whose value may start with '-' (`--rank -accuracy`: highest first), which argparse would read as an option.
+# Options whose value may start with '-' (`--rank -acc`: highest first), which argparse takes for options.
 DASH_VALUE_OPTIONS = ("--rank", "--metric")
 
 
@@ -3941,7 +3947,8 @@ def joined_keys(argv: List[str]) -> List[str]:
     out: List[str] = []
     i = 0
     while i < len(argv):
-        if argv[i] in DASH_VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1] != "--":
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if argv[i] in DASH_VALUE_OPTIONS and nxt[:1] == "-" and nxt != "--":
             out.append(argv[i] + "=" + argv[i + 1])
             i += 2
             continue

@@ -158,8 +158,10 @@ def test_a_ranked_2x3_sweep_and_history_across_sleeps(env: Env) -> None:
         "Not ranked (2 tasks, listed last): grid[2]: not a number (a string); grid[5]: not a finite number."
         in md
     )
-    assert "\\|" in rows[1] and "\\n" in rows[1]  # task 4's `|` and newline escaped inside its cell
-    assert "\x1b" not in md and "\u202e" not in md
+    assert "\\|" in rows[1]
+    assert "\\n" in rows[1]
+    assert "\x1b" not in md
+    assert "\u202e" not in md
     assert '`{"val_loss": NaN, "x": "\\u202e\\u001b[2K"}`' in rows[5]  # as printed, JSON escapes and all
 
     # a second sleep, ranked highest first by accuracy
@@ -184,7 +186,9 @@ def test_a_ranked_2x3_sweep_and_history_across_sleeps(env: Env) -> None:
         "task": 1,
         "params": {"wd": "0", "lr": "3e-3"},
     }
-    assert by_seq[2]["value"] == 0.25 and by_seq[2]["task"] == 1 and by_seq[2]["reported"] == 2
+    assert by_seq[2]["value"] == 0.25
+    assert by_seq[2]["task"] == 1
+    assert by_seq[2]["reported"] == 2
     acc = json.loads(env.ok("history", "--metric", "-acc", "--limit", "1", "--json"))
     assert [s["seq"] for s in acc["sleeps"]] == [2]  # bounded by --limit, newest first
     assert (acc["best"], acc["sleeps"][0]["metric"]["value"]) == ("max", 0.75)
@@ -192,4 +196,5 @@ def test_a_ranked_2x3_sweep_and_history_across_sleeps(env: Env) -> None:
     assert "acc (highest): 0.75 by fine[1] wd=0 lr=3e-3 (2 of 2 tasks reported it)" in text
     assert "acc (highest): 0.75 by grid[1] wd=0 lr=3e-3 (4 of 6 tasks reported it)" in text
     refused = env.tool("history", "--metric", "val loss")
-    assert refused.returncode == 2 and "history.metric.invalid" in refused.stderr + refused.stdout
+    assert refused.returncode == 2
+    assert "history.metric.invalid" in refused.stderr + refused.stdout
