@@ -103,8 +103,8 @@ def sweep_problem(axes: Sequence[SweepAxis], array: int, at: str) -> tuple[str, 
                         f"{where}.values[{j}]",
                     )
     size = grid_size(axes)
+    shape = " x ".join(str(len(a.values)) for a in axes)
     if size > L.ARRAY_MAX:
-        shape = " x ".join(str(len(a.values)) for a in axes)
         return (
             "launch.sweep.too_large",
             f"{at}.sweep makes {shape} = {size} tasks; a launch has at most {L.ARRAY_MAX}: drop values, or split "
@@ -112,7 +112,6 @@ def sweep_problem(axes: Sequence[SweepAxis], array: int, at: str) -> tuple[str, 
             f"{at}.sweep",
         )
     if axes and array != size:
-        shape = " x ".join(str(len(a.values)) for a in axes)
         return (
             "launch.sweep.array_mismatch",
             f"{at}.array is {array} but its sweep makes {shape} = {size} tasks; set array to {size} (or leave "

@@ -433,6 +433,8 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
 
     base: Fields = {"protocol": (_protocol, True), "id": (id_check, True)}
     if verb == "sleep":
+        sweep_key = _patterned(lim["sweep_key_pattern"], "launch.sweep.key.invalid", SWEEP_KEY_WORDS)
+        sweep_value = _patterned(lim["sweep_value_pattern"], "launch.sweep.value.invalid", SWEEP_VALUE_WORDS)
         launch = _object(
             {
                 "name": (
@@ -482,27 +484,12 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
                         "launch.sweep.too_many",
                         _object(
                             {
-                                "key": (
-                                    _str(
-                                        10**9,
-                                        "",
-                                        pattern=lim["sweep_key_pattern"],
-                                        invalid="launch.sweep.key.invalid",
-                                        words=SWEEP_KEY_WORDS,
-                                    ),
-                                    True,
-                                ),
+                                "key": (sweep_key, True),
                                 "values": (
                                     _array(
                                         lim["array_max"],
                                         "launch.sweep.values.too_many",
-                                        _str(
-                                            10**9,
-                                            "",
-                                            pattern=lim["sweep_value_pattern"],
-                                            invalid="launch.sweep.value.invalid",
-                                            words=SWEEP_VALUE_WORDS,
-                                        ),
+                                        sweep_value,
                                         min_len=1,
                                         empty="launch.sweep.values.empty",
                                     ),
@@ -513,17 +500,7 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
                     ),
                     False,
                 ),
-                "rank": (
-                    _str(
-                        10**9,
-                        "",
-                        pattern=lim["metric_key_pattern"],
-                        invalid="launch.rank.invalid",
-                        words=METRIC_WORDS,
-                        nullable=True,
-                    ),
-                    False,
-                ),
+                "rank": (_metric_key(lim, "launch.rank.invalid"), False),
             }
         )
         submit = _object(
@@ -557,23 +534,23 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
         base["launches"] = (_array(lim["cancel_max_names"], "cancel.launches.too_many", name), False)
     elif verb == "history":
         base["limit"] = (_int(1, lim["history_max"], "history.limit.out_of_range"), False)
-        base["metric"] = (
-            _str(
-                10**9,
-                "",
-                pattern=lim["metric_key_pattern"],
-                invalid="history.metric.invalid",
-                words=METRIC_WORDS,
-                nullable=True,
-            ),
-            False,
-        )
+        base["metric"] = (_metric_key(lim, "history.metric.invalid"), False)
     elif verb == "tail":
         base["launch"] = (_str(10**9, "", pattern=lim["name_pattern"], invalid="tail.launch.invalid"), True)
         base["task"] = (_int(0, lim["array_max"] - 1, "tail.task.out_of_range"), False)
         base["lines"] = (_int(1, lim["tail_verb_max_lines"], "tail.lines.out_of_range"), False)
         base["stderr"] = (_bool, False)
     return base
+
+
+def _patterned(pattern: str, invalid: str, words: str, nullable: bool = False) -> Check:
+    """A string the pattern alone bounds (its length included), `words` saying what it asks for."""
+    return _str(10**9, "", pattern=pattern, invalid=invalid, words=words, nullable=nullable)
+
+
+def _metric_key(lim: dict[str, Any], invalid: str) -> Check:
+    """A launch's `rank` or history's `metric`: a key of the JSON line, or null."""
+    return _patterned(lim["metric_key_pattern"], invalid, METRIC_WORDS, nullable=True)
 
 
 def _bool(v: Any, path: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -350,11 +351,8 @@ def _without_job_resources(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE jobs DROP COLUMN cpus")
 
 
-def test_a_schema_2_store_gets_the_job_resource_columns_and_its_tasks_read_as_asking_for_none(
-    tmp_path: Path,
-) -> None:
-    """Schema 3 added `jobs.mem_mb` and `jobs.cpus`: a store at 2 (its tasks recorded without them) is migrated,
-    its tasks read as the site's default (None), and a new task's request is kept."""
+def _store_at(tmp_path: Path, version: int, older: Callable[[sqlite3.Connection], None]) -> Path:
+    """A store with one task of sleep 1 (launch `old`), made what a release at `version` left (`older`)."""
     from kernel.core.records import JobRow, SleepRow
 
     path = store_with_w1(tmp_path / "state.sqlite")
@@ -364,10 +362,21 @@ def test_a_schema_2_store_gets_the_job_resource_columns_and_its_tasks_read_as_as
         s.insert_jobs([JobRow("w-1", 1, "old", 0, 1, 0, "x", 10, 0, (), "", 0, "PENDING", updated_at=NOW)])
     s.close()
     db = sqlite3.connect(path)
-    _without_job_resources(db)
-    db.execute("PRAGMA user_version = 2")
+    older(db)
+    db.execute(f"PRAGMA user_version = {version}")
     db.commit()
     db.close()
+    return path
+
+
+def test_a_schema_2_store_gets_the_job_resource_columns_and_its_tasks_read_as_asking_for_none(
+    tmp_path: Path,
+) -> None:
+    """Schema 3 added `jobs.mem_mb` and `jobs.cpus`: a store at 2 (its tasks recorded without them) is migrated,
+    its tasks read as the site's default (None), and a new task's request is kept."""
+    from kernel.core.records import JobRow, SleepRow
+
+    path = _store_at(tmp_path, 2, _without_job_resources)
     s = Store.open(path)
     assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION
     (old,) = s.jobs_of("w-1", 1)
@@ -389,17 +398,7 @@ def test_a_schema_3_store_gets_the_sweep_columns_and_its_tasks_read_as_unswept(t
     without a sweep, a rank or a recorded result, and a new task's values, rank and result are kept."""
     from kernel.core.records import JobRow, SleepRow
 
-    path = store_with_w1(tmp_path / "state.sqlite")
-    s = Store.open(path)
-    with s.transaction():
-        s.insert_sleep(SleepRow("w-1", 1, "s1", "validated", "", None, NOW, None, None))
-        s.insert_jobs([JobRow("w-1", 1, "old", 0, 1, 0, "x", 10, 0, (), "", 0, "PENDING", updated_at=NOW)])
-    s.close()
-    db = sqlite3.connect(path)
-    _without_job_sweeps(db)
-    db.execute("PRAGMA user_version = 3")
-    db.commit()
-    db.close()
+    path = _store_at(tmp_path, 3, _without_job_sweeps)
     s = Store.open(path)
     assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 4
     (old,) = s.jobs_of("w-1", 1)
