@@ -19,7 +19,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from channel import limits as L
@@ -129,20 +129,22 @@ def parse_rank(rank: str) -> tuple[str, bool]:
     return (rank[1:], True) if rank.startswith("-") else (rank, False)
 
 
+_STRING_RE: Final = re.compile(
+    r'"[^"\\]*(?:\\.[^"\\]*)*"'
+)  # a JSON string (the unrolled loop: no backtracking)
+
+
 def _depth_within(text: str, limit: int) -> bool:
-    """Whether the brackets of `text` (outside strings) nest at most `limit` deep: checked before parsing."""
-    depth, in_string, escaped = 0, False, False
-    for c in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "[{":
+    """Whether the brackets of `text` (outside strings) nest at most `limit` deep: checked before parsing. Counts
+    first (C speed), so only a line with more than `limit` brackets outside its strings is walked."""
+    if text.count("[") + text.count("{") <= limit:
+        return True
+    bare = _STRING_RE.sub("", text)
+    if bare.count("[") + bare.count("{") <= limit:
+        return True
+    depth = 0
+    for c in bare:
+        if c in "[{":
             depth += 1
             if depth > limit:
                 return False
@@ -164,9 +166,8 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def metric_of(result: str | None, key: str) -> tuple[float | None, str | None]:
-    """(value, None) when `result` (a task's last JSON line, job-written) has `key` at its top level as a finite
-    number; else (None, why not), the reason kernel-written and naming the key only by reference."""
+def _line(result: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON object of a task's last JSON line (job-written), or (None, why it is not one to read)."""
     if result is None:
         return None, "no JSON line"
     if len(result) > L.RESULT_MAX_CHARS:
@@ -176,14 +177,15 @@ def metric_of(result: str | None, key: str) -> tuple[float | None, str | None]:
     try:
         obj = json.loads(result, object_pairs_hook=_unique)
     except _Duplicate as e:
-        return None, "the key appears twice in its JSON line" if str(e) == key else "a key appears twice"
+        return None, f"duplicate:{e}"
     except (ValueError, RecursionError):
         return None, "its JSON line does not parse"
     if not isinstance(obj, dict):
         return None, "its JSON line is not an object"
-    if key not in obj:
-        return None, "the key is not in its JSON line"
-    value = obj[key]
+    return obj, None
+
+
+def _number(value: Any) -> tuple[float | None, str | None]:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None, f"not a number ({_json_type(value)})"
     try:
@@ -193,6 +195,36 @@ def metric_of(result: str | None, key: str) -> tuple[float | None, str | None]:
     if not math.isfinite(number):
         return None, "not a finite number"
     return number, None
+
+
+def metric_of(result: str | None, key: str) -> tuple[float | None, str | None]:
+    """(value, None) when `result` (a task's last JSON line, job-written) has `key` at its top level as a finite
+    number; else (None, why not), the reason kernel-written and naming the key only by reference."""
+    obj, why = _line(result)
+    if obj is None:
+        if why is not None and why.startswith("duplicate:"):
+            return None, "the key appears twice in its JSON line" if why[
+                10:
+            ] == key else "a key appears twice"
+        return None, why
+    if key not in obj:
+        return None, "the key is not in its JSON line"
+    return _number(obj[key])
+
+
+def numbers_of(result: str | None) -> dict[str, float]:
+    """Every top-level member of a task's last JSON line that `metric_of` reads as a value (none for a line it
+    would refuse whole): what the kernel keeps of the line for `history`'s `metric`, read then without parsing
+    job-written text again."""
+    obj, _ = _line(result)
+    if obj is None:
+        return {}
+    out = {}
+    for key, value in obj.items():
+        number, _ = _number(value)
+        if number is not None and re.search(L.METRIC_KEY_PATTERN, key) and not key.startswith("-"):
+            out[key] = number
+    return out
 
 
 def _json_type(value: Any) -> str:
@@ -224,15 +256,15 @@ def rank(tasks: Sequence[tuple[int, str | None]], rank_key: str) -> tuple[Ranked
 
 
 def best(
-    tasks: Sequence[tuple[str, int, str | None, Params]], metric: str
+    tasks: Sequence[tuple[str, int, Mapping[str, float], Params]], metric: str
 ) -> tuple[tuple[float, str, int, Params] | None, int]:
-    """The best (value, launch, task, params) of `tasks` ((launch, task, last JSON line, params), ...) by
+    """The best (value, launch, task, params) of `tasks` ((launch, task, its `numbers_of`, params), ...) by
     `metric` (`-key`: highest), the first in order on a tie; and how many tasks reported it."""
     key, descending = parse_rank(metric)
     found: tuple[float, str, int, Params] | None = None
     reported = 0
-    for launch, task, result, params in tasks:
-        value, _ = metric_of(result, key)
+    for launch, task, numbers, params in tasks:
+        value = numbers.get(key)
         if value is None:
             continue
         reported += 1

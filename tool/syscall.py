@@ -2850,9 +2850,11 @@ def with_grid(launch: Dict[str, Any]) -> Dict[str, Any]:
         axes = out["sweep"] = [parse_sweep(x) for x in axes]
     if isinstance(axes, list) and axes and "array" not in out:
         try:
-            out["array"] = len(sweep_grid(axes))
+            size = len(sweep_grid(axes))
         except (KeyError, TypeError):
-            pass
+            size = 0
+        if size:
+            out["array"] = size
     return out
 
 

@@ -368,7 +368,7 @@ def queue_answer(request_id: str, ws_key: str, live: Sequence[JobRow], now: floa
 
 def metric_best(jobs: Sequence[JobRow], metric: str) -> MetricBest:
     """A sleep's best value of `metric` (`-key`: the highest) over its tasks' recorded last JSON lines."""
-    found, reported = sweep.best([(j.launch, j.task, j.result, j.params) for j in jobs], metric)
+    found, reported = sweep.best([(j.launch, j.task, j.metrics, j.params) for j in jobs], metric)
     if found is None:
         return MetricBest(reported=0, tasks=len(jobs))
     value, launch, task, params = found

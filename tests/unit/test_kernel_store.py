@@ -339,8 +339,8 @@ def store_with_w1(path: Path) -> Path:
 
 
 def _without_job_sweeps(db: sqlite3.Connection) -> None:
-    """The jobs table as schema 3 and older had it: no `params`, `rank` or `result`."""
-    for column in ("params", "rank", "result"):
+    """The jobs table as schema 3 and older had it: no `params`, `rank` or `metrics`."""
+    for column in ("params", "rank", "metrics"):
         db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
 
 
@@ -394,15 +394,15 @@ def test_a_schema_2_store_gets_the_job_resource_columns_and_its_tasks_read_as_as
 
 
 def test_a_schema_3_store_gets_the_sweep_columns_and_its_tasks_read_as_unswept(tmp_path: Path) -> None:
-    """Schema 4 added `jobs.params`, `jobs.rank` and `jobs.result`: a store at 3 is migrated, its tasks read as
-    without a sweep, a rank or a recorded result, and a new task's values, rank and result are kept."""
+    """Schema 4 added `jobs.params`, `jobs.rank` and `jobs.metrics`: a store at 3 is migrated, its tasks read as
+    without a sweep, a rank or recorded numbers, and a new task's values, rank and numbers are kept."""
     from kernel.core.records import JobRow, SleepRow
 
     path = _store_at(tmp_path, 3, _without_job_sweeps)
     s = Store.open(path)
     assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 4
     (old,) = s.jobs_of("w-1", 1)
-    assert (old.params, old.rank, old.result) == ((), None, None)
+    assert (old.params, old.rank, old.metrics) == ((), None, {})
     new = JobRow(
         "w-1",
         2,
@@ -424,9 +424,13 @@ def test_a_schema_3_store_gets_the_sweep_columns_and_its_tasks_read_as_unswept(t
     with s.transaction():
         s.insert_sleep(SleepRow("w-1", 2, "s2", "validated", "", None, NOW, None, None))
         s.insert_jobs([new])
-        s.set_job_result("w-1", 2, "grid", 1, '{"acc": 0.9}')
+        s.set_job_metrics("w-1", 2, "grid", 1, {"acc": 0.9, "n": 3})
     (got,) = s.jobs_of("w-1", 2)
-    assert (got.params, got.rank, got.result) == ((("lr", "3e-3"), ("wd", "0")), "-acc", '{"acc": 0.9}')
+    assert (got.params, got.rank, got.metrics) == (
+        (("lr", "3e-3"), ("wd", "0")),
+        "-acc",
+        {"acc": 0.9, "n": 3.0},
+    )
     s.close()
     (backup,) = backups(path, 3)
     assert backup.name.startswith("state.sqlite.v3-before-v4.")

@@ -217,6 +217,17 @@ def test_a_metric_is_read_from_the_hostile_line_or_said_why_not(
     assert sweep.metric_of(line, "val_loss") == (value, why)
 
 
+def test_what_history_keeps_of_a_line_is_its_top_level_finite_numbers() -> None:
+    line = (
+        '{"val_loss": 0.25, "acc": 1, "ok": true, "s": "1", "n": NaN, "big": 1e400, "d": {"x": 1}, "-x": 2}'
+    )
+    assert sweep.numbers_of(line) == {"val_loss": 0.25, "acc": 1.0}
+    assert sweep.numbers_of('{"a": 1, "a": 2}') == {}
+    assert sweep.numbers_of(None) == {} and sweep.numbers_of("[1]") == {}
+    assert sweep.numbers_of('{"a": ' + "[" * 40 + "]" * 40 + ', "b": 1}') == {}
+    assert sweep.numbers_of('{"k": "' + "{" * 1000 + '", "b": 1}') == {"b": 1.0}  # brackets in a string
+
+
 def test_a_result_line_nested_deeper_than_the_parser_recurses_is_passed_over() -> None:
     """It raised RecursionError out of gathering, so the sleep never woke."""
     deep = b'{"a": ' + b"[" * 50000 + b"]" * 50000 + b"}"
@@ -319,7 +330,7 @@ def test_history_metric_gives_each_sleeps_best_task_and_values() -> None:
             updated_at=NOW,
             params=sweep.grid((LR, WD))[task],
             rank="val_loss",
-            result=result,
+            metrics=sweep.numbers_of(result),
         )
 
     one = SleepRow("w", 1, "s1", "woken", "", None, NOW, NOW, None)
@@ -393,3 +404,28 @@ def test_the_job_script_carries_each_tasks_variables() -> None:
     assert config["sweep"] == [sweep.variables(p) for p in sweep.grid((LR, WD))]
     assert W.job_env(config, 5, "/home", {})["SWEEP_PARAMS"] == '{"lr":"1e-2","wd":"1e-4"}'
     assert Path("/r")  # (the spec's paths are not touched)
+
+
+def test_the_tool_reads_a_dashed_rank_and_metric_as_values() -> None:
+    """`--rank -accuracy` (the issue's own spelling) was taken by argparse for an unknown option."""
+    args = tool.parse(
+        ["launch", "--name", "t", "--sweep", "lr=1,2", "--rank", "-accuracy", "--", "echo", "--rank"]
+    )
+    assert (args.rank, args.sweep, args.command) == ("-accuracy", ["lr=1,2"], ["echo", "--rank"])
+    assert tool.parse(["history", "--metric", "-val_acc"]).metric == "-val_acc"
+    assert tool.joined_keys(["--rank", "--", "x"]) == ["--rank", "--", "x"]
+
+
+def test_the_mcp_launch_takes_the_clis_sweep_strings_and_sizes_the_array() -> None:
+    got = tool.with_grid({"name": "t", "command": "x", "sweep": ["lr=1e-3,3e-3", "wd=0,1e-4,1e-3"]})
+    assert got["sweep"] == [
+        {"key": "lr", "values": ["1e-3", "3e-3"]},
+        {"key": "wd", "values": ["0", "1e-4", "1e-3"]},
+    ]
+    assert got["array"] == 6
+    assert tool.with_grid({"sweep": ["lr=1,2"], "array": 3})["array"] == 3  # given: the rules judge it
+    assert tool.with_grid({"sweep": [{"values": []}]}) == {"sweep": [{"values": []}]}  # malformed: left as is
+    with pytest.raises(
+        tool.ToolError, match=r"is not KEY=V1,V2,\.\.\.: write e\.g\. --sweep lr=1e-3,3e-3,1e-2"
+    ):
+        tool.with_grid({"sweep": ["lr"]})
