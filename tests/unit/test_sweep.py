@@ -223,7 +223,8 @@ def test_what_history_keeps_of_a_line_is_its_top_level_finite_numbers() -> None:
     )
     assert sweep.numbers_of(line) == {"val_loss": 0.25, "acc": 1.0}
     assert sweep.numbers_of('{"a": 1, "a": 2}') == {}
-    assert sweep.numbers_of(None) == {} and sweep.numbers_of("[1]") == {}
+    assert sweep.numbers_of(None) == {}
+    assert sweep.numbers_of("[1]") == {}
     assert sweep.numbers_of('{"a": ' + "[" * 40 + "]" * 40 + ', "b": 1}') == {}
     assert sweep.numbers_of('{"k": "' + "{" * 1000 + '", "b": 1}') == {"b": 1.0}  # brackets in a string
 
