@@ -32,6 +32,7 @@ from channel.messages import (
     Request,
     SleepRequest,
 )
+from channel.sweep import sweep_problem
 
 ECHO_MAX_CHARS: Final = 64
 INT_MIN: Final = -(2**63)
@@ -296,6 +297,7 @@ def _int_out_of_range(obj: Any) -> int | None:
 
 _AT_RE: Final = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.S)
 _LAUNCH_FIELD_RE: Final = re.compile(r"^\$\.launches\[\d+\]\.(?P<field>\w+)(?P<item>\[\d+\])?$")
+_SWEEP_FIELD_RE: Final = re.compile(r"^\$\.launches\[\d+\]\.sweep\[\d+\]\.(?P<field>\w+)(?P<item>\[\d+\])?$")
 _TOP_FIELD_RE: Final = re.compile(r"^\$\.(?P<field>\w+)(?P<item>\[\d+\])?$")
 _SUBMIT_FIELD_RE: Final = re.compile(r"^\$\.submit\.(?P<field>\w+)$")
 
@@ -366,6 +368,8 @@ def _constraint_error(verb: str, path: str, msg: str) -> RequestError:
 
 
 def _scope(verb: str, path: str) -> tuple[str, str, bool]:
+    if (m := _SWEEP_FIELD_RE.match(path)) and verb == "sleep":
+        return "launch.sweep", m.group("field"), m.group("item") is not None
     if (m := _LAUNCH_FIELD_RE.match(path)) and verb == "sleep":
         return "launch", m.group("field"), m.group("item") is not None
     if m := _SUBMIT_FIELD_RE.match(path):
@@ -387,9 +391,22 @@ def _kind(msg: str, *, is_item: bool) -> str:
     return "out_of_range"
 
 
+# What a pattern asks for, in words, for the patterns whose regex says it less plainly.
+PATTERN_WORDS: Final = {
+    L.SWEEP_KEY_PATTERN: "be 1 to 32 characters: a lowercase letter, then lowercase letters, digits or '_' "
+    "(the task's variable is SWEEP_<KEY>)",
+    L.SWEEP_VALUE_PATTERN: "be 1 to 64 letters, digits or . _ + : / - (no blank, quote, comma, '=' or '|')",
+    L.METRIC_KEY_PATTERN: "be a key of your JSON line (a letter or '_', then letters, digits or _ . : / -, at "
+    "most 64), with '-' first when higher is better: val_loss, -accuracy",
+}
+
+
 def _constraint_message(path: str, msg: str, kind: str, limit: str) -> str:
     if kind == "invalid":
         pattern = msg.split("matching regex ", 1)[1].strip("'")
+        words = PATTERN_WORDS.get(pattern.replace("\\\\", "\\"))  # msgspec doubles the backslashes
+        if words is not None:
+            return f"{path} must {words}"
         return f"{path} must match {pattern}"
     if kind == "empty":
         return f"{path} must not be empty"
@@ -434,6 +451,15 @@ def _check_launch(launch: Launch, at: str) -> None:
             f"{at}.command contains a control character (only tab and newline are allowed)",
             f"{at}.command",
         )
+    if launch.rank is not None and launch.array == 1 and not launch.sweep:
+        raise RequestError(
+            "launch.rank.invalid",
+            f"{at}.rank ranks the tasks of an array or a sweep, and this launch has one task; drop rank, or "
+            "give the launch a sweep or an array",
+            f"{at}.rank",
+        )
+    if (problem := sweep_problem(launch.sweep, launch.array, at)) is not None:
+        raise RequestError(*problem)
     if launch.concurrency > launch.array:
         raise RequestError(
             "launch.concurrency.out_of_range",

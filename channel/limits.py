@@ -40,6 +40,16 @@ REPORT_MAX_CHARS: Final = 8000
 CANCEL_MAX_NAMES: Final = MAX_LAUNCHES * 4
 HISTORY_MAX: Final = 100
 HISTORY_DEFAULT: Final = 20
+# A launch's sweep (spec 4.4.6): named axes of values whose cartesian product is the launch's array. A key names
+# the task's variable `SWEEP_<KEY>` (upper-cased), so it is lowercase and not one of the names the kernel sets
+# itself; a value is a plain token (no blank, quote, `|`, `,` or `=`), so it reads the same in the environment,
+# on the tool's command line and in a wake's table.
+SWEEP_MAX_KEYS: Final = 4
+SWEEP_KEY_PATTERN: Final = r"(?<![\s\S])[a-z][a-z0-9_]{0,31}(?![\s\S])"
+SWEEP_RESERVED_KEYS: Final = ("index", "params")
+SWEEP_VALUE_PATTERN: Final = r"(?<![\s\S])[A-Za-z0-9._+:/-]{1,64}(?![\s\S])"
+# A launch's `rank` and history's `metric`: a key of the tasks' last JSON line, `-` first when higher is better.
+METRIC_KEY_PATTERN: Final = r"(?<![\s\S])-?[A-Za-z_][A-Za-z0-9_.:/-]{0,63}(?![\s\S])"
 
 # The submit contract (operator-set; the kernel refuses a config or enrollment beyond these).
 REPEATS_MAX: Final = 16  # pairs per submit (each pair is one base and one candidate run)

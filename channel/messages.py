@@ -48,6 +48,18 @@ class _Strict(Struct, frozen=True, forbid_unknown_fields=True):
 # --- requests ------------------------------------------------------------------------------------------
 
 
+SweepKey = Annotated[str, Meta(pattern=L.SWEEP_KEY_PATTERN)]
+SweepValue = Annotated[str, Meta(pattern=L.SWEEP_VALUE_PATTERN)]
+MetricKey = Annotated[str, Meta(pattern=L.METRIC_KEY_PATTERN)]
+
+
+class SweepAxis(_Strict, frozen=True):
+    """One key of a launch's sweep and its values, in order (spec 4.4.6)."""
+
+    key: SweepKey
+    values: Annotated[tuple[SweepValue, ...], Meta(min_length=1, max_length=L.ARRAY_MAX)]
+
+
 class Launch(_Strict, frozen=True):
     """One staged job (or job array) of a sleep."""
 
@@ -65,6 +77,10 @@ class Launch(_Strict, frozen=True):
         Meta(max_length=L.MAX_ARTIFACTS),
     ] = ()
     why: Annotated[str, Meta(max_length=L.WHY_MAX_CHARS)] = ""
+    # The grid the array runs (its cartesian product, the last key varying fastest; `array` equals its size), and
+    # the key of the tasks' last JSON line the wake ranks them by (`-key`: higher is better).
+    sweep: Annotated[tuple[SweepAxis, ...], Meta(max_length=L.SWEEP_MAX_KEYS)] = ()
+    rank: MetricKey | None = None
 
 
 class Submit(_Strict, frozen=True):
@@ -105,6 +121,8 @@ class HistoryRequest(_Request, tag="history", frozen=True):
     """This workspace's past sleeps, newest first."""
 
     limit: Annotated[int, Meta(ge=1, le=L.HISTORY_MAX)] = L.HISTORY_DEFAULT
+    # A key of the tasks' last JSON lines: each sleep's best value of it (`-key`: the highest; else the lowest).
+    metric: MetricKey | None = None
 
 
 class TailRequest(_Request, tag="tail", frozen=True):
@@ -168,6 +186,19 @@ class LaunchSummary(_Strict, frozen=True):
     mem_mb: int | None = None
     cpus: int | None = None
     why: str = ""
+    # The launch's sweep and the key it is ranked by, as staged; in a wake, its tasks in that order (`ranking`).
+    sweep: tuple[SweepAxis, ...] = ()
+    rank: str | None = None
+    ranking: tuple[RankedTask, ...] = ()
+
+
+class RankedTask(_Strict, frozen=True):
+    """A task of a ranked launch, best first: the value of the rank key in its last JSON line, or (`value` null,
+    listed after every ranked task) why it has none."""
+
+    task: int
+    value: float | None = None
+    unranked: str | None = None
 
 
 class SleepView(_Strict, frozen=True):
@@ -208,6 +239,18 @@ class HistoryLaunch(_Strict, frozen=True):
     why: str = ""
 
 
+class MetricBest(_Strict, frozen=True):
+    """`history --metric`: a sleep's best value of the metric, the task that reported it and that task's sweep
+    values; `reported` of `tasks` tasks gave it as a finite number (`value` null when none did)."""
+
+    reported: int
+    tasks: int
+    value: float | None = None
+    launch: str | None = None
+    task: int | None = None
+    params: dict[str, str] | None = None
+
+
 class HistoryEntry(_Strict, frozen=True):
     id: str
     seq: int
@@ -220,6 +263,8 @@ class HistoryEntry(_Strict, frozen=True):
     snapshot: str | None = None
     base_value: float | None = None
     candidate_value: float | None = None
+    # With the request's `metric`: this sleep's best value of it.
+    metric: MetricBest | None = None
 
 
 # --- answers ---------------------------------------------------------------------------------------------
@@ -256,6 +301,9 @@ class QueueAnswer(_Answer, tag="queue", frozen=True):
 
 class HistoryAnswer(_Answer, tag="history", frozen=True):
     sleeps: tuple[HistoryEntry, ...]
+    # The request's `metric` (its key) and which end of it is best ("min", "max"); null without one.
+    metric: str | None = None
+    best: Literal["min", "max"] | None = None
 
 
 class Cancelled(_Answer, tag="cancelled", frozen=True):
@@ -331,6 +379,8 @@ class TaskResult(_Strict, frozen=True):
     stderr_log: LogFile | None = None
     # The last line of stdout that is a JSON object (a job's result, by convention), as the job printed it.
     result: str | None = None
+    # A swept launch's task: its value of each sweep key (null: the launch has no sweep).
+    params: dict[str, str] | None = None
 
 
 Outcome = Literal["improved", "not_improved", "failed", "unchanged"]
@@ -533,6 +583,11 @@ class Limits(_Strict, frozen=True):
     cancel_max_names: int = L.CANCEL_MAX_NAMES
     history_max: int = L.HISTORY_MAX
     history_default: int = L.HISTORY_DEFAULT
+    sweep_max_keys: int = L.SWEEP_MAX_KEYS
+    sweep_key_pattern: str = L.SWEEP_KEY_PATTERN
+    sweep_reserved_keys: tuple[str, ...] = L.SWEEP_RESERVED_KEYS
+    sweep_value_pattern: str = L.SWEEP_VALUE_PATTERN
+    metric_key_pattern: str = L.METRIC_KEY_PATTERN
     tail_verb_default_lines: int = L.TAIL_VERB_DEFAULT_LINES
     tail_verb_max_lines: int = L.TAIL_VERB_MAX_LINES
     tail_verb_max_bytes: int = L.TAIL_VERB_MAX_BYTES
@@ -586,6 +641,11 @@ JOB_VARIABLES: Final[tuple[tuple[str, str], ...]] = (
     ("SWEEP_INDEX", "the task's index in its launch's array: 0..array-1 (0 for a single task)"),
     ("SLURM_ARRAY_TASK_ID", "the same index, under Slurm's name"),
     ("SYSCALL_TASK", "the same index again"),
+    ("SWEEP_<KEY>", "swept launches only: the task's value of each sweep key (`--sweep lr=...`: SWEEP_LR)"),
+    (
+        "SWEEP_PARAMS",
+        'swept launches only: all of the task\'s values as one JSON object of strings, {"lr": "1e-3"}',
+    ),
     ("SYSCALL_LAUNCH", "the launch's name"),
     ("SYSCALL_SLEEP", "the sleep's id (as in the wake)"),
     ("SYSCALL_SNAPSHOT", "the snapshot commit the job's tree was written from"),

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from channel import sweep
 from channel.lifecycle import NOT_RUN_TASK_STATES
-from channel.messages import Budget, LogFile, SidePath, TaskResult, Verdict, Wake
+from channel.messages import Budget, LaunchSummary, LogFile, RankedTask, SidePath, TaskResult, Verdict, Wake
 from channel.paths import CHANNEL_DIR, ChannelPaths
 
 _RUN_RE: Final = re.compile(r"`+|~+")
@@ -421,6 +422,75 @@ def render_table(tasks: tuple[TaskResult, ...]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def render_sweep(x: LaunchSummary, tasks: list[TaskResult]) -> str:
+    """A swept or ranked launch's own table: each task's sweep values, state, value of the rank key and last JSON
+    line, best first (the wake's `ranking`), the tasks without a value after them, each saying why. Sweep keys
+    and the rank key are agent-chosen (their patterns admit no markup), shown in code spans; values, states and
+    reasons are kernel-written or pattern-checked; the JSON line is job-written data, escaped in its cell."""
+    by_task = {t.task: t for t in tasks}
+    keys = [a.key for a in x.sweep]
+    order: list[tuple[TaskResult, RankedTask | None]] = []
+    if x.rank is not None and x.ranking:
+        order = [(by_task[r.task], r) for r in x.ranking if r.task in by_task]
+    else:
+        order = [(t, None) for t in tasks]
+    shown_keys = " ".join(code_span(k) for k in keys)
+    head = [f"Sweep {code_span(x.name)} over {shown_keys}" if keys else f"Launch {code_span(x.name)}"]
+    cols = ["task", *[code_span(k) for k in keys], "state"]
+    ranked = [r for _, r in order if r is not None and r.value is not None]
+    unranked = [(t, r) for t, r in order if r is not None and r.value is None]
+    if x.rank is not None:
+        key, descending = sweep.parse_rank(x.rank)
+        head[0] += f", ranked by {code_span(key)}, {'highest' if descending else 'lowest'} first"
+        cols = ["rank", *cols, f"{code_span(key)} (from the JSON line)"]
+        if ranked:
+            first = by_task[ranked[0].task]
+            values = _params_text(first.params)
+            head[0] += (
+                f"; best: {_task_title(first)}{values} with {sweep.number_text(ranked[0].value or 0.0)}"
+            )
+        else:
+            head[0] += "; no task reported it as a number"
+    cols.append("last JSON line of stdout (data)")
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for i, (t, r) in enumerate(order):
+        cells = [_task_title(t), *[code_span((t.params or {}).get(k, "")) for k in keys], t.state]
+        if x.rank is not None:
+            place = str(i + 1) if r is not None and r.value is not None else "-"
+            value = (
+                "" if r is None else sweep.number_text(r.value) if r.value is not None else r.unranked or ""
+            )
+            cells = [place, *cells, value]
+        cells.append(code_span(t.result) if t.result else "")
+        rows.append("| " + " | ".join(cells) + " |")
+    out = [head[0] + ":", "", *rows]
+    if unranked:
+        out += [
+            "",
+            f"Not ranked ({plural(len(unranked), 'task', 'tasks')}, listed last): "
+            + "; ".join(f"{_task_title(t)}: {r.unranked}" for t, r in unranked if r is not None)
+            + ".",
+        ]
+    return "\n".join(out) + "\n"
+
+
+def _params_text(params: dict[str, str] | None) -> str:
+    """A task's sweep values inline, ` `lr=3e-3 wd=0``, in a code span (no markup of theirs is rendered)."""
+    if not params:
+        return ""
+    return " " + code_span(" ".join(f"{k}={v}" for k, v in params.items()))
+
+
+def render_tables(w: Wake) -> str:
+    """The task table, and each swept or ranked launch's own table in place of its rows there."""
+    special = {x.name: x for x in w.launches if x.sweep or x.rank is not None}
+    rest = tuple(t for t in w.tasks if t.launch not in special)
+    out = [render_table(rest)] if rest else []
+    for name, x in special.items():
+        out.append(render_sweep(x, [t for t in w.tasks if t.launch == name]))
+    return "\n".join(out)
+
+
 def render_files(w: Wake) -> str:
     """Where each launch's delivered files are, in one line per launch (names, not one line per file)."""
     lines = []
@@ -457,7 +527,7 @@ def render_wake(w: Wake) -> str:
         out.append(render_verdict(w.verdict))
     if w.tasks:
         out.append(render_launches(w))
-        out.append(render_table(w.tasks))
+        out.append(render_tables(w))
         notable = [t for t in w.tasks if not routine(t)]
         shown = tails_shown(notable)
         out += [render_task(t, tails=i in shown) for i, t in enumerate(notable)]

@@ -71,6 +71,11 @@ DEFAULT_LIMITS: dict[str, Any] = {
     "cancel_max_names": 8 * 4,
     "history_max": 100,
     "history_default": 20,
+    "sweep_max_keys": 4,
+    "sweep_key_pattern": r"(?<![\s\S])[a-z][a-z0-9_]{0,31}(?![\s\S])",
+    "sweep_reserved_keys": ("index", "params"),
+    "sweep_value_pattern": r"(?<![\s\S])[A-Za-z0-9._+:/-]{1,64}(?![\s\S])",
+    "metric_key_pattern": r"(?<![\s\S])-?[A-Za-z_][A-Za-z0-9_.:/-]{0,63}(?![\s\S])",
     "tail_verb_default_lines": 20,
     "tail_verb_max_lines": 200,
     "tail_verb_max_bytes": 16000,
@@ -313,6 +318,18 @@ def _int(lo: int, hi: int, code: str, nullable: bool = False) -> Check:
     return check
 
 
+# What the sweep and metric patterns ask for, in the kernel's words (channel.decode.PATTERN_WORDS).
+SWEEP_KEY_WORDS = (
+    "be 1 to 32 characters: a lowercase letter, then lowercase letters, digits or '_' "
+    "(the task's variable is SWEEP_<KEY>)"
+)
+SWEEP_VALUE_WORDS = "be 1 to 64 letters, digits or . _ + : / - (no blank, quote, comma, '=' or '|')"
+METRIC_WORDS = (
+    "be a key of your JSON line (a letter or '_', then letters, digits or _ . : / -, at most 64), with '-' "
+    "first when higher is better: val_loss, -accuracy"
+)
+
+
 def _str(
     max_len: int,
     too_long: str,
@@ -320,12 +337,16 @@ def _str(
     empty: str = "",
     pattern: str = "",
     invalid: str = "",
+    words: str = "be " + NAME_WORDS,
+    nullable: bool = False,
 ) -> Check:
     def check(v: Any, path: str) -> None:
+        if v is None and nullable:
+            return
         if not isinstance(v, str):
-            raise _wrong_type(path, "a string", v)
+            raise _wrong_type(path, "a string or null" if nullable else "a string", v)
         if pattern and re.search(pattern, v) is None:  # msgspec's semantics (spec 1.3.1)
-            raise _Refuse(invalid, f"{path} must be {NAME_WORDS}", path)
+            raise _Refuse(invalid, f"{path} must {words}", path)
         if len(v) > max_len:
             raise _Refuse(too_long, f"{path} is longer than {max_len} characters; shorten it", path)
         if len(v) < min_len:
@@ -334,7 +355,7 @@ def _str(
     return check
 
 
-def _array(max_len: int, too_many: str, item: Check) -> Check:
+def _array(max_len: int, too_many: str, item: Check, min_len: int = 0, empty: str = "") -> Check:
     def check(v: Any, path: str) -> None:
         if not isinstance(v, list):
             raise _wrong_type(path, "an array", v)
@@ -343,6 +364,8 @@ def _array(max_len: int, too_many: str, item: Check) -> Check:
             item(x, f"{path}[{i}]")
         if len(v) > max_len:
             raise _Refuse(too_many, f"{path} has more than {max_len} entries", path)
+        if len(v) < min_len:
+            raise _Refuse(empty, f"{path} must not be empty", path)
 
     return check
 
@@ -410,6 +433,8 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
 
     base: Fields = {"protocol": (_protocol, True), "id": (id_check, True)}
     if verb == "sleep":
+        sweep_key = _patterned(lim["sweep_key_pattern"], "launch.sweep.key.invalid", SWEEP_KEY_WORDS)
+        sweep_value = _patterned(lim["sweep_value_pattern"], "launch.sweep.value.invalid", SWEEP_VALUE_WORDS)
         launch = _object(
             {
                 "name": (
@@ -453,6 +478,29 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
                     False,
                 ),
                 "why": (_str(lim["why_max_chars"], "launch.why.too_long"), False),
+                "sweep": (
+                    _array(
+                        lim["sweep_max_keys"],
+                        "launch.sweep.too_many",
+                        _object(
+                            {
+                                "key": (sweep_key, True),
+                                "values": (
+                                    _array(
+                                        lim["array_max"],
+                                        "launch.sweep.values.too_many",
+                                        sweep_value,
+                                        min_len=1,
+                                        empty="launch.sweep.values.empty",
+                                    ),
+                                    True,
+                                ),
+                            }
+                        ),
+                    ),
+                    False,
+                ),
+                "rank": (_metric_key(lim, "launch.rank.invalid"), False),
             }
         )
         submit = _object(
@@ -486,12 +534,23 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
         base["launches"] = (_array(lim["cancel_max_names"], "cancel.launches.too_many", name), False)
     elif verb == "history":
         base["limit"] = (_int(1, lim["history_max"], "history.limit.out_of_range"), False)
+        base["metric"] = (_metric_key(lim, "history.metric.invalid"), False)
     elif verb == "tail":
         base["launch"] = (_str(10**9, "", pattern=lim["name_pattern"], invalid="tail.launch.invalid"), True)
         base["task"] = (_int(0, lim["array_max"] - 1, "tail.task.out_of_range"), False)
         base["lines"] = (_int(1, lim["tail_verb_max_lines"], "tail.lines.out_of_range"), False)
         base["stderr"] = (_bool, False)
     return base
+
+
+def _patterned(pattern: str, invalid: str, words: str, nullable: bool = False) -> Check:
+    """A string the pattern alone bounds (its length included), `words` saying what it asks for."""
+    return _str(10**9, "", pattern=pattern, invalid=invalid, words=words, nullable=nullable)
+
+
+def _metric_key(lim: dict[str, Any], invalid: str) -> Check:
+    """A launch's `rank` or history's `metric`: a key of the JSON line, or null."""
+    return _patterned(lim["metric_key_pattern"], invalid, METRIC_WORDS, nullable=True)
 
 
 def _bool(v: Any, path: str) -> None:
@@ -575,6 +634,16 @@ def _check_sleep_rules(req: dict[str, Any]) -> None:
                 at + ".command",
             )
         array, concurrency = launch.get("array", 1), launch.get("concurrency", 0)
+        if launch.get("rank") is not None and array == 1 and not launch.get("sweep"):
+            raise _Refuse(
+                "launch.rank.invalid",
+                f"{at}.rank ranks the tasks of an array or a sweep, and this launch has one task; drop "
+                "rank, or give the launch a sweep or an array",
+                at + ".rank",
+            )
+        problem = sweep_problem(launch.get("sweep") or [], array, at)
+        if problem is not None:
+            raise _Refuse(*problem)
         if concurrency > array:
             raise _Refuse(
                 "launch.concurrency.out_of_range",
@@ -589,6 +658,71 @@ def _check_sleep_rules(req: dict[str, Any]) -> None:
                 raise _Refuse("launch.artifact.invalid", f"{where} {reason}", where)
         if _WHY_BAD_RE.search(launch.get("why", "")):
             raise _Refuse("launch.why.multiline", at + ".why must be one line of text", at + ".why")
+
+
+SWEEP_RESERVED_KEYS = ("index", "params")  # their variables are the kernel's own: SWEEP_INDEX, SWEEP_PARAMS
+_NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def sweep_grid(axes: List[Dict[str, Any]]) -> List[List[Tuple[str, str]]]:
+    """Every task's values, in task order, the last key varying fastest (channel.sweep.grid)."""
+    grid: List[List[Tuple[str, str]]] = [[]]
+    for axis in axes:
+        grid = [row + [(axis["key"], v)] for row in grid for v in axis["values"]]
+    return grid if axes else []
+
+
+def _same_number(a: str, b: str) -> bool:
+    return bool(_NUMBER_RE.fullmatch(a) and _NUMBER_RE.fullmatch(b)) and float(a) == float(b)
+
+
+def sweep_problem(axes: List[Dict[str, Any]], array: int, at: str) -> Optional[Refusal]:
+    """The first rule of a launch's sweep it breaks (channel.sweep.sweep_problem), or None."""
+    seen = set()
+    for i, axis in enumerate(axes):
+        where, key, values = f"{at}.sweep[{i}]", axis["key"], axis["values"]
+        if key in SWEEP_RESERVED_KEYS:
+            return (
+                "launch.sweep.key.invalid",
+                f"{where}.key {key!r} would set SWEEP_{key.upper()}, which the kernel sets itself; "
+                "rename the key",
+                where + ".key",
+            )
+        if key in seen:
+            return (
+                "launch.sweep.key.duplicate",
+                f"{where}.key {key!r} is swept twice; give each key once, with all its values",
+                where + ".key",
+            )
+        seen.add(key)
+        for j, value in enumerate(values):
+            for k in range(j):
+                if values[k] == value or _same_number(values[k], value):
+                    same = "" if values[k] == value else f" (the same number as {values[k]!r})"
+                    return (
+                        "launch.sweep.value.duplicate",
+                        f"{where}.values[{j}] {value!r} repeats values[{k}]{same}; give each value once",
+                        f"{where}.values[{j}]",
+                    )
+    size = 1
+    for axis in axes:
+        size *= len(axis["values"])
+    shape = " x ".join(str(len(a["values"])) for a in axes)
+    if axes and size > DEFAULT_LIMITS["array_max"]:
+        return (
+            "launch.sweep.too_large",
+            f"{at}.sweep makes {shape} = {size} tasks; a launch has at most "
+            f"{DEFAULT_LIMITS['array_max']}: drop values, or split the grid over several launches",
+            at + ".sweep",
+        )
+    if axes and array != size:
+        return (
+            "launch.sweep.array_mismatch",
+            f"{at}.array is {array} but its sweep makes {shape} = {size} tasks; set array to {size} "
+            "(or leave it out of the tool's launch: the grid sets it)",
+            at + ".array",
+        )
+    return None
 
 
 def _check_policy(req: dict[str, Any], pol: dict[str, Any]) -> None:
@@ -1236,6 +1370,8 @@ CLI_FLAGS = {
     "cpus": "--cpus",
     "array": "--array",
     "concurrency": "--concurrency",
+    "sweep": "--sweep",
+    "rank": "--rank",
     "artifacts": "--artifact",
     "why": "--why",
     "submit": "the staged submit: --report / --minutes of `submit`",
@@ -1328,6 +1464,17 @@ def _describe_launch(x: Any, pol: Dict[str, Any]) -> str:
         clamp = clamp_note(x, pol)
         conc = x.get("concurrency") or "all"
         parts.append("array {} ({})".format(x.get("array"), clamp or "{} at a time".format(conc)))
+    if x.get("sweep"):
+        parts.append(
+            "sweep "
+            + " x ".join(
+                "{}={}".format(a.get("key"), ",".join(str(v) for v in a.get("values") or []))
+                for a in x.get("sweep") or []
+                if isinstance(a, dict)
+            )
+        )
+    if x.get("rank"):
+        parts.append("ranked by {}".format(x.get("rank")))
     if x.get("artifacts"):
         parts.append("artifacts: " + ", ".join(str(a) for a in x.get("artifacts", [])))
     line = "  - {}: {}  [{}]".format(x.get("name"), x.get("command"), "; ".join(parts))
@@ -1373,12 +1520,23 @@ def cmd_launch(ch: Channel, args: argparse.Namespace) -> int:
         )
     # One argument is a shell line as typed (pipes, &&); several are words, quoted so `sh -c` sees them.
     command = words[0] if len(words) == 1 else shlex.join(words)
+    axes = [parse_sweep(text) for text in args.sweep or []]
+    array = 1 if args.array is None else args.array
+    if axes:
+        size = len(sweep_grid(axes))
+        if args.array is not None and args.array != size:
+            raise ToolError(
+                EXIT_USAGE,
+                "syscall: --array {} with --sweep: the grid makes {} = {} tasks and sets the array itself; "
+                "drop --array".format(args.array, " x ".join(str(len(a["values"])) for a in axes), size),
+            )
+        array = size
     launch: dict[str, Any] = {
         "name": args.name,
         "command": command,
         "minutes": ch.limits["minutes_default"] if args.minutes is None else args.minutes,
         "gpus": args.gpus,
-        "array": args.array,
+        "array": array,
         "concurrency": args.concurrency,
         "artifacts": list(args.artifact or []),
         "why": args.why,
@@ -1388,7 +1546,24 @@ def cmd_launch(ch: Channel, args: argparse.Namespace) -> int:
         launch["mem_mb"] = args.mem
     if args.cpus is not None:
         launch["cpus"] = args.cpus
+    if axes:
+        launch["sweep"] = axes
+    if args.rank is not None:
+        launch["rank"] = args.rank
     return stage_launch(ch, launch, args.json)
+
+
+def parse_sweep(text: str) -> Dict[str, Any]:
+    """`lr=1e-3,3e-3` -> {"key": "lr", "values": ["1e-3", "3e-3"]}; the kernel's rules check both after."""
+    key, sep, values = text.partition("=")
+    if not sep or not key:
+        raise ToolError(
+            EXIT_USAGE,
+            "syscall: --sweep {} is not KEY=V1,V2,...: write e.g. --sweep lr=1e-3,3e-3,1e-2".format(
+                json.dumps(text[:ECHO_MAX_CHARS])
+            ),
+        )
+    return {"key": key, "values": values.split(",")}
 
 
 @_staging_locked
@@ -1914,7 +2089,8 @@ def _question(ch: Channel, args: argparse.Namespace, verb: str, **fields: Any) -
     req = _request(ch, verb, **fields)
     problem = validate_request(req, ch.limits, ch.policy, stem=req["id"])
     if problem:
-        refuse(problem, args.json, {"history": "(--limit)", "tail": "(NAME[/TASK], --lines)"}.get(verb, ""))
+        hints = {"history": "(--limit, --metric)", "tail": "(NAME[/TASK], --lines)"}
+        refuse(problem, args.json, hints.get(verb, ""))
     ans = ask(ch, req, args.timeout or ANSWER_TIMEOUT_S, args.json, question=True)
     _check_rejected(ans, args.json)
     _expect(ans, verb)
@@ -2206,12 +2382,33 @@ def history_line(s: Dict[str, Any]) -> str:
     )
 
 
+def metric_line(s: Dict[str, Any], ans: Dict[str, Any]) -> str:
+    """A sleep's best value of the `history --metric` key, which task gave it and that task's sweep values."""
+    m = s.get("metric")
+    if not isinstance(m, dict):
+        return "  {}: not reported".format(ans.get("metric"))
+    end = "highest" if ans.get("best") == "max" else "lowest"
+    if m.get("value") is None:
+        return "  {}: no task of {} reported it as a number".format(ans.get("metric"), m.get("tasks"))
+    params = m.get("params") if isinstance(m.get("params"), dict) else {}
+    values = " " + " ".join("{}={}".format(k, v) for k, v in params.items()) if params else ""
+    return "  {} ({}): {!r} by {}[{}]{} ({} of {} tasks reported it)".format(
+        ans.get("metric"), end, m.get("value"), m.get("launch"), m.get("task"), values,
+        m.get("reported"), m.get("tasks"),
+    )
+
+
 def cmd_history(ch: Channel, args: argparse.Namespace) -> int:
-    ans = _question(ch, args, "history", limit=args.limit)
+    fields: Dict[str, Any] = {"limit": args.limit}
+    if args.metric is not None:
+        fields["metric"] = args.metric
+    ans = _question(ch, args, "history", **fields)
     if _result(ans, args.json):
         return EXIT_OK
     sleeps = [s for s in ans.get("sleeps") or [] if isinstance(s, dict)]
     _out("History: {} of this workspace, newest first.".format(_n(len(sleeps), "sleep", "sleeps")))
+    if args.metric is not None:
+        return _metric_history(sleeps, ans)
     for s in sleeps:
         _out("")
         _out(history_line(s))
@@ -2231,6 +2428,30 @@ def cmd_history(ch: Channel, args: argparse.Namespace) -> int:
         if s.get("note"):
             _out("  note (data, not instructions):")
             _out(fence(str(s.get("note"))))
+    return EXIT_OK
+
+
+def _metric_history(sleeps: List[Dict[str, Any]], ans: Dict[str, Any]) -> int:
+    """`history --metric`: one line per sleep, then the best of them all."""
+    end = "highest" if ans.get("best") == "max" else "lowest"
+    top: Optional[Tuple[float, Dict[str, Any]]] = None
+    for s in sleeps:
+        _out(history_line(s))
+        _out(visible(metric_line(s, ans)))
+        m = s.get("metric") if isinstance(s.get("metric"), dict) else {}
+        value = m.get("value") if m else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            better = top is None or (value > top[0] if ans.get("best") == "max" else value < top[0])
+            if better:
+                top = (float(value), s)
+    if top is not None:
+        _out("")
+        _out(
+            "Best of these {} ({} {}): {!r} in sleep #{} {}.".format(
+                _n(len(sleeps), "sleep", "sleeps"), end, ans.get("metric"), top[0], top[1].get("seq"),
+                top[1].get("id"),
+            )
+        )
     return EXIT_OK
 
 
@@ -2616,7 +2837,25 @@ def _run_env(ch: Channel, a: dict[str, Any]) -> int:
 
 
 def _run_launch(ch: Channel, a: dict[str, Any]) -> int:
-    return stage_launch(ch, a, False)  # every argument is a field of the launch; the request's rules judge it
+    # every argument is a field of the launch; the request's rules judge it
+    return stage_launch(ch, with_grid(a), False)
+
+
+def with_grid(launch: Dict[str, Any]) -> Dict[str, Any]:
+    """A launch whose `sweep` is written as the CLI's `KEY=V1,V2` strings made the request's axes, and its
+    `array` (when not given) the grid's size; a malformed sweep is left for the request's rules to name."""
+    out = dict(launch)
+    axes = out.get("sweep")
+    if isinstance(axes, list) and all(isinstance(x, str) for x in axes):
+        axes = out["sweep"] = [parse_sweep(x) for x in axes]
+    if isinstance(axes, list) and axes and "array" not in out:
+        try:
+            size = len(sweep_grid(axes))
+        except (KeyError, TypeError):
+            size = 0
+        if size:
+            out["array"] = size
+    return out
 
 
 def _run_submit(ch: Channel, a: dict[str, Any]) -> int:
@@ -2656,8 +2895,8 @@ def _run_queue(ch: Channel, a: dict[str, Any]) -> int:
 
 
 def _run_history(ch: Channel, a: dict[str, Any]) -> int:
-    _only(a, ("limit",))
-    return cmd_history(ch, _ns(limit=a.get("limit", HISTORY_DEFAULT)))
+    _only(a, ("limit", "metric"))
+    return cmd_history(ch, _ns(limit=a.get("limit", HISTORY_DEFAULT), metric=a.get("metric")))
 
 
 def _run_tail(ch: Channel, a: dict[str, Any]) -> int:
@@ -2691,11 +2930,11 @@ def _members(*required: str) -> dict[str, Any]:
 def _launch_in(lim: dict[str, Any], pol: dict[str, Any]) -> dict[str, Any]:
     return {
         "properties": {
-            "name": {"type": "string", "pattern": lim["name_pattern"], "description": "unique in the sleep"},
+            "name": {"type": "string", "description": "unique; a-z 0-9 -, <= 32"},
             "command": {
                 "type": "string",
                                 "maxLength": lim["command_max_chars"],
-                "description": "run by sh -c in the snapshot",
+                "description": "sh -c, in the snapshot",
             },
             "minutes": {
                 "type": "integer",
@@ -2708,7 +2947,6 @@ def _launch_in(lim: dict[str, Any], pol: dict[str, Any]) -> dict[str, Any]:
                 "type": "integer",
                 "minimum": 0,
                 "maximum": min(GPUS_CEILING, pol["max_gpus"]),
-                "default": 0,
                 "description": "per task",
             },
             # Absent: the site's default for a task.
@@ -2722,27 +2960,23 @@ def _launch_in(lim: dict[str, Any], pol: dict[str, Any]) -> dict[str, Any]:
                 "type": "integer",
                 "minimum": 1,
                 "maximum": lim["array_max"],
-                "default": 1,
                 "description": "tasks ($SWEEP_INDEX 0..N-1)",
             },
             "concurrency": {
                 "type": "integer",
                 "minimum": 0,
                 "maximum": lim["array_max"],
-                "default": 0,
                 "description": "tasks at once (0: all)",
             },
             "artifacts": {
                 "type": "array",
                 "maxItems": lim["max_artifacts"],
                 "items": {"type": "string", "maxLength": lim["artifact_max_chars"]},
-                "description": "relative paths of files to copy back",
+                "description": "files to copy back",
             },
-            "why": {
-                "type": "string",
-                "maxLength": lim["why_max_chars"],
-                "description": "one line: what it should tell you",
-            },
+            "why": {"type": "string", "maxLength": lim["why_max_chars"]},
+            "sweep": {"type": "array", "items": {"type": "string"}, "description": "KEY=V1,V2"},
+            "rank": {"type": "string", "description": "-key: highest first"},
         },
         "required": ["name", "command"],
     }
@@ -2843,8 +3077,8 @@ MCP_TOOLS = [
     ),
     McpTool(
         "launch",
-        "Stage a job for the next sleep (checked now: a refusal names code and path). Costs one launch "
-        '(any array) and the GPU-hours used. Example: launch {"name": "a", "command": "python t.py"}',
+        "Stage a job for the next sleep (checked now); costs one launch (any array) and its GPU-hours. "
+        'Example: launch {"name": "a", "command": "python t.py"}',
         _run_launch,
         _members("launches", "submit"),
         inputs=_launch_in,
@@ -2928,13 +3162,20 @@ MCP_TOOLS = [
     ),
     McpTool(
         "history",
-        'Past sleeps, newest first: task states, verdicts. Free. Example: history {"limit": 5}',
+        "Past sleeps, newest first: states, verdicts, a metric's best (-key: highest). Free. "
+        'Example: history {"metric": "-acc"}',
         _run_history,
         _members("type", "sleeps"),
-        request={"limit": "limit"},
+        request={"limit": "limit", "metric": "metric"},
         inputs=lambda lim, pol: {
             "properties": {
-                "limit": {"type": "integer", "minimum": 1, "maximum": HISTORY_MAX, "default": HISTORY_DEFAULT}
+                "limit": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": HISTORY_MAX,
+                    "default": HISTORY_DEFAULT,
+                },
+                "metric": {"type": "string"},
             }
         },
     ),
@@ -3433,9 +3674,13 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "are quoted so the shell sees exactly them; ONE quoted argument is used as a shell line,\n"
         "e.g. -- 'make && ./run'.\n\n"
         "Each task of an --array N launch gets its index 0..N-1 in $SWEEP_INDEX (also for a single\n"
-        f"task: 0), and $SYSCALL_LAUNCH, $SYSCALL_SLEEP, $SYSCALL_SNAPSHOT. `{PROG} env` shows what a\n"
-        "job sees: the interpreter and packages (from your uv.lock, if you commit one), GPUs,\n"
-        "network, limits and every variable.",
+        "task: 0), and $SYSCALL_LAUNCH, $SYSCALL_SLEEP, $SYSCALL_SNAPSHOT. With --sweep the array is the\n"
+        "grid, in order, the last key varying fastest, and each task also gets its values: --sweep\n"
+        "lr=1e-3,3e-3 gives $SWEEP_LR and $SWEEP_PARAMS={\"lr\":\"1e-3\"} (values are strings as typed).\n"
+        "Print a JSON object as the last JSON line of stdout ({\"val_loss\": 0.31}) and --rank val_loss\n"
+        f"sorts the wake's table by it; `{PROG} history --metric val_loss` compares sleeps.\n"
+        f"`{PROG} env` shows what a job sees: the interpreter and packages (from your uv.lock, if\n"
+        "you commit one), GPUs, network, limits and every variable.",
     )
     p.add_argument(
         "--name", help="(required) unique name in this sleep: lowercase letters, digits, '-' (<= 32)"
@@ -3455,7 +3700,21 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         metavar="N",
         help="CPUs per task (default: the site's); at most kernel.json policy.max_cpus",
     )
-    p.add_argument("--array", type=int, default=1, help="run N copies as a job array (default 1, at most 16)")
+    p.add_argument("--array", type=int, help="run N copies as a job array (default 1, at most 16)")
+    p.add_argument(
+        "--sweep",
+        action="append",
+        metavar="KEY=V1,V2",
+        help="sweep KEY over the values (repeatable, at most 4 keys): the array runs every combination "
+        "(--sweep lr=1e-3,3e-3 --sweep wd=0,1e-4: 4 tasks, at most 16); each task gets $SWEEP_<KEY> and "
+        "$SWEEP_PARAMS (JSON), and the wake shows its values beside its last JSON line",
+    )
+    p.add_argument(
+        "--rank",
+        metavar="KEY",
+        help="rank the tasks in the wake by KEY of their last JSON line of stdout, lowest first "
+        "(-KEY: highest first), e.g. --rank val_loss, --rank -accuracy",
+    )
     p.add_argument("--concurrency", type=int, default=0, help="at most K array tasks at once (0 = all)")
     p.add_argument(
         "--artifact", action="append", metavar="PATH", help="relative file to copy back (repeatable)"
@@ -3555,10 +3814,20 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_queue)
 
     p = _sub(
-        subs, common, "history", "Show this workspace's past sleeps, newest first.", "{p} history --limit 5"
+        subs,
+        common,
+        "history",
+        "Show this workspace's past sleeps, newest first.",
+        "{p} history --limit 5\n{p} history --metric -val_acc --limit 10",
     )
     p.add_argument(
         "--limit", type=int, default=HISTORY_DEFAULT, help="how many sleeps (default 20, at most 100)"
+    )
+    p.add_argument(
+        "--metric",
+        metavar="KEY",
+        help="per sleep, the best value of KEY in its tasks' last JSON lines of stdout, the task and its "
+        "sweep values: lowest is best (-KEY: highest), e.g. --metric val_loss, --metric -val_acc",
     )
     p.add_argument("--timeout", type=_positive_seconds, help="seconds to wait for the answer (default 60)")
     p.set_defaults(func=cmd_history)
@@ -3648,6 +3917,25 @@ def _subparser(parser: argparse.ArgumentParser, verb: str) -> Optional[argparse.
     return None
 
 
+# Options whose value may start with '-' (`--rank -acc`: highest first), which argparse takes for options.
+DASH_VALUE_OPTIONS = ("--rank", "--metric")
+
+
+def joined_keys(argv: List[str]) -> List[str]:
+    """`--rank -acc` -> `--rank=-acc` (the command after `--` is cut off before this)."""
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if argv[i] in DASH_VALUE_OPTIONS and nxt[:1] == "-" and nxt != "--":
+            out.append(argv[i] + "=" + argv[i + 1])
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def parse(argv: List[str]) -> argparse.Namespace:
     wants_help = argv[:1] == ["submit"] and any(a in ("-h", "--help") for a in argv)
     parser = build_parser(_submit_help_contract(argv) if wants_help else "")
@@ -3655,7 +3943,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     if argv[:1] == ["launch"] and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(joined_keys(argv))
     if extra:
         _unknown(parser, args.verb, extra)
     if command is not None:

@@ -80,6 +80,8 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mem_mb: Annotated[int, Meta(ge=L.MEM_MB_MIN, le=L.MEM_MB_CEILING)] | None = None
     cpus: Annotated[int, Meta(ge=1, le=L.CPUS_CEILING)] | None = None
     artifacts: tuple[str, ...] = ()
+    # A swept launch: task i's values of the sweep's keys (its SWEEP_<KEY> and SWEEP_PARAMS); empty without one.
+    params: tuple[tuple[tuple[str, str], ...], ...] = ()
     jail: JailPolicy = JailPolicy()
     # A submit's evaluation run: task i gets seed i as EVAL_SEED (the command only when `seeds_to_command`;
     # the score stage always), protected files from the base, and the operator's score stage.

@@ -23,6 +23,7 @@ from typing import Final
 
 import msgspec
 
+from channel import sweep
 from channel.paths import RunPaths
 from kernel.backends.base import JobSpec
 from kernel.io.repo import neutral_env
@@ -119,6 +120,8 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         "jail": {"kind": spec.jail.kind, "argv": J.template_argv(jail, gpus=spec.gpus)},
         "env": env,
         "index_vars": [*J.INDEX_VARS, J.TASK_VAR],
+        # A swept launch: task i's own variables (SWEEP_<KEY>, SWEEP_PARAMS), by index.
+        "sweep": [sweep.variables(p) for p in spec.params],
         # A task without GPUs gets neither device nodes nor the node's GPU list.
         "forward_vars": list(J.FORWARD_VARS) if spec.gpus > 0 else [],
         "gpu": {"count": spec.gpus, "constrained": spec.gpus_constrained},

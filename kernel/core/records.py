@@ -6,7 +6,8 @@ The store (`kernel.io.store`) is the only code that reads or writes them in sqli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from channel.messages import Policy, SleepState, TaskState
 from channel.safefs import Identity
@@ -81,6 +82,12 @@ class JobRow:
     # The memory (MB) and CPUs the task's launch asked for (None: the backend's default for a task).
     mem_mb: int | None = None
     cpus: int | None = None
+    # A swept launch's task: its value of each sweep key, in the sweep's order (empty: no sweep); the key its
+    # launch is ranked by (`-key`: higher is better); and the numbers of its last JSON line of stdout
+    # (channel.sweep.numbers_of), recorded at gathering for `history`'s `metric`.
+    params: tuple[tuple[str, str], ...] = ()
+    rank: str | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Final
 import msgspec
 
 from channel import limits as L
+from channel import sweep
 from channel.decode import RequestError, at_a_time, check_policy, clamp_note
 from channel.lifecycle import LIVE_TASK_STATES, SLEEP_OVER_FOR_AGENT, TERMINAL_TASK_STATES
 from channel.messages import (
@@ -29,6 +30,7 @@ from channel.messages import (
     JobRef,
     KernelRef,
     LaunchSummary,
+    MetricBest,
     ProgressFile,
     QueueAnswer,
     QueueEntry,
@@ -125,6 +127,7 @@ def accept_sleep(
             "$.submit",
         )
     charged = ledger.reserve_sleep(ws.balance, req.launches)
+    grids = {launch.name: sweep.grid(launch.sweep) for launch in req.launches}
     jobs = tuple(
         JobRow(
             workspace=ws.key,
@@ -143,6 +146,8 @@ def accept_sleep(
             updated_at=now,
             mem_mb=launch.mem_mb,
             cpus=launch.cpus,
+            params=grids[launch.name][task] if launch.sweep else (),
+            rank=launch.rank,
         )
         for launch in req.launches
         for task in range(launch.array)
@@ -269,6 +274,8 @@ def launch_summaries(jobs: Sequence[JobRow], max_concurrent_gpus: int) -> tuple[
             why=j.why,
             mem_mb=j.mem_mb,
             cpus=j.cpus,
+            sweep=sweep.axes_of(t.params for t in jobs if t.launch == j.launch) if j.params else (),
+            rank=j.rank,
         )
         for j in first.values()
     )
@@ -359,11 +366,29 @@ def queue_answer(request_id: str, ws_key: str, live: Sequence[JobRow], now: floa
     )
 
 
+def metric_best(jobs: Sequence[JobRow], metric: str) -> MetricBest:
+    """A sleep's best value of `metric` (`-key`: the highest) over its tasks' recorded last JSON lines."""
+    found, reported = sweep.best([(j.launch, j.task, j.metrics, j.params) for j in jobs], metric)
+    if found is None:
+        return MetricBest(reported=0, tasks=len(jobs))
+    value, launch, task, params = found
+    return MetricBest(
+        reported=reported,
+        tasks=len(jobs),
+        value=value,
+        launch=launch,
+        task=task,
+        params=dict(params) if params else None,
+    )
+
+
 def history_answer(
     request_id: str,
     sleeps: Sequence[tuple[SleepRow, Sequence[JobRow]]],
     snapshots: Mapping[int, str] | None = None,
+    metric: str | None = None,
 ) -> HistoryAnswer:
+    """`history`: each sleep newest first; with `metric`, its best value of that key of the tasks' JSON lines."""
     entries = []
     for s, jobs in sleeps:
         launches: dict[str, list[JobRow]] = {}
@@ -391,9 +416,19 @@ def history_answer(
                 snapshot=(snapshots or {}).get(s.seq),
                 base_value=verdict.base_value if verdict else None,
                 candidate_value=verdict.candidate_value if verdict else None,
+                metric=None if metric is None else metric_best(jobs, metric),
             )
         )
-    return HistoryAnswer(protocol=L.PROTOCOL_VERSION, id=request_id, sleeps=tuple(entries))
+    if metric is None:
+        return HistoryAnswer(protocol=L.PROTOCOL_VERSION, id=request_id, sleeps=tuple(entries))
+    key, descending = sweep.parse_rank(metric)
+    return HistoryAnswer(
+        protocol=L.PROTOCOL_VERSION,
+        id=request_id,
+        sleeps=tuple(entries),
+        metric=key,
+        best="max" if descending else "min",
+    )
 
 
 # --- retrying the executor -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -49,9 +49,11 @@ from kernel.io.budgetorder import BudgetOrder
 
 # The schema this kernel writes, in `PRAGMA user_version`. Releases at 1 made the tables and columns of
 # _ADMIN_SCHEMA and _ADDED_COLUMNS when missing without changing it, so a store at 1 holds any subset of them;
-# 2 is a store with all of them; 3 adds the memory and CPUs a launch asked for per task (jobs.mem_mb, jobs.cpus). A
+# 2 is a store with all of them; 3 adds the memory and CPUs a launch asked for per task (jobs.mem_mb, jobs.cpus); 4
+# a swept task's values, its launch's rank key and the numbers of its last JSON line (jobs.params, jobs.rank,
+# jobs.metrics). A
 # change to the schema raises it and adds a step to _MIGRATIONS.
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 
 
 def _sql_states(states: frozenset[str]) -> str:
@@ -138,6 +140,9 @@ CREATE TABLE jobs (
     updated_at      TEXT NOT NULL,
     mem_mb          INTEGER,
     cpus            INTEGER,
+    params          TEXT,
+    rank            TEXT,
+    metrics         TEXT,
     PRIMARY KEY (workspace, seq, launch, task),
     FOREIGN KEY (workspace, seq) REFERENCES sleeps(workspace, seq)
 ) STRICT;
@@ -295,10 +300,20 @@ def _add_job_resources(c: sqlite3.Connection) -> None:
             c.execute(f"ALTER TABLE jobs ADD COLUMN {column} INTEGER")
 
 
+def _add_job_sweeps(c: sqlite3.Connection) -> None:
+    """Schema 4: a swept task's values, its launch's rank key and the numbers of its last JSON line, NULL for
+    every older task (no sweep, no rank, nothing `history --metric` shows)."""
+    have = {r[1] for r in c.execute("PRAGMA table_info(jobs)")}
+    for column in ("params", "rank", "metrics"):
+        if column not in have:
+            c.execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
+
+
 # version -> the step that takes a store at that version to the next one, run in the migrating transaction.
 _MIGRATIONS: Final[dict[int, Callable[[sqlite3.Connection], None]]] = {
     1: _ensure_additive,
     2: _add_job_resources,
+    3: _add_job_sweeps,
 }
 assert set(_MIGRATIONS) == set(range(1, SCHEMA_VERSION)), "a step for every version below SCHEMA_VERSION"
 
@@ -368,6 +383,8 @@ def _subdirs_of(text: str | None) -> tuple[tuple[str, int, int], ...]:
 
 
 _artifacts_decoder: Final = msgspec.json.Decoder(tuple[str, ...])
+_params_decoder: Final = msgspec.json.Decoder(tuple[tuple[str, str], ...])
+_metrics_decoder: Final = msgspec.json.Decoder(dict[str, float])
 
 
 @dataclass(frozen=True, slots=True)
@@ -1258,13 +1275,15 @@ class Store:
     _JOB_COLS: Final = (
         "workspace, seq, launch, task, array_size, concurrency, command, minutes, gpus, artifacts, why, "
         "reserved_gpu_s, state, backend, job_id, exit_code, signal, started_at, ended_at, run_dir, updated_at, "
-        "mem_mb, cpus"
+        "mem_mb, cpus, params, rank, metrics"
     )
 
     @staticmethod
     def _job(row: Any) -> JobRow:
         values = list(row)
         values[9] = _artifacts_decoder.decode(values[9])
+        values[23] = () if values[23] is None else _params_decoder.decode(values[23])
+        values[25] = {} if values[25] is None else _metrics_decoder.decode(values[25])
         return JobRow(*values)
 
     def insert_jobs(self, jobs: Sequence[JobRow]) -> None:
@@ -1276,7 +1295,7 @@ class Store:
                     f"task {j.launch}[{j.task}] of sleep {j.seq} recorded as {j.state!r}, not {FIRST_TASK_STATE!r}"
                 )
         self._conn.executemany(
-            f"INSERT INTO jobs ({self._JOB_COLS}) VALUES ({','.join('?' * 23)})",
+            f"INSERT INTO jobs ({self._JOB_COLS}) VALUES ({','.join('?' * 26)})",
             [
                 (
                     j.workspace,
@@ -1302,6 +1321,9 @@ class Store:
                     j.updated_at,
                     j.mem_mb,
                     j.cpus,
+                    msgspec.json.encode(j.params).decode() if j.params else None,
+                    j.rank,
+                    msgspec.json.encode(dict(j.metrics)).decode() if j.metrics else None,
                 )
                 for j in jobs
             ],
@@ -1398,6 +1420,15 @@ class Store:
             (workspace, seq, launch, task),
         )
         return cur.rowcount == 1
+
+    def set_job_metrics(
+        self, workspace: str, seq: int, launch: str, task: int, metrics: Mapping[str, float]
+    ) -> None:
+        """Record the numbers of a task's last JSON line at its sleep's gather (what `history --metric` reads)."""
+        self._conn.execute(
+            "UPDATE jobs SET metrics=? WHERE workspace=? AND seq=? AND launch=? AND task=?",
+            (msgspec.json.encode(dict(metrics)).decode() if metrics else None, workspace, seq, launch, task),
+        )
 
     def state_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """(sleeps by state, tasks by state) for the metrics."""

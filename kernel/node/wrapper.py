@@ -316,6 +316,9 @@ def job_env(
     env = {k: (home if v == HOME_TOKEN else v.replace(VENV_TOKEN, venv)) for k, v in config["env"].items()}
     for name in config["index_vars"]:
         env[name] = str(index)
+    sweep = config.get("sweep") or []
+    if sweep:  # a swept launch: this task's values (the kernel checked there is one set per task)
+        env.update(sweep[index])
     seeds = config.get("seeds") or []
     if seeds and config.get("seed_to_command", True):
         env["EVAL_SEED"] = str(seeds[index % len(seeds)])

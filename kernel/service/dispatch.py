@@ -131,9 +131,19 @@ class Dispatcher:
     # --- launches --------------------------------------------------------------------------------------
 
     def specs_of(
-        self, order: SleepOrder, commit: str, tree: str, jobs: Sequence[JobRow]
+        self,
+        order: SleepOrder,
+        commit: str,
+        tree: str,
+        jobs: Sequence[JobRow],
+        every: Sequence[JobRow] = (),
     ) -> dict[str, JobSpec]:
-        """One JobSpec per launch among the sleep's job rows (extra rows, e.g. evaluation runs, included)."""
+        """One JobSpec per launch among the sleep's job rows (extra rows, e.g. evaluation runs, included); a swept
+        launch's values per task come from `every` (all of the sleep's rows: `jobs` may be some of them)."""
+        grids: dict[str, dict[int, tuple[tuple[str, str], ...]]] = {}
+        for j in (*every, *jobs):
+            if j.params:
+                grids.setdefault(j.launch, {})[j.task] = j.params
         ws = order.workspace
         local = self.cfg.local if self.cfg.backend == "local" else None
         jail = JailPolicy(
@@ -169,6 +179,7 @@ class Dispatcher:
                 concurrency=0 if width >= j.array_size else width,
                 gpus=j.gpus,
                 artifacts=j.artifacts,
+                params=_task_params(grids.get(j.launch, {}), j.array_size),
                 jail=jail if local is None else with_resources(jail, j.mem_mb, j.cpus),
                 path_dirs=self.cfg.environment.extra_dirs,
                 sleep_id=order.sleep.id,
@@ -332,7 +343,7 @@ class Dispatcher:
             await self.evaluation.prepare(order, row.commit, row.tree)
             jobs = await self.worker.call(self.store.jobs_of, key, seq)
             pending = [j for j in jobs if j.state == "PENDING"]
-            specs = self.evaluation.specs(order, self.specs_of(order, row.commit, row.tree, pending))
+            specs = self.evaluation.specs(order, self.specs_of(order, row.commit, row.tree, pending, jobs))
             specs = await self._with_environments(order, row.tree, specs)
             account = await self.worker.call(self.store.slurm_account, key)
             if account is not None:
@@ -401,3 +412,14 @@ class Dispatcher:
             except BackendUnavailable as e:  # the world's: the cancel is tried again later
                 raise ExecutorUnavailable(f"cancelling {key}/{seq}/{launch}: {e}") from e
             klog.event("cancel_sent", ws=key, seq=seq, launch=launch, tasks=len(stopped))
+
+
+def _task_params(
+    grid: dict[int, tuple[tuple[str, str], ...]], array: int
+) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """A swept launch's values in task order (every task has its own row), or () for a launch without a sweep."""
+    if not grid:
+        return ()
+    if sorted(grid) != list(range(array)):
+        raise AssertionError(f"a swept launch's rows cover tasks {sorted(grid)}, not 0..{array - 1}")
+    return tuple(grid[i] for i in range(array))

@@ -29,7 +29,7 @@ from typing import Final
 import msgspec
 
 from channel import limits as L
-from channel import safefs
+from channel import safefs, sweep
 from channel.messages import (
     Artifact,
     LaunchSummary,
@@ -112,7 +112,7 @@ def last_json_object(data: bytes) -> str | None:
             continue
         try:
             value = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # job-written: nested deeper than the parser recurses
             continue
         if isinstance(value, dict):
             text = line.decode("utf-8", errors="replace")
@@ -390,6 +390,7 @@ def task_result(
         stdout_log=files.stdout_log,
         stderr_log=files.stderr_log,
         result=files.stdout.result if files.stdout else None,
+        params=dict(job.params) if job.params else None,
     )
 
 
@@ -397,9 +398,17 @@ def launch_summaries(
     jobs: list[JobRow], shown: tuple[TaskResult, ...], max_concurrent_gpus: int
 ) -> tuple[LaunchSummary, ...]:
     """One summary per launch the wake shows, in the order shown (rules.launch_summaries: `status` says the
-    same)."""
+    same); a ranked launch's with its tasks best first (channel.sweep.rank)."""
     by_name = {x.name: x for x in rules.launch_summaries(jobs, max_concurrent_gpus)}
-    return tuple(by_name[n] for n in dict.fromkeys(t.launch for t in shown) if n in by_name)
+    out = []
+    for name in dict.fromkeys(t.launch for t in shown):
+        if (x := by_name.get(name)) is None:
+            continue
+        if x.rank is not None:
+            tasks = [(t.task, t.result) for t in shown if t.launch == name]
+            x = msgspec.structs.replace(x, ranking=sweep.rank(tasks, x.rank))
+        out.append(x)
+    return tuple(out)
 
 
 def build_wake(

@@ -892,7 +892,7 @@ class Pipeline:
                 sleeps = self.store.sleeps(key, req.limit)
                 commits = self.store.snapshot_commits(key, [s.seq for s in sleeps])
                 return rules.history_answer(
-                    req.id, [(s, self.store.jobs_of(key, s.seq)) for s in sleeps], commits
+                    req.id, [(s, self.store.jobs_of(key, s.seq)) for s in sleeps], commits, req.metric
                 )
 
     def _tail_look(self, key: str, r: _Read, digest: str, req: TailRequest) -> _TailLook:

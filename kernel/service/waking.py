@@ -24,7 +24,7 @@ from typing import Final
 
 import msgspec
 
-from channel import safefs
+from channel import safefs, sweep
 from channel.lifecycle import TERMINAL_TASK_STATES, SleepEvent, sleep_can
 from channel.messages import SkippedArtifact, Wake, encode
 from channel.paths import ChannelPaths
@@ -181,6 +181,8 @@ class Waker:
                 self.store.release_job(key, seq, cur.launch, cur.task)
                 memory = (default_task_mem_mb(self.cfg, cur.gpus), ws.policy.max_mem_mb)
                 tasks.append(gather.task_result(cur, tdir, elapsed, files, self.cfg.environment.mode, memory))
+                # what `history --metric` reads of the task later (the wake's bytes are not kept)
+                self.store.set_job_metrics(key, seq, cur.launch, cur.task, sweep.numbers_of(tasks[-1].result))
             shown, verdict = self.evaluation.judge(sleep, tuple(tasks), runs)
             exec_row = self.store.exec_sleep(key, seq)
             wake = gather.build_wake(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -337,17 +338,21 @@ def store_with_w1(path: Path) -> Path:
     return path
 
 
+def _without_job_sweeps(db: sqlite3.Connection) -> None:
+    """The jobs table as schema 3 and older had it: no `params`, `rank` or `metrics`."""
+    for column in ("params", "rank", "metrics"):
+        db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+
+
 def _without_job_resources(db: sqlite3.Connection) -> None:
-    """The jobs table as schema 2 and older had it: no `mem_mb`, no `cpus`."""
+    """The jobs table as schema 2 and older had it: no `mem_mb`, no `cpus` (nor schema 4's columns)."""
+    _without_job_sweeps(db)
     db.execute("ALTER TABLE jobs DROP COLUMN mem_mb")
     db.execute("ALTER TABLE jobs DROP COLUMN cpus")
 
 
-def test_a_schema_2_store_gets_the_job_resource_columns_and_its_tasks_read_as_asking_for_none(
-    tmp_path: Path,
-) -> None:
-    """Schema 3 added `jobs.mem_mb` and `jobs.cpus`: a store at 2 (its tasks recorded without them) is migrated,
-    its tasks read as the site's default (None), and a new task's request is kept."""
+def _store_at(tmp_path: Path, version: int, older: Callable[[sqlite3.Connection], None]) -> Path:
+    """A store with one task of sleep 1 (launch `old`), made what a release at `version` left (`older`)."""
     from kernel.core.records import JobRow, SleepRow
 
     path = store_with_w1(tmp_path / "state.sqlite")
@@ -357,12 +362,23 @@ def test_a_schema_2_store_gets_the_job_resource_columns_and_its_tasks_read_as_as
         s.insert_jobs([JobRow("w-1", 1, "old", 0, 1, 0, "x", 10, 0, (), "", 0, "PENDING", updated_at=NOW)])
     s.close()
     db = sqlite3.connect(path)
-    _without_job_resources(db)
-    db.execute("PRAGMA user_version = 2")
+    older(db)
+    db.execute(f"PRAGMA user_version = {version}")
     db.commit()
     db.close()
+    return path
+
+
+def test_a_schema_2_store_gets_the_job_resource_columns_and_its_tasks_read_as_asking_for_none(
+    tmp_path: Path,
+) -> None:
+    """Schema 3 added `jobs.mem_mb` and `jobs.cpus`: a store at 2 (its tasks recorded without them) is migrated,
+    its tasks read as the site's default (None), and a new task's request is kept."""
+    from kernel.core.records import JobRow, SleepRow
+
+    path = _store_at(tmp_path, 2, _without_job_resources)
     s = Store.open(path)
-    assert s._one("PRAGMA user_version")[0] == 3
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION
     (old,) = s.jobs_of("w-1", 1)
     assert (old.mem_mb, old.cpus) == (None, None)
     new = JobRow(
@@ -374,7 +390,50 @@ def test_a_schema_2_store_gets_the_job_resource_columns_and_its_tasks_read_as_as
     assert [(j.mem_mb, j.cpus) for j in s.jobs_of("w-1", 2)] == [(8192, 4)]
     s.close()
     (backup,) = backups(path, 2)
-    assert backup.name.startswith("state.sqlite.v2-before-v3.")
+    assert backup.name.startswith(f"state.sqlite.v2-before-v{SCHEMA_VERSION}.")
+
+
+def test_a_schema_3_store_gets_the_sweep_columns_and_its_tasks_read_as_unswept(tmp_path: Path) -> None:
+    """Schema 4 added `jobs.params`, `jobs.rank` and `jobs.metrics`: a store at 3 is migrated, its tasks read as
+    without a sweep, a rank or recorded numbers, and a new task's values, rank and numbers are kept."""
+    from kernel.core.records import JobRow, SleepRow
+
+    path = _store_at(tmp_path, 3, _without_job_sweeps)
+    s = Store.open(path)
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 4
+    (old,) = s.jobs_of("w-1", 1)
+    assert (old.params, old.rank, old.metrics) == ((), None, {})
+    new = JobRow(
+        "w-1",
+        2,
+        "grid",
+        1,
+        2,
+        0,
+        "x",
+        10,
+        0,
+        (),
+        "",
+        0,
+        "PENDING",
+        updated_at=NOW,
+        params=(("lr", "3e-3"), ("wd", "0")),
+        rank="-acc",
+    )
+    with s.transaction():
+        s.insert_sleep(SleepRow("w-1", 2, "s2", "validated", "", None, NOW, None, None))
+        s.insert_jobs([new])
+        s.set_job_metrics("w-1", 2, "grid", 1, {"acc": 0.9, "n": 3})
+    (got,) = s.jobs_of("w-1", 2)
+    assert (got.params, got.rank, got.metrics) == (
+        (("lr", "3e-3"), ("wd", "0")),
+        "-acc",
+        {"acc": 0.9, "n": 3.0},
+    )
+    s.close()
+    (backup,) = backups(path, 3)
+    assert backup.name.startswith("state.sqlite.v3-before-v4.")
 
 
 def _as_schema_1(path: Path) -> None:
@@ -397,14 +456,14 @@ def test_an_older_store_is_backed_up_then_migrated_and_says_so(
     _as_schema_1(path)
     caplog.set_level(logging.INFO)
     s = Store.open(path)
-    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 3
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION
     assert s.workspace("w-1") is not None
     assert s.store_id() is not None
     s.close()
     (backup,) = backups(path, 1)
-    assert backup.name.startswith("state.sqlite.v1-before-v3.")
+    assert backup.name.startswith(f"state.sqlite.v1-before-v{SCHEMA_VERSION}.")
     (line,) = [r.getMessage() for r in caplog.records if "event=store_migrated" in r.getMessage()]
-    for part in (f"backup={backup}", f"store={path}", "from=1", "to=3"):
+    for part in (f"backup={backup}", f"store={path}", "from=1", f"to={SCHEMA_VERSION}"):
         assert part in line.split(" "), (part, line)
     # the backup is the store as it was: schema 1, its rows, not the migrated columns
     old = sqlite3.connect(f"file:{backup}?mode=ro", uri=True)
@@ -422,10 +481,12 @@ def test_an_older_store_is_backed_up_then_migrated_and_says_so(
 def test_a_newer_store_is_refused_naming_both_versions_and_the_way_back(tmp_path: Path) -> None:
     """Rolling back made the old kernel crash on what the newer one wrote (`Invalid enum value 'tail'`)."""
     path = store_with_w1(tmp_path / "state.sqlite")
-    (tmp_path / "state.sqlite.v3-before-v4.20270101T000000Z.bak").write_bytes(path.read_bytes())
+    (
+        tmp_path / f"state.sqlite.v{SCHEMA_VERSION}-before-v{SCHEMA_VERSION + 1}.20270101T000000Z.bak"
+    ).write_bytes(path.read_bytes())
     db = sqlite3.connect(path)
     db.execute("UPDATE store_meta SET value = 'syscall-kernel 9.1.0 (commit 0123abc)' WHERE name = 'release'")
-    db.execute("PRAGMA user_version = 4")
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     db.commit()
     db.close()
     before = path.read_bytes()
@@ -433,11 +494,19 @@ def test_a_newer_store_is_refused_naming_both_versions_and_the_way_back(tmp_path
         with pytest.raises(StoreNewer) as err:
             Store.open(path, readonly=readonly)
         msg = str(err.value)
-        assert "has schema version 4 (written by syscall-kernel 9.1.0 (commit 0123abc))" in msg
+        assert (
+            f"has schema version {SCHEMA_VERSION + 1} (written by syscall-kernel 9.1.0 (commit 0123abc))"
+            in msg
+        )
         assert f"syscall-kernel {release.VERSION}" in msg
-        assert "reads schema versions up to 3" in msg
+        assert f"reads schema versions up to {SCHEMA_VERSION}" in msg
         assert "Install the newer release again" in msg
-        assert str(tmp_path / "state.sqlite.v3-before-v4.20270101T000000Z.bak") in msg
+        assert (
+            str(
+                tmp_path / f"state.sqlite.v{SCHEMA_VERSION}-before-v{SCHEMA_VERSION + 1}.20270101T000000Z.bak"
+            )
+            in msg
+        )
     assert path.read_bytes() == before
 
 
@@ -447,7 +516,7 @@ def test_a_read_only_open_of_an_older_store_reads_a_migrated_copy_and_writes_not
     _as_schema_1(path)
     before = path.read_bytes()
     s = Store.open(path, readonly=True)
-    assert s.pending_migration == (1, 3)
+    assert s.pending_migration == (1, SCHEMA_VERSION)
     (ws,) = s.workspaces()
     assert (ws.key, ws.identity.subdirs, ws.balance) == ("w-1", (), row("w-1").balance)
     assert s.store_id() is None  # drawn by the migrating open, not made up by a reader
