@@ -8,11 +8,14 @@ same kind of request through the same harness, as the baseline. Also measured: t
 atomic write on this disk, and the kernel's RSS, peak RSS and thread count. Sampling starts once the start-up
 work that runs after `ready` is over (`event=channels_refreshed`, `event=bases_checked`); `settled_s` says how
 long that took, and `--no-settle` samples at once. The workspaces have no commit, so there is no base to import
-then (bench/startup.py measures that import).
+then (bench/startup.py measures that import). `--during-import` instead gives each workspace a commit and samples
+from `ready` until `event=bases_checked`: the pickup while a first start imports every workspace's base in the
+background (only the samples answered before that event count).
 
 Prints one JSON object per scenario. Usage:
     .venv/bin/python bench/pickup.py [--workspaces 1,100,1000] [--samples 500] [--poll-samples 150]
                                      [--baseline-samples 30] [--modes inotify,poll] [--no-settle]
+                                     [--during-import]
                                      [--kernel-root OLD_CHECKOUT]
 """
 
@@ -122,6 +125,20 @@ def measure(
     return out
 
 
+def measure_during_import(k: Kernel, spaces: list[Path]) -> tuple[list[float], float]:
+    """Requests in rounds of 20 from `ready` until the log says every base is imported; the latencies of the
+    rounds that ended before that (the import was running throughout them) and the import's duration."""
+    t0 = time.perf_counter()
+    out: list[float] = []
+    seed = 0
+    while not k.count(b"event=bases_checked"):
+        seed += 1
+        lat = measure(spaces, 20, 30, seed=seed, arrival_s=0.01)
+        if not k.count(b"event=bases_checked"):
+            out.extend(lat)
+    return out, round(time.perf_counter() - t0, 2)
+
+
 def proc_status(pid: int) -> dict[str, float]:
     fields: dict[str, float] = {}
     with open(f"/proc/{pid}/status") as f:
@@ -190,6 +207,11 @@ def main() -> None:
         help="sample right after `ready` (with the start-up work after it)",
     )
     ap.add_argument(
+        "--during-import",
+        action="store_true",
+        help="workspaces with a commit; sample from `ready` until every base is imported (event=bases_checked)",
+    )
+    ap.add_argument(
         "--kernel-root",
         type=Path,
         help="run the kernel of this checkout instead (an older commit, for a before/after pair; with "
@@ -213,8 +235,9 @@ def main() -> None:
         )
         for n in (int(x) for x in args.workspaces.split(",")):
             root = top / f"n{n}"
-            # No commit: nothing for the kernel to import after `ready` (bench/startup.py measures that).
-            spaces = make_workspaces(root / "agents", n, commit=False)
+            # No commit: nothing for the kernel to import after `ready` (bench/startup.py measures that);
+            # with --during-import one commit each, whose import runs while the requests are timed.
+            spaces = make_workspaces(root / "agents", n, commit=args.during_import)
             kernel_p50: dict[str, float] = {}
             for mode in args.modes.split(","):
                 extra = f'watch = "{mode}"\npoll_seconds = {args.poll_seconds}\n'
@@ -227,7 +250,9 @@ def main() -> None:
                 assert k.proc is not None
                 try:
                     settled_s = None
-                    if not args.no_settle:
+                    if args.during_import:
+                        lat, imported_s = measure_during_import(k, spaces)
+                    elif not args.no_settle:
                         # Sample the steady state: the start-up work that runs after `ready` (kernel files
                         # refreshed, an automatic enrollment's bases imported: a git process per workspace)
                         # is over. bench/startup.py measures that work.
@@ -235,10 +260,11 @@ def main() -> None:
                         k.wait(b"event=channels_refreshed", 1, every=0.1)
                         k.wait(b"event=bases_checked", 1, every=0.1)
                         settled_s = round(time.perf_counter() - t0, 2)
-                    samples = args.samples if mode == "inotify" else args.poll_samples
-                    measure(spaces, 20, 10, seed=1)  # warm-up
-                    arrival = 0.01 if mode == "inotify" else args.poll_seconds
-                    lat = measure(spaces, samples, 10, seed=n, arrival_s=arrival)
+                    if not args.during_import:
+                        samples = args.samples if mode == "inotify" else args.poll_samples
+                        measure(spaces, 20, 10, seed=1)  # warm-up
+                        arrival = 0.01 if mode == "inotify" else args.poll_seconds
+                        lat = measure(spaces, samples, 10, seed=n, arrival_s=arrival)
                     ps = proc_status(k.proc.pid)
                 finally:
                     k.stop()
@@ -256,6 +282,7 @@ def main() -> None:
                             "threads": ps.get("Threads"),
                             "ready_s": round(ready_s, 2),
                             "settled_s": settled_s,
+                            **({"bases_imported_s": imported_s} if args.during_import else {}),
                             "loadavg_1m": round(os.getloadavg()[0], 2),
                             **({"poll_seconds": args.poll_seconds} if mode == "poll" else {}),
                         }
