@@ -81,8 +81,16 @@ def measured(what: str) -> Iterator[dict[str, float]]:
         )
 
 
-def running_in(cwd: Path) -> list[int]:
-    """The live processes (zombies aside) whose working directory is `cwd`."""
+def running_in(cwd: Path, within_s: float = 10.0) -> list[int]:
+    """The live processes (zombies aside) whose working directory is `cwd`, once none is left or `within_s` has
+    passed: a SIGKILLed process is gone only once the scheduler runs it, which a loaded machine can delay."""
+    end = time.monotonic() + within_s
+    while (found := _running_in(cwd)) and time.monotonic() < end:
+        time.sleep(0.02)
+    return found
+
+
+def _running_in(cwd: Path) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
