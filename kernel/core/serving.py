@@ -35,6 +35,8 @@ Invariants, and why they hold:
   turns. A clear carries the problem it clears (`ShowProblem.unless`), so the store's copy is cleared only
   while it still shows that one.
 - After `Stop` no look, refresh or republish starts.
+- An unenrolled workspace is forgotten (`Unenrolled`): no entry of it is left here or in the poll schedule once
+  the look in flight of it, if any, has returned.
 - The polled channels' timing is the pure `PollSchedule` (kernel.core.polling), owned here, and so is the set
   of channels polled rather than watched with inotify (`polled`: what each watch made found); looks start at
   most once per `look_quantum_s`, each start taking every look then due.
@@ -144,6 +146,13 @@ class Watched:
 @dataclass(frozen=True, slots=True)
 class Unserved:
     """These workspaces are no longer served: neither polled nor watched."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Unenrolled:
+    """Another process unenrolled these workspaces: forgotten (once a look in flight of one has returned)."""
 
     keys: tuple[str, ...]
 
@@ -280,6 +289,7 @@ Event = (
     | LookDone
     | Watched
     | Unserved
+    | Unenrolled
     | Overdue
     | Returned
     | TurnOverdue
@@ -374,6 +384,7 @@ class _Ws:
     problem: str | None = None  # what the store shows (`ShowProblem`)
     turn_overdue: str | None = None  # the problem its overdue channel I/O in the request path shows
     noted: str | None = None  # the channel problem a look, refresh or republish logged (not shown)
+    gone: bool = False  # unenrolled while its look was in flight: forgotten once that returns
 
 
 @dataclass(slots=True)
@@ -457,6 +468,10 @@ class Serving:
     def is_polled(self, key: str) -> bool:
         return key in self._polled
 
+    def known(self) -> frozenset[str]:
+        """Every workspace with an entry here or in the poll schedule (a forgotten one has none)."""
+        return frozenset(self._ws) | self._polled | set(self._republishing) | self.polls.keys()
+
     def look_at(self) -> float | None:
         """When the next polled looks start: the earliest due, but at most once per `look_quantum_s`."""
         due = self.polls.next_at()
@@ -474,6 +489,7 @@ class Serving:
                 return []
             case LookWanted(row):
                 ws = self._get(row.key)
+                ws.gone = False
                 if ws.look or self.stopping:
                     return []
                 ws.look, ws.admitting = True, False
@@ -489,6 +505,10 @@ class Serving:
                 return []
             case Unserved(keys):
                 self._polled.difference_update(keys)
+                return []
+            case Unenrolled(keys):
+                for key in keys:
+                    self._unenrolled(key)
                 return []
             case Overdue(call, since, deadline_s):
                 return self._look_overdue(call, since, deadline_s)
@@ -538,7 +558,9 @@ class Serving:
                     self._set_republish(key, ws, "next")
                 else:
                     self._set_republish(key, ws, "failed" if failed else "")
-                return self._republish()
+                out = self._republish()
+                self._prune(key)
+                return out
             case Tick(now):
                 look_at = self.look_at()
                 if self.stopping or look_at is None or look_at > now:
@@ -581,6 +603,9 @@ class Serving:
         ws = self._get(key)
         if self._calls.get(key) == key:
             del self._calls[key]
+        if ws.gone:  # unenrolled meanwhile: what it found is nobody's
+            self._forget(key)
+            return []
         self._watched(key, ev.polled)
         ws.look = ws.admitting = False
         out: list[Action] = []
@@ -604,6 +629,7 @@ class Serving:
                 ]
         elif outcome is Outcome.PROBLEM:
             out += self._note(key, ws, ev.why or "the channel cannot be opened or read")
+        self._prune(key)
         return out
 
     def _turn_returned(self, key: str) -> list[Action]:
@@ -615,6 +641,7 @@ class Serving:
         problem, ws.turn_overdue = ws.turn_overdue, None
         if ws.problem == problem:
             out += [Log("channel_ok", key), *self._show(key, ws, None)]
+        self._prune(key)
         return out
 
     def _turn_ok(self, key: str) -> list[Action]:
@@ -624,7 +651,9 @@ class Serving:
         ws = self._ws.get(key)
         if ws is None or ws.problem is None or ws.overdue or ws.foreign or ws.held_elsewhere is not None:
             return []
-        return [Log("channel_ok", key), *self._show(key, ws, None)]
+        out = [Log("channel_ok", key), *self._show(key, ws, None)]
+        self._prune(key)
+        return out
 
     def _foreign(self, key: str, ws: _Ws, owner: StoreRef | None) -> list[Action]:
         """Another kernel's store (`owner`, when known) owns `key`'s channel: logged and shown once."""
@@ -663,7 +692,7 @@ class Serving:
 
     def _look_overdue(self, call: str, since: str, deadline_s: float) -> list[Action]:
         key = self._calls.get(call)
-        if key is None:
+        if key is None or (key in self._ws and self._ws[key].gone):
             return []
         ws = self._get(key)
         problem = overdue_problem(since, deadline_s, served=False)
@@ -690,7 +719,33 @@ class Serving:
         ws.overdue = False
         if ws.problem == problem:
             out += self._show(key, ws, None)
+        self._prune(key)
         return out
+
+    def _prune(self, key: str) -> None:
+        """Drop `key`'s entry once it says nothing an absent one does not (served, no problem, nothing pending)."""
+        if self._ws.get(key) == _Ws():
+            del self._ws[key]
+
+    def _unenrolled(self, key: str) -> None:
+        self._polled.discard(key)
+        self._republishing.pop(key, None)
+        self.polls.forget(key)
+        ws = self._ws.get(key)
+        if ws is not None and ws.look:
+            # Its look returns later (`LookDone`): forgotten then. Until then it is not served (looking).
+            self._ws[key] = _Ws(look=True, admitting=ws.admitting, overdue=ws.overdue, gone=True)
+        else:
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        self._ws.pop(key, None)
+        self._polled.discard(key)
+        self._republishing.pop(key, None)
+        self.polls.forget(key)
+        # (An overdue call on it keeps its entry until it returns: `Returned`.)
+        for call in [c for c, k in self._calls.items() if k == key and c not in self._overdue]:
+            del self._calls[call]
 
     def _refresh(self) -> list[Action]:
         if not self.ready or self.stopping:

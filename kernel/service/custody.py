@@ -53,5 +53,6 @@ class Custody:
         self.locks.release(key)
 
     def keep_only(self, enrolled: set[str]) -> None:
-        """(a store step) Let the locks of the channels not `enrolled` (any more) go."""
+        """(a store step) Let the locks of the channels not `enrolled` (any more) go, and forget them."""
         self.locks.keep_only(enrolled)
+        self._unlocked &= enrolled

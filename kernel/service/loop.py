@@ -113,11 +113,12 @@ ExecutorFactory = Callable[[StoreWorker], Executor]
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Changes:
     """What another process changed in the store (`Service._read_changes`): the paused workspaces, the rows,
-    and the held workspaces whose budget.json does not show their balance."""
+    the held workspaces whose budget.json does not show their balance, and the workspaces unenrolled."""
 
     paused: frozenset[str]
     rows: list[WorkspaceRow]
     unshown: frozenset[str]
+    unenrolled: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -396,8 +397,9 @@ class Service:
 
     def _rewatched(self, key: str, polled: bool | None) -> None:
         """A re-watch ended with what it made (`Watches.watch_one`): list `key`'s whole requests/ (what was
-        committed while it was not watched)."""
-        if polled is not None:
+        committed while it was not watched). One of a workspace no longer served (unenrolled meanwhile) tells the
+        serve core nothing."""
+        if polled is not None and key in self.pipeline.workspaces:
             self._feed(sv.Watched(key, polled))
         self.pipeline.mark(key)
         self._wake("")
@@ -824,18 +826,20 @@ class Service:
         enrolled = {r.key: r for r in rows}
         for key in sorted(enrolled.keys() - self._enrolled):
             log.event("enroll_noticed", ws=key, path=enrolled[key].path, by="another process (`enroll`)")
-        for key in sorted(self._enrolled - enrolled.keys()):
+        unenrolled = tuple(sorted(self._enrolled - enrolled.keys()))
+        for key in unenrolled:
             log.event("unenroll_noticed", ws=key, by="another process (`unenroll`)")
         self._enrolled = set(enrolled)
         order = self.store.budget_order
         unshown = frozenset(
             r.key for r in rows if self.custody.holds(r.key) and not order.shows(r.key, r.balance)
         )
-        return _Changes(paused, rows, unshown)
+        return _Changes(paused, rows, unshown, unenrolled)
 
     def _changed(self, changes: _Changes) -> list[WorkspaceRow]:
         """(event loop) Follow what another process changed (`_read_changes`): the pauses, the channels to look
-        at, the budget.json files to rewrite; the rows."""
+        at, the budget.json files to rewrite, the workspaces forgotten; the rows."""
+        self._feed(sv.Unenrolled(changes.unenrolled))
         before = self.serving.paused()
         for key in sorted(changes.paused - before):
             log.event("paused", ws=key)
@@ -925,9 +929,10 @@ class Service:
             self._feed(sv.Watched(key, polled=True))
 
     def _serve_rows(self, enrolled: set[str], rows: list[WorkspaceRow]) -> tuple[list[str], set[str]]:
-        """(store worker) Let the unenrolled channels' locks go and serve `rows`: (the workspaces no longer
-        served, those served anew or whose channel changed)."""
+        """(store worker) Let the unenrolled channels' locks go (and what the pipeline kept of them) and serve
+        `rows`: (the workspaces no longer served, those served anew or whose channel changed)."""
         self.custody.keep_only(enrolled)  # an unenrolled channel's lock (and fd) is let go
+        self.pipeline.keep_only(enrolled)
         old = self.pipeline.workspaces
         self.pipeline.set_workspaces(rows)
         new_keys = {r.key for r in rows}

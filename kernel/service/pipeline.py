@@ -334,6 +334,15 @@ class Pipeline:
             if key not in self.workspaces:
                 del self.named[key]
 
+    def keep_only(self, enrolled: set[str]) -> None:
+        """Forget what is kept of the workspaces not `enrolled` (any more): the requests it could not remove, the
+        inodes read of requests at the executor, the owner checks due."""
+        for key in [k for k in self._stuck if k not in enrolled]:
+            del self._stuck[key]
+        for pair in [p for p in self._read_as if p[0] not in enrolled]:
+            self._read_as.pop(pair, None)
+        self._owner_due &= enrolled
+
     def take_store_failure(self) -> StoreUnavailable | None:
         """The failure of a turn's store step since the last call (the disk), now taken; None: none."""
         failed, self._store_failed = self._store_failed, None

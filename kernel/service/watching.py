@@ -150,7 +150,9 @@ class Watches:
             log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc))
 
     def forget(self, key: str) -> None:
-        """`key` is no longer served: not watched (nor polled: the service tells the serve core)."""
+        """`key` is no longer served: not watched (nor polled: the service tells the serve core), and a watch
+        problem logged of it is logged again if it comes back."""
+        self._problems.pop(key, None)
         watcher = self.watcher()
         if watcher is not None:
             watcher.remove(key)

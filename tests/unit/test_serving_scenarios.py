@@ -471,3 +471,58 @@ def test_an_overdue_look_of_a_served_workspace_is_not_cleared_by_its_turns() -> 
     assert core.problem("a") == sv.overdue_problem("12:00:00", 30.0, served=False)
     core.handle(sv.Returned("a"))
     assert core.problem("a") is None
+
+
+# --- unenrolled: forgotten ----------------------------------------------------------------------------------
+
+
+def everything_of(core: sv.Serving, key: str) -> sv.Serving:
+    """Give `key` every kind of entry the core keeps: a problem, a pause, stale files, a republish, a poll."""
+    core.handle(sv.Ready())
+    core.handle(sv.Admitting((key,)))
+    core.handle(sv.LookDone(key, sv.Outcome.SERVED, stale=True, polled=True))
+    core.polls.sync(set(core.polled()), 0.0)
+    core.handle(sv.ChannelFailed(key, "OSError: x"))
+    core.handle(sv.ChannelFailed(key, "OSError: y", shown=False))
+    core.handle(sv.PolicyChanged(()))
+    core.handle(sv.BalanceChanged((key,)))
+    core.handle(sv.Republished(key, failed=True))
+    core.handle(sv.Paused(frozenset({key})))
+    assert key in core.known()
+    return core
+
+
+def test_an_unenrolled_workspace_is_forgotten() -> None:
+    core = everything_of(sv.Serving(POLL_S, IDLE_S, QUANTUM_S), "a")
+    everything_of(core, "b")
+    assert core.handle(sv.Unenrolled(("a",))) == []
+    assert core.known() == {"b"}
+    assert "a" not in core.polls
+    assert core.problem("a") is None
+    assert core.handle(sv.Rescan()) == [sv.Republish("b")]  # a's failed republish is not tried again
+    assert core.paused() == {"b"}
+
+
+def test_an_unenrolled_workspace_with_a_look_in_flight_is_forgotten_once_it_returns() -> None:
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    a = row("a")
+    core.handle(sv.LookWanted(a))
+    core.handle(sv.Overdue("a", "12:00:00", 30.0))
+    core.handle(sv.Unenrolled(("a",)))
+    assert core.phase("a") is sv.Phase.OVERDUE  # not served meanwhile
+    assert logs(core.handle(sv.Returned("a"))) == ["channel_io_returned"]
+    assert core.handle(sv.LookDone("a", sv.Outcome.SERVED, polled=True)) == []  # nobody's: not re-served
+    assert core.known() == frozenset()
+    assert not core.looking("a")
+
+
+def test_a_workspace_enrolled_again_while_its_look_runs_is_served_when_it_returns() -> None:
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    a = row("a")
+    core.handle(sv.LookWanted(a))
+    core.handle(sv.Unenrolled(("a",)))
+    core.handle(
+        sv.LookWanted(a)
+    )  # enrolled again (another process's `enroll`): its look is in flight already
+    assert core.handle(sv.LookDone("a", sv.Outcome.SERVED)) == [sv.Reserve()]
+    assert core.known() == frozenset()  # served, and nothing left to remember
