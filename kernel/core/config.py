@@ -278,6 +278,10 @@ class LiveConfig:
     def __init__(self, current: Config) -> None:
         self.current = current
 
+    def use(self, cfg: Config) -> None:
+        """Run with `cfg` from now on (a SIGHUP's merged config): every reader sees it at its next use."""
+        self.current = cfg
+
 
 _AT_RE: Final = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _FIELD_RE: Final = re.compile(r"field `(?P<field>[^`]*)`")

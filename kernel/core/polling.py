@@ -78,6 +78,9 @@ class PollSchedule:
     def __len__(self) -> int:
         return len(self._channels)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._channels
+
     def keys(self) -> set[str]:
         return set(self._channels)
 
@@ -90,6 +93,10 @@ class PollSchedule:
                 ch = _Channel(self.base_s, now)
                 self._channels[key] = ch
                 self._push(key, ch)
+
+    def forget(self, key: str) -> None:
+        """`key` is no longer polled (unenrolled): its entry goes now (its heap entries are stale)."""
+        self._channels.pop(key, None)
 
     def _push(self, key: str, ch: _Channel) -> None:
         ch.generation += 1

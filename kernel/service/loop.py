@@ -15,12 +15,20 @@ I/O is past `channel_io_deadline_seconds` is abandoned to its thread), stop the 
 unhandled requests stay on disk for the next start. Whatever still runs STOP_DEADLINE_S after the signal is
 abandoned (`arm_stop_deadline`): the process is gone within a second at any point.
 
-Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, whether it is
-polled, the poll schedule) is the pure serve core's (kernel.core.serving): this module is its driver. It turns what
-happens into events (`_feed`) and runs the actions the core returns (`_act`) in the pools, as tasks whose outcome
-comes back as another event. Only the event loop feeds the core: a pool call (an admission, a look) or a store step
-returns what it found (a `LookDone`, the rows to look at), or, for the start's admission calls that take one
-channel after another, appends it to the admission's hand-over list, which the loop drains (`_drain`).
+Every workspace's serving state (phase, problem, stale files, republishes, whether it is polled, the poll
+schedule) is the pure serve core's (kernel.core.serving): this module is its driver. It turns what happens into
+events (`_feed`) and runs the actions the core returns (`_act`: log, write a workspace's problem to the store, start
+a look, a refresh, a republish, serve the rows again) in the pools, as tasks whose outcome comes back as another
+event. Only the event loop feeds the core: a pool call (an admission, a look) or a store step returns what it found
+(a `LookDone`, the rows to look at), or, for the start's admission calls that take one channel after another,
+appends it to the admission's hand-over list, which the loop drains (`_drain`); the pipeline's turns report through
+its `PipelineHooks`, on the loop.
+
+Who owns what: the serve core every workspace's phase and problem; `Custody` (kernel.service.custody) the channel
+locks; the `Pipeline` (kernel.service.pipeline) the served rows and each one's requests in flight; `Watches`,
+`Poller`, `Refresher`, `Enroller` their own work in flight; `LiveConfig` the running config. The service gives each
+what it needs at construction (callbacks included) and never writes another object's attributes (a test checks:
+tests/unit/test_kernel_layers_writes.py).
 """
 
 from __future__ import annotations
@@ -69,10 +77,10 @@ from kernel.service.custody import Custody
 from kernel.service.enrolling import Enroller
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
-from kernel.service.pipeline import Pipeline, Spawn
+from kernel.service.pipeline import Pipeline, PipelineHooks, Spawn
 from kernel.service.polling import Poller
 from kernel.service.refreshing import Refresher
-from kernel.service.watching import CHANNEL_ERRORS, Watches
+from kernel.service.watching import CHANNEL_ERRORS, Watches, channel_problem
 
 # Keys queued from the inotify thread; the thread never queues a key twice, so this bounds distinct channels with
 # fresh events between two passes. Beyond it, the watcher asks for a full rescan instead.
@@ -95,7 +103,7 @@ GIL_SWITCH_S = 0.001
 # look is due at most this much late, and the loop never wakes more often than this for looks.
 LOOK_QUANTUM_S = 0.02
 T = TypeVar("T")
-# Why a start-up or rescan check (`_admit_io`, `_refresh_io`) does not serve a channel: `Custody.not_served` says
+# Why a start-up or rescan check (`_admit_io`, `_refresh_io`) does not serve a channel: `Service._not_served` says
 # what each means.
 NOT_SERVED = (enrollment.OwnedElsewhere, enrollment.HeldElsewhere, *CHANNEL_ERRORS)
 
@@ -105,11 +113,12 @@ ExecutorFactory = Callable[[StoreWorker], Executor]
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Changes:
     """What another process changed in the store (`Service._read_changes`): the paused workspaces, the rows,
-    and the held workspaces whose budget.json does not show their balance."""
+    the held workspaces whose budget.json does not show their balance, and the workspaces unenrolled."""
 
     paused: frozenset[str]
     rows: list[WorkspaceRow]
     unshown: frozenset[str]
+    unenrolled: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -135,6 +144,35 @@ class _Admission:
     # Calls past the deadline on one channel: their channel is admitted (and served) once its I/O returns.
     overdue: set[str] = dataclasses.field(default_factory=set)
 
+    def call_started(self) -> str:
+        """A new call of this admission starts: its name."""
+        self.started += 1
+        self.running += 1
+        return f"start-up admission {self.started}"
+
+    def call_returned(self, call: str) -> None:
+        """`call` returned (one past its deadline was waited for no longer already: `call_overdue`)."""
+        if call not in self.overdue:
+            self.running -= 1
+            self.settle_if_idle()
+
+    def call_overdue(self, call: str) -> None:
+        """`call` is past its deadline on one channel: the start waits for it no longer."""
+        self.overdue.add(call)
+        self.running -= 1
+
+    def settle_if_idle(self) -> None:
+        """The admission is settled (the start goes on) once no call is left to wait for."""
+        if self.running == 0:
+            self.settled.set()
+
+    def take_results(self) -> list[sv.LookDone]:
+        """The outcomes the calls handed over since the last take, in the order admitted."""
+        end = len(self.results)
+        done = self.results[self.drained : end]
+        self.drained = end
+        return done
+
 
 class Service:
     def __init__(
@@ -145,6 +183,9 @@ class Service:
         tool: ToolSource,
         executor_factory: ExecutorFactory = PendingExecutor,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        publish: Callable[[str], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         self.live = live
         self.store = store
@@ -152,12 +193,34 @@ class Service:
         self.notifier = notifier
         self.tool = tool
         self.executor = executor_factory(self.worker)
-        self.pipeline = Pipeline(live, self.worker, self.executor)
         self.clock = clock
+        # Every workspace's serving state (phase, problem, stale files, republishes, polled or watched, the poll
+        # schedule): changed by the event loop alone, through `_feed` (kernel.core.serving).
+        self.serving = sv.Serving(self.cfg.poll_seconds, self.cfg.poll_idle_seconds, LOOK_QUANTUM_S)
+        # The request path; what its turns find goes to the serving state (`_feed`), and their ends wake the loop.
+        self.pipeline = Pipeline(
+            live,
+            self.worker,
+            self.executor,
+            hooks=PipelineHooks(
+                idle=self._wake,
+                turn_done=lambda: self._wake(""),
+                listed=lambda key, planned: self.polls.listed(key, planned),
+                answered=lambda key: self.polls.active(key, self.clock()),
+                owned_elsewhere=self._taken_over,
+                store_id=lambda: self._mine or None,
+                ok=lambda key: self._feed(sv.TurnOk(key)),
+                failed=lambda key, why: self._feed(sv.ChannelFailed(key, why)),
+                overdue=lambda key, since, deadline: self._feed(
+                    sv.TurnOverdue(key, timestamp(since), deadline)
+                ),
+                returned=lambda key: self._feed(sv.TurnReturned(key)),
+            ),
+        )
         # Where the status line also goes (the state dir lock's note, read by `syscall-kernel status`).
-        self.publish: Callable[[str], None] = lambda line: None
+        self.publish: Callable[[str], None] = publish or (lambda line: None)
         # Called once when the service is asked to stop (`serve` arms the stop deadline there).
-        self.on_stop: Callable[[], None] = lambda: None
+        self.on_stop: Callable[[], None] = on_stop or (lambda: None)
         self.watcher: Watcher | None = None
         self.stopping = False
         self._wait_scope: anyio.CancelScope | None = None
@@ -166,9 +229,6 @@ class Service:
         # While the service loop waits for news: how it starts a turn (`_arrived` starts one at once).
         self._starter: tuple[Callable[..., object], Spawn] | None = None
         self._reload_wanted = False
-        # Every workspace's serving state (phase, the problem of an overdue look, stale files, republishes, polled
-        # or watched, the poll schedule): changed by the event loop alone, through `_feed` (kernel.core.serving).
-        self.serving = sv.Serving(self.cfg.poll_seconds, self.cfg.poll_idle_seconds, LOOK_QUANTUM_S)
         self._reserving = False  # an `_apply_current` runs (`_reserve`); `_reserve_again`: another after it
         self._reserve_again = False
         # Every workspace the store lists as enrolled, as this kernel last read them: one another process (the
@@ -177,8 +237,9 @@ class Service:
         # Why the last SIGHUP's config could not be used (None: it was, or none came): in the status line until a
         # reload succeeds.
         self._reload_problem: str | None = None
-        # Which channels this kernel holds (their locks), and why not the others (kernel.service.custody).
-        self.custody = Custody(store)
+        # The locks of the channels this kernel holds (kernel.service.custody); why it does not serve the others is
+        # the serving state's.
+        self.custody = Custody()
         # Channels enrolled by this start's round (`Enroller.enroll`: recorded, locked): `_admit_io` only watches
         # them.
         # (Those a later round enrolls are looked at in full, as any channel new to the running kernel.)
@@ -194,7 +255,7 @@ class Service:
             tool,
             stopping=self.is_stopping,
             on_taken_over=self._taken_over,
-            on_problem=self.custody.channel_problem,
+            on_problem=self._refresh_failed,
         )
         # The channel look pool: the start-up admission, the running kernel's looks at channels it does not serve
         # yet (`_look`) and its re-watches of served ones (kernel.service.watching) open channels here, and the
@@ -226,7 +287,7 @@ class Service:
         )
         self._token: EventLoopToken | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._mine = ""  # this store's id, read by `_startup`
+        self._mine = ""  # this store's id, read by `_startup` (the pipeline's owner checks compare with it)
         self._ready = anyio.Event()
         # Enrollment of the globs' new matches (kernel.service.enrolling): the start's round before the admission,
         # later ones in the background after `ready`.
@@ -266,13 +327,10 @@ class Service:
                 if self._token is not None:
                     rows = self.pipeline.workspaces
                     self.poller.tick(self._token, lambda key: rows[key].path if key in rows else None)
-            case sv.ShowProblem(key, problem, unless):
-                if problem is not None:
-                    log.event("channel_problem", logging.WARNING, ws=key, problem=problem)
-                else:
-                    log.event("channel_io_returned", ws=key)
-                if tg is not None:
-                    tg.start_soon(self.worker.call, self._set_look_problem, key, problem, unless)
+            case sv.Log(name, key, warning, fields):
+                log.event(name, logging.WARNING if warning else logging.INFO, ws=key, **dict(fields))
+            case sv.ShowProblem(key, problem, unless) if tg is not None:
+                tg.start_soon(self.worker.call, self._show_problem, key, problem, unless)
             case sv.Look(row, paused) if tg is not None:
                 tg.start_soon(self._look, row, paused)
             case sv.Reserve() if tg is not None:
@@ -339,8 +397,9 @@ class Service:
 
     def _rewatched(self, key: str, polled: bool | None) -> None:
         """A re-watch ended with what it made (`Watches.watch_one`): list `key`'s whole requests/ (what was
-        committed while it was not watched)."""
-        if polled is not None:
+        committed while it was not watched). One of a workspace no longer served (unenrolled meanwhile) tells the
+        serve core nothing."""
+        if polled is not None and key in self.pipeline.workspaces:
             self._feed(sv.Watched(key, polled))
         self.pipeline.mark(key)
         self._wake("")
@@ -483,15 +542,12 @@ class Service:
             self._start_admitter(admission, tg, remote_first=False)
         for _ in range(min(ADMIT_CALLS - (1 if admission.todo else 0), len(admission.remote))):
             self._start_admitter(admission, tg, remote_first=True)
-        if admission.running == 0:
-            admission.settled.set()
+        admission.settle_if_idle()
         await admission.settled.wait()
         self._settle(admission)
 
     def _start_admitter(self, admission: _Admission, tg: anyio.abc.TaskGroup, *, remote_first: bool) -> None:
-        admission.started += 1
-        admission.running += 1
-        tg.start_soon(self._admitter, admission, f"start-up admission {admission.started}", remote_first)
+        tg.start_soon(self._admitter, admission, admission.call_started(), remote_first)
 
     def _settle(self, admission: _Admission) -> None:
         """The start goes on: channels no call took (every call overdue, past OVERDUE_MAX) are left to the
@@ -506,9 +562,7 @@ class Service:
     def _drain(self, admission: _Admission, *, stale: bool = True) -> list[str]:
         """(event loop) Feed the admission outcomes its calls handed over since the last drain (without `stale`:
         the caller refreshes them itself); their keys."""
-        end = len(admission.results)
-        done = admission.results[admission.drained : end]
-        admission.drained = end
+        done = admission.take_results()
         for ev in done:
             self._feed(ev if stale else dataclasses.replace(ev, stale=False))
         return [ev.key for ev in done]
@@ -519,10 +573,7 @@ class Service:
         except ChannelIOAbandoned:
             return
         finally:
-            if call not in admission.overdue:
-                admission.running -= 1
-                if admission.running == 0:
-                    admission.settled.set()
+            admission.call_returned(call)
         if call in admission.overdue:
             # Its channel was admitted late, maybe after `ready`: serve it (and what else this call admitted).
             await self._ready.wait()
@@ -584,7 +635,7 @@ class Service:
         after `ready`, the watch it made), for the loop to hand to the serve core."""
         crash.hang_point("admit", row.path)
         paused = row.key in admission.paused
-        if row.key in admission.fresh and self.custody.locks.holds(row.key):
+        if row.key in admission.fresh and self.custody.holds(row.key):
             return self._watch_fresh(row, paused)
         if row.tool_sha256 != self.tool.sha256 or not row.identity.subdirs:
             return self._refresh_io(row, admission.mine, watch=not paused)
@@ -599,24 +650,25 @@ class Service:
                     if found is not None:
                         self._seen_now[row.key] = found
                 enrollment.claim_channel(self.custody.claim, row.key, ch, row.path)
-                if row.key in self.custody.foreign or row.key in self.custody.held_elsewhere:
-                    self._store_step(self.custody.served_again, row)
                 if not paused:
                     polled = self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
-            return sv.LookDone(row.key, self._not_served(row, exc))
-        self.custody.channel_checked(row.key)
+            return self._not_served(row, exc)
         return sv.LookDone(row.key, sv.Outcome.SERVED, stale=True, polled=polled)
 
-    def _not_served(self, row: WorkspaceRow, exc: Exception) -> sv.Outcome:
-        """(channel look pool) A check of `row`'s channel failed with `exc`: recorded (`Custody.not_served`, a
-        store step); what it means for serving it."""
-        self._store_step(self.custody.not_served, row, exc)
+    def _not_served(self, row: WorkspaceRow, exc: Exception) -> sv.LookDone:
+        """(channel look pool) The one place that decides what a failed start-up or rescan check of `row`'s
+        channel (`_admit_io`, `_refresh_io`) means: another kernel's store owns it, another process holds its lock
+        (either way its lock is let go, so that one can take it: a store step), or it cannot be opened or read
+        (retried at every rescan). Nothing was written to the channel. What it found, for the serve core, which
+        logs it and shows it as the workspace's problem."""
         if isinstance(exc, enrollment.OwnedElsewhere):
-            return sv.Outcome.FOREIGN
+            self._store_step(self.custody.release, row.key)
+            return sv.LookDone(row.key, sv.Outcome.FOREIGN, owner=exc.owner)
         if isinstance(exc, enrollment.HeldElsewhere):
-            return sv.Outcome.HELD_ELSEWHERE
-        return sv.Outcome.PROBLEM
+            self._store_step(self.custody.release, row.key)
+            return sv.LookDone(row.key, sv.Outcome.HELD_ELSEWHERE, why=str(exc))
+        return sv.LookDone(row.key, sv.Outcome.PROBLEM, why=channel_problem(exc))
 
     def _watch_fresh(self, row: WorkspaceRow, paused: bool) -> sv.LookDone:
         """(channel look pool) A channel enrolled by this very start needs no admission: only its watch."""
@@ -626,8 +678,7 @@ class Service:
             with safefs.open_channel(row.path, row.identity) as ch:
                 polled = self.watches.watch_one(row, ch)
         except CHANNEL_ERRORS as exc:
-            self.custody.channel_problem(row, exc)
-            return sv.LookDone(row.key, sv.Outcome.PROBLEM)
+            return sv.LookDone(row.key, sv.Outcome.PROBLEM, why=channel_problem(exc))
         return sv.LookDone(row.key, sv.Outcome.SERVED, polled=polled)
 
     def _refresh_io(self, row: WorkspaceRow, mine: str, *, watch: bool) -> sv.LookDone:
@@ -653,13 +704,12 @@ class Service:
                 if watch:
                     polled = self.watches.watch_one(row, ch)
         except NOT_SERVED as exc:
-            return sv.LookDone(row.key, self._not_served(row, exc))
-        self.custody.channel_checked(row.key)
+            return self._not_served(row, exc)
         return sv.LookDone(row.key, sv.Outcome.SERVED, polled=polled)
 
     def _refreshed_row(self, row: WorkspaceRow, identity: safefs.Identity) -> tuple[WorkspaceRow, int]:
-        """(a store step) Record the new tool and the subdirectory identities where `row` lacks them; the channel
-        is ours and locked (`Custody.served_again`). The current row and the stamp of this read of its balance."""
+        """(a store step) Record the new tool and the subdirectory identities where `row` lacks them (the channel
+        is ours and locked). The current row and the stamp of this read of its balance."""
         current = self.store.workspace(row.key)
         if current is None:  # unenrolled meanwhile: nothing to record (nor to serve)
             return row, self.store.budget_order.stamp()
@@ -667,7 +717,6 @@ class Service:
             current = dataclasses.replace(current, tool_sha256=self.tool.sha256, identity=identity)
             with self.store.transaction():
                 self.store.put_workspace(current)
-        self.custody.served_again(row)
         return current, self.store.budget_order.stamp()
 
     async def _look(self, row: WorkspaceRow, paused: bool) -> None:
@@ -711,13 +760,12 @@ class Service:
             row = admission.current.get(call)
             if row is not None:
                 self._feed(sv.LookTaken(call, row.key))
-            admission.overdue.add(call)
-            admission.running -= 1
+            admission.call_overdue(call)
             left = admission.todo or admission.remote
             if left and not self.stopping and len(admission.overdue) < OVERDUE_MAX and self._tg:
                 self._start_admitter(admission, self._tg, remote_first=bool(admission.remote))
-            elif admission.running == 0:
-                admission.settled.set()
+            else:
+                admission.settle_if_idle()
         elif call in self.watches.in_flight:
             self._feed(sv.LookTaken(call, call))  # a re-watch: its call is its workspace's key
         self._feed(sv.Overdue(call, timestamp(since), self.looks.deadline))
@@ -725,9 +773,9 @@ class Service:
     async def _look_returned(self, call: str) -> None:
         self._feed(sv.Returned(call))
 
-    def _set_look_problem(self, key: str, problem: str | None, unless: str | None) -> None:
-        """(a store step) Show `problem` as the workspace's; None clears it, only while it still shows `unless`
-        (the look's own outcome, e.g. a lock held elsewhere, stays)."""
+    def _show_problem(self, key: str, problem: str | None, unless: str | None) -> None:
+        """(a store step) Show `problem` as the workspace's (the serve core's `ShowProblem`); None clears it, only
+        while it still shows `unless`."""
         row = self.store.workspace(key)
         if row is None or (problem is None and row.problem != unless):
             return
@@ -736,9 +784,16 @@ class Service:
 
     async def _taken_over(self, row: WorkspaceRow, exc: enrollment.OwnedElsewhere) -> None:
         """A served channel's kernel.json names another store (the rescan's owner check, made in the
-        pipeline's channel I/O pool): stop serving it."""
-        await self.worker.call(self.custody.owned_elsewhere, row, exc)
-        self._feed(sv.TakenOver(row.key))
+        pipeline's channel I/O pool): stop serving it (its requests are that kernel's) and let its lock go, so
+        that kernel can take it."""
+        await self.worker.call(self.custody.release, row.key)
+        self._feed(sv.TakenOver(row.key, exc.owner))
+
+    def _refresh_failed(self, row: WorkspaceRow, exc: Exception) -> None:
+        """A refresh of served `row`'s kernel-written files could not open or read its channel: logged once (the
+        serve core's), while it is served."""
+        if row.key in self.pipeline.workspaces:
+            self._feed(sv.ChannelFailed(row.key, channel_problem(exc), shown=False))
 
     def _check_owners(self) -> list[WorkspaceRow]:
         """(a store step) At every rescan: serve the channels that became ours (the rows to look at). (Whether a
@@ -747,14 +802,14 @@ class Service:
         # Channels not locked yet (another process held the lock, the channel could not be opened, or its
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
         # The look is the loop's (`_look_at_rows`, in the channel look pool): no channel is opened here.
-        return [row for row in self.store.workspaces() if not self.custody.locks.holds(row.key)]
+        return [row for row in self.store.workspaces() if not self.custody.holds(row.key)]
 
     def served(self, rows: list[WorkspaceRow]) -> list[WorkspaceRow]:
         """(event loop) The rows this kernel answers: those whose channel lock it holds (kernel.io.chanlock: so no
         other kernel answers them) and whose phase is `served` (kernel.core.serving: not another store's, not
         paused by the operator (their requests wait in their channels; their jobs in flight go on and their
         wakes are written), no look in flight)."""
-        return self.serving.served(rows, self.custody.locks.holds)
+        return self.serving.served(rows, self.custody.holds)
 
     def _read_data_version(self) -> int:
         # Changes when another process (an `enroll`) commits to the store.
@@ -771,18 +826,20 @@ class Service:
         enrolled = {r.key: r for r in rows}
         for key in sorted(enrolled.keys() - self._enrolled):
             log.event("enroll_noticed", ws=key, path=enrolled[key].path, by="another process (`enroll`)")
-        for key in sorted(self._enrolled - enrolled.keys()):
+        unenrolled = tuple(sorted(self._enrolled - enrolled.keys()))
+        for key in unenrolled:
             log.event("unenroll_noticed", ws=key, by="another process (`unenroll`)")
         self._enrolled = set(enrolled)
         order = self.store.budget_order
         unshown = frozenset(
-            r.key for r in rows if self.custody.locks.holds(r.key) and not order.shows(r.key, r.balance)
+            r.key for r in rows if self.custody.holds(r.key) and not order.shows(r.key, r.balance)
         )
-        return _Changes(paused, rows, unshown)
+        return _Changes(paused, rows, unshown, unenrolled)
 
     def _changed(self, changes: _Changes) -> list[WorkspaceRow]:
         """(event loop) Follow what another process changed (`_read_changes`): the pauses, the channels to look
-        at, the budget.json files to rewrite; the rows."""
+        at, the budget.json files to rewrite, the workspaces forgotten; the rows."""
+        self._feed(sv.Unenrolled(changes.unenrolled))
         before = self.serving.paused()
         for key in sorted(changes.paused - before):
             log.event("paused", ws=key)
@@ -810,11 +867,11 @@ class Service:
         again at each rescan (logged once) while this kernel holds it, until a write runs."""
         failed = False
         try:
-            await self.pipeline.chanio.run(key, self._republish_io, key)
+            if self.serving.phase(key) is not sv.Phase.FOREIGN:  # another store's: nothing is written to it
+                await self.pipeline.chanio.run(key, self._republish_io, key)
         except CHANNEL_ERRORS as exc:
-            row = self.pipeline.workspaces.get(key)
-            if row is not None:
-                self.custody.channel_problem(row, exc)
+            if key in self.pipeline.workspaces:
+                self._feed(sv.ChannelFailed(key, channel_problem(exc), shown=False))
             failed = True
         except (ChannelIOAbandoned, StoreUnavailable):
             pass  # stopping, or the store cannot be read: the next start rewrites it
@@ -835,9 +892,9 @@ class Service:
             )
 
     def _held_row_stamped(self, key: str) -> tuple[WorkspaceRow | None, int]:
-        """(a store step) The row while this kernel holds its channel (None when not), and the stamp of this read of
-        its balance."""
-        if not self.custody.locks.holds(key) or key in self.custody.foreign:
+        """(a store step) The row while this kernel holds its channel (None when not: a lock let go, to another
+        store or process), and the stamp of this read of its balance."""
+        if not self.custody.holds(key):
             return None, 0
         return self.refresher.row_stamped(key)
 
@@ -850,6 +907,7 @@ class Service:
         for key in gone:
             self.watches.forget(key)
         self._feed(sv.Unserved(tuple(gone)))
+        self._feed(shown(served))
         if changed:
             watcher = self.watcher
             self._watch_all(
@@ -871,9 +929,10 @@ class Service:
             self._feed(sv.Watched(key, polled=True))
 
     def _serve_rows(self, enrolled: set[str], rows: list[WorkspaceRow]) -> tuple[list[str], set[str]]:
-        """(store worker) Let the unenrolled channels' locks go and serve `rows`: (the workspaces no longer
-        served, those served anew or whose channel changed)."""
-        self.custody.locks.keep_only(enrolled)  # an unenrolled channel's lock (and fd) is let go
+        """(store worker) Let the unenrolled channels' locks go (and what the pipeline kept of them) and serve
+        `rows`: (the workspaces no longer served, those served anew or whose channel changed)."""
+        self.custody.keep_only(enrolled)  # an unenrolled channel's lock (and fd) is let go
+        self.pipeline.keep_only(enrolled)
         old = self.pipeline.workspaces
         self.pipeline.set_workspaces(rows)
         new_keys = {r.key for r in rows}
@@ -911,6 +970,7 @@ class Service:
                     return
                 rows = self.served(stored)
                 self.pipeline.set_workspaces(rows)
+                self._feed(shown(rows))
                 if self.halted():
                     return
                 await self._retrying(self.executor.recover)
@@ -931,13 +991,7 @@ class Service:
                 tg.start_soon(self.executor.run)
                 self._feed(sv.Ready())  # the refresh of what the admission left stale, in the background
                 self._send = send
-                self.pipeline.on_idle = self._wake
-                self.pipeline.on_turn_done = lambda: self._wake("")
-                self.pipeline.on_listed = self.polls.listed
-                self.pipeline.on_answered = lambda key: self.polls.active(key, self.clock())
                 self._token = anyio.lowlevel.current_token()
-                self.pipeline.on_owned_elsewhere = self._taken_over
-                self.pipeline.store_id = await self.worker.call(self.store.store_id)
                 # Leaving `work` waits for the sleeps and cancels still at the executor (the drain); leaving
                 # `turns` waits for the workspaces' turns in flight, but one whose channel I/O is overdue is
                 # abandoned (`ChannelIO.stop`), so a hung filesystem cannot hold the stop.
@@ -1109,8 +1163,8 @@ class Service:
                     await self.worker.call(metrics.refresh, self.store, self.degraded() is not None)
             if self.is_stopping():
                 break
-            if self.pipeline.store_failed is not None:
-                failed, self.pipeline.store_failed = self.pipeline.store_failed, None
+            failed = self.pipeline.take_store_failure()
+            if failed is not None:
                 raise failed
             self.pipeline.start_pass(start, spawn)
             await anyio.lowlevel.checkpoint()
@@ -1164,7 +1218,7 @@ class Service:
         cfg, applied, kept = reload.merge(self.cfg, reread)
         for key in kept:
             log.event("reload_kept", logging.WARNING, key=key, reason="cannot change while running; restart")
-        self.live.current = cfg  # every component reads it from here (kernel.core.config.LiveConfig)
+        self.live.use(cfg)  # every component reads it from here (kernel.core.config.LiveConfig)
         self._feed(sv.Reload(cfg.poll_seconds, cfg.poll_idle_seconds))
         stale, looks, rows = await self.worker.call(self._reapply)
         self._feed(sv.PolicyChanged(tuple(stale)))  # their kernel.json is rewritten in the background
@@ -1194,6 +1248,12 @@ class Service:
         return stale, looks, self.store.workspaces()
 
 
+def shown(rows: list[WorkspaceRow]) -> sv.Shown:
+    """The problems the store shows for these served rows (the serve core clears each once a turn opens the
+    channel again)."""
+    return sv.Shown(tuple((r.key, r.problem) for r in rows if r.problem is not None))
+
+
 def helper_children() -> list[int]:
     """This process's children in its own process group: its helpers (git), not its jobs (each job's wrapper
     starts a session of its own, kernel.backends.local)."""
@@ -1213,7 +1273,7 @@ def helper_children() -> list[int]:
     return found
 
 
-def arm_stop_deadline(store: Store, deadline_s: float = STOP_DEADLINE_S) -> threading.Timer:
+def arm_stop_deadline(store: Store, deadline_s: float = STOP_DEADLINE_S) -> threading.Thread:
     """After SIGTERM, the process is gone within `deadline_s` whatever it was doing (the orderly stop: start-up
     steps end at the next workspace, a pass finishes, the drain waits for the sleeps in progress; a snapshot of
     a huge tree, an artifact copy or a hung network filesystem can make that take minutes).
@@ -1227,6 +1287,7 @@ def arm_stop_deadline(store: Store, deadline_s: float = STOP_DEADLINE_S) -> thre
     kernel-owned repository under the next kernel; jobs run in sessions of their own and go on."""
 
     def force() -> None:
+        time.sleep(deadline_s)
         committing = not store.commit_lock.acquire(timeout=COMMIT_WAIT_S)
         log.event(
             "stop_forced",
@@ -1242,10 +1303,9 @@ def arm_stop_deadline(store: Store, deadline_s: float = STOP_DEADLINE_S) -> thre
             handler.flush()
         os._exit(0)
 
-    timer = threading.Timer(deadline_s, force)
-    timer.daemon = True
-    timer.start()
-    return timer
+    thread = threading.Thread(target=force, name="stop-deadline", daemon=True)
+    thread.start()
+    return thread
 
 
 async def _open_store(cfg: Config, notifier: Notifier) -> Store:
@@ -1296,14 +1356,13 @@ async def serve(
                 # Metrics are optional: the kernel serves without them rather than not at all.
                 why = metrics.bind_problem(cfg.metrics_listen) or str(exc)  # who holds the port, if in use
                 log.event("metrics_failed", logging.ERROR, listen=cfg.metrics_listen, error=why)
-        svc = Service(live, store, notifier, ToolSource.bundled(), executor_factory)
-        if publish is not None:
-            svc.publish = publish
 
         def deadline() -> None:
             arm_stop_deadline(store)
 
-        svc.on_stop = deadline
+        svc = Service(
+            live, store, notifier, ToolSource.bundled(), executor_factory, publish=publish, on_stop=deadline
+        )
         await svc.run()
     finally:
         notifier.close()

@@ -29,6 +29,10 @@ the same pool call, then a second step records its answer and decides the rest. 
 is slow or hung delays nobody else: past `channel_io_deadline_seconds` of channel I/O (time spent waiting for
 the store does not count) its problem shows in `syscall-kernel status`, nothing more is started for it until the
 I/O returns, and other workspaces are served.
+
+The pipeline keeps no workspace's problem: it tells its owner what each turn found through `PipelineHooks` (the
+channel opened and checked, could not be opened or read, its I/O overdue or returned), and the serve core
+(kernel.core.serving) decides what the workspace shows, logs it once and has the service write it.
 """
 
 from __future__ import annotations
@@ -71,7 +75,6 @@ from kernel.core import ledger, rules
 from kernel.core.budget import Balance
 from kernel.core.config import Config, LiveConfig
 from kernel.core.records import JobRow, RequestRow, SleepRow, WorkspaceRow
-from kernel.core.serving import overdue_problem
 from kernel.io import crash, metrics
 from kernel.io.enroll import OwnedElsewhere, kernel_ref, owner_of, write_budget
 from kernel.io.log import event
@@ -79,6 +82,7 @@ from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
 from kernel.service import gather
 from kernel.service.chanio import ChannelIO, ChannelIOAbandoned, Started, store_step
 from kernel.service.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
+from kernel.service.watching import channel_problem
 
 # Listings of a rescan or poll tick in flight at once (on top of the channels with news), so that a sweep of
 # 1,000 quiet channels never fills the channel I/O queue in front of a request an event announced.
@@ -225,6 +229,36 @@ async def _ignore_owner(ws: WorkspaceRow, exc: OwnedElsewhere) -> None:
     return None
 
 
+def _nothing(*args: object) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineHooks:
+    """What the pipeline tells its owner (the service), each called on the event loop. The workspaces' problems
+    are not the pipeline's: it says what its turns found (`ok`, `failed`, `overdue`, `returned`) and the serve
+    core (kernel.core.serving) decides what each workspace shows."""
+
+    # A continuation ended for this workspace (its waiting requests may be served now).
+    idle: Callable[[str], None] = _nothing
+    # A turn ended (the service loop plans the next pass).
+    turn_done: Callable[[], None] = _nothing
+    # A full listing of the workspace, planned at the time given, completed / the turn answered requests (the poll
+    # schedule: kernel.core.polling).
+    listed: Callable[[str, float], None] = _nothing
+    answered: Callable[[str], None] = _nothing
+    # A turn found the channel's kernel.json naming another store (the rescan's owner check).
+    owned_elsewhere: Callable[[WorkspaceRow, OwnedElsewhere], Awaitable[None]] = _ignore_owner
+    # This kernel's store id (None until known: the rescan checks no owner until then).
+    store_id: Callable[[], str | None] = lambda: None
+    # A served workspace's turn opened and checked its channel / a turn or an answer's delivery could not open or
+    # read it (why) / its channel I/O is overdue (since, the deadline in seconds) / that I/O returned.
+    ok: Callable[[str], None] = _nothing
+    failed: Callable[[str, str], None] = _nothing
+    overdue: Callable[[str, float, float], None] = _nothing
+    returned: Callable[[str], None] = _nothing
+
+
 class Pipeline:
     def __init__(
         self,
@@ -233,21 +267,22 @@ class Pipeline:
         executor: Executor,
         *,
         clock: Callable[[], float] = time.time,
+        hooks: PipelineHooks | None = None,
     ) -> None:
         self.live = live
         self.worker = worker
         self.store = worker.store
         self.executor = executor
         self.clock = clock
+        self.hooks = PipelineHooks() if hooks is None else hooks
         self.kernel = kernel_ref()
         self.workspaces: dict[str, WorkspaceRow] = {}
         self.backlog: dict[str, deque[str]] = {}
         self.dirty: set[str] = set()
         self.named: dict[str, set[str]] = {}  # request file names events announced (see `mark`)
         self._sweep: deque[str] = deque()
-        # Workspaces with a continuation at the executor; `on_idle(key)` is called when it is done.
+        # Workspaces with a continuation at the executor; `hooks.idle(key)` is called when it is done.
         self.busy: set[str] = set()
-        self.on_idle: Callable[[str], None] = lambda key: None
         self._swept: set[str] = set()
         self._stuck: dict[str, set[str]] = {}
         # (workspace, request id) -> the inode its request was read from, until the answer is delivered.
@@ -258,28 +293,20 @@ class Pipeline:
         # Per workspace, the last temp name examined: the next listing goes on after it (wrapping around).
         self._temp_cursor: dict[str, str] = {}
         self._after: str | None = None
-        self._problems: dict[str, str] = {}
         # Workspaces with a turn in flight (one at a time each), and how many of those the sweep started.
         self.inflight: set[str] = set()
         self._sweeping = 0
-        self.on_turn_done: Callable[[], None] = lambda: None
-        # A full listing of the workspace, planned at the time given, completed / the turn answered requests
-        # (the poll schedule: kernel.core.polling).
-        self.on_listed: Callable[[str, float], None] = lambda key, planned: None
-        self.on_answered: Callable[[str], None] = lambda key: None
-        # A turn's store step failed (the disk): raised to the service loop, which waits and sweeps again.
-        self.store_failed: StoreUnavailable | None = None
+        # A turn's store step failed (the disk): raised to the service loop (`take_store_failure`), which waits
+        # and sweeps again.
+        self._store_failed: StoreUnavailable | None = None
         self.chanio = ChannelIO(
             lambda: self.cfg.channel_io_deadline_seconds,
             on_overdue=self._io_overdue,
             on_returned=self._io_returned,
         )
-        self._overdue: dict[str, str] = {}  # workspace -> the problem its overdue channel I/O shows
         # The rescan's owner check (kernel.json may name another kernel's store: a take-over), made by the next
-        # turn of each workspace in the channel I/O pool; `on_owned_elsewhere` tells the service.
-        self.store_id: str | None = None
+        # turn of each workspace in the channel I/O pool; `hooks.owned_elsewhere` tells the service.
         self._owner_due: set[str] = set()
-        self.on_owned_elsewhere: Callable[[WorkspaceRow, OwnedElsewhere], Awaitable[None]] = _ignore_owner
         # When the store step now running started (the watchdog: a step that never ends stops the pings).
         self.pass_started: float | None = None
         self.answered = 0
@@ -293,11 +320,8 @@ class Pipeline:
     # --- scheduling ---------------------------------------------------------------------------------------
 
     def set_workspaces(self, rows: list[WorkspaceRow]) -> None:
+        """Serve `rows` (and no other workspace): what is kept of a workspace no longer served goes."""
         self.workspaces = {r.key: r for r in rows}
-        for r in rows:
-            if r.problem is not None:
-                # Recorded by an earlier run: cleared (in the store too) once the channel opens again.
-                self._problems.setdefault(r.key, r.problem)
         for key in list(self.backlog):
             if key not in self.workspaces:
                 del self.backlog[key]
@@ -309,6 +333,20 @@ class Pipeline:
         for key in list(self.named):
             if key not in self.workspaces:
                 del self.named[key]
+
+    def keep_only(self, enrolled: set[str]) -> None:
+        """Forget what is kept of the workspaces not `enrolled` (any more): the requests it could not remove, the
+        inodes read of requests at the executor, the owner checks due."""
+        for key in [k for k in self._stuck if k not in enrolled]:
+            del self._stuck[key]
+        for pair in [p for p in self._read_as if p[0] not in enrolled]:
+            self._read_as.pop(pair, None)
+        self._owner_due &= enrolled
+
+    def take_store_failure(self) -> StoreUnavailable | None:
+        """The failure of a turn's store step since the last call (the disk), now taken; None: none."""
+        failed, self._store_failed = self._store_failed, None
+        return failed
 
     def mark(self, key: str, names: Iterable[str] | None = None) -> None:
         """A watcher event: the channel has news. With the `names` the events carried, only those are read in the
@@ -325,7 +363,7 @@ class Pipeline:
         """Rescan (all keys) or poll tick: list these channels, a few per pass, behind the channels with news,
         so that a sweep of 1,000 quiet channels never sits in front of one request that an event announced.
         With `owners` (the rescan) each channel's next turn also checks the owner its kernel.json names."""
-        if owners and self.store_id is not None:
+        if owners and self.hooks.store_id() is not None:
             self._owner_due.update(self.workspaces if keys is None else keys)
         for key in self.workspaces if keys is None else keys:
             if key in self.workspaces and key not in self._swept:
@@ -390,7 +428,7 @@ class Pipeline:
 
     def start_pass(self, start: Callable[..., object], spawn: Spawn | None = None) -> int:
         """Start one pass's turns as tasks (`start` is a task group's `start_soon`) and return at once: the
-        service loop never waits for a workspace's channel I/O. Each turn ends with `on_turn_done()`."""
+        service loop never waits for a workspace's channel I/O. Each turn ends with `hooks.turn_done()`."""
         turns = self._plan()
         for t in turns:
             start(self._run_turn, t, spawn)
@@ -433,8 +471,8 @@ class Pipeline:
         async with anyio.create_task_group() as tg:
             for t in self._plan():
                 tg.start_soon(one, t)
-        if self.store_failed is not None:
-            failed, self.store_failed = self.store_failed, None
+        failed = self.take_store_failure()
+        if failed is not None:
             raise failed
         return handled
 
@@ -457,7 +495,7 @@ class Pipeline:
             # Logged by the worker. What was committed is replayed from the store at the next listing; the
             # service loop waits and sweeps again (the requests stay in their channel).
             self.backlog.pop(t.key, None)
-            self.store_failed = exc
+            self._store_failed = exc
             return 0
         finally:
             if not self.backlog.get(t.key):
@@ -469,7 +507,7 @@ class Pipeline:
                 self._sweeping -= 1
             self.last_pass_ms = (self.clock() - started) * 1000
             metrics.PASS_SECONDS.observe(self.last_pass_ms / 1000)
-            self.on_turn_done()
+            self.hooks.turn_done()
 
     async def _turn(self, t: _Turn, spawn: Spawn | None, begun: _Begun | None) -> int:
         """The workspace's turn, one call in the channel I/O pool (`_whole_turn`; already started if `begun`);
@@ -486,18 +524,20 @@ class Pipeline:
         except OwnedElsewhere as exc:
             # Taken over by another kernel's store: its requests are that kernel's; nothing read is answered.
             self.backlog.pop(t.key, None)
-            await self.on_owned_elsewhere(ws, exc)
+            await self.hooks.owned_elsewhere(ws, exc)
             return 0
         except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
             self.backlog.pop(t.key, None)
             self.dirty.discard(t.key)
             self.named.pop(t.key, None)
-            await self.worker.call(self._set_problem, ws, f"{type(exc).__name__}: {exc}")
+            self._failed_io(t.key, exc)
             return 0
+        if t.key in self.workspaces:
+            self.hooks.ok(t.key)
         if t.full:
-            self.on_listed(t.key, t.planned)
+            self.hooks.listed(t.key, t.planned)
         if done.answered:
-            self.on_answered(t.key)
+            self.hooks.answered(t.key)
         if done.relist:
             self.dirty.add(t.key)
         if done.left:
@@ -516,7 +556,7 @@ class Pipeline:
         its request removed, so a kill anywhere in between replays the stored answer (exactly once)."""
         taken = self._take(ws, t)
         try:
-            if not taken.reads and ws.key not in self._problems:
+            if not taken.reads:
                 return _TurnDone(taken.relist)
             with store_step():
                 rec = self.worker.run_here(self._timed, self._record, ws, taken.reads, _Recorded())
@@ -554,7 +594,7 @@ class Pipeline:
             ch.check_subdirs()
             if t.check_owner:
                 found = owner_of(ch)
-                if found is not None and found.store != self.store_id:
+                if found is not None and found.store != self.hooks.store_id():
                     raise OwnedElsewhere(ws.path, found)
             queue = self.backlog.setdefault(ws.key, deque())
             relist = False
@@ -678,7 +718,6 @@ class Pipeline:
         """Decide and record each request read, in order, into `rec`, up to the first that goes on to the
         executor (the rest are read again after it) or a new `tail` (`rec.look`; the rest are decided after it,
         in the step that records its answer)."""
-        self._clear_problem(ws)
         for i, r in enumerate(reads):
             self._decide(ws, r, rec)
             if rec.cont is not None:
@@ -698,33 +737,18 @@ class Pipeline:
         self._record_read_only(rec, ws, look.read, look.digest, "tail", answer, "tail")
         return self._record(ws, rest, rec)
 
-    def _set_problem(self, ws: WorkspaceRow, problem: str) -> None:
-        if self._problems.get(ws.key) != problem:
-            self._problems[ws.key] = problem
-            event("channel_problem", logging.WARNING, ws=ws.key, problem=problem)
-            with self.store.transaction():
-                self.store.set_problem(ws.key, problem)
-
-    def _clear_problem(self, ws: WorkspaceRow) -> None:
-        if self._problems.pop(ws.key, None) is not None:
-            event("channel_ok", ws=ws.key)
-            with self.store.transaction():
-                self.store.set_problem(ws.key, None)
+    def _failed_io(self, key: str, exc: Exception) -> None:
+        """A turn or an answer's delivery could not open or read `key`'s channel: the service is told, while the
+        workspace is served (its problem is the serve core's)."""
+        if key in self.workspaces:
+            self.hooks.failed(key, channel_problem(exc))
 
     async def _io_overdue(self, key: str, since: float) -> None:
-        ws = self.workspaces.get(key)
-        if ws is None:
-            return
-        problem = overdue_problem(timestamp(since), self.chanio.deadline, served=True)
-        self._overdue[key] = problem
-        await self.worker.call(self._set_problem, ws, problem)
+        if key in self.workspaces:
+            self.hooks.overdue(key, since, self.chanio.deadline)
 
     async def _io_returned(self, key: str) -> None:
-        problem = self._overdue.pop(key, None)
-        event("channel_io_returned", ws=key)
-        ws = self.workspaces.get(key)
-        if ws is not None and problem is not None and self._problems.get(key) == problem:
-            await self.worker.call(self._clear_problem, ws)
+        self.hooks.returned(key)
 
     def _deliver(self, ch: safefs.Channel, ws: WorkspaceRow, d: _Delivery) -> int:
         """Write the (recorded, durable) answer, then remove the request; 1 when answered."""
@@ -1030,7 +1054,7 @@ class Pipeline:
         finally:
             self.busy.discard(c.key)
             self.dirty.add(c.key)
-            self.on_idle(c.key)
+            self.hooks.idle(c.key)
 
     async def _advance(self, c: Continuation) -> None:
         order = await self.worker.call(self._order, c)
@@ -1067,7 +1091,7 @@ class Pipeline:
                 c.received,
             )
         except (safefs.ChannelMoved, safefs.Refused, OSError) as exc:
-            await self.worker.call(self._set_problem, done.ws, f"{type(exc).__name__}: {exc}")
+            self._failed_io(c.key, exc)
 
     # --- backoff after the executor failed for the world's reasons ------------------------------------------
 

@@ -40,6 +40,11 @@ from kernel.service.chanio import ChannelIO, ChannelIOAbandoned
 CHANNEL_ERRORS = (safefs.ChannelMoved, safefs.Refused, OSError)
 
 
+def channel_problem(exc: Exception) -> str:
+    """What a channel error (CHANNEL_ERRORS) says, as a workspace's problem and in the log."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 class Watches:
     """Watches (or polls) the requests/ of the channels the service serves, and watches them again in the
     channel look pool `looks` when asked. The service gives it `watcher` (its Watcher, or None), `served` (whether
@@ -145,7 +150,9 @@ class Watches:
             log.event("watch_failed", logging.WARNING, ws=row.key, problem=str(exc))
 
     def forget(self, key: str) -> None:
-        """`key` is no longer served: not watched (nor polled: the service tells the serve core)."""
+        """`key` is no longer served: not watched (nor polled: the service tells the serve core), and a watch
+        problem logged of it is logged again if it comes back."""
+        self._problems.pop(key, None)
         watcher = self.watcher()
         if watcher is not None:
             watcher.remove(key)

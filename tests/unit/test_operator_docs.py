@@ -6,7 +6,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-EVENT_CALL = re.compile(r"\bevent\(\s*\"([a-z_]+)\"")
+# `log.event("name", ...)`, and the serve core's `Log("name", ...)` actions (kernel.core.serving), which the service
+# logs as they are.
+EVENT_CALL = re.compile(r"\b(?:event|Log)\(\s*\"([a-z_]+)\"")
 
 
 def kernel_events() -> set[str]:

@@ -20,6 +20,7 @@ from _parts import TOOL, ReadyNotifier
 from kernel.core import serving as sv
 from kernel.core.config import Config, LiveConfig, parse
 from kernel.core.records import WorkspaceRow
+from kernel.io import admin
 from kernel.io.crash import HANG_ENV
 from kernel.io.enroll import Grant, enroll
 from kernel.io.store import Store
@@ -340,3 +341,36 @@ def test_no_pool_call_or_store_step_of_the_driver_can_reach_the_serving_state() 
                 f"{name} (off the loop) reaches the serving state via {m}"
             )
             todo += [a for a in got if a in methods]
+
+
+def test_a_workspace_another_process_unenrolls_is_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handled_on: list[Handled]
+) -> None:
+    """The operator unenrolls A (another process) while the kernel serves A and B, both polled: once the poll
+    tick notices, nothing of A is left in the serving state, its poll schedule, the pipeline or the locks, and B
+    is served as before."""
+    cfg, store, _ = setup(tmp_path, monkeypatch, CONFIG + 'watch = "poll"\n')
+    a, b = workspace(tmp_path, "a"), workspace(tmp_path, "b")
+    key = enrolled(store, cfg, a).key
+    enrolled(store, cfg, b)
+
+    async def body(svc: Service) -> None:
+        await served_meanwhile(a, 2)
+        assert key in svc.serving.known()
+        assert key in svc.polls
+        other = Store.open(cfg.paths.store)  # the operator's `syscall-kernel unenroll`
+        try:
+            await anyio.to_thread.run_sync(lambda: admin.unenroll(other, str(a)))
+        finally:
+            other.close()
+        await until(lambda: key not in svc.pipeline.workspaces, 5, "A no longer served")
+        await served_meanwhile(b, 2)  # a few ticks and passes later
+        assert key not in svc.serving.known()
+        assert key not in svc.polls
+        assert not svc.custody.holds(key)
+        assert svc.serving.problem(key) is None
+        pipeline = svc.pipeline
+        kept = [pipeline.backlog, pipeline.dirty, pipeline.named, pipeline.busy, pipeline.inflight]
+        assert not any(key in part for part in kept)
+
+    serve_while(cfg, store, handled_on, body)

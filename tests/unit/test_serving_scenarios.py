@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from channel.messages import Policy
+from channel.messages import Policy, StoreRef
 from channel.safefs import Identity
 from kernel.core import serving as sv
 from kernel.core.budget import Balance
@@ -71,6 +71,16 @@ def served_keys(core: sv.Serving, rows: list[WorkspaceRow]) -> set[str]:
     return {r.key for r in core.served(rows, lambda key: True)}
 
 
+def shows(actions: list[sv.Action]) -> list[sv.ShowProblem]:
+    """The problems these actions show (or clear) in the store."""
+    return [a for a in actions if isinstance(a, sv.ShowProblem)]
+
+
+def logs(actions: list[sv.Action]) -> list[str]:
+    """The events these actions log."""
+    return [a.event for a in actions if isinstance(a, sv.Log)]
+
+
 # --- hang --------------------------------------------------------------------------------------------------
 
 
@@ -84,7 +94,9 @@ def test_a_hung_admission_shows_its_problem_once_and_holds_no_other_workspace() 
     h.ms += 30_000
     shown = h.feed(sv.Overdue("start-up admission 1", "12:00:00", 30.0))
     problem = sv.overdue_problem("12:00:00", 30.0, served=False)
-    assert shown == [sv.ShowProblem("a", problem)]
+    assert shows(shown) == [sv.ShowProblem("a", problem)]
+    assert logs(shown) == ["channel_problem"]
+    assert h.core.problem("a") == problem
     assert "this workspace is not served until it returns" in problem
     assert h.core.phase("a") is sv.Phase.OVERDUE
     # Another call admits the rest meanwhile: they are served, the hung one is not.
@@ -92,7 +104,9 @@ def test_a_hung_admission_shows_its_problem_once_and_holds_no_other_workspace() 
         assert h.feed(sv.LookDone(key, sv.Outcome.SERVED, stale=True)) == [sv.Reserve()]
     assert served_keys(h.core, rows) == {"b", "c"}
     # It returns: the problem is cleared only while it still shows the overdue one, then it is served.
-    assert h.feed(sv.Returned("start-up admission 1")) == [sv.ShowProblem("a", None, unless=problem)]
+    returned = h.feed(sv.Returned("start-up admission 1"))
+    assert shows(returned) == [sv.ShowProblem("a", None, unless=problem)]
+    assert logs(returned) == ["channel_io_returned"]
     assert h.core.phase("a") is sv.Phase.UNADMITTED
     h.feed(sv.LookDone("a", sv.Outcome.SERVED))
     assert served_keys(h.core, rows) == {"a", "b", "c"}
@@ -103,7 +117,7 @@ def test_a_hung_look_is_not_started_twice_and_other_looks_go_on() -> None:
     a, b = row("a"), row("b")
     assert h.feed(sv.LookWanted(a)) == [sv.Look(a, paused=False)]
     h.ms += 30_000
-    assert h.feed(sv.Overdue("a", "12:00:00", 30.0))[0].key == "a"  # type: ignore[union-attr]
+    assert shows(h.feed(sv.Overdue("a", "12:00:00", 30.0)))[0].key == "a"
     # Every rescan asks again: the hung look holds one thread, not one per rescan.
     for _ in range(5):
         h.ms += 60_000
@@ -118,13 +132,13 @@ def test_an_overdue_rewatch_shows_its_problem_and_leaves_the_workspace_served() 
     h = Harness()
     a = row("a")
     h.feed(sv.LookTaken("a", "a"))
-    assert h.feed(sv.Overdue("a", "12:00:00", 30.0)) == [
+    assert shows(h.feed(sv.Overdue("a", "12:00:00", 30.0))) == [
         sv.ShowProblem("a", sv.overdue_problem("12:00:00", 30.0, served=False))
     ]
     assert served_keys(h.core, [a]) == {"a"}
-    assert h.feed(sv.Returned("a"))[0] == sv.ShowProblem(
-        "a", None, unless=sv.overdue_problem("12:00:00", 30.0, served=False)
-    )
+    assert shows(h.feed(sv.Returned("a"))) == [
+        sv.ShowProblem("a", None, unless=sv.overdue_problem("12:00:00", 30.0, served=False))
+    ]
 
 
 def test_the_overdue_message_is_built_in_one_place_for_looks_and_turns() -> None:
@@ -274,35 +288,64 @@ def test_a_balance_changed_during_its_republish_is_republished_again_and_a_failu
 # --- paused, foreign, held elsewhere -----------------------------------------------------------------------
 
 
+OTHER = StoreRef(store="0" * 32, state_dir="/other/state")
+HELD = "served by another kernel (pid 42)"
+FOUND = {
+    sv.Outcome.FOREIGN: sv.LookDone("a", sv.Outcome.FOREIGN, owner=OTHER),
+    sv.Outcome.HELD_ELSEWHERE: sv.LookDone("a", sv.Outcome.HELD_ELSEWHERE, why=HELD),
+}
+
+
 @pytest.mark.parametrize(
-    ("outcome", "phase"),
-    [(sv.Outcome.FOREIGN, sv.Phase.FOREIGN), (sv.Outcome.HELD_ELSEWHERE, sv.Phase.HELD_ELSEWHERE)],
+    ("outcome", "phase", "problem", "logged"),
+    [
+        (sv.Outcome.FOREIGN, sv.Phase.FOREIGN, sv.foreign_problem(OTHER), "channel_owned_elsewhere"),
+        (sv.Outcome.HELD_ELSEWHERE, sv.Phase.HELD_ELSEWHERE, HELD, "channel_held_elsewhere"),
+    ],
 )
 def test_a_channel_another_kernel_has_is_not_served_until_a_look_finds_it_ours(
-    outcome: sv.Outcome, phase: sv.Phase
+    outcome: sv.Outcome, phase: sv.Phase, problem: str, logged: str
 ) -> None:
     core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
     a = row("a")
     core.handle(sv.Admitting(("a",)))
-    assert core.handle(sv.LookDone("a", outcome)) == []
+    found = core.handle(FOUND[outcome])
+    assert shows(found) == [sv.ShowProblem("a", problem)]
+    assert logs(found) == [logged]
     assert core.phase("a") is phase
+    assert core.problem("a") == problem
     assert served_keys(core, [a]) == set()
-    # A look that cannot read the channel changes nothing of that.
+    # Found again at every rescan: logged and shown once.
     core.handle(sv.LookWanted(a))
-    core.handle(sv.LookDone("a", sv.Outcome.PROBLEM))
+    assert core.handle(FOUND[outcome]) == []
+    # A look that cannot read the channel changes nothing of that (logged, not shown).
+    core.handle(sv.LookWanted(a))
+    assert logs(core.handle(sv.LookDone("a", sv.Outcome.PROBLEM, why="OSError: gone"))) == ["channel_problem"]
     assert core.phase("a") is phase
+    assert core.problem("a") == problem
+    # A turn still in flight when it was found does not clear what it shows.
+    assert core.handle(sv.TurnOk("a")) == []
     core.handle(sv.LookWanted(a))
-    assert core.handle(sv.LookDone("a", sv.Outcome.SERVED)) == [sv.Reserve()]
+    served = core.handle(sv.LookDone("a", sv.Outcome.SERVED))
+    assert served[-1] == sv.Reserve()
+    if outcome is sv.Outcome.HELD_ELSEWHERE:
+        assert logs(served) == ["channel_lock_taken"]
+        assert shows(served) == [sv.ShowProblem("a", None, unless=HELD)]
     assert core.phase("a") is sv.Phase.SERVED
     assert served_keys(core, [a]) == {"a"}
 
 
-def test_a_take_over_stops_serving_at_once_and_a_look_takes_it_back() -> None:
+def test_a_take_over_stops_serving_at_once_shows_it_once_and_a_look_takes_it_back() -> None:
     core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
     a = row("a")
-    assert core.handle(sv.TakenOver("a")) == [sv.Reserve()]
+    taken = core.handle(sv.TakenOver("a", OTHER))
+    assert taken[-1] == sv.Reserve()
+    assert shows(taken) == [sv.ShowProblem("a", sv.foreign_problem(OTHER))]
+    assert logs(taken) == ["channel_owned_elsewhere"]
+    assert "another kernel's store " + OTHER.store in sv.foreign_problem(OTHER)
     assert core.phase("a") is sv.Phase.FOREIGN
     assert served_keys(core, [a]) == set()
+    assert core.handle(sv.TakenOver("a", OTHER)) == [sv.Reserve()]  # the refresh finds it too: shown once
     core.handle(sv.LookWanted(a))
     core.handle(sv.LookDone("a", sv.Outcome.SERVED))
     assert served_keys(core, [a]) == {"a"}
@@ -361,3 +404,125 @@ def test_which_channels_are_polled_follows_what_each_watch_made() -> None:
     # No longer served: not polled (the poll schedule forgets it at its next sync).
     core.handle(sv.Unserved(("b",)))
     assert core.polled() == frozenset()
+
+
+# --- a served workspace's problem: one owner ----------------------------------------------------------------
+
+
+def test_a_turns_problem_is_shown_once_and_cleared_once_a_turn_opens_the_channel_again() -> None:
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    failed = core.handle(sv.ChannelFailed("a", "ChannelMoved: .syscall was replaced"))
+    assert shows(failed) == [sv.ShowProblem("a", "ChannelMoved: .syscall was replaced")]
+    assert logs(failed) == ["channel_problem"]
+    # Every turn meets it again (the rescan, events): logged and shown once.
+    assert core.handle(sv.ChannelFailed("a", "ChannelMoved: .syscall was replaced")) == []
+    assert core.problem("a") == "ChannelMoved: .syscall was replaced"
+    ok = core.handle(sv.TurnOk("a"))
+    assert shows(ok) == [sv.ShowProblem("a", None, unless="ChannelMoved: .syscall was replaced")]
+    assert logs(ok) == ["channel_ok"]
+    assert core.problem("a") is None
+    assert core.handle(sv.TurnOk("a")) == []  # nothing shown: nothing to clear
+
+
+def test_an_overdue_turn_shows_the_served_wording_and_its_return_clears_only_that() -> None:
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    problem = sv.overdue_problem("12:00:00", 30.0, served=True)
+    overdue = core.handle(sv.TurnOverdue("a", "12:00:00", 30.0))
+    assert shows(overdue) == [sv.ShowProblem("a", problem)]
+    assert "nothing more is started for this workspace until it returns" in problem
+    returned = core.handle(sv.TurnReturned("a"))
+    assert logs(returned) == ["channel_io_returned", "channel_ok"]
+    assert shows(returned) == [sv.ShowProblem("a", None, unless=problem)]
+    # The listing returned with an error: that one is the problem now, and a later return leaves it.
+    core.handle(sv.TurnOverdue("a", "12:01:00", 30.0))
+    core.handle(sv.ChannelFailed("a", "OSError: [Errno 5] Input/output error"))
+    assert shows(core.handle(sv.TurnReturned("a"))) == []
+    assert core.problem("a") == "OSError: [Errno 5] Input/output error"
+
+
+def test_a_problem_an_earlier_run_recorded_is_cleared_by_the_first_turn_that_opens_the_channel() -> None:
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    assert core.handle(sv.Shown((("a", "OSError: old"),))) == []
+    assert core.problem("a") == "OSError: old"
+    assert shows(core.handle(sv.TurnOk("a"))) == [sv.ShowProblem("a", None, unless="OSError: old")]
+    # What the core decided since wins over a copy read back from the store.
+    core.handle(sv.ChannelFailed("a", "OSError: new"))
+    core.handle(sv.Shown((("a", "OSError: old"),)))
+    assert core.problem("a") == "OSError: new"
+
+
+def test_a_refresh_or_republish_failure_is_logged_once_and_not_shown_until_a_look_reads_the_channel() -> None:
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    assert logs(core.handle(sv.ChannelFailed("a", "OSError: x", shown=False))) == ["channel_problem"]
+    assert core.handle(sv.ChannelFailed("a", "OSError: x", shown=False)) == []
+    assert core.problem("a") is None
+    core.handle(sv.LookWanted(row("a")))
+    core.handle(sv.LookDone("a", sv.Outcome.SERVED))
+    assert logs(core.handle(sv.ChannelFailed("a", "OSError: x", shown=False))) == ["channel_problem"]
+
+
+def test_an_overdue_look_of_a_served_workspace_is_not_cleared_by_its_turns() -> None:
+    """A re-watch hangs while the workspace stays served: a turn that opens the channel meanwhile leaves the
+    look's problem to the look's return."""
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    core.handle(sv.LookTaken("a", "a"))
+    core.handle(sv.Overdue("a", "12:00:00", 30.0))
+    assert core.handle(sv.TurnOk("a")) == []
+    assert core.problem("a") == sv.overdue_problem("12:00:00", 30.0, served=False)
+    core.handle(sv.Returned("a"))
+    assert core.problem("a") is None
+
+
+# --- unenrolled: forgotten ----------------------------------------------------------------------------------
+
+
+def everything_of(core: sv.Serving, key: str) -> sv.Serving:
+    """Give `key` every kind of entry the core keeps: a problem, a pause, stale files, a republish, a poll."""
+    core.handle(sv.Ready())
+    core.handle(sv.Admitting((key,)))
+    core.handle(sv.LookDone(key, sv.Outcome.SERVED, stale=True, polled=True))
+    core.polls.sync(set(core.polled()), 0.0)
+    core.handle(sv.ChannelFailed(key, "OSError: x"))
+    core.handle(sv.ChannelFailed(key, "OSError: y", shown=False))
+    core.handle(sv.PolicyChanged(()))
+    core.handle(sv.BalanceChanged((key,)))
+    core.handle(sv.Republished(key, failed=True))
+    core.handle(sv.Paused(frozenset({key})))
+    assert key in core.known()
+    return core
+
+
+def test_an_unenrolled_workspace_is_forgotten() -> None:
+    core = everything_of(sv.Serving(POLL_S, IDLE_S, QUANTUM_S), "a")
+    everything_of(core, "b")
+    assert core.handle(sv.Unenrolled(("a",))) == []
+    assert core.known() == {"b"}
+    assert "a" not in core.polls
+    assert core.problem("a") is None
+    assert core.handle(sv.Rescan()) == [sv.Republish("b")]  # a's failed republish is not tried again
+    assert core.paused() == {"b"}
+
+
+def test_an_unenrolled_workspace_with_a_look_in_flight_is_forgotten_once_it_returns() -> None:
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    a = row("a")
+    core.handle(sv.LookWanted(a))
+    core.handle(sv.Overdue("a", "12:00:00", 30.0))
+    core.handle(sv.Unenrolled(("a",)))
+    assert core.phase("a") is sv.Phase.OVERDUE  # not served meanwhile
+    assert logs(core.handle(sv.Returned("a"))) == ["channel_io_returned"]
+    assert core.handle(sv.LookDone("a", sv.Outcome.SERVED, polled=True)) == []  # nobody's: not re-served
+    assert core.known() == frozenset()
+    assert not core.looking("a")
+
+
+def test_a_workspace_enrolled_again_while_its_look_runs_is_served_when_it_returns() -> None:
+    core = sv.Serving(POLL_S, IDLE_S, QUANTUM_S)
+    a = row("a")
+    core.handle(sv.LookWanted(a))
+    core.handle(sv.Unenrolled(("a",)))
+    core.handle(
+        sv.LookWanted(a)
+    )  # enrolled again (another process's `enroll`): its look is in flight already
+    assert core.handle(sv.LookDone("a", sv.Outcome.SERVED)) == [sv.Reserve()]
+    assert core.known() == frozenset()  # served, and nothing left to remember
