@@ -191,6 +191,13 @@ def render_task(t: TaskResult, tails: bool = True) -> str:
         out.append(f"Hint: {hint}.")
     if t.job_id:
         out.append(f"Job id: {t.job_id}")
+    partial = [a for a in t.artifacts if a.partial]
+    if partial:
+        out.append(
+            "Artifacts delivered as the job had written them when it was stopped (partial): "
+            + ", ".join(_inline(a.path) for a in partial)
+            + "."
+        )
     if t.skipped:
         out.append("Artifacts skipped:")
         out += [f"- {_inline(s.path)}: {s.reason}" for s in t.skipped]
@@ -583,21 +590,21 @@ def render_files(w: Wake) -> str:
     lines = []
     for name in dict.fromkeys(t.launch for t in w.tasks):
         tasks = [t for t in w.tasks if t.launch == name]
-        files: dict[str, None] = {}
+        files: dict[str, bool] = {}  # name -> whether a task's copy of it is partial
         for t in tasks:
             if t.stdout_log is not None and t.stdout_log.delivered:
-                files.setdefault("stdout")
+                files.setdefault("stdout", False)
             if t.stderr_log is not None and t.stderr_log.delivered:
-                files.setdefault("stderr")
+                files.setdefault("stderr", False)
             for a in t.artifacts:
-                files.setdefault(a.path)
+                files[a.path] = files.get(a.path, False) or a.partial
         if not files:
             continue
         where = ChannelPaths.result_dir(w.seq, name, 0 if len(tasks) > 1 else None)
         base = "/".join((CHANNEL_DIR, ChannelPaths.RESULTS, *where[:2])) + (
             "/<task>/" if len(tasks) > 1 else "/"
         )
-        names = ", ".join(_inline(f) for f in files)
+        names = ", ".join(_inline(f) + (" (partial)" if partial else "") for f, partial in files.items())
         lines.append(f"- {base}: {names}")
     if not lines:
         return ""

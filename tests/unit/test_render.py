@@ -641,3 +641,14 @@ def test_a_task_without_tails_takes_no_place_among_the_tails_shown() -> None:
     assert "done 0" in md
     assert "done 1" in md
     assert "Tails shown" not in md
+
+
+def test_a_stopped_tasks_artifacts_are_marked_partial_in_its_section_and_the_delivered_list() -> None:
+    art = Artifact(path="ckpt.pt", delivered="results/4/a/ckpt.pt", size=10, sha256="ab" * 32, partial=True)
+    stopped = TaskResult(launch="a", task=0, state="TIMEOUT", elapsed_s=61.0, artifacts=(art,))
+    md = render_wake(_wake((stopped,)))
+    assert "Artifacts delivered as the job had written them when it was stopped (partial): 'ckpt.pt'." in md
+    assert "- .syscall/results/4/a/: 'ckpt.pt' (partial)" in md
+    whole = msgspec.structs.replace(art, partial=False)
+    md = render_wake(_wake((TaskResult(launch="a", task=0, state="COMPLETED", artifacts=(whole,)),)))
+    assert "partial" not in md
