@@ -22,6 +22,7 @@ import queue
 import re
 import secrets
 import shlex
+import stat
 import sys
 import threading
 import time
@@ -1333,6 +1334,90 @@ def reconcile(ch: Channel, st: Staging) -> bool:
         st.current_sleep = rid
     st.pending = None
     return True
+
+
+# The contract this tool last read (.syscall/syscall-contract.json): tool-private (PROTOCOL.md 2.6), so that a
+# change made while the agent works (a config reload rewrites kernel.json) is told once.
+CONTRACT_SEEN = "syscall-contract.json"
+CONTRACT_KEYS = ("limits", "policy", "verbs", "submit_trusted", "submit_verdicts")
+CONTRACT_CHANGES_SHOWN = 8
+_ABSENT = object()
+
+
+def contract_changes(old: Any, new: Any, prefix: str = "") -> List[Tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for each value that differs; `_ABSENT` where a side has none."""
+    if old == new:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: List[Tuple[str, Any, Any]] = []
+        for k in list(new) + [k for k in old if k not in new]:
+            key = "{}.{}".format(prefix, k) if prefix else str(k)
+            out += contract_changes(old.get(k, _ABSENT), new.get(k, _ABSENT), key)
+        return out
+    return [(prefix, old, new)]
+
+
+def _contract_value(v: Any) -> str:
+    if v is _ABSENT:
+        return "(none)"
+    text = json.dumps(v, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _read_seen(ch: Channel) -> Any:
+    """The contract recorded in CONTRACT_SEEN, or None (absent, not a regular file, or not this tool's)."""
+    try:
+        fd = os.open(ch.path(CONTRACT_SEEN), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = json.loads(os.read(fd, ANSWER_MAX_BYTES).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    return data.get("contract") if isinstance(data, dict) and data.get("tool") == "syscall" else None
+
+
+def announce_contract(ch: Channel, json_mode: bool) -> Callable[[], None]:
+    """Say once what of this workspace's contract (kernel.json's limits, policy, verbs, submit rules) changed
+    since this tool last read it (nothing the first time, or where kernel.json cannot be read: the verb says
+    why). Returns what records what it read: called once the verb has run, unless it was refused locally
+    (which writes nothing; the next call says it again)."""
+    try:
+        info = ch.info()
+    except ToolError:
+        return lambda: None
+    now = {k: info[k] for k in CONTRACT_KEYS if k in info}
+    seen = _read_seen(ch)
+    if seen == now:
+        return lambda: None
+    if isinstance(seen, dict):
+        changes = contract_changes(seen, now)
+        shown = "; ".join(
+            "{} {} -> {}".format(k, _contract_value(a), _contract_value(b))
+            for k, a, b in changes[:CONTRACT_CHANGES_SHOWN]
+        )
+        more = len(changes) - CONTRACT_CHANGES_SHOWN
+        shown += "; and {} more".format(more) if more > 0 else ""
+        (_err if json_mode else _out)(
+            "Note: this workspace's contract in {} changed since this tool last read it: {} ({} shows it as "
+            "it is now).".format(ch.show("kernel.json"), shown, _cmd("status"))
+        )
+
+    def record() -> None:
+        data = (json.dumps({"tool": "syscall", "contract": now}, ensure_ascii=False) + "\n").encode("utf-8")
+        tmp = ch.path(".{}.{}.tmp".format(CONTRACT_SEEN, secrets.token_hex(4)))
+        try:
+            _write_file(tmp, data)
+            os.rename(tmp, ch.path(CONTRACT_SEEN))
+        except OSError:  # not recorded: the next call tells it again
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    return record
 
 
 # One read-modify-write of staged.json at a time within this process: the MCP server runs tool calls on
@@ -3559,7 +3644,14 @@ class McpServer:
                 _check_json_limits(arguments, ch.limits)
             except _Refuse as r:
                 refuse((r.code, r.message, r.path), False)
-            tool.run(ch, arguments)
+            record = announce_contract(ch, False)
+            try:
+                tool.run(ch, arguments)
+            except ToolError as exc:
+                if exc.exit_code != EXIT_USAGE:
+                    record()
+                raise
+            record()
             structured, cut = _fit_structured(tool.structured(results), ch)
             text = "".join(out + err).rstrip("\n") + ("\n" + cut if cut else "")
             answer = {
@@ -4083,9 +4175,15 @@ def parse(argv: List[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     ch = find_channel(args.channel)
+    # the MCP server tells it in each call's result
+    record = announce_contract(ch, bool(args.json)) if args.verb != "mcp" else (lambda: None)
     try:
-        return int(args.func(ch, args))
+        code = int(args.func(ch, args))
+        record()
+        return code
     except ToolError as exc:
+        if exc.exit_code != EXIT_USAGE:
+            record()
         if args.json and exc.payload is not None:
             _json_out(exc.payload)
         _err(exc.message if exc.message.startswith("syscall:") else "syscall: " + exc.message)

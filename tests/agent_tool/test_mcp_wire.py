@@ -530,3 +530,19 @@ def test_a_long_list_is_cut_from_its_end_and_the_text_names_it() -> None:
     )
     small = {"type": "history", "sleeps": sleeps[:3]}
     assert tool._fit_structured(small, ch) == (small, None)  # type: ignore[arg-type]
+
+
+def test_a_changed_contract_is_announced_once_over_mcp(client: RawClient, kernel: FakeKernel) -> None:
+    client.handshake()
+    assert "contract" not in client.call("budget", {})["result"]["content"][0]["text"]
+    path = kernel.channel / "kernel.json"
+    info = json.loads(path.read_text())
+    info["policy"]["max_gpus"] = 2
+    path.with_name(".k.tmp").write_text(json.dumps(info))
+    path.with_name(".k.tmp").rename(path)
+    text = client.call("budget", {})["result"]["content"][0]["text"]
+    assert text.startswith(
+        "Note: this workspace's contract in .syscall/kernel.json changed since this tool last read it: "
+        "policy.max_gpus 8 -> 2 (the `status` tool shows it as it is now).\n"
+    ), text
+    assert "contract" not in client.call("budget", {})["result"]["content"][0]["text"]
