@@ -370,11 +370,18 @@ def task_result(
     hint = files.hint
     if job.state == "OUT_OF_MEMORY" and memory is not None:
         default_mb, max_mem_mb = memory
-        hint = exits.oom_hint(job.mem_mb or default_mb, job.mem_mb, max_mem_mb)
+        hint = (
+            exits.eval_oom_hint(job.mem_mb or default_mb)
+            if job.launch in L.EVAL_LAUNCH_NAMES
+            else exits.oom_hint(job.mem_mb or default_mb, job.mem_mb, max_mem_mb)
+        )
     if task_dir is None:
         hint = HINT_CANCELLED_EARLY if job.state == "CANCELLED" else None
     if hint == HINT_FAILED and files.stderr is not None:
         hint = import_hint(files.stderr.tail, environment_mode) or hint
+    hint = exits.output_hint(
+        hint, files.stdout.tail if files.stdout else "", files.stderr.tail if files.stderr else ""
+    )
     return TaskResult(
         launch=job.launch,
         task=job.task,
