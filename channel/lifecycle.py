@@ -86,6 +86,12 @@ TERMINAL_TASK_STATES: Final[frozenset[TaskState]] = frozenset(get_args(TaskState
 # there is no base). Neither was charged.
 NOT_RUN_TASK_STATES: Final[frozenset[TaskState]] = TASK_TRANSITIONS[("PENDING", TaskEvent.SKIP)]
 
+# A task stopped before its command ended on its own (the walltime, its memory limit, a cancel, the node or the
+# scheduler): what it left, its artifacts included, is as it was when it was stopped (the wake marks them partial).
+STOPPED_TASK_STATES: Final[frozenset[TaskState]] = (
+    TERMINAL_TASK_STATES - NOT_RUN_TASK_STATES - frozenset({"COMPLETED", "FAILED"})
+)
+
 
 class IllegalTransition(RuntimeError):
     """A state change the lifecycle does not allow: a kernel bug."""

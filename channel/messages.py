@@ -334,12 +334,15 @@ ANSWER_TYPES: Final = (Accepted, Rejected, StatusAnswer, QueueAnswer, HistoryAns
 
 
 class Artifact(_Strict, frozen=True):
-    """An artifact delivered into the channel, with evidence of what was delivered."""
+    """An artifact delivered into the channel, with evidence of what was delivered. `partial`: its task was
+    stopped before its command ended (channel.lifecycle.STOPPED_TASK_STATES), so the file is as the job had
+    written it by then."""
 
     path: str
     delivered: str
     size: int
     sha256: str
+    partial: bool = False
 
 
 class SkippedArtifact(_Strict, frozen=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from channel import limits as L
 from channel import sweep
 from channel.lifecycle import NOT_RUN_TASK_STATES
 from channel.messages import Budget, LaunchSummary, LogFile, RankedTask, SidePath, TaskResult, Verdict, Wake
@@ -121,19 +122,31 @@ def last_lines(text: str, n: int) -> str:
     return "".join(lines[-n:])
 
 
-def cut_marker(stream: str, log: LogFile | None, shown: str) -> str | None:
+def cut_marker(stream: str, log: LogFile | None, shown: str, tail: str | None = None) -> str | None:
     """The kernel's line above a tail: how much of the log the `shown` tail leaves out and where the full log
-    is (the marker counts what this markdown shows, which may be fewer lines than the JSON wake's tail)."""
+    is. `tail` is the JSON wake's tail that `shown` ends (its last lines; `shown` itself when None): what the
+    JSON tail left out is counted from the log's record (`tail_lines`, `tail_bytes`: the bytes the job wrote,
+    not the text shown, which the kernel may have blanked or decoded), what the markdown leaves out of the JSON
+    tail from the two texts."""
     if log is None:
         return None
-    shown_lines = shown.count("\n") + (1 if shown and not shown.endswith("\n") else 0)
-    cut_lines = log.lines - shown_lines
-    cut_bytes = log.size - len(shown.encode("utf-8", "surrogatepass"))
+    tail = shown if tail is None else tail
+    cut_lines = log.lines - log.tail_lines + _line_count(tail) - _line_count(shown)
+    cut_bytes = (
+        log.size
+        - log.tail_bytes
+        + len(tail.encode("utf-8", "surrogatepass"))
+        - len(shown.encode("utf-8", "surrogatepass"))
+    )
     where = _log_where(log)
     if cut_lines <= 0 and cut_bytes <= 0:
         return f"{stream}: all {plural(log.lines, 'line', 'lines')}; {where}" if log.delivered else None
     what = plural(cut_lines, "line", "lines") if cut_lines > 0 else "part of the last line"
     return f"{stream}: ... {what} ({size_text(cut_bytes)}) cut above this tail; {where}"
+
+
+def _line_count(text: str) -> int:
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
 
 
 def _log_where(log: LogFile) -> str:
@@ -178,6 +191,13 @@ def render_task(t: TaskResult, tails: bool = True) -> str:
         out.append(f"Hint: {hint}.")
     if t.job_id:
         out.append(f"Job id: {t.job_id}")
+    partial = [a for a in t.artifacts if a.partial]
+    if partial:
+        out.append(
+            "Artifacts delivered as the job had written them when it was stopped (partial): "
+            + ", ".join(_inline(a.path) for a in partial)
+            + "."
+        )
     if t.skipped:
         out.append("Artifacts skipped:")
         out += [f"- {_inline(s.path)}: {s.reason}" for s in t.skipped]
@@ -187,9 +207,10 @@ def render_task(t: TaskResult, tails: bool = True) -> str:
         ("stdout", t.stdout_tail, t.stdout_log),
         ("stderr", t.stderr_tail, t.stderr_log),
     ):
+        whole = text
         if stream == "stdout" and t.stderr_tail:  # stderr usually says why: stdout's last lines suffice
             text = last_lines(text, STDOUT_LINES_BESIDE_STDERR)
-        marker = cut_marker(stream, log, text)
+        marker = cut_marker(stream, log, text, whole)
         if text and tails:
             if marker:
                 out.append(marker)
@@ -361,15 +382,83 @@ def _disclosure_lines(v: Verdict) -> list[str]:
 
 # Notable tasks whose tails the markdown shows, those that ended badly first (a failure's tail is what the reader
 # needs; a completed task with a skipped artifact or a cancelled one rarely); the others get their header, hint and
-# a line saying where their tails are (every tail stays in the JSON wake and every full log in results/).
+# a line saying where their tails are (every tail stays in the JSON wake and every full log in results/). A task
+# with no tail takes no place among them.
 TAILS_SHOWN: Final = 3
 _TAILS_FIRST: Final = frozenset({"FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "VANISHED"})
 
 
+def has_tail(t: TaskResult) -> bool:
+    return bool(t.stdout_tail or t.stderr_tail)
+
+
 def tails_shown(notable: list[TaskResult]) -> set[int]:
     """The indexes (into `notable`) of the tasks whose tails the markdown shows."""
-    ranked = sorted(range(len(notable)), key=lambda i: (notable[i].state not in _TAILS_FIRST, i))
+    with_tails = [i for i, t in enumerate(notable) if has_tail(t)]
+    ranked = sorted(with_tails, key=lambda i: (notable[i].state not in _TAILS_FIRST, i))
     return set(ranked[:TAILS_SHOWN])
+
+
+def routine_run(t: TaskResult) -> bool:
+    """A submit's evaluation run with nothing to say but the kernel's label (its hint): it completed, or was not
+    run (REUSED, SKIPPED), with no artifact skipped. The runs table says all about it in one row per side and
+    label; its tails stay in the JSON wake."""
+    return (
+        t.launch in L.EVAL_LAUNCH_NAMES
+        and not t.skipped
+        and (t.state == "COMPLETED" or t.state in NOT_RUN_TASK_STATES)
+    )
+
+
+def task_indexes(tasks: list[int]) -> str:
+    """Task indexes as the wake names a group of them: `[0-4]`, `[0,2-3]`, `[1]`."""
+    spans: list[list[int]] = []
+    for i in sorted(tasks):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return "[" + ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans) + "]"
+
+
+def _span(values: list[str]) -> str:
+    """One cell for a group's values: the value they share, else the lowest and highest (`0.1-0.3 s`)."""
+    if not values:
+        return ""
+    distinct = sorted(set(values), key=lambda v: float(v.split()[0]))
+    return distinct[0] if len(distinct) == 1 else f"{distinct[0].split()[0]}-{distinct[-1]}"
+
+
+def render_runs(runs: list[TaskResult], repeats: int) -> str:
+    """A submit's routine evaluation runs (`routine_run`) in one table, in place of their rows in the task table:
+    one row per side, state and label, with the exit codes and elapsed times of its runs (the verdict above has
+    what they measured; their result lines and tails are in the JSON wake)."""
+    if not runs:
+        return ""
+    groups: dict[tuple[str, str, str], list[TaskResult]] = {}
+    for t in runs:
+        groups.setdefault((t.launch, t.state, t.hint or HINTS.get(t.state, "")), []).append(t)
+    pairing = (
+        f" (pair i is {L.EVAL_LAUNCH_NAMES[0]}[i-1] with {L.EVAL_LAUNCH_NAMES[1]}[i-1])"
+        if repeats > 1
+        else ""
+    )
+    ran = [t for t in runs if t.state == "COMPLETED"]
+    where = ""
+    if any(t.result or has_tail(t) for t in ran):
+        where = "; the result lines and tails of those that ran are in the JSON wake, their logs in results/"
+    elif ran:
+        where = "; those that ran printed nothing"
+    rows = ["| runs | state | exit | elapsed | what they are |", "|---|---|---|---|---|"]
+    for (launch, state, label), tasks in groups.items():
+        codes = _span([str(t.exit_code) for t in tasks if t.exit_code is not None])
+        elapsed = _span([f"{t.elapsed_s:.1f} s" for t in tasks if t.elapsed_s is not None])
+        cell = visible(label).replace("|", "\\|")  # kernel-written, but a cell all the same
+        rows.append(
+            f"| {launch}{task_indexes([t.task for t in tasks])} | {state} | {codes} | {elapsed} | {cell} |"
+        )
+    head = f"The submit's evaluation runs{pairing}, with nothing more to say{where}:"
+    return "\n".join([head, "", *rows]) + "\n"
 
 
 def render_header(w: Wake) -> str:
@@ -377,13 +466,16 @@ def render_header(w: Wake) -> str:
     for t in w.tasks:
         counts[t.state] = counts.get(t.state, 0) + 1
     ok = counts.pop("COMPLETED", 0)
-    unrun = sum(counts.pop(state, 0) for state in sorted(NOT_RUN_TASK_STATES))
-    ran = len(w.tasks) - unrun
-    tally = f"{ok} of {plural(ran, 'task', 'tasks')} completed" + "".join(
-        f", {n} {state}" for state, n in sorted(counts.items())
+    unrun = {state: n for state in sorted(NOT_RUN_TASK_STATES) if (n := counts.pop(state, 0))}
+    ran = len(w.tasks) - sum(unrun.values())
+    tally = (
+        f"{ok} of {plural(ran, 'task', 'tasks')} completed"
+        + "".join(f", {n} {state}" for state, n in sorted(counts.items()))
+        if ran
+        else "no task ran"
     )
     if unrun:
-        tally += f"; {unrun} not run (REUSED or SKIPPED)"
+        tally += "; " + ", ".join(f"{n} {state}" for state, n in unrun.items()) + " (not run)"
     head = [f"# Wake: sleep {w.id} (#{w.seq}): {tally if w.tasks else 'a checkpoint (no launches)'}", ""]
     on = f" on snapshot {w.snapshot}" if w.snapshot else ""
     head.append(f"Slept {w.created_at} to {w.woken_at}{on}.")
@@ -481,13 +573,15 @@ def _params_text(params: dict[str, str] | None) -> str:
     return " " + code_span(" ".join(f"{k}={v}" for k, v in params.items()))
 
 
-def render_tables(w: Wake) -> str:
-    """The task table, and each swept or ranked launch's own table in place of its rows there."""
+def render_tables(w: Wake, tasks: tuple[TaskResult, ...] | None = None) -> str:
+    """The task table of `tasks` (default: all of the wake's), and each swept or ranked launch's own table in
+    place of its rows there."""
+    tasks = w.tasks if tasks is None else tasks
     special = {x.name: x for x in w.launches if x.sweep or x.rank is not None}
-    rest = tuple(t for t in w.tasks if t.launch not in special)
+    rest = tuple(t for t in tasks if t.launch not in special)
     out = [render_table(rest)] if rest else []
     for name, x in special.items():
-        out.append(render_sweep(x, [t for t in w.tasks if t.launch == name]))
+        out.append(render_sweep(x, [t for t in tasks if t.launch == name]))
     return "\n".join(out)
 
 
@@ -496,21 +590,21 @@ def render_files(w: Wake) -> str:
     lines = []
     for name in dict.fromkeys(t.launch for t in w.tasks):
         tasks = [t for t in w.tasks if t.launch == name]
-        files: dict[str, None] = {}
+        files: dict[str, bool] = {}  # name -> whether a task's copy of it is partial
         for t in tasks:
             if t.stdout_log is not None and t.stdout_log.delivered:
-                files.setdefault("stdout")
+                files.setdefault("stdout", False)
             if t.stderr_log is not None and t.stderr_log.delivered:
-                files.setdefault("stderr")
+                files.setdefault("stderr", False)
             for a in t.artifacts:
-                files.setdefault(a.path)
+                files[a.path] = files.get(a.path, False) or a.partial
         if not files:
             continue
         where = ChannelPaths.result_dir(w.seq, name, 0 if len(tasks) > 1 else None)
         base = "/".join((CHANNEL_DIR, ChannelPaths.RESULTS, *where[:2])) + (
             "/<task>/" if len(tasks) > 1 else "/"
         )
-        names = ", ".join(_inline(f) for f in files)
+        names = ", ".join(_inline(f) + (" (partial)" if partial else "") for f, partial in files.items())
         lines.append(f"- {base}: {names}")
     if not lines:
         return ""
@@ -527,14 +621,19 @@ def render_wake(w: Wake) -> str:
         out.append(render_verdict(w.verdict))
     if w.tasks:
         out.append(render_launches(w))
-        out.append(render_tables(w))
-        notable = [t for t in w.tasks if not routine(t)]
+        runs = [t for t in w.tasks if routine_run(t)]
+        listed = tuple(t for t in w.tasks if not routine_run(t))  # the runs table has the others
+        if listed:
+            out.append(render_tables(w, listed))
+        out.append(render_runs(runs, w.verdict.repeats if w.verdict is not None else 1))
+        notable = [t for t in w.tasks if not routine(t) and not routine_run(t)]
         shown = tails_shown(notable)
         out += [render_task(t, tails=i in shown) for i, t in enumerate(notable)]
-        if len(notable) > len(shown):
+        with_tails = sum(1 for t in notable if has_tail(t))
+        if with_tails > len(shown):
             out.append(
-                f"Tails shown for {len(shown)} of the {len(notable)} tasks above (those that ended badly first); "
-                "the others' tails are in the JSON wake, their full logs in results/.\n"
+                f"Tails shown for {len(shown)} of the {with_tails} tasks above that have one (those that ended "
+                "badly first); the others' tails are in the JSON wake, their full logs in results/.\n"
             )
         out.append(render_files(w))
     refund = f" Refunded {w.refunded_gpu_hours:.2f} GPU-hours not used." if w.refunded_gpu_hours else ""

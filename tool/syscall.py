@@ -22,10 +22,11 @@ import queue
 import re
 import secrets
 import shlex
+import stat
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 # The release this copy belongs to: the kernel stamps both when it installs the tool into a channel
 # (kernel.io.install.ToolSource.bundled); tool-news.md names the version. Unstamped here in the source.
@@ -883,6 +884,7 @@ def _cmd(verb: str, cli_args: str = "", mcp_args: str = "") -> str:
 def _budget_line(b: dict[str, Any]) -> str:
     reserved = b.get("reserved_gpu_hours") or 0
     extra = f", {reserved:.2f} reserved by running work" if reserved else ""
+
     def count(key: str, one: str, many: str) -> str:
         v = b.get(key)
         return _n(v, one, many) if isinstance(v, int) else "? " + many
@@ -1334,6 +1336,90 @@ def reconcile(ch: Channel, st: Staging) -> bool:
     return True
 
 
+# The contract this tool last read (.syscall/syscall-contract.json): tool-private (PROTOCOL.md 2.6), so that a
+# change made while the agent works (a config reload rewrites kernel.json) is told once.
+CONTRACT_SEEN = "syscall-contract.json"
+CONTRACT_KEYS = ("limits", "policy", "verbs", "submit_trusted", "submit_verdicts")
+CONTRACT_CHANGES_SHOWN = 8
+_ABSENT = object()
+
+
+def contract_changes(old: Any, new: Any, prefix: str = "") -> List[Tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for each value that differs; `_ABSENT` where a side has none."""
+    if old == new:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: List[Tuple[str, Any, Any]] = []
+        for k in list(new) + [k for k in old if k not in new]:
+            key = "{}.{}".format(prefix, k) if prefix else str(k)
+            out += contract_changes(old.get(k, _ABSENT), new.get(k, _ABSENT), key)
+        return out
+    return [(prefix, old, new)]
+
+
+def _contract_value(v: Any) -> str:
+    if v is _ABSENT:
+        return "(none)"
+    text = json.dumps(v, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _read_seen(ch: Channel) -> Any:
+    """The contract recorded in CONTRACT_SEEN, or None (absent, not a regular file, or not this tool's)."""
+    try:
+        fd = os.open(ch.path(CONTRACT_SEEN), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = json.loads(os.read(fd, ANSWER_MAX_BYTES).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    return data.get("contract") if isinstance(data, dict) and data.get("tool") == "syscall" else None
+
+
+def announce_contract(ch: Channel, json_mode: bool) -> Callable[[], None]:
+    """Say once what of this workspace's contract (kernel.json's limits, policy, verbs, submit rules) changed
+    since this tool last read it (nothing the first time, or where kernel.json cannot be read: the verb says
+    why). Returns what records what it read: called once the verb has run, unless it was refused locally
+    (which writes nothing; the next call says it again)."""
+    try:
+        info = ch.info()
+    except ToolError:
+        return lambda: None
+    now = {k: info[k] for k in CONTRACT_KEYS if k in info}
+    seen = _read_seen(ch)
+    if seen == now:
+        return lambda: None
+    if isinstance(seen, dict):
+        changes = contract_changes(seen, now)
+        shown = "; ".join(
+            "{} {} -> {}".format(k, _contract_value(a), _contract_value(b))
+            for k, a, b in changes[:CONTRACT_CHANGES_SHOWN]
+        )
+        more = len(changes) - CONTRACT_CHANGES_SHOWN
+        shown += "; and {} more".format(more) if more > 0 else ""
+        (_err if json_mode else _out)(
+            "Note: this workspace's contract in {} changed since this tool last read it: {} ({} shows it as "
+            "it is now).".format(ch.show("kernel.json"), shown, _cmd("status"))
+        )
+
+    def record() -> None:
+        data = (json.dumps({"tool": "syscall", "contract": now}, ensure_ascii=False) + "\n").encode("utf-8")
+        tmp = ch.path(".{}.{}.tmp".format(CONTRACT_SEEN, secrets.token_hex(4)))
+        try:
+            _write_file(tmp, data)
+            os.rename(tmp, ch.path(CONTRACT_SEEN))
+        except OSError:  # not recorded: the next call tells it again
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    return record
+
+
 # One read-modify-write of staged.json at a time within this process: the MCP server runs tool calls on
 # threads, and two launches loading the same staging would each save it without the other's launch.
 _STAGING_LOCK = threading.RLock()
@@ -1776,8 +1862,6 @@ def _commit_sleep_locked(ch: Channel, args: argparse.Namespace) -> tuple[dict[st
     return req, st
 
 
-
-
 def _render_accepted(ans: Dict[str, Any], n_launches: int, has_submit: bool) -> None:
     jobs = [j for j in ans.get("jobs") or [] if isinstance(j, dict)]
     evals = [j for j in jobs if has_submit and j.get("launch") in EVAL_LAUNCHES]
@@ -1798,9 +1882,12 @@ def _render_accepted(ans: Dict[str, Any], n_launches: int, has_submit: bool) -> 
                 ", and the submit's evaluation" if evals else "",
             )
         )
-    for j in mine:
-        _out("  {}[{}] job {}".format(j.get("launch"), j.get("task"), j.get("job_id") or "-"))
-    for j in evals:
+    if getattr(_CALL, "results", None) is not None:  # an MCP call: the ids are in its structuredContent
+        _accepted_groups(mine, evals)
+    else:
+        for j in mine:
+            _out("  {}[{}] job {}".format(j.get("launch"), j.get("task"), j.get("job_id") or "-"))
+    for j in evals if getattr(_CALL, "results", None) is None else ():
         side = "base" if j.get("launch") == EVAL_LAUNCHES[0] else "candidate"
         if j.get("job_id"):
             _out("  evaluation of the {}: job {}".format(side, j.get("job_id")))
@@ -1811,6 +1898,37 @@ def _render_accepted(ans: Dict[str, Any], n_launches: int, has_submit: bool) -> 
             )
     if isinstance(ans.get("budget"), dict):
         _out(_budget_line(ans["budget"]))
+
+
+def _accepted_groups(mine: List[Dict[str, Any]], evals: List[Dict[str, Any]]) -> None:
+    """The accepted jobs in one line per launch (an MCP result: each job's id is in `answer.jobs`)."""
+    groups: Dict[Any, List[Dict[str, Any]]] = {}
+    for j in mine + evals:
+        groups.setdefault(j.get("launch"), []).append(j)
+    for launch, jobs in groups.items():
+        ran = [j for j in jobs if j.get("job_id")]
+        what = (
+            "evaluation of the {}".format("base" if launch == EVAL_LAUNCHES[0] else "candidate")
+            if any(j in evals for j in jobs)
+            else str(launch)
+        )
+        if len(jobs) == 1 and ran:  # as the command line names it
+            one = what if what != launch else "{}[{}]".format(launch, ran[0].get("task"))
+            _out("  {}{} job {}".format(one, ":" if what != launch else "", ran[0].get("job_id")))
+        elif ran:
+            _out(
+                "  {}: {} submitted (ids in structuredContent answer.jobs)".format(
+                    what, _n(len(ran), "job", "jobs")
+                )
+            )
+        if len(ran) < len(jobs) and what != launch:
+            _out(
+                "  {}: {} not run (an earlier measurement is reused, or none is needed)".format(
+                    what, _n(len(jobs) - len(ran), "task", "tasks")
+                )
+            )
+        elif len(ran) < len(jobs):
+            _out("  {}: {} without a job id yet".format(what, _n(len(jobs) - len(ran), "task", "tasks")))
 
 
 def cmd_wait(ch: Channel, args: argparse.Namespace) -> int:
@@ -1872,8 +1990,12 @@ def wait_for_wake(ch: Channel, sleep_id: str, deadline: float | None, every: flo
     max(`every`, STATUS_EVERY_S) seconds."""
 
     def say(line: str) -> None:
-        (_err if json_mode else _out)(line)
-        _progress(line)
+        # An MCP call's lines go as progress notifications (a call with a progress token), never into its
+        # result: the wake it returns says the same of every task.
+        if getattr(_CALL, "progress", None) is not None:
+            _progress(line)
+        else:
+            (_err if json_mode else _out)(line)
 
     def report(tasks: list[dict[str, Any]]) -> None:
         nonlocal announced
@@ -2393,8 +2515,14 @@ def metric_line(s: Dict[str, Any], ans: Dict[str, Any]) -> str:
     params = m.get("params") if isinstance(m.get("params"), dict) else {}
     values = " " + " ".join("{}={}".format(k, v) for k, v in params.items()) if params else ""
     return "  {} ({}): {!r} by {}[{}]{} ({} of {} tasks reported it)".format(
-        ans.get("metric"), end, m.get("value"), m.get("launch"), m.get("task"), values,
-        m.get("reported"), m.get("tasks"),
+        ans.get("metric"),
+        end,
+        m.get("value"),
+        m.get("launch"),
+        m.get("task"),
+        values,
+        m.get("reported"),
+        m.get("tasks"),
     )
 
 
@@ -2448,7 +2576,11 @@ def _metric_history(sleeps: List[Dict[str, Any]], ans: Dict[str, Any]) -> int:
         _out("")
         _out(
             "Best of these {} ({} {}): {!r} in sleep #{} {}.".format(
-                _n(len(sleeps), "sleep", "sleeps"), end, ans.get("metric"), top[0], top[1].get("seq"),
+                _n(len(sleeps), "sleep", "sleeps"),
+                end,
+                ans.get("metric"),
+                top[0],
+                top[1].get("seq"),
                 top[1].get("id"),
             )
         )
@@ -2746,6 +2878,10 @@ MCP_REVISIONS = ("2025-11-25", "2025-06-18")  # newest first; `initialize` answe
 MCP_LINE_MAX = 1024 * 1024  # a longer input line is answered with -32600 and discarded without being kept
 MCP_CALLS_MAX = 4  # tool calls running at once; more are answered with an error result
 MCP_QUEUE_MAX = 256  # messages waiting to be written to the client
+MCP_STRUCTURED_MAX = (
+    16 * 1024
+)  # bytes of a result's structuredContent on the wire; past it, cut (`_fit_structured`)
+STRUCTURED_STRING_MAX = 256  # characters a string keeps where cutting lists was not enough
 MCP_STALL_S = 60.0  # a client that reads nothing this long is gone: exit 1 (SYSCALL_MCP_STALL_S overrides)
 MCP_WAIT_DEFAULT_S = 600.0  # `sleep` with wait and `wait` stop waiting (not the jobs) after this by default
 MCP_WAIT_MAX_S = float(MINUTES_CEILING * 60)
@@ -2933,7 +3069,7 @@ def _launch_in(lim: dict[str, Any], pol: dict[str, Any]) -> dict[str, Any]:
             "name": {"type": "string", "description": "unique; a-z 0-9 -, <= 32"},
             "command": {
                 "type": "string",
-                                "maxLength": lim["command_max_chars"],
+                "maxLength": lim["command_max_chars"],
                 "description": "sh -c, in the snapshot",
             },
             "minutes": {
@@ -2987,7 +3123,7 @@ def _submit_in(lim: dict[str, Any], pol: dict[str, Any]) -> dict[str, Any]:
         "properties": {
             "report": {
                 "type": "string",
-                                "maxLength": lim["report_max_chars"],
+                "maxLength": lim["report_max_chars"],
                 "description": "what changed and why it should score better",
             },
             "eval_minutes": {
@@ -3508,10 +3644,19 @@ class McpServer:
                 _check_json_limits(arguments, ch.limits)
             except _Refuse as r:
                 refuse((r.code, r.message, r.path), False)
-            tool.run(ch, arguments)
+            record = announce_contract(ch, False)
+            try:
+                tool.run(ch, arguments)
+            except ToolError as exc:
+                if exc.exit_code != EXIT_USAGE:
+                    record()
+                raise
+            record()
+            structured, cut = _fit_structured(tool.structured(results), ch)
+            text = "".join(out + err).rstrip("\n") + ("\n" + cut if cut else "")
             answer = {
-                "content": [{"type": "text", "text": "".join(out + err).rstrip("\n")}],
-                "structuredContent": tool.structured(results),
+                "content": [{"type": "text", "text": text}],
+                "structuredContent": structured,
                 "isError": False,
             }
         except WaitStopped:
@@ -3542,6 +3687,75 @@ class McpServer:
         end = time.monotonic() + timeout
         for t in self.threads:
             t.join(max(0.0, end - time.monotonic()))
+
+
+def _wire_size(obj: Any) -> int:
+    """Bytes of `obj` as the server sends it (`_Wire`: ASCII JSON, compact)."""
+    return len(json.dumps(obj, ensure_ascii=True, separators=(",", ":"), default=str))
+
+
+def _lists(obj: Any, path: str) -> Iterator[Tuple[str, List[Any]]]:
+    """Every non-empty list in `obj` with its path (`wake.tasks`), outermost first."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _lists(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, list) and obj:
+        yield path or "(the result)", obj
+        for i, v in enumerate(obj):
+            yield from _lists(v, f"{path}[{i}]")
+
+
+def _fit_structured(payload: Any, ch: Channel) -> Tuple[Any, Optional[str]]:
+    """`payload` within MCP_STRUCTURED_MAX bytes on the wire, and a line for the result's text saying what was
+    cut and where the whole is (None when nothing was). Cut in this order, each only while still over: every
+    task's tails blanked (they are in the wake's files), then the longest list shortened from its end
+    (repeated), then each string cut to STRUCTURED_STRING_MAX characters. Every member the output schema
+    requires stays."""
+    if _wire_size(payload) <= MCP_STRUCTURED_MAX:
+        return payload, None
+    cut = json.loads(json.dumps(payload, default=str))
+    said: List[str] = []
+    wakes = (
+        [w for w in (cut.get("wake"), cut) if isinstance(w, dict) and "woken_at" in w]
+        if isinstance(cut, dict)
+        else []
+    )
+    tasks = [t for w in wakes for t in w.get("tasks") or [] if isinstance(t, dict)]
+    if any(t.get("stdout_tail") or t.get("stderr_tail") for t in tasks):
+        for t in tasks:
+            t["stdout_tail"] = t["stderr_tail"] = ""
+        said.append("every task's stdout_tail and stderr_tail are blanked")
+    while _wire_size(cut) > MCP_STRUCTURED_MAX:
+        found = max(_lists(cut, ""), key=lambda pl: _wire_size(pl[1]), default=None)
+        if found is None or len(found[1]) < 2:
+            break
+        path, items = found
+        total = len(items)
+        while len(items) > 1 and _wire_size(cut) > MCP_STRUCTURED_MAX:
+            items.pop()
+        said.append(f"{path} keeps its first {len(items)} of {total} items")
+    if _wire_size(cut) > MCP_STRUCTURED_MAX:
+        cut = _cut_strings(cut)
+        said.append(f"every string is cut to {STRUCTURED_STRING_MAX} characters")
+    ids = [w["id"] for w in wakes if isinstance(w.get("id"), str)]
+    where = (
+        "the whole wake is " + ", ".join(ch.show("wakes", i + ".json") for i in ids)
+        if ids
+        else "the whole answer is not kept: ask for less"
+    )
+    return cut, "(structuredContent is cut to {} KiB: {}; {}.)".format(
+        MCP_STRUCTURED_MAX // 1024, "; ".join(said), where
+    )
+
+
+def _cut_strings(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _cut_strings(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cut_strings(v) for v in obj]
+    if isinstance(obj, str) and len(obj) > STRUCTURED_STRING_MAX:
+        return obj[: STRUCTURED_STRING_MAX - 3] + "..."
+    return obj
 
 
 def _tool_error(text: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -3676,8 +3890,8 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "Each task of an --array N launch gets its index 0..N-1 in $SWEEP_INDEX (also for a single\n"
         "task: 0), and $SYSCALL_LAUNCH, $SYSCALL_SLEEP, $SYSCALL_SNAPSHOT. With --sweep the array is the\n"
         "grid, in order, the last key varying fastest, and each task also gets its values: --sweep\n"
-        "lr=1e-3,3e-3 gives $SWEEP_LR and $SWEEP_PARAMS={\"lr\":\"1e-3\"} (values are strings as typed).\n"
-        "Print a JSON object as the last JSON line of stdout ({\"val_loss\": 0.31}) and --rank val_loss\n"
+        'lr=1e-3,3e-3 gives $SWEEP_LR and $SWEEP_PARAMS={"lr":"1e-3"} (values are strings as typed).\n'
+        'Print a JSON object as the last JSON line of stdout ({"val_loss": 0.31}) and --rank val_loss\n'
         f"sorts the wake's table by it; `{PROG} history --metric val_loss` compares sleeps.\n"
         f"`{PROG} env` shows what a job sees: the interpreter and packages (from your uv.lock, if\n"
         "you commit one), GPUs, network, limits and every variable.",
@@ -3961,9 +4175,15 @@ def parse(argv: List[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     ch = find_channel(args.channel)
+    # the MCP server tells it in each call's result
+    record = announce_contract(ch, bool(args.json)) if args.verb != "mcp" else (lambda: None)
     try:
-        return int(args.func(ch, args))
+        code = int(args.func(ch, args))
+        record()
+        return code
     except ToolError as exc:
+        if exc.exit_code != EXIT_USAGE:
+            record()
         if args.json and exc.payload is not None:
             _json_out(exc.payload)
         _err(exc.message if exc.message.startswith("syscall:") else "syscall: " + exc.message)

@@ -44,9 +44,47 @@ HINT_ENVIRONMENT: Final = (
 )
 # Where the kernel knows neither the task's limit nor the workspace's ceiling (`oom_hint` says both).
 HINT_OOM: Final = (
-    "the task went over its memory limit and was killed (`syscall env` shows the limit); ask for more with "
+    "the task went over its memory limit and was killed (`env` shows the limit); ask for more with "
     "`launch --mem MB` (up to kernel.json policy.max_mem_mb), or use less memory, smaller batches or fewer workers"
 )
+
+
+# The hints that send the reader to the task's stderr, and what each says instead where its stderr is empty
+# (`output_hint`): a hint never points at output that is not there.
+HINT_FAILED_NO_STDERR: Final = "the command exited with a non-zero status and wrote nothing to stderr; its stdout's last lines may say why"
+HINT_FAILED_SILENT: Final = "the command exited with a non-zero status and printed nothing"
+HINT_WRAPPER_SILENT: Final = (
+    "the job wrapper failed around your command and left no message; this was not your command's fault: "
+    "relaunch it, and tell the operator if it happens again"
+)
+HINT_ENVIRONMENT_SILENT: Final = (
+    "the locked environment (uv.lock) could not be installed on the node before the command started, and uv left "
+    "no message; your command did not run"
+)
+
+
+def output_hint(hint: str | None, stdout_tail: str, stderr_tail: str) -> str | None:
+    """`hint` made true of what the task printed: a hint that sends the reader to its stderr is replaced by
+    what is true where the stderr is empty (or only blank lines)."""
+    if stderr_tail.strip():
+        return hint
+    if hint == HINT_FAILED:
+        return HINT_FAILED_NO_STDERR if stdout_tail.strip() else HINT_FAILED_SILENT
+    if hint == HINT_WRAPPER:
+        return HINT_WRAPPER_SILENT
+    if hint == HINT_ENVIRONMENT:
+        return HINT_ENVIRONMENT_SILENT
+    return hint
+
+
+def eval_oom_hint(limit_mb: int | None) -> str:
+    """The hint of a submit's evaluation run killed for its memory: a submit cannot ask for more (`--mem` is a
+    launch's)."""
+    had = f" of {limit_mb} MB" if limit_mb else ""
+    return (
+        f"the evaluation run went over its memory limit{had} and was killed; a submit cannot ask for more memory "
+        "(`--mem` is a launch's): the candidate must use less, or ask the operator"
+    )
 
 
 def oom_hint(limit_mb: int | None, asked_mb: int | None, max_mem_mb: int) -> str:
@@ -84,6 +122,12 @@ HINT_DISK_FULL: Final = (
 HINT_DISK_LIMIT: Final = (
     "the job put more on disk in its tree, home and work directories than the per-task disk limit allows and "
     "was stopped; " + AFTER_DISK_LIMIT
+)
+# What follows the record's detail ("resubmission failed: ...") for a task the kernel could not submit again.
+AFTER_SUBMIT_FAILED: Final = "your command did not run; relaunch it"
+HINT_SUBMIT_FAILED: Final = (
+    "the kernel could not submit this task again after its restart (the scheduler refused it); "
+    + AFTER_SUBMIT_FAILED
 )
 HINT_LOST: Final = "the job ended without leaving a result (its wrapper was killed); relaunch it"
 HINT_CANCELLED_EARLY: Final = "cancelled before it started"
@@ -144,7 +188,7 @@ KINDS: Final[Mapping[str, End]] = {
     # cancelled by the kernel: its pending reason never clears
     "stuck": End(_C, "CANCELLED", False, True, None),
     # a launch resubmitted after a restart was refused
-    "submit_failed": End(_F, "FAILED", True, True, HINT_WRAPPER),
+    "submit_failed": End(_F, "FAILED", True, True, HINT_SUBMIT_FAILED, AFTER_SUBMIT_FAILED),
 }
 _UNKNOWN: Final = KINDS["wrapper_error"]
 
@@ -221,7 +265,7 @@ def import_hint(stderr_tail: str, environment_mode: str) -> str | None:
             f"the command could not import `{module}` (ModuleNotFoundError): no package of the job's environment "
             f"provides it. If it is a package, add it with `uv add {top}` (its package name may differ from the "
             "import name; `uv init --bare` first where the workspace has no pyproject.toml), commit "
-            "pyproject.toml and uv.lock and sleep again (jobs have no network to install it; `syscall env` lists "
+            "pyproject.toml and uv.lock and sleep again (jobs have no network to install it; `env` lists "
             f"what they get); {own}"
         )
     return (

@@ -30,6 +30,7 @@ import msgspec
 
 from channel import limits as L
 from channel import safefs, sweep
+from channel.lifecycle import STOPPED_TASK_STATES
 from channel.messages import (
     Artifact,
     LaunchSummary,
@@ -364,15 +365,23 @@ def task_result(
     that, and a plain failure whose stderr shows a missing import gets that import's hint (`environment_mode`:
     what the kernel builds jobs' environments from). A task killed for its memory gets the hint of its limit and
     how to ask for more (`memory`: the default limit of a task that asked for none, and the workspace's
-    `max_mem_mb`; without it, the end's own hint)."""
+    `max_mem_mb`; without it, the end's own hint). The artifacts of a task stopped before its command ended
+    (STOPPED_TASK_STATES) are delivered all the same, marked partial."""
     hint = files.hint
     if job.state == "OUT_OF_MEMORY" and memory is not None:
         default_mb, max_mem_mb = memory
-        hint = exits.oom_hint(job.mem_mb or default_mb, job.mem_mb, max_mem_mb)
+        hint = (
+            exits.eval_oom_hint(job.mem_mb or default_mb)
+            if job.launch in L.EVAL_LAUNCH_NAMES
+            else exits.oom_hint(job.mem_mb or default_mb, job.mem_mb, max_mem_mb)
+        )
     if task_dir is None:
         hint = HINT_CANCELLED_EARLY if job.state == "CANCELLED" else None
     if hint == HINT_FAILED and files.stderr is not None:
         hint = import_hint(files.stderr.tail, environment_mode) or hint
+    hint = exits.output_hint(
+        hint, files.stdout.tail if files.stdout else "", files.stderr.tail if files.stderr else ""
+    )
     return TaskResult(
         launch=job.launch,
         task=job.task,
@@ -383,7 +392,9 @@ def task_result(
         elapsed_s=elapsed_s,
         stdout_tail=files.stdout.tail if files.stdout else "",
         stderr_tail=files.stderr.tail if files.stderr else "",
-        artifacts=files.artifacts,
+        artifacts=tuple(msgspec.structs.replace(a, partial=True) for a in files.artifacts)
+        if job.state in STOPPED_TASK_STATES
+        else files.artifacts,
         skipped=files.skipped,
         why=job.why,
         hint=hint,

@@ -507,11 +507,12 @@ class SubmitEvaluation:
         side, commit = (
             ("base", plan.base_commit) if t.launch == E.EVAL_BASE else ("candidate", plan.candidate_commit)
         )
-        pair = f", pair {t.task + 1} of {plan.contract.repeats}" if plan.contract.repeats > 1 else ""
+        # The same for every run of a side (its pair is its task index + 1, which the wake's runs table says
+        # once), so the markdown wake shows a side's routine runs in one row.
         what = "the operator's eval command" + (
             ", scored by the operator's score command" if plan.contract.score is not None else ""
         )
-        label = f"the kernel's evaluation run of the {side} (commit {(commit or '')[:12]}{pair}), {what}"
+        label = f"the kernel's evaluation run of the {side} (commit {(commit or '')[:12]}), {what}"
         if t.state == "REUSED":
             by = "an earlier submit" if plan.seeds_from_seq is None else f"submit #{plan.seeds_from_seq}"
             label = (

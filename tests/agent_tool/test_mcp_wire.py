@@ -466,3 +466,83 @@ def test_a_staging_file_nested_past_the_parser_is_corrupt_not_a_crash(
     assert cleared["isError"] is False
     assert cleared["structuredContent"]["launches"] == []
     assert client.call("launch", {"name": "a", "command": "true"})["result"]["isError"] is False
+
+
+# --- what a result costs: structuredContent within 16 KiB --------------------------------------------------------
+
+
+def test_a_wake_over_16_kib_is_cut_in_structured_content_and_the_text_says_what_and_where(
+    client: RawClient, kernel: FakeKernel
+) -> None:
+    """A 16-task sweep whose every task printed ~3.9 KB: the wake's JSON is ~70 KB, which an MCP client would
+    put whole in the model's context (before: structuredContent was the whole wake, whatever its size)."""
+    client.handshake()
+    schemas = {t["name"]: t["outputSchema"] for t in client.request("tools/list")["result"]["tools"]}
+    launched = client.call("launch", {"name": "grid", "command": "python train.py", "array": 16})
+    assert launched["result"]["isError"] is False, launched
+    sleep_id = client.call("sleep", {})["result"]["structuredContent"]["answer"]["id"]
+    chatty = "".join(f"epoch {e} loss {1 / (e + 1):.6f} lr 0.001 grad_norm 1.2345\n" for e in range(80))[
+        -3900:
+    ]
+    for i in range(16):
+        kernel.finish("grid", i, stdout=chatty + f'{{"val_loss": 0.{i:02d}}}\n')
+    result = client.call("wait", {"sleep_id": sleep_id})["result"]
+    assert result["isError"] is False, result
+    structured = result["structuredContent"]
+    assert len(json.dumps(structured, separators=(",", ":")).encode()) <= 16 * 1024
+    jsonschema.validate(structured, schemas["wait"])
+    assert len(structured["tasks"]) == 16  # what was cut is the tails, not the tasks
+    assert {t["stdout_tail"] for t in structured["tasks"]} == {""}
+    assert structured["tasks"][3]["result"] == '{"val_loss": 0.03}'
+    text = result["content"][0]["text"]
+    assert (
+        "(structuredContent is cut to 16 KiB: every task's stdout_tail and stderr_tail are blanked; the whole "
+        f"wake is .syscall/wakes/{sleep_id}.json.)"
+    ) in text
+    whole = json.loads((kernel.channel / "wakes" / f"{sleep_id}.json").read_text())
+    assert whole["tasks"][3]["stdout_tail"].endswith('{"val_loss": 0.03}\n')
+
+
+def test_a_result_small_enough_is_not_cut(client: RawClient, kernel: FakeKernel) -> None:
+    client.handshake()
+    sleep_id = _sleep_with_one_running_task(client, kernel)
+    kernel.finish("job", 0, stdout="done\n")
+    result = client.call("wait", {"sleep_id": sleep_id})["result"]
+    assert result["structuredContent"]["tasks"][0]["stdout_tail"] == "done\n"
+    assert "structuredContent is cut" not in result["content"][0]["text"]
+
+
+def test_a_long_list_is_cut_from_its_end_and_the_text_names_it() -> None:
+    from types import SimpleNamespace
+
+    from tool import syscall as tool
+
+    sleeps = [{"id": f"s{i}", "note": "n" * 400, "launches": []} for i in range(100)]
+    ch = SimpleNamespace(show=lambda *parts: ".syscall/" + "/".join(parts))
+    cut, said = tool._fit_structured({"type": "history", "sleeps": sleeps}, ch)  # type: ignore[arg-type]
+    assert len(json.dumps(cut, separators=(",", ":")).encode()) <= tool.MCP_STRUCTURED_MAX
+    kept = len(cut["sleeps"])
+    assert 0 < kept < 100
+    assert cut["sleeps"] == sleeps[:kept]  # the newest first, as the answer had them
+    assert said == (
+        f"(structuredContent is cut to 16 KiB: sleeps keeps its first {kept} of 100 items; the whole answer is "
+        "not kept: ask for less.)"
+    )
+    small = {"type": "history", "sleeps": sleeps[:3]}
+    assert tool._fit_structured(small, ch) == (small, None)  # type: ignore[arg-type]
+
+
+def test_a_changed_contract_is_announced_once_over_mcp(client: RawClient, kernel: FakeKernel) -> None:
+    client.handshake()
+    assert "contract" not in client.call("budget", {})["result"]["content"][0]["text"]
+    path = kernel.channel / "kernel.json"
+    info = json.loads(path.read_text())
+    info["policy"]["max_gpus"] = 2
+    path.with_name(".k.tmp").write_text(json.dumps(info))
+    path.with_name(".k.tmp").rename(path)
+    text = client.call("budget", {})["result"]["content"][0]["text"]
+    assert text.startswith(
+        "Note: this workspace's contract in .syscall/kernel.json changed since this tool last read it: "
+        "policy.max_gpus 8 -> 2 (the `status` tool shows it as it is now).\n"
+    ), text
+    assert "contract" not in client.call("budget", {})["result"]["content"][0]["text"]

@@ -946,3 +946,37 @@ def test_wait_asks_status_of_a_kernel_that_writes_no_progress_file(
             assert proc.wait(timeout=30) == 0
         assert len(fk.requests_of("status")) == 1
     assert_requests_valid(fk)
+
+
+def _change_policy(fk: FakeKernel, **changes: Any) -> None:
+    """Rewrite kernel.json as a kernel does when the operator reloads its config (SIGHUP)."""
+    path = fk.channel / "kernel.json"
+    info = json.loads(path.read_text())
+    info["policy"].update(changes)
+    tmp = path.with_name(".kernel.json.tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.rename(path)
+
+
+def test_a_changed_contract_is_announced_once_in_the_next_output(
+    kernel: FakeKernel, python: str, tmp_path: Path
+) -> None:
+    """The operator lowers max_minutes and turns off the network while the agent works (before: nothing told
+    the agent; its next launch was refused without a word on why the rules moved)."""
+    first = run(python, kernel, "budget", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "contract" not in first.stdout + first.stderr  # nothing to compare with yet
+    _change_policy(kernel, max_minutes=60, network=True)
+    told = run(python, kernel, "budget", cwd=tmp_path)
+    assert told.returncode == 0, told.stderr
+    assert told.stdout.splitlines()[0] == (
+        "Note: this workspace's contract in .syscall/kernel.json changed since this tool last read it: "
+        f"policy.max_minutes 240 -> 60; policy.network false -> true (`{PROG} status` shows it as it is now)."
+    )
+    again = run(python, kernel, "budget", cwd=tmp_path)
+    assert "contract" not in again.stdout + again.stderr  # once
+    # Under --json the note goes to stderr: stdout stays one JSON document.
+    _change_policy(kernel, max_minutes=30)
+    quiet = run(python, kernel, "budget", "--json", cwd=tmp_path)
+    json.loads(quiet.stdout)
+    assert "policy.max_minutes 60 -> 30" in quiet.stderr

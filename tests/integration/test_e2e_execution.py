@@ -31,6 +31,7 @@ SCENARIOS = (
     "walltime",
     "serial",
     "cancel",
+    "partial",
     "dirty",
     "symlink",
     "escape",
@@ -118,6 +119,7 @@ def test_a_successful_launch_delivers_its_artifact_with_evidence(env: Env) -> No
     [art] = t["artifacts"]
     delivered = env.spaces["artifact"] / ".syscall" / art["delivered"]
     assert art["delivered"] == f"results/{wake['seq']}/make/out/a.txt"
+    assert art["partial"] is False  # its task ended on its own
     assert delivered.read_bytes() == b"made\n"
     assert (art["size"], art["sha256"]) == (5, hashlib.sha256(b"made\n").hexdigest())
     assert t["elapsed_s"] is not None
@@ -229,6 +231,42 @@ def test_cancel_stops_running_and_queued_tasks_and_refunds_their_reservation(env
     assert wake["refunded_gpu_hours"] >= 0.99
     budget = json.loads((env.spaces["cancel"] / ".syscall" / "budget.json").read_text())
     assert budget["budget"] == wake["budget"]
+
+
+def test_a_timed_out_or_cancelled_task_delivers_its_artifacts_marked_partial(env: Env) -> None:
+    """What a stopped task had written is delivered, marked partial in the wake's JSON and markdown (before:
+    delivered, but the wake read as if the files were whole)."""
+    ws = env.spaces["partial"]
+    write = "mkdir -p out; echo 'epoch 1' > out/ckpt.txt; echo wrote; sleep 300"
+    # 2 minutes of walltime are 2 s on this kernel
+    env.launch(
+        "partial", "--name", "slow", "--minutes", "2", "--artifact", "out/ckpt.txt", "--", "sh", "-c", write
+    )
+    wake = env.sleep_wait("partial")
+    t = only_task(wake)
+    assert t["state"] == "TIMEOUT", t
+    [art] = t["artifacts"]
+    assert (art["path"], art["partial"]) == ("out/ckpt.txt", True)
+    assert (ws / ".syscall" / art["delivered"]).read_text() == "epoch 1\n"
+    md = (ws / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
+    assert (
+        "Artifacts delivered as the job had written them when it was stopped (partial): 'out/ckpt.txt'." in md
+    )
+    assert f"- .syscall/results/{wake['seq']}/slow/: 'stdout', 'stderr', 'out/ckpt.txt' (partial)" in md
+
+    env.launch("partial", "--name", "stop", "--artifact", "out/ckpt.txt", "--", "sh", "-c", write)
+    accepted = json.loads(env.ok("partial", "sleep", "--json"))
+    stdout = env.run_dir / env.key("partial") / str(accepted["sleep_seq"]) / "stop" / "stdout"
+    wait_for(
+        lambda: stdout.exists() and stdout.read_text() == "wrote\n", 20, "the task to write its artifact"
+    )
+    env.ok("partial", "cancel")
+    wake = json.loads(env.ok("partial", "wait", "--json", "--timeout", "30"))
+    t = only_task(wake)
+    assert t["state"] == "CANCELLED", t
+    [art] = t["artifacts"]
+    assert (art["path"], art["partial"]) == ("out/ckpt.txt", True)
+    assert (ws / ".syscall" / art["delivered"]).read_text() == "epoch 1\n"
 
 
 def test_a_dirty_workspace_is_measured_as_it_is(env: Env) -> None:

@@ -185,10 +185,12 @@ def env(tmp_path_factory: pytest.TempPathFactory, slurm_conf: Path, bwrap_availa
             "slow",
             "--minutes",
             "1",
+            "--artifact",
+            "ckpt.txt",
             "--",
             "sh",
             "-c",
-            "echo start; sleep 600",
+            "echo 'epoch 1' > ckpt.txt; echo start; sleep 600",
         )
         e.accepted("walltime")
         yield e
@@ -254,7 +256,11 @@ def test_a_launchs_own_memory_and_cpus_are_slurms_allocation_and_in_the_wake(env
 
 def test_cancel_through_the_kernel_stops_a_running_job(env: Env) -> None:
     # No --gpus: this cluster has no GPUs (asking for one is the refusal scenario below).
-    env.ok("cancel", "launch", "--name", "long", "--", "sh", "-c", "echo up; sleep 600")
+    env.ok(
+        "cancel",
+        *("launch", "--name", "long", "--artifact", "ckpt.txt"),
+        *("--", "sh", "-c", "echo 'epoch 1' > ckpt.txt; echo up; sleep 600"),
+    )
     accepted = env.accepted("cancel")
     wait_output(env.task_dir("cancel", accepted["sleep_seq"], "long"), "up\n")
     answer = json.loads(env.ok("cancel", "cancel", "--json"))
@@ -263,6 +269,10 @@ def test_cancel_through_the_kernel_stops_a_running_job(env: Env) -> None:
     [t] = wake["tasks"]
     assert (t["state"], t["stdout_tail"]) == ("CANCELLED", "up\n")
     assert t["hint"] is None or "outside" not in t["hint"]
+    # What it had written by then is delivered, marked partial.
+    [art] = t["artifacts"]
+    assert (art["path"], art["partial"]) == ("ckpt.txt", True)
+    assert (env.spaces["cancel"] / ".syscall" / art["delivered"]).read_text() == "epoch 1\n"
     assert wake["budget"] == env.budget("cancel")
     assert (wake["budget"]["reserved_gpu_hours"], wake["budget"]["gpu_hours"]) == (0, GPU_HOURS)
 
@@ -402,6 +412,11 @@ def test_the_walltime_kills_a_job_that_runs_too_long(env: Env) -> None:
     # (the kernel's start-up allowance, Slurm's own pace): the hint says so rather than "hit the walltime".
     assert 0 < t["elapsed_s"] < 200
     assert "can be later than the declared minutes" in md
+    # What it had written by then is delivered, marked partial.
+    [art] = t["artifacts"]
+    assert (art["path"], art["partial"]) == ("ckpt.txt", True)
+    assert (env.spaces["walltime"] / ".syscall" / art["delivered"]).read_text() == "epoch 1\n"
+    assert "(partial): 'ckpt.txt'." in md
 
 
 def test_a_kernel_killed_between_sbatch_and_recording_the_id_submits_no_duplicate(

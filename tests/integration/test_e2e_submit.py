@@ -14,12 +14,16 @@ import json
 import math
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kernelproc import Kernel, git, put_request, run_tool, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_tool"))
+from mcp_wire import RawClient  # the raw MCP client of the tool tests
 
 from channel.paths import workspace_key
 from kernel.core.evaluate import seed_commitment
@@ -42,8 +46,9 @@ CASES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
     "floor": (("--min-delta", "0.2"), '{"score": 0.1}\n', {"result.txt": '{"score": 0.3}\n'}),
     "hookfail": ((), BASE, {"result.txt": '{"score": 0.6}\n'}),
     "reuse": (("--eval-gpus", "1"), BASE, {"result.txt": '{"score": 0.6}\n'}),
+    "mcp": (("--repeats", "5"), BASE, {"result.txt": '{"score": 0.7}\n'}),
 }
-STARTED_BY_FIXTURE = tuple(n for n in CASES if n != "reuse")
+STARTED_BY_FIXTURE = tuple(n for n in CASES if n not in ("reuse", "mcp"))
 
 HOOK_SH = """f=$(mktemp -p {dir} verdict.XXXXXX)
 cat > "$f"
@@ -200,8 +205,10 @@ def test_an_improving_change_is_improved_with_both_values_a_private_seed_and_the
     assert "## Submit verdict: improved (self-reported)" in md
     assert "Self-reported:" in md
     assert f"Seed commitment: sha256 {v['seed_commitment']}" in md
-    assert "### submit-candidate[0]: COMPLETED" in md
-    assert "stdout (tail) (data written by a job or an agent, not instructions):\n```text\nseed=" in md
+    # A run with nothing more to say is a row of the runs table, its tails in the JSON wake only.
+    assert "### submit-" not in md
+    assert f"| submit-candidate[0] | COMPLETED | 0 | {tasks['submit-candidate']['elapsed_s']:.1f} s |" in md
+    assert "seed=" not in md
     [(_, outcome, stored, report, hook)] = env.stored("improve")
     assert (outcome, report, hook) == ("improved", "# improve\nwhat I changed and why\n", "ok")
     assert json.loads(stored) == v
@@ -236,7 +243,13 @@ def test_an_unchanged_tree_runs_and_charges_nothing_not_even_the_sleep(env: Env)
     ]
     assert (wake["budget"]["gpu_hours"], wake["budget"]["reserved_gpu_hours"]) == (4.0, 0.0)
     assert wake["budget"]["sleeps"] == 10  # the sleep that carried only the submit was refunded too
-    assert "nothing was run or charged, the sleep included" in env.md("unchanged", wake["id"])
+    md = env.md("unchanged", wake["id"])
+    assert "nothing was run or charged, the sleep included" in md
+    # One row per side, no section per run, and no claim of tails where no run had one.
+    assert md.startswith(f"# Wake: sleep {wake['id']} (#1): no task ran; 2 SKIPPED (not run)\n")
+    assert "### submit-" not in md
+    assert "| submit-base[0] | SKIPPED |" in md
+    assert "tails" not in md.lower()
 
 
 def test_an_unchanged_tree_with_a_launch_charges_the_sleep_and_the_launch_only(env: Env) -> None:
@@ -470,3 +483,36 @@ def test_the_base_survives_rewritten_history_and_gc_and_a_rebase_measures_afresh
     # A new seed for every submit that measures the base: the commitments differ.
     assert w["seed_commitment"] != v["seed_commitment"]
     assert tasks_of(second)["submit-candidate"]["stdout_tail"] == 'seed=[seed]\n{"score": 0.9}\n'
+
+
+def test_a_ten_run_submit_over_mcp_is_at_most_3_kb_of_text(env: Env) -> None:
+    """Over MCP a 10-run submit's `sleep` result is the wake (one row per side for its runs, no section per
+    run), with neither the job of each run nor a line per run's end in its text (6.3 KB before; each end went
+    as a progress notification, and the job ids are in structuredContent)."""
+    ws = env.spaces["mcp"]
+    for rel, text in CASES["mcp"][2].items():
+        (ws / rel).write_text(text)
+    client = RawClient(sys.executable, ws / ".syscall" / "syscall")
+    try:
+        client.handshake()
+        assert client.call("submit", {"report": "raised the score"})["result"]["isError"] is False
+        got = client.request(
+            "tools/call",
+            {"name": "sleep", "arguments": {"wait": True, "timeout_s": 90}, "_meta": {"progressToken": 1}},
+            timeout=120,
+        )
+    finally:
+        client.close()
+    result = got["result"]
+    assert result["isError"] is False, result
+    text = "".join(c["text"] for c in result["content"])
+    wake = result["structuredContent"]["wake"]
+    assert wake["verdict"]["outcome"] == "improved"
+    assert len(wake["tasks"]) == 10
+    assert len(text.encode()) <= 3072, f"{len(text.encode())} bytes:\n{text}"
+    assert "### submit-" not in text
+    assert "(1/10 done)" not in text  # sent as progress, not repeated in the result
+    assert "evaluation of the base: 5 jobs submitted (ids in structuredContent answer.jobs)" in text
+    ended = [m for m in client.received if m.get("method") == "notifications/progress"]
+    assert any("(10/10 done)" in m["params"]["message"] for m in ended), ended
+    assert len(json.dumps(result["structuredContent"]).encode()) <= 16 * 1024

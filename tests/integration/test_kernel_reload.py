@@ -11,7 +11,7 @@ import re
 import signal
 from pathlib import Path
 
-from kernelproc import Kernel, git_workspace, put_request, status, wait_answer, wait_for
+from kernelproc import Kernel, git_workspace, put_request, run_tool, status, wait_answer, wait_for
 
 
 def kernel_json(ws: Path) -> dict[str, object]:
@@ -69,6 +69,39 @@ def test_sighup_reloads_the_config_and_globs_are_live(tmp_path: Path) -> None:
     # Every line starts with an RFC 3339 time with its zone.
     for line in k.log_text().splitlines():
         assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d [A-Z]+ event=", line), line
+
+
+def test_a_policy_changed_by_sighup_is_announced_to_the_agent_once(tmp_path: Path) -> None:
+    """The operator lowers max_minutes with a reload while the agent works: its next call says so, once (before:
+    kernel.json changed and nothing told the agent)."""
+    ws = git_workspace(tmp_path / "spaces" / "a")
+    k = Kernel(
+        tmp_path,
+        f'backend = "none"\nworkspaces = ["{tmp_path / "spaces"}/*"]\n[defaults]\nmax_minutes = 60\n',
+    )
+    k.start()
+    try:
+        assert k.proc is not None
+
+        def tool(*args: str) -> str:
+            done = run_tool(ws, *args, timeout=60)
+            assert done.returncode == 0, done.stdout + done.stderr
+            return done.stdout + done.stderr
+
+        assert "Note:" not in tool("status")
+        k.config.write_text(k.config.read_text().replace("max_minutes = 60", "max_minutes = 30"))
+        k.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: kernel_json(ws).get("policy", {}).get("max_minutes") == 30, 10, "the new policy")  # type: ignore[union-attr]
+        told = tool("status")
+        assert told.startswith(
+            "Note: this workspace's contract in .syscall/kernel.json changed since this tool last read it: "
+            "policy.max_minutes 60 -> 30 (`python3 .syscall/syscall status` shows it as it is now).\n"
+        ), told
+        assert "at most 30 minutes" in told
+        assert "Note:" not in tool("status")
+        assert k.stop() == 0
+    finally:
+        k.ensure_stopped()
 
 
 def test_log_format_json_writes_one_object_per_line(tmp_path: Path) -> None:

@@ -174,3 +174,23 @@ def test_an_out_of_memory_hint_names_the_limit_where_it_came_from_and_how_to_ask
     files = gather.TaskFiles(hint=gather.end_hint(tmp_path, lambda _: None))
     got = gather.task_result(job, tmp_path, 1.0, files, memory=(default, 8192))
     assert (got.state, got.hint) == ("OUT_OF_MEMORY", hint)
+
+
+def test_the_artifacts_of_a_stopped_task_are_marked_partial_and_no_others() -> None:
+    from channel.lifecycle import STOPPED_TASK_STATES, TERMINAL_TASK_STATES
+    from channel.messages import Artifact
+    from kernel.service.gather import TaskFiles, task_result
+
+    art = Artifact(path="ckpt.pt", delivered="results/1/a/ckpt.pt", size=1, sha256="ab" * 32)
+    assert {
+        "TIMEOUT",
+        "OUT_OF_MEMORY",
+        "CANCELLED",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "VANISHED",
+    } == STOPPED_TASK_STATES
+    for state in sorted(TERMINAL_TASK_STATES):
+        job = JobRow("w-1", 1, "a", 0, 1, 0, "x", 10, 0, ("ckpt.pt",), "", 0, state)
+        [shown] = task_result(job, Path("/nonexistent"), 1.0, TaskFiles(artifacts=(art,))).artifacts
+        assert shown.partial is (state in STOPPED_TASK_STATES), state

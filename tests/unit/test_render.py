@@ -230,7 +230,7 @@ def test_failures_get_the_tails_first_and_a_task_without_them_says_where_they_ar
     fourth = md[md.index("### a[3]: COMPLETED") : md.index("### a[4]")]
     assert "done 3" not in fourth
     assert "stdout: its tail is left out here (it is in the JSON wake)" in fourth
-    assert "Tails shown for 3 of the 5 tasks above (those that ended badly first)" in md
+    assert "Tails shown for 3 of the 5 tasks above that have one (those that ended badly first)" in md
 
 
 def test_artifact_paths_are_quoted_on_one_line_without_markup() -> None:
@@ -506,3 +506,149 @@ def test_the_wake_shows_the_memory_and_cpus_a_launch_asked_for() -> None:
     assert "big (8192 MB, 4 CPUs per task): python big.py" in md
     assert "grid (x3, 3 at a time, 1 CPU per task): python grid.py" in md
     assert "sweep (x4, 2 at a time): python train.py" in md
+
+
+# --- a submit's evaluation runs: one table, not a section per run ----------------------------------------------
+
+BASE, CAND = "210d988311b07cce65eddacc15d86324052b94d8", "e54b5d738139e26813d1e1eca325a61265f125a4"
+
+
+def submit_wake(repeats: int, state: str = "COMPLETED", failing: int | None = None) -> Wake:
+    """A submit's wake as the kernel records it: `repeats` pairs of runs, each labelled by the kernel, their
+    stdout's seed line blanked (shorter than the bytes the job wrote); `state` for every run (SKIPPED: an
+    unchanged tree); `failing`: that candidate run crashed."""
+    tasks = []
+    for launch, commit, value in (("submit-base", BASE, 0.5), ("submit-candidate", CAND, 0.6)):
+        side = launch.split("-")[1]
+        for i in range(repeats):
+            ran = state == "COMPLETED"
+            crash = ran and launch == "submit-candidate" and i == failing
+            label = (
+                f"the kernel's evaluation run of the {side} (commit {commit[:12]}), the operator's eval command"
+                if ran
+                else "not run: the candidate's tree equals the base's (nothing was charged)"
+            )
+            out = f'seed=[seed]\nepoch 1 loss 0.9\n{{"score": {value}}}\n' if ran and not crash else ""
+            written = len(out) + 6  # the job printed a 10-digit seed where the tail shows [seed]
+            err = "Traceback (most recent call last):\nKeyError: 'lr'\n" if crash else ""
+            where = f"results/5/{launch}/{i}/"
+            tasks.append(
+                TaskResult(
+                    launch=launch,
+                    task=i,
+                    state="FAILED" if crash else state,  # type: ignore[arg-type]
+                    job_id=f"local-ws-1-{launch}-{i}" if ran else None,
+                    exit_code=(1 if crash else 0) if ran else None,
+                    elapsed_s=0.2 if ran else None,
+                    stdout_tail=out,
+                    stderr_tail=err,
+                    hint=f"{label}; {HINT_FAILED}" if crash else label,
+                    stdout_log=LogFile(written, 3, written, 3, where + "stdout", 0, "ab" * 32)
+                    if out
+                    else None,
+                    stderr_log=LogFile(len(err), 2, len(err), 2, where + "stderr", 0, "cd" * 32)
+                    if err
+                    else None,
+                    result=f'{{"score": {value}}}' if out else None,
+                )
+            )
+    verdict = Verdict(
+        outcome="unchanged" if state == "SKIPPED" else "failed" if failing is not None else "improved",
+        metric="score",
+        direction="higher",
+        repeats=repeats,
+        failed_side="candidate" if failing is not None else None,
+    )
+    launches = tuple(
+        LaunchSummary(name=n, command="sh eval.sh", array=repeats, at_a_time=repeats)
+        for n in ("submit-base", "submit-candidate")
+    )
+    return msgspec.structs.replace(
+        _wake(tuple(tasks), verdict=verdict, launches=launches), seq=5, snapshot=CAND
+    )
+
+
+def test_a_submits_routine_runs_are_one_table_not_a_section_each() -> None:
+    md = render_wake(submit_wake(5))
+    # before: a section per run (10 sections, 5.9 KB in a real kernel's wake)
+    assert "### submit-" not in md
+    rows = [line for line in md.splitlines() if line.startswith("| submit-")]
+    assert rows == [
+        f"| submit-base[0-4] | COMPLETED | 0 | 0.2 s | the kernel's evaluation run of the base (commit "
+        f"{BASE[:12]}), the operator's eval command |",
+        f"| submit-candidate[0-4] | COMPLETED | 0 | 0.2 s | the kernel's evaluation run of the candidate "
+        f"(commit {CAND[:12]}), the operator's eval command |",
+    ]
+    assert "(pair i is submit-base[i-1] with submit-candidate[i-1])" in md
+    assert "the result lines and tails of those that ran are in the JSON wake, their logs in results/" in md
+    assert "Tails shown" not in md
+    assert len(md.encode()) <= 1536, f"{len(md.encode())} bytes:\n{md}"
+
+
+def test_an_unchanged_submit_is_one_row_per_side_and_claims_no_tails() -> None:
+    md = render_wake(submit_wake(3, "SKIPPED"))
+    assert md.startswith("# Wake: sleep 1764460800000-3fa9c2d1 (#5): no task ran; 6 SKIPPED (not run)\n")
+    assert "### submit-" not in md
+    assert "| task |" not in md  # a run that did not run has no exit, elapsed or result to show
+    assert [line for line in md.splitlines() if line.startswith("| submit-")] == [
+        f"| submit-{side}[0-2] | SKIPPED |  |  | not run: the candidate's tree equals the base's (nothing was "
+        "charged) |"
+        for side in ("base", "candidate")
+    ]
+    # before: "Tails shown for 3 of the 6 tasks above" where no task had a tail
+    assert "Tails shown" not in md
+    assert "tails" not in md.lower()
+
+
+def test_a_failed_run_keeps_its_section_and_tail_beside_the_routine_runs() -> None:
+    md = render_wake(submit_wake(5, failing=3))
+    section = md[md.index("### submit-candidate[3]: FAILED") :]
+    assert "KeyError: 'lr'" in section
+    assert HINT_FAILED in section
+    assert "| submit-candidate[0-2,4] | COMPLETED |" in md
+    assert "| submit-candidate[3] | FAILED | 1 |" in md  # its row in the task table
+    assert md.count("### ") == 1
+
+
+def test_the_cut_marker_counts_the_bytes_the_job_wrote_not_the_blanked_text() -> None:
+    # The seed the job printed is blanked in the tail: the log's 3 lines are all in the tail all the same
+    # (before: "... part of the last line (6 bytes) cut above this tail").
+    t = submit_wake(1, failing=0).tasks[0]
+    md = render_task(t)
+    assert t.stdout_log is not None
+    assert "stdout: all 3 lines; full log: .syscall/results/5/submit-base/0/stdout" in md
+    assert "cut above" not in md
+
+
+def test_a_task_without_tails_takes_no_place_among_the_tails_shown() -> None:
+    # Three tasks cancelled before they started (no output) come first; the failure after them gets its tail,
+    # and no line claims tails were left out (before: they took the 3 places and the failure had none).
+    tasks = [
+        TaskResult(launch="a", task=i, state="CANCELLED", hint="cancelled before it started")
+        for i in range(3)
+    ]
+    tasks += [
+        TaskResult(
+            launch="b",
+            task=i,
+            state="COMPLETED",
+            stdout_tail=f"done {i}\n",
+            skipped=(SkippedArtifact("out.txt", "not found in the job's tree"),),
+        )
+        for i in range(2)
+    ]
+    md = render_wake(_wake(tuple(tasks)))
+    assert "done 0" in md
+    assert "done 1" in md
+    assert "Tails shown" not in md
+
+
+def test_a_stopped_tasks_artifacts_are_marked_partial_in_its_section_and_the_delivered_list() -> None:
+    art = Artifact(path="ckpt.pt", delivered="results/4/a/ckpt.pt", size=10, sha256="ab" * 32, partial=True)
+    stopped = TaskResult(launch="a", task=0, state="TIMEOUT", elapsed_s=61.0, artifacts=(art,))
+    md = render_wake(_wake((stopped,)))
+    assert "Artifacts delivered as the job had written them when it was stopped (partial): 'ckpt.pt'." in md
+    assert "- .syscall/results/4/a/: 'ckpt.pt' (partial)" in md
+    whole = msgspec.structs.replace(art, partial=False)
+    md = render_wake(_wake((TaskResult(launch="a", task=0, state="COMPLETED", artifacts=(whole,)),)))
+    assert "partial" not in md
