@@ -32,6 +32,7 @@ from channel import limits as L
 from channel import safefs, sweep
 from channel.messages import (
     Artifact,
+    ErrorInfo,
     LaunchSummary,
     LogFile,
     SkippedArtifact,
@@ -424,6 +425,7 @@ def build_wake(
     verdict: Verdict | None = None,
     snapshot: str | None = None,
     launches: tuple[LaunchSummary, ...] = (),
+    error: ErrorInfo | None = None,
 ) -> Wake:
     return Wake(
         protocol=L.PROTOCOL_VERSION,
@@ -438,6 +440,7 @@ def build_wake(
         refunded_gpu_hours=gpu_hours(refunded_gpu_s),
         snapshot=snapshot or None,
         launches=launches,
+        error=error,
     )
 
 
