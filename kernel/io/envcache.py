@@ -45,8 +45,14 @@ With another jail kind (`apptainer`, or `none` for tests and a single-user lapto
 host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`), and each task's sync
 on the node as the job's user, without a jail: then the lock checks,
 `--no-build`, the hashes and `-S -I` are what hold, and a bug in uv's handling of a hostile lock or wheel would
-run with the kernel's rights. A lockfile that does not resolve is refused before any job is submitted
-(`environment.failed`, refunded).
+run with the kernel's rights. A lockfile that does not install fails its build: the sleeps waiting for it wake with
+`environment.failed`, refunded (kernel.service.building: builds run in the background, never before an answer).
+
+Before an entry is built, uv's own check (`check_lock`: `uv lock --check --offline` on the accepted files, jailed
+like the build but without the network) tells whether the lock satisfies its pyproject; one that does not is
+refused at sleep (`environment.lock_outdated`, nothing charged). One build per key runs at a time, across
+processes too: `builds/<key>.lock` is an flock its builder holds, `builds/<key>.json` names the builder (found
+with the flock free, the builder died mid-build: built again), `builds/<key>.log` is uv's output as it prints it.
 """
 
 from __future__ import annotations
@@ -674,6 +680,7 @@ class EnvCache:
         self.jail = jail
         self._uv_version: str | None = None
         self._locks: dict[str, anyio.Lock] = {}
+        self._checked: set[str] = set()  # keys uv's lock check passed (`check_lock`)
         if jail.kind != "bwrap":
             klog.event(
                 "environment_build_unjailed",
@@ -738,22 +745,16 @@ class EnvCache:
         key = cache_key(project, self.cfg.python, self.cfg.index_url, await self.uv_version())
         return Prepared(key, project, files)
 
-    async def ensure(self, project: LockedProject) -> tuple[EnvReady, JobEnvironment, bool]:
-        """The warm cache for `project` (checked, then built now if missing); (ready, job environment, built
-        now?). EnvironmentFailed when the lockfile is refused or uv cannot install it."""
-        prepared = await self.prepare(project)
-        if self.ready(prepared.key) is None:
-            await self.check_lock(prepared)
-        ready, built = await self.build(prepared)
-        return ready, self.job_environment(prepared.key, project, ready), built
-
     async def check_lock(self, prepared: Prepared) -> None:
         """uv's own check that uv.lock satisfies pyproject.toml (`uv lock --check --offline`): LockOutdated when
         it does not. uv is given the accepted files (never the agent's bytes) in a directory of their own, in the
         build jail without the network (jail = bwrap), with a throwaway cache: a lock that satisfies its
         pyproject is validated from the lock alone, one that does not sends uv to resolve, which it cannot
         offline (exit status 1). A check that cannot run (uv's own error, no interpreter yet, its deadline) is
-        logged (`environment_check_skipped`) and passes: the build says what is wrong then."""
+        logged (`environment_check_skipped`) and passes: the build says what is wrong then. A key that passed
+        is not checked again by this process."""
+        if prepared.key in self._checked:
+            return
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = self.root / f".check.{os.getpid()}.{time.monotonic_ns()}.tmp"
         tmp.mkdir(mode=0o700)
@@ -785,6 +786,7 @@ class EnvCache:
         finally:
             await anyio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
         if got is not None and got[0] == 0:
+            self._checked.add(prepared.key)
             return
         said = "" if got is None else tail(got[1].decode("utf-8", "replace"), 600)
         if got is not None and got[0] == 1:

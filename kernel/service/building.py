@@ -55,8 +55,10 @@ class _Build:
     waiters: set[Sleep] = field(default_factory=set)
     started_at: str | None = None
     tail: bytearray = field(default_factory=bytearray)
+    printed: int = 0  # bytes uv printed in all
 
     def heard(self, chunk: bytes) -> None:
+        self.printed += len(chunk)
         self.tail += chunk
         if len(self.tail) > 2 * LOG_TAIL_BYTES:
             del self.tail[: len(self.tail) - LOG_TAIL_BYTES]
@@ -143,14 +145,16 @@ class Builds:
         )
 
     def log_tail(self, sleep: Sleep, lines: int) -> tuple[str, int, bool] | None:
-        """The last `lines` whole lines of the output of the build the sleep waits for (text, bytes printed so far
-        as far as kept, whether cut); None when it waits for none."""
+        """The last `lines` lines of the output of the build the sleep waits for (text, bytes uv printed so far,
+        whether that is less than all of it); None when it waits for none."""
         got = self._waiting.get(sleep)
         b = None if got is None or got.state != "building" else self._builds.get(got.first.key)
         if b is None:
             return None
-        text = _last_lines(bytes(b.tail), lines)
-        return text, len(b.tail), len(text.encode()) < len(b.tail)
+        kept = bytes(b.tail)
+        text = _last_lines(kept, lines)
+        shown = len(text.splitlines())
+        return text, b.printed, b.printed > len(kept) or shown < len(_last_lines(kept, 1 << 30).splitlines())
 
     def forget(self, sleep: Sleep) -> None:
         """The sleep was dispatched or woke: nothing is kept of it."""
