@@ -6,6 +6,8 @@ whose wheel download is held until the test lets it go, so the build takes as lo
   tasks have no job ids; `status` shows the build, `tail` shows uv's output (stream `environment`).
 - A second workspace with the same lock, slept meanwhile, shares the one build (one wheel download, one
   `environment_built`); once the wheel is let go both sleeps run and import the package.
+- A sleep cancelled while its environment builds wakes at once (its tasks CANCELLED, their reservation
+  refunded) and nothing of it is submitted when the build is done.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import pytest
 from kernelproc import Kernel, make_workspace, run_tool, wait_for
 from localindex import Index, make_tls, make_wheel, uv_lock
 from testenv import need
+
+from channel.paths import workspace_key
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
 
@@ -62,8 +66,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> It
     try:
         lock = uv_lock(tmp, PYPROJECT, index.url, ca, PYTHON)
         spaces = {}
-        for name in ("first", "second"):
+        other = PYPROJECT.replace('version = "0.1.0"', 'version = "0.2.0"')
+        lock2 = uv_lock(tmp, other, index.url, ca, PYTHON)  # another lock: another build
+        for name in ("first", "second", "third"):
             files = {"README": f"{name}\n", "pyproject.toml": PYPROJECT, "uv.lock": lock}
+            if name == "third":
+                files |= {"pyproject.toml": other, "uv.lock": lock2}
             spaces[name] = make_workspace(tmp / "spaces" / name, files)
             kernel.enroll(spaces[name], "--launches", "10", "--sleeps", "10", "--gpu-hours", "1")
         index.reset()
@@ -122,3 +130,31 @@ def test_a_sleep_is_answered_while_its_environment_builds_and_runs_once_it_is_bu
     assert "building" not in again
     assert all(j["job_id"] for j in again["jobs"])
     setup.json("first", "wait", "--timeout", "170")
+
+
+def test_a_sleep_cancelled_while_its_environment_builds_wakes_and_is_never_submitted(setup: Setup) -> None:
+    setup.index.gate.clear()
+    setup.index.reset()
+    before = json.loads((setup.spaces["third"] / ".syscall" / "budget.json").read_text())["budget"]
+    setup.ok("third", "launch", "--name", "never", "--gpus", "1", "--minutes", "30", "--", "echo ran")
+    ans = setup.json("third", "sleep")
+    assert ans["building"]["state"] == "building"
+    wait_for(lambda: setup.index.asked >= 1, 60, "uv to ask for the wheel")
+    cancelled = setup.json("third", "cancel")
+    assert [(j["launch"], j["task"]) for j in cancelled["cancelled"]] == [("never", 0)]
+    wake = setup.json("third", "wait", "--timeout", "60")
+    [t] = wake["tasks"]
+    assert (t["state"], t["job_id"]) == ("CANCELLED", None)
+    assert wake["error"] is None
+    assert wake["budget"]["reserved_gpu_hours"] == 0
+    assert wake["budget"]["gpu_hours"] == before["gpu_hours"]
+    built = setup.kernel.log_text().count("event=environment_built ")
+    setup.index.gate.set()
+    setup.kernel.wait_log("event=environment_built ", 120, count=built + 1)
+    # the next sleep runs on the environment just built; the cancelled one never ran
+    setup.ok("third", "launch", "--name", "after", "--", f'python -c "{PROBE}"')
+    setup.json("third", "sleep")
+    [after] = setup.json("third", "wait", "--timeout", "170")["tasks"]
+    assert after["state"] == "COMPLETED", after
+    runs = setup.kernel.state / "runs" / workspace_key(setup.spaces["third"].resolve())
+    assert not list(runs.glob("*/never")), "a cancelled sleep's launch was submitted"
