@@ -29,7 +29,6 @@ import http.server
 import io
 import json
 import os
-import shutil
 import ssl
 import subprocess
 import threading
@@ -41,11 +40,11 @@ from typing import Any
 
 import pytest
 from kernelproc import Kernel, make_workspace, run_tool
-from localindex import make_tls
+from localindex import make_tls, uv_lock
 from testenv import need
 
 from channel.paths import workspace_key
-from kernel.io.envcache import canonical_toml, uv_binary
+from kernel.io.envcache import canonical_toml
 from kernel.node.jail import SHARED_VENV, JailPolicy, build_bwrap_argv
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
@@ -135,32 +134,6 @@ class Server:
         self.thread.join(10)
 
 
-def uv_lock(tmp: Path, index: str, ca: Path) -> str:
-    """The agent's side: `uv lock` of PYPROJECT against the local index (resolving, not installing)."""
-    proj = tmp / "lockgen"
-    proj.mkdir()
-    (proj / "pyproject.toml").write_text(PYPROJECT)
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "HOME": str(tmp),
-        "UV_CACHE_DIR": str(tmp / "lockgen-cache"),
-        "SSL_CERT_FILE": str(ca),
-        "NO_PROXY": "127.0.0.1",
-        "no_proxy": "127.0.0.1",
-    }
-    done = subprocess.run(
-        [uv_binary(), "lock", "--no-config", "--python", PYTHON, "--index-url", f"{index}/simple"],
-        cwd=proj,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    shutil.rmtree(tmp / "lockgen-cache", ignore_errors=True)
-    return (proj / "uv.lock").read_text()
-
-
 # --- the kernel ---------------------------------------------------------------------------------------------
 
 
@@ -200,7 +173,7 @@ def setup(
     index = Server(context, wheel, index=True)
     decoy = Server(context, wheel, index=False)
     try:
-        lock = uv_lock(tmp, index.url, ca)
+        lock = uv_lock(tmp, PYPROJECT, index.url, ca, PYTHON)
         wheel_url = f"{index.url}/files/{WHEEL}"
         assert f'url = "{wheel_url}"' in lock, lock
         # Item 1: urllib reads host 127.0.0.1 (after the `@`), uv reads 127.0.0.1:<decoy> (`\` is `/`).
@@ -385,7 +358,7 @@ def test_a_task_binds_the_caches_venv_and_runs_no_uv_of_its_own(
             LAUNCHER.format(site=site, state=kernel.state, tmp=tmp_path, port=index.port, python=PYTHON)
         )
         launcher.chmod(0o755)
-        lock = uv_lock(tmp_path, index.url, ca)
+        lock = uv_lock(tmp_path, PYPROJECT, index.url, ca, PYTHON)
         kernel.config.write_text(
             kernel.config.read_text()
             + f'jail = "bwrap"\n[environment]\npython = "{launcher}"\nextra_dirs = ["{site}"]\n'
