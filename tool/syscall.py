@@ -3815,7 +3815,10 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "{p} sleep --note 'lr sweep, expect lr=3e-4 best' --wait",
         "Zero staged launches make a checkpoint. Without --wait it returns once the kernel accepted\n"
         "the sleep; `wait` then blocks for the wake. A rejected sleep costs nothing and keeps your\n"
-        "staged launches.",
+        "staged launches. A sleep whose uv.lock has no built environment yet is accepted at once\n"
+        "(\"building the environment for uv.lock\"): its jobs start when the build is done, `status`\n"
+        "and `tail` show the build, and a build that fails wakes the sleep with environment.failed,\n"
+        "refunded.",
     )
     p.add_argument("--note", default="", help="a note to your future self, shown in the wake")
     p.add_argument("--wait", action="store_true", help="block until the wake and print it")
