@@ -112,7 +112,13 @@ CODES: Final[dict[str, Code]] = {
     ),
     "environment.failed": Code(
         "6",
-        "the workspace's uv.lock could not be turned into an environment (uv's message says why); nothing ran",
+        "the workspace's uv.lock could not be turned into an environment (uv's message says why); nothing ran "
+        "(a refusal, or the error of a wake whose build failed after the sleep was accepted, refunded)",
+    ),
+    "environment.lock_outdated": Code(
+        "6",
+        "uv.lock does not satisfy pyproject.toml (uv's own check); run `uv lock`; nothing ran and nothing was "
+        "charged",
     ),
     "backend.refused": Code(
         "6", "the scheduler refused the job for good (e.g. an invalid partition or GPU request); nothing ran"

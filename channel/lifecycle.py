@@ -5,7 +5,9 @@ table raises `IllegalTransition` (a kernel bug, never the agent's fault). The sp
 from `SLEEP_TRANSITIONS` and `TASK_TRANSITIONS`.
 
 A sleep moves received -> validated -> snapshotted -> submitted -> running -> gathered -> woken. Every cheap
-refusal happens before every expensive step, so `rejected` is reachable only from the first three states.
+refusal happens before every expensive step, so `rejected` is reachable only from the first three states. A sleep
+answered before its environment was built whose build then fails goes from snapshotted to gathered (its tasks
+never submitted) and wakes with the error.
 A task moves PENDING -> RUNNING -> a terminal state; `cancel` and scheduler verdicts may end it from either.
 """
 
@@ -49,6 +51,9 @@ SLEEP_TRANSITIONS: Final[dict[tuple[SleepState, SleepEvent], SleepState]] = {
     # every task may end before the kernel sees any of them run (a checkpoint has no tasks at all)
     ("submitted", SleepEvent.GATHER): "gathered",
     ("running", SleepEvent.GATHER): "gathered",
+    # accepted before its environment was built, and then the build failed or the agent cancelled every task:
+    # its tasks end without being submitted
+    ("snapshotted", SleepEvent.GATHER): "gathered",
     ("gathered", SleepEvent.WAKE): "woken",
 }
 

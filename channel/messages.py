@@ -201,6 +201,18 @@ class RankedTask(_Strict, frozen=True):
     unranked: str | None = None
 
 
+class EnvironmentBuild(_Strict, frozen=True):
+    """The locked environment a sleep waits for (spec 7.1): the kernel builds it from the snapshot's `lock` in the
+    background and dispatches the sleep's tasks once it is `ready`; `started_at` is null while the build waits
+    for a build slot. In a status, `log_tail` holds the last lines uv printed so far."""
+
+    lock_sha256: str
+    state: Literal["building", "ready", "failed"]
+    lock: str = "uv.lock"
+    started_at: Timestamp | None = None
+    log_tail: str = ""
+
+
 class SleepView(_Strict, frozen=True):
     id: str
     seq: int
@@ -211,6 +223,8 @@ class SleepView(_Strict, frozen=True):
     woken_at: Timestamp | None = None
     # Each launch as it runs (or ran): how many of its tasks at once, and why fewer than asked (`clamp`).
     launches: tuple[LaunchSummary, ...] = ()
+    # The environment build the sleep's tasks wait for, while there is one (null otherwise).
+    environment: EnvironmentBuild | None = None
 
 
 class KernelRef(_Strict, frozen=True, omit_defaults=True):
@@ -275,12 +289,16 @@ class _Answer(_Strict, tag_field="type", frozen=True):
     id: str
 
 
-class Accepted(_Answer, tag="accepted", frozen=True):
-    """A sleep was validated, charged and its jobs submitted."""
+class Accepted(_Answer, tag="accepted", frozen=True, omit_defaults=True):
+    """A sleep was validated, charged and its jobs submitted, or (`building` set) accepted before its locked
+    environment was built: its jobs are submitted once it is (their `job_id` null until then), and a build that
+    fails wakes the sleep with `environment.failed`, refunded. `building` is left out when the jobs were
+    submitted (the only member with a default)."""
 
     sleep_seq: int
     jobs: tuple[JobRef, ...]
     budget: Budget
+    building: EnvironmentBuild | None = None
 
 
 class Rejected(_Answer, tag="rejected", frozen=True):
@@ -319,7 +337,8 @@ class TailAnswer(_Answer, tag="tail", frozen=True):
     launch: str
     task: int
     state: TaskState
-    stream: Literal["stdout", "stderr"]
+    # "environment": the task waits for its sleep's environment build, and `text` is the build's log so far.
+    stream: Literal["stdout", "stderr", "environment"]
     text: str
     lines: int
     size: int
@@ -482,6 +501,9 @@ class Wake(_Strict, frozen=True):
     # The commit the kernel snapshotted and every job of the sleep ran on.
     snapshot: str | None = None
     launches: tuple[LaunchSummary, ...] = ()
+    # Why none of the sleep's tasks ran, for a sleep accepted and then unable to run (its environment build
+    # failed: `environment.failed`); its whole charge is refunded. Null for every sleep whose tasks were submitted.
+    error: ErrorInfo | None = None
 
 
 # --- kernel-written channel files ------------------------------------------------------------------------

@@ -476,10 +476,21 @@ def render_header(w: Wake) -> str:
     )
     if unrun:
         tally += "; " + ", ".join(f"{n} {state}" for state, n in unrun.items()) + " (not run)"
+    if w.error is not None:
+        tally = f"none of its {plural(len(w.tasks), 'task', 'tasks')} ran ({w.error.code})"
     head = [f"# Wake: sleep {w.id} (#{w.seq}): {tally if w.tasks else 'a checkpoint (no launches)'}", ""]
     on = f" on snapshot {w.snapshot}" if w.snapshot else ""
     head.append(f"Slept {w.created_at} to {w.woken_at}{on}.")
     return "\n".join(head) + "\n"
+
+
+def render_error(w: Wake) -> str:
+    """Why none of an accepted sleep's tasks ran (its environment build failed), and that it was refunded."""
+    assert w.error is not None
+    return (
+        f"None of this sleep's tasks ran: `{w.error.code}`. Its whole charge (the sleep, its launches and their "
+        "GPU-hours) is refunded.\n\n" + data_block("The kernel's message, with uv's output", w.error.message)
+    )
 
 
 def render_launches(w: Wake) -> str:
@@ -615,6 +626,8 @@ def render_wake(w: Wake) -> str:
     """The wake for a reader deciding what to do next: header, note, verdict, launches, the task table, what
     is not routine about each task, where the files are, and the budget last."""
     out = [render_header(w)]
+    if w.error is not None:
+        out.append(render_error(w))
     if w.note:
         out.append(data_block("Your note", w.note))
     if w.verdict is not None:

@@ -173,8 +173,11 @@ class EnvironmentConfig(_Strict, frozen=True, kw_only=True):
     extra_dirs: tuple[Annotated[str, Meta(min_length=1, max_length=4096)], ...] = ()
     # A warm cache unused for this many days is removed.
     keep_days: Annotated[float, Meta(gt=0, le=3650)] = 14.0
-    # The longest a cache warm-up may take before the sleep is refused (environment.failed).
+    # The longest a cache warm-up may take before its sleeps wake with environment.failed (refunded).
     warm_timeout_seconds: Annotated[float, Meta(gt=0, le=24 * 3600)] = 1800.0
+    # Environment builds run at once in the background (each downloads and unpacks a lockfile's wheels); more
+    # wait for a slot, their sleeps answered `building` meanwhile.
+    max_builds: Annotated[int, Meta(ge=1, le=64)] = 2
 
 
 class SnapshotLimits(_Strict, frozen=True, kw_only=True):

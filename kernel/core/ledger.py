@@ -173,7 +173,7 @@ def refund_unrun(balance: Balance, job: JobRow) -> Balance:
 def refund_rejected_sleep(balance: Balance, launches: int, jobs: Sequence[JobRow]) -> Balance:
     """Undo `reserve_sleep` (and `reserve_eval`) for a sleep refused after it was charged (nothing ran): its
     sleep, its `launches` and every task's reservation back."""
-    reserved = sum(j.reserved_gpu_s for j in jobs)
+    reserved = reserved_by(jobs)
     if not 0 <= reserved <= balance.reserved_gpu_s:
         raise ValueError(f"cannot refund {reserved} GPU-s; only {balance.reserved_gpu_s} are reserved")
     return replace(
@@ -183,6 +183,11 @@ def refund_rejected_sleep(balance: Balance, launches: int, jobs: Sequence[JobRow
         gpu_s=balance.gpu_s + reserved,
         reserved_gpu_s=balance.reserved_gpu_s - reserved,
     )
+
+
+def reserved_by(jobs: Sequence[JobRow]) -> int:
+    """The GPU-seconds `jobs` hold reserved (what `refund_rejected_sleep` gives back of them)."""
+    return sum(j.reserved_gpu_s for j in jobs)
 
 
 def refund_sleep_count(balance: Balance) -> Balance:

@@ -24,6 +24,7 @@ from channel.decode import RequestError, at_a_time, check_policy, clamp_note
 from channel.lifecycle import LIVE_TASK_STATES, SLEEP_OVER_FOR_AGENT, TERMINAL_TASK_STATES
 from channel.messages import (
     CancelRequest,
+    EnvironmentBuild,
     HistoryAnswer,
     HistoryEntry,
     HistoryLaunch,
@@ -335,13 +336,18 @@ def status_answer(
     latest: SleepRow | None,
     jobs: Sequence[JobRow],
     now: float,
+    environment: EnvironmentBuild | None = None,
 ) -> StatusAnswer:
+    """`status`: the budget and the latest sleep, with the environment build its tasks wait for (if any)."""
+    view = None if latest is None else sleep_view(latest, jobs, now, ws.policy.max_concurrent_gpus)
+    if view is not None and environment is not None:
+        view = msgspec.structs.replace(view, environment=environment)
     return StatusAnswer(
         protocol=L.PROTOCOL_VERSION,
         id=request_id,
         kernel=kernel,
         budget=ws.balance.to_message(),
-        sleep=None if latest is None else sleep_view(latest, jobs, now, ws.policy.max_concurrent_gpus),
+        sleep=view,
     )
 
 

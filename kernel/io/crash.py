@@ -2,7 +2,8 @@
 
 `SYSCALL_KERNEL_CRASH_AT=<step>` makes the kernel kill itself with SIGKILL (as a power cut or the OOM killer
 would) when it reaches that step, so the fault tests prove that a restart finishes the work exactly once.
-The executor's steps are `CRASH_STEPS`; the Slurm backend adds `SLURM_CRASH_STEPS`.
+The executor's steps are `CRASH_STEPS`; the Slurm backend adds `SLURM_CRASH_STEPS`, environment builds
+`ENV_CRASH_STEPS`.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ CRASH_ENV: Final = "SYSCALL_KERNEL_CRASH_AT"
 # handed to the backend, job ids not yet recorded; task_end: a task's end recorded while others still run;
 # gathered: the wake recorded, no wake file written.
 CRASH_STEPS: Final = ("recorded", "snapshot", "submit", "task_end", "gathered")
+# build: a locked environment's background build begun (its flock held, its builder recorded), uv not yet run
+# (tests/fault/test_environment_build_crash.py: only a sleep with a uv.lock reaches it).
+ENV_CRASH_STEPS: Final = ("build",)
 # sbatch: sbatch answered, the job id not yet recorded anywhere (tests/integration/test_e2e_slurm.py).
 SLURM_CRASH_STEPS: Final = ("sbatch",)
 
 
 def crash_point(step: str) -> None:
     """TEST ONLY: die here, as a SIGKILL would, when SYSCALL_KERNEL_CRASH_AT names this step."""
-    assert step in CRASH_STEPS or step in SLURM_CRASH_STEPS, step
+    assert step in CRASH_STEPS or step in SLURM_CRASH_STEPS or step in ENV_CRASH_STEPS, step
     if os.environ.get(CRASH_ENV) == step:
         klog.event("crash_injected", logging.WARNING, step=step)
         for h in logging.getLogger().handlers:

@@ -45,14 +45,23 @@ With another jail kind (`apptainer`, or `none` for tests and a single-user lapto
 host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`), and each task's sync
 on the node as the job's user, without a jail: then the lock checks,
 `--no-build`, the hashes and `-S -I` are what hold, and a bug in uv's handling of a hostile lock or wheel would
-run with the kernel's rights. A lockfile that does not resolve is refused before any job is submitted
-(`environment.failed`, refunded).
+run with the kernel's rights. A lockfile that does not install fails its build: the sleeps waiting for it wake with
+`environment.failed`, refunded (kernel.service.building: builds run in the background, never before an answer).
+
+Before an entry is built, uv's own check (`check_lock`: `uv lock --check --offline` on the accepted files, jailed
+like the build but without the network) tells whether the lock satisfies its pyproject; one that does not is
+refused at sleep (`environment.lock_outdated`, nothing charged). One build per key runs at a time, across
+processes too: `builds/<key>.lock` is an flock its builder holds, `builds/<key>.json` names the builder (found
+with the flock free, the builder died mid-build: built again), `builds/<key>.log` is uv's output as it prints it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -62,10 +71,10 @@ import shutil
 import stat
 import time
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 from urllib.parse import urlsplit
 
 import anyio
@@ -74,6 +83,8 @@ import msgspec
 from kernel.core.config import EnvironmentConfig
 from kernel.io import hostproc
 from kernel.io import log as klog
+from kernel.io.crash import crash_point
+from kernel.io.store import timestamp
 from kernel.node.jail import (
     SHARED_ENV_ROOT,
     JailPolicy,
@@ -89,6 +100,13 @@ WORKSPACES_DIR: Final = "workspaces"  # each workspace's latest locked environme
 READY: Final = "ready.json"
 USED: Final = "used"
 WARM_LOG: Final = "warm.log"
+# Per cache key, beside the entries: `<key>.lock` (an flock held by the kernel building it), `<key>.json` (who
+# builds it, since when: `Builder`) and `<key>.log` (uv's output as it runs: what `status` and `tail` show).
+BUILDS_DIR: Final = "builds"
+# How often a build waits for another process's build of the same key to let its lock go.
+LOCK_POLL_S: Final = 1.0
+# The longest uv's offline check of a lock against its pyproject.toml may take (it reads two files).
+CHECK_TIMEOUT_S: Final = 60.0
 # A lockfile or pyproject larger than this is refused (a real uv.lock of a large ML project is ~1 MiB).
 MAX_FILE_BYTES: Final = 8 * 1024 * 1024
 MESSAGE_TAIL: Final = 1500
@@ -122,6 +140,16 @@ UV_SYNC: Final = hostproc.declare(
     "and CA settings, environment.warm_timeout_seconds, at most 16 MiB of output",
     output_cap=16 << 20,
 )
+UV_LOCK_CHECK: Final = hostproc.declare(
+    "uv.lock_check",
+    agent_input="the agent's uv.lock and pyproject.toml, accepted by lock_problem and re-serialised by the kernel: "
+    "uv compares them (`uv lock --check --offline --no-config`), resolving nothing it cannot read from the lock",
+    containment="jail = bwrap: the build jail without the network, writing only a throwaway cache and home of the "
+    "check; otherwise unjailed, logged at start (environment_build_unjailed); an environment built from nothing "
+    "but the proxy and CA settings, 60 s, at most 1 MiB of output",
+    timeout_s=CHECK_TIMEOUT_S,
+    output_cap=1 << 20,
+)
 COMPILE: Final = hostproc.declare(
     "uv.compile",
     agent_input="the Python sources of the locked packages' wheels, compiled to bytecode, never run: the "
@@ -135,6 +163,20 @@ COMPILE: Final = hostproc.declare(
 class EnvironmentFailed(Exception):
     """The workspace's locked environment cannot be built; the message is for the agent (the sleep is refused
     with `environment.failed` and refunded)."""
+
+
+class LockOutdated(EnvironmentFailed):
+    """uv.lock does not match pyproject.toml (uv's own check said so): the sleep is refused at once with
+    `environment.lock_outdated`, nothing charged; the message says to run `uv lock`."""
+
+
+class Builder(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`builds/<key>.json`: the process building the entry and since when. Found while its flock is free, it is
+    a build whose builder died (a SIGKILLed kernel): its leftovers are removed and the entry is built again."""
+
+    pid: int
+    started_at: str
+    lock_sha256: str
 
 
 class EnvReady(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -159,6 +201,16 @@ class LockedProject:
     @property
     def lock_sha256(self) -> str:
         return hashlib.sha256(self.lock).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A project the kernel accepted (`EnvCache.prepare`): its cache key and the files uv is given
+    (`accepted_files`: the kernel's re-serialisation, never the agent's bytes)."""
+
+    key: str
+    project: LockedProject
+    files: tuple[bytes, bytes]
 
 
 # --- pure ----------------------------------------------------------------------------------------------------
@@ -482,7 +534,8 @@ def stale_lock_problem(pyproject: Mapping[str, Any], lock: Mapping[str, Any]) ->
 
 def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes]:
     """The (pyproject.toml, uv.lock) uv is given, in canonical form (`canonical_toml`); EnvironmentFailed when
-    the lock is refused (`lock_problem`), is out of date with pyproject.toml (`stale_lock_problem`) or either
+    the lock is refused (`lock_problem`) or either file is not TOML, LockOutdated when it is certainly out of date
+    with pyproject.toml (`stale_lock_problem`; uv's own check, `EnvCache.check_lock`, finds the rest), or either
     file is not TOML. Each file is parsed once: the values
     checked are the values re-serialised."""
     docs: list[dict[str, Any]] = []
@@ -490,7 +543,10 @@ def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes
         doc = parse_toml(data, name)
         problem = doc if isinstance(doc, str) else None
         if name == LOCK_FILE and not isinstance(doc, str):
-            problem = lock_doc_problem(doc, index_url) or stale_lock_problem(docs[0], doc)
+            problem = lock_doc_problem(doc, index_url)
+            stale = None if problem is not None else stale_lock_problem(docs[0], doc)
+            if stale is not None:
+                raise LockOutdated(_printable(stale))
         if problem is not None:
             raise EnvironmentFailed(_printable(problem))
         assert not isinstance(doc, str)
@@ -584,6 +640,19 @@ def stray_entries(root: Path) -> list[str]:
     return out
 
 
+def _append(log: BinaryIO, also: Callable[[bytes], object] | None, chunk: bytes) -> None:
+    log.write(chunk)
+    log.flush()  # the whole log, readable while uv runs
+    if also is not None:
+        also(chunk)
+
+
+def lock_check_argv(uv: str, project: str, python: str) -> list[str]:
+    """uv's own check that the project's uv.lock satisfies its pyproject.toml, changing nothing and reading no
+    configuration file, offline (`EnvCache.check_lock`)."""
+    return [uv, "lock", "--check", "--offline", "--no-config", "--project", project, "--python", python]
+
+
 def uv_binary() -> str:
     """The uv the `uv` package installed beside the kernel."""
     import uv
@@ -611,6 +680,7 @@ class EnvCache:
         self.jail = jail
         self._uv_version: str | None = None
         self._locks: dict[str, anyio.Lock] = {}
+        self._checked: set[str] = set()  # keys uv's lock check passed (`check_lock`)
         if jail.kind != "bwrap":
             klog.event(
                 "environment_build_unjailed",
@@ -652,29 +722,174 @@ class EnvCache:
             venv=str(entry / "venv") if ready.shared_venv else None,
         )
 
+    def touch(self, key: str) -> None:
+        """Mark the entry used now (`prune` keeps it `keep_days` from here)."""
+        with contextlib.suppress(OSError):
+            (self.entry(key) / USED).touch()
+
     def ready(self, key: str) -> EnvReady | None:
         try:
             return msgspec.json.decode((self.entry(key) / READY).read_bytes(), type=EnvReady)
         except (FileNotFoundError, msgspec.DecodeError):
             return None
 
-    async def ensure(self, project: LockedProject) -> tuple[EnvReady, JobEnvironment, bool]:
-        """The warm cache for `project` (built now if missing); (ready, job environment, built now?).
-        EnvironmentFailed when the lockfile is refused or uv cannot install it."""
+    def build_log(self, key: str) -> Path:
+        """uv's output for the build of `key` as it runs (`builds/<key>.log`; the entry keeps it as warm.log)."""
+        return self.root / BUILDS_DIR / f"{key}.log"
+
+    async def prepare(self, project: LockedProject) -> Prepared:
+        """The lockfile checked and re-serialised (`accepted_files`) and its cache key; EnvironmentFailed when
+        the kernel will not install it."""
         # A thread: checking and re-serialising a lock takes ~0.3 s per MiB (about 2 s at MAX_FILE_BYTES).
         files = await anyio.to_thread.run_sync(accepted_files, project, self.cfg.index_url)
         key = cache_key(project, self.cfg.python, self.cfg.index_url, await self.uv_version())
+        return Prepared(key, project, files)
+
+    async def check_lock(self, prepared: Prepared) -> None:
+        """uv's own check that uv.lock satisfies pyproject.toml (`uv lock --check --offline`): LockOutdated when
+        it does not. uv is given the accepted files (never the agent's bytes) in a directory of their own, in the
+        build jail without the network (jail = bwrap), with a throwaway cache: a lock that satisfies its
+        pyproject is validated from the lock alone, one that does not sends uv to resolve, which it cannot
+        offline (exit status 1). A check that cannot run (uv's own error, no interpreter yet, its deadline) is
+        logged (`environment_check_skipped`) and passes: the build says what is wrong then. A key that passed
+        is not checked again by this process."""
+        if prepared.key in self._checked:
+            return
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = self.root / f".check.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        tmp.mkdir(mode=0o700)
+        try:
+            for d in ("project", "home", "uv"):
+                (tmp / d).mkdir()
+            (tmp / "project" / PROJECT_FILE).write_bytes(prepared.files[0])
+            (tmp / "project" / LOCK_FILE).write_bytes(prepared.files[1])
+            extra = {"UV_OFFLINE": "1", "UV_PYTHON_DOWNLOADS": "never"}
+            if self.cfg.index_url:
+                extra["UV_INDEX_URL"] = self.cfg.index_url
+            readable = [self.uv, str(tmp / "project")]
+            if self.managed_python:
+                extra["UV_PYTHON_INSTALL_DIR"] = str(self.python_install_dir)
+                self.python_install_dir.mkdir(mode=0o700, exist_ok=True)
+                readable.append(str(self.python_install_dir))
+            env = uv_env(os.environ, home=str(tmp / "home"), cache=str(tmp / "uv"), **extra)
+            argv = lock_check_argv(self.uv, str(tmp / "project"), self.cfg.python)
+            got = await self._run_jailed(
+                UV_LOCK_CHECK,
+                argv,
+                network=False,
+                writable=[str(tmp / "uv"), str(tmp / "home")],
+                readable=readable,
+                env=env,
+                cwd=str(tmp / "project"),
+                limit_s=CHECK_TIMEOUT_S,
+            )
+        finally:
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        if got is not None and got[0] == 0:
+            self._checked.add(prepared.key)
+            return
+        said = "" if got is None else tail(got[1].decode("utf-8", "replace"), 600)
+        if got is not None and got[0] == 1:
+            raise LockOutdated(
+                "uv.lock is out of date: it does not satisfy pyproject.toml (uv's own check, `uv lock --check`, "
+                "could not confirm it from uv.lock alone); run `uv lock`, commit uv.lock and sleep again. "
+                f"uv said: {said}"
+            )
+        klog.event(
+            "environment_check_skipped",
+            logging.WARNING,
+            key=prepared.key,
+            status="timeout" if got is None else got[0],
+            problem=said[:500],
+        )
+
+    async def build(
+        self, prepared: Prepared, *, on_output: Callable[[bytes], object] | None = None
+    ) -> tuple[EnvReady, bool]:
+        """The entry of `prepared`, built now unless it is ready; (ready, built now?). EnvironmentFailed when uv
+        cannot install it. `on_output` is given uv's output as it prints it (also in `build_log(key)`).
+
+        One build per key at a time: in this process an anyio lock, across processes `builds/<key>.lock`, an
+        flock the builder holds (the kernel lets it go when it dies, SIGKILL included, so a dead builder is never
+        waited on). `builds/<key>.json` names the builder while it builds: found with the flock free, it is a
+        build whose builder died; its leftovers go and the entry is built again (`environment_build_stale`)."""
+        key = prepared.key
         lock = self._locks.setdefault(key, anyio.Lock())
+        built = False
         async with lock:
             ready = self.ready(key)
-            built = ready is None
             if ready is None:
-                ready = await self._warm(key, project, files)
+                fd = await self._hold(key)
+                try:
+                    ready = self.ready(key)  # another process's build, finished while this one waited
+                    if ready is None:
+                        self._clear_stale(key)
+                        record = Builder(
+                            pid=os.getpid(), started_at=timestamp(), lock_sha256=prepared.project.lock_sha256
+                        )
+                        (self.root / BUILDS_DIR / f"{key}.json").write_bytes(msgspec.json.encode(record))
+                        crash_point("build")
+                        ready = await self._warm(key, prepared.project, prepared.files, on_output)
+                        built = True
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.root / BUILDS_DIR / f"{key}.json").unlink()
+                    os.close(fd)  # lets the flock go
             with contextlib.suppress(OSError):
                 (self.entry(key) / USED).touch()
-        return ready, self.job_environment(key, project, ready), built
+        return ready, built
 
-    async def _warm(self, key: str, project: LockedProject, files: tuple[bytes, bytes]) -> EnvReady:
+    async def _hold(self, key: str) -> int:
+        """The fd of `builds/<key>.lock`, flocked by this process (waiting, LOCK_POLL_S at a time, while another
+        process holds it)."""
+        builds = self.root / BUILDS_DIR
+        builds.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(builds / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        waited = False
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return fd
+                except OSError as e:
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                if not waited:
+                    waited = True
+                    klog.event("environment_build_waiting", key=key, note="another process builds this lock")
+                await anyio.sleep(LOCK_POLL_S)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _clear_stale(self, key: str) -> None:
+        """(holding the key's flock) Remove what a builder that died left of the key's build."""
+        record = self.root / BUILDS_DIR / f"{key}.json"
+        try:
+            was = msgspec.json.decode(record.read_bytes(), type=Builder)
+        except FileNotFoundError:
+            return
+        except msgspec.DecodeError:
+            was = None
+        klog.event(
+            "environment_build_stale",
+            logging.WARNING,
+            key=key,
+            pid=was.pid if was else "?",
+            started_at=was.started_at if was else "?",
+            note="its builder died mid-build; built again",
+        )
+        for left in self.root.glob(f".{key}.*.tmp"):
+            shutil.rmtree(left, ignore_errors=True)
+        record.unlink()
+
+    async def _warm(
+        self,
+        key: str,
+        project: LockedProject,
+        files: tuple[bytes, bytes],
+        on_output: Callable[[bytes], object] | None = None,
+    ) -> EnvReady:
         """Build the entry `key` from `files` (`accepted_files`: what uv reads instead of the agent's bytes)."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = self.root / f".{key}.{os.getpid()}.{time.monotonic_ns()}.tmp"
@@ -704,16 +919,21 @@ class EnvCache:
             certs = cert_paths(env)
             argv = sync_argv(self.uv, str(at / "project"), self.cfg.python, offline=False)
             started = time.monotonic()
-            got = await self._run_jailed(
-                UV_SYNC,
-                argv,
-                network=True,
-                writable=writable,
-                readable=[self.uv, *certs] if shared else [self.uv, str(tmp / "project"), *certs],
-                env=env,
-                cwd=str(at / "project"),
-                mounts=mounts if shared else (),
-            )
+            log = self.build_log(key).open("wb")  # written as uv prints, closed below
+            try:
+                got = await self._run_jailed(
+                    UV_SYNC,
+                    argv,
+                    network=True,
+                    writable=writable,
+                    readable=[self.uv, *certs] if shared else [self.uv, str(tmp / "project"), *certs],
+                    env=env,
+                    cwd=str(at / "project"),
+                    mounts=mounts if shared else (),
+                    on_output=functools.partial(_append, log, on_output),
+                )
+            finally:
+                log.close()
             if got is None:
                 raise EnvironmentFailed(
                     f"uv did not finish installing the locked environment within "
@@ -751,6 +971,8 @@ class EnvCache:
             except OSError:
                 if self.ready(key) is None:  # not another kernel's identical entry: a real failure
                     raise
+            with contextlib.suppress(FileNotFoundError):
+                self.build_log(key).unlink()  # the entry keeps it (warm.log)
             return ready
         finally:
             if tmp.exists():  # a plain thread: the kernel's own cache, not one workspace's files
@@ -801,9 +1023,12 @@ class EnvCache:
         env: dict[str, str],
         cwd: str,
         mounts: Sequence[tuple[str, str, bool]] = (),
+        limit_s: float | None = None,
+        on_output: Callable[[bytes], object] | None = None,
     ) -> tuple[int, bytes] | None:
         """Run one step of the build (uv sync, compileall) through its hostproc site; (exit status, stdout then
-        stderr), or None past `warm_timeout_seconds` (the process is killed; bwrap's --die-with-parent takes its
+        stderr; `on_output` is given each piece as it is printed), or None past `limit_s`, else
+        `warm_timeout_seconds` (the process is killed; bwrap's --die-with-parent takes its
         children); EnvironmentFailed past the site's output cap.
 
         What it touches that the agent chose: the lockfile and pyproject uv reads, the wheels it downloads
@@ -826,7 +1051,12 @@ class EnvCache:
             cwd = "/"  # bwrap's own: the step's is the jail's (--chdir), which may exist only there
         try:
             got = await hostproc.run_async(
-                site, argv, env=env, cwd=cwd, limit_s=self.cfg.warm_timeout_seconds
+                site,
+                argv,
+                env=env,
+                cwd=cwd,
+                limit_s=limit_s if limit_s is not None else self.cfg.warm_timeout_seconds,
+                on_output=on_output,
             )
         except hostproc.TimeoutExpired:
             return None
@@ -847,7 +1077,7 @@ class EnvCache:
         except FileNotFoundError:
             return []
         for child in children:
-            if child.name in (PYTHON_DIR, WORKSPACES_DIR):
+            if child.name in (PYTHON_DIR, WORKSPACES_DIR, BUILDS_DIR):
                 continue
             mark = child / USED if (child / USED).exists() else child
             try:

@@ -22,7 +22,7 @@ import os
 import selectors
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
@@ -201,9 +201,10 @@ async def run_async(
     cwd: str | os.PathLike[str] | None = None,
     input: bytes | None = None,
     limit_s: float | None = None,
+    on_output: Callable[[bytes], object] | None = None,
 ) -> subprocess.CompletedProcess[bytes]:
-    """`run` for the event loop: stdout and stderr captured (at most the site's cap, counted as they arrive),
-    stdin `input` or /dev/null. TimeoutExpired past the deadline (`limit_s`, else the site's), OutputTooLarge past
+    """`run` for the event loop: stdout and stderr captured (at most the site's cap, counted as they arrive; each
+    piece also given to `on_output` as it arrives, for a live log), stdin `input` or /dev/null. TimeoutExpired past the deadline (`limit_s`, else the site's), OutputTooLarge past
     its cap; the process is killed and reaped in every case, a cancellation included."""
     args = list(argv)
     limit = limit_s if limit_s is not None else site.timeout_s
@@ -225,6 +226,8 @@ async def run_async(
                     tg.cancel_scope.cancel()
                     return
                 chunks[which].append(data)
+                if on_output is not None:
+                    on_output(data)
 
         try:
             with anyio.move_on_after(limit) as scope:

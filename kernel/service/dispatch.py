@@ -23,8 +23,6 @@ import logging
 from collections.abc import Sequence
 from typing import NoReturn
 
-import anyio
-import anyio.to_thread
 import msgspec
 
 from channel import safefs
@@ -42,6 +40,7 @@ from kernel.io.repo import KernelRepo, RepoError
 from kernel.io.snapshot import Snapshot, SnapshotError, SnapshotTooLarge, listing_jail, snapshot_sync
 from kernel.io.store import StoreWorker, timestamp
 from kernel.node.jail import JailPolicy, JobEnvironment, with_resources
+from kernel.service.building import EnvironmentsCold
 from kernel.service.evaluation import Evaluation
 from kernel.service.executor import DispatchRefused, ExecutorUnavailable, SleepOrder
 from kernel.service.gather import job_order
@@ -79,6 +78,9 @@ class Dispatcher:
             if cfg.environment.mode == "uv"
             else None
         )
+        # Sleeps whose dispatch found an environment cold (built in the background since): their next dispatch
+        # logs `environment_ready built=True`.
+        self.waited: set[tuple[str, int]] = set()
         self.listing_jail = listing_jail(cfg)
         if self.listing_jail is None:
             klog.event(
@@ -108,14 +110,23 @@ class Dispatcher:
 
     def _record_submitted(
         self, key: str, seq: int, specs: dict[str, JobSpec], ids: dict[tuple[str, int], str]
-    ) -> None:
+    ) -> dict[str, list[int]]:
+        """Record the job ids (the sleep -> submitted); the tasks submitted whose rows ended meanwhile (the agent
+        cancelled a sleep answered while its environment was built), by launch: the caller cancels them."""
         now = timestamp()
+        stray: dict[str, list[int]] = {}
         with self.store.transaction():
+            rows = self.store.jobs_of(key, seq)
             if not self.store.advance_sleep(key, seq, "snapshotted", SleepEvent.SUBMIT):
-                return
-            for j in self.store.jobs_of(key, seq):
+                for j in rows:
+                    if (j.launch, j.task) in ids and j.job_id is None:
+                        stray.setdefault(j.launch, []).append(j.task)
+                return stray
+            for j in rows:
                 job_id = ids.get((j.launch, j.task))
-                if job_id is not None and j.job_id is None:
+                if job_id is not None and j.job_id is None and j.state != "PENDING":
+                    stray.setdefault(j.launch, []).append(j.task)
+                elif job_id is not None and j.job_id is None:
                     tdir = str(specs[j.launch].task_dir(j.task))
                     self.store.place_job(
                         key,
@@ -127,6 +138,7 @@ class Dispatcher:
                         run_dir=tdir,
                         at=now,
                     )
+        return stray
 
     # --- launches --------------------------------------------------------------------------------------
 
@@ -193,21 +205,68 @@ class Dispatcher:
         self, order: SleepOrder, tree: str, specs: dict[str, JobSpec]
     ) -> dict[str, JobSpec]:
         """Give each launch the locked environment of the tree it runs (the sleep's snapshot `tree`, or a
-        submit's base), built now if its cache is cold; raise DispatchRefused(environment.failed) when a
-        lockfile cannot be installed: before anything is submitted."""
+        submit's base). Raise DispatchRefused(environment.failed) when a lockfile will not be installed, or
+        (environment.lock_outdated) when uv's check finds it out of date with its pyproject.toml, and
+        EnvironmentsCold when a cache entry is not built yet: before anything is submitted."""
         ws = order.workspace
-        by_tree: dict[str, tuple[envcache.EnvReady, JobEnvironment] | None] = {}
+        by_tree: dict[str, envcache.Prepared | None] = {}
         for each in dict.fromkeys(spec.tree for spec in specs.values()):
             by_tree[each] = await self._environment(order, each)
-        own = by_tree.get(tree)
+        assert self.envs is not None or not any(by_tree.values())
+        cold = [
+            p
+            for p in dict.fromkeys(by_tree.values())
+            if p is not None and self.envs and not self.envs.ready(p.key)
+        ]
+        for p in cold:  # uv's own check, once per entry: a ready one passed it before its build
+            await self._check(order, p)
+        if cold:
+            self.waited.add((ws.key, order.sleep.seq))
+            raise EnvironmentsCold(cold)
+        found: dict[str, tuple[envcache.EnvReady, JobEnvironment] | None] = {}
+        for each, prepared in by_tree.items():
+            found[each] = None if prepared is None else self._warm_entry(order, prepared)
+        self.waited.discard((ws.key, order.sleep.seq))
+        own = found.get(tree)
         locked = None if own is None else jobenv.locked_of(own[0], timestamp())
         if self.envs is not None and specs:  # a checkpoint (no launch) says nothing about the environment
             await self.heavy.run(ws.key, self._publish_jobenv, ws, locked)  # the workspace's channel
         out = {}
         for name, spec in specs.items():
-            found = by_tree[spec.tree]
-            out[name] = msgspec.structs.replace(spec, environment=None if found is None else found[1])
+            got = found[spec.tree]
+            out[name] = msgspec.structs.replace(spec, environment=None if got is None else got[1])
         return out
+
+    def _warm_entry(
+        self, order: SleepOrder, prepared: envcache.Prepared
+    ) -> tuple[envcache.EnvReady, JobEnvironment]:
+        """The ready entry of `prepared` (checked by the caller), marked used."""
+        assert self.envs is not None
+        ready = self.envs.ready(prepared.key)
+        assert ready is not None, prepared.key
+        self.envs.touch(prepared.key)
+        env = self.envs.job_environment(prepared.key, prepared.project, ready)
+        built = (order.workspace.key, order.sleep.seq) in self.waited
+        klog.event(
+            "environment_ready",
+            ws=order.workspace.key,
+            seq=order.sleep.seq,
+            key=prepared.key,
+            built=built,
+            packages=len(ready.packages),
+            warm_s=ready.warm_seconds if built else 0.0,
+        )
+        return ready, env
+
+    async def _check(self, order: SleepOrder, prepared: envcache.Prepared) -> None:
+        assert self.envs is not None
+        try:
+            await self.envs.check_lock(prepared)
+        except envcache.LockOutdated as e:
+            klog.event(
+                "environment_lock_outdated", ws=order.workspace.key, seq=order.sleep.seq, error=str(e)[:500]
+            )
+            raise DispatchRefused(RequestError("environment.lock_outdated", str(e), None)) from None
 
     def _project_files(self, key: str, tree: str) -> dict[str, bytes]:
         """pyproject.toml and uv.lock at the root of a snapshot tree in the kernel's repository (those present)."""
@@ -223,9 +282,8 @@ class Dispatcher:
                 out[name] = data
         return out
 
-    async def _environment(
-        self, order: SleepOrder, tree: str
-    ) -> tuple[envcache.EnvReady, JobEnvironment] | None:
+    async def _environment(self, order: SleepOrder, tree: str) -> envcache.Prepared | None:
+        """The accepted project of the tree's uv.lock (None: the tree has none, or the kernel builds none)."""
         if self.envs is None:
             return None
         ws = order.workspace
@@ -250,11 +308,13 @@ class Dispatcher:
             pyproject=files[envcache.PROJECT_FILE], lock=files[envcache.LOCK_FILE]
         )
         try:
-            ready, env, built = await self.envs.ensure(project)
+            return await self.envs.prepare(project)
         except envcache.EnvironmentFailed as e:
             klog.event(
                 "environment_failed", logging.WARNING, ws=ws.key, seq=order.sleep.seq, error=str(e)[:500]
             )
+            if isinstance(e, envcache.LockOutdated):
+                raise DispatchRefused(RequestError("environment.lock_outdated", str(e), None)) from None
             raise DispatchRefused(
                 RequestError(
                     "environment.failed",
@@ -262,22 +322,6 @@ class Dispatcher:
                     None,
                 )
             ) from None
-        klog.event(
-            "environment_ready",
-            ws=ws.key,
-            seq=order.sleep.seq,
-            key=env.cache.rsplit("/", 2)[-2],
-            built=built,
-            packages=len(ready.packages),
-            warm_s=ready.warm_seconds if built else 0.0,
-        )
-        if built:
-            # A plain thread: the environment cache is the kernel's own (no workspace's files, nothing the agent
-            # controls), so a hang there is the kernel's own outage, not one workspace's.
-            removed = await anyio.to_thread.run_sync(self.envs.prune)
-            if removed:
-                klog.event("environment_pruned", caches=len(removed))
-        return ready, env
 
     def _publish_jobenv(self, ws: WorkspaceRow, locked: LockedEnvironment | None) -> None:
         """Record the workspace's latest locked environment and rewrite its `jobenv.json` (a channel the agent
@@ -366,7 +410,13 @@ class Dispatcher:
                 for r in refs:
                     ids[(spec.launch, r.task)] = r.job_id
             crash_point("submit")
-            await self.worker.call(self._record_submitted, key, seq, specs, ids)
+            stray = await self.worker.call(self._record_submitted, key, seq, specs, ids)
+            for launch, tasks in stray.items():  # cancelled while they were being submitted
+                try:
+                    await self.backend.cancel(f"{key}/{seq}/{launch}", tasks)
+                except BackendUnavailable as e:
+                    raise ExecutorUnavailable(f"cancelling {key}/{seq}/{launch}: {e}") from e
+                klog.event("cancel_sent", ws=key, seq=seq, launch=launch, tasks=len(tasks))
             klog.event(
                 "submitted",
                 ws=key,

@@ -33,14 +33,17 @@ from typing import Final
 import anyio
 import anyio.to_thread
 
-from channel.messages import JobRef
+from channel.decode import RequestError, parse_request
+from channel.messages import EnvironmentBuild, JobRef, SleepRequest
 from kernel.backends.base import RunnableBackend, TaskExit
+from kernel.core import rules
 from kernel.core.config import Config, LiveConfig
 from kernel.io import log as klog
 from kernel.io.store import StoreUnavailable, StoreWorker
+from kernel.service.building import STATUS_LINES, Builds, EnvironmentsCold, Sleep
 from kernel.service.dispatch import Dispatcher
 from kernel.service.evaluation import Evaluation, PlainSleeps
-from kernel.service.executor import ExecutorUnavailable, SleepOrder
+from kernel.service.executor import DispatchRefused, ExecutorUnavailable, SleepOrder
 from kernel.service.heavy import HeavyPool
 from kernel.service.progress import Progress
 from kernel.service.tracking import Tracker
@@ -48,6 +51,10 @@ from kernel.service.upkeep import Upkeep
 from kernel.service.waking import Waker
 
 TICK_S: Final = 1.0
+# A sleep accepted while its environment was built whose dispatch then failed for the world's reasons (the
+# scheduler down) is dispatched again after REDO_BASE_S, doubling up to REDO_CAP_S.
+REDO_BASE_S: Final = 1.0
+REDO_CAP_S: Final = 300.0
 
 
 class RealExecutor:
@@ -78,6 +85,22 @@ class RealExecutor:
         # Sleeps of unenrolled workspaces whose cancel this process sent (`_withdraw`).
         self._withdrawn: set[tuple[str, int]] = set()
         self._withdraw_deferred: set[tuple[str, int]] = set()
+        # Environments built in the background (kernel.service.building), and what the answers say of them.
+        envs = self.dispatcher.envs
+        self.builds = (
+            None
+            if envs is None
+            else Builds(
+                envs,
+                lambda: self.cfg.environment.max_builds,
+                on_ready=self._resume,
+                on_failed=self._build_failed,
+            )
+        )
+        self._accepted_building: dict[Sleep, EnvironmentBuild] = {}
+        self._dispatching: dict[Sleep, anyio.Lock] = {}
+        # Accepted sleeps to dispatch again (their dispatch failed for the world's reasons): (failures, when).
+        self._redo: dict[Sleep, tuple[int, float]] = {}
 
     @property
     def cfg(self) -> Config:
@@ -107,11 +130,39 @@ class RealExecutor:
             lost=len(found.lost),
         )
         await self._tick()
+        # Sleeps answered before their environment was built, not submitted yet (the build was cut short by a
+        # crash, or had not begun): dispatched again, which builds what is still cold in the background.
+        for sleep in await self.worker.call(self._accepted_unsubmitted):
+            await self._resume(sleep)
 
     async def dispatch(self, order: SleepOrder) -> tuple[JobRef, ...]:
+        return await self._dispatch(order, answering=True)
+
+    async def _dispatch(self, order: SleepOrder, *, answering: bool) -> tuple[JobRef, ...]:
+        """Dispatch the sleep (the pipeline's, `answering` it; or a background one of an answered sleep), one
+        dispatch of a sleep at a time."""
+        key, seq = order.workspace.key, order.sleep.seq
+        lock = self._dispatching.setdefault((key, seq), anyio.Lock())
+        try:
+            async with lock:
+                return await self._dispatch_locked(order, answering)
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._dispatching.pop((key, seq), None)
+
+    async def _dispatch_locked(self, order: SleepOrder, answering: bool) -> tuple[JobRef, ...]:
         key, seq = order.workspace.key, order.sleep.seq
         try:
-            refs = await self.dispatcher.dispatch(order)
+            if self.builds is not None and self.builds.waiting((key, seq)):
+                return await self._building(order, answering)
+            try:
+                refs = await self.dispatcher.dispatch(order)
+            except EnvironmentsCold as cold:
+                assert self.builds is not None
+                self.builds.want((key, seq), cold.needed)
+                return await self._building(order, answering)
+            if self.builds is not None:
+                self.builds.forget((key, seq))
             # Tasks that ended while the kernel was down (or before their ids were recorded), and a checkpoint.
             await self.tracker.sweep([(key, seq)])
             # Before the answer: a client that reads `accepted` finds the file if it could be written.
@@ -120,6 +171,99 @@ class RealExecutor:
             return refs
         finally:
             self.evaluation.forget(order)
+
+    async def _building(self, order: SleepOrder, answering: bool) -> tuple[JobRef, ...]:
+        """The refs of a sleep waiting for its environment (no job ids yet); its answer says `building`."""
+        key, seq = order.workspace.key, order.sleep.seq
+        assert self.builds is not None
+        view = self.builds.view((key, seq))
+        if view is not None and answering:
+            self._accepted_building[(key, seq)] = view
+        await self.progress.publish(key, seq)
+        jobs = await self.worker.call(self.store.jobs_of, key, seq)
+        return tuple(JobRef(launch=j.launch, task=j.task, job_id=j.job_id) for j in jobs)
+
+    def accepted_building(self, key: str, seq: int) -> EnvironmentBuild | None:
+        """(the answer's store step) The build the sleep's `accepted` answer names, once."""
+        return self._accepted_building.pop((key, seq), None)
+
+    def environment_of(self, key: str, seq: int) -> EnvironmentBuild | None:
+        """(a status's store step: memory only) The build the sleep waits for, with its log's last lines."""
+        return None if self.builds is None else self.builds.view((key, seq), lines=STATUS_LINES)
+
+    def environment_log(self, key: str, seq: int, lines: int) -> tuple[str, int, bool] | None:
+        """(a tail's store step: memory only) The last `lines` lines the sleep's build printed, while it runs."""
+        return None if self.builds is None else self.builds.log_tail((key, seq), lines)
+
+    # --- sleeps accepted before their environment was built ---------------------------------------------
+
+    def _accepted_unsubmitted(self) -> list[Sleep]:
+        """(store worker) Sleeps answered `accepted` and not yet submitted: they waited for an environment."""
+        out = []
+        for s in self.store.live_sleeps():
+            if s.state == "snapshotted":
+                req = self.store.request(s.workspace, s.id)
+                if req is not None and req.answer is not None:
+                    out.append((s.workspace, s.seq))
+        return out
+
+    def _order_of(self, key: str, seq: int) -> SleepOrder | None:
+        """(store worker) The order of an accepted sleep still to submit; None once it is submitted or over."""
+        sleep = self.store.sleep(key, seq)
+        ws = self.store.workspace(key)
+        if sleep is None or ws is None or sleep.state != "snapshotted":
+            return None
+        row = self.store.request(key, sleep.id)
+        if row is None or row.body is None or row.answer is None:
+            return None  # not answered yet: the pipeline's continuation dispatches it
+        req = parse_request(row.body, sleep.id)
+        assert isinstance(req, SleepRequest)
+        return SleepOrder(workspace=ws, sleep=sleep, request=req, jobs=tuple(self.store.jobs_of(key, seq)))
+
+    async def _resume(self, sleep: Sleep) -> None:
+        """Dispatch an accepted sleep again (its environments ready, or at start): its tasks are submitted, or it
+        waits for another build; refused now, it wakes with the refusal's error, refunded."""
+        key, seq = sleep
+        self._redo.pop(sleep, None)
+        try:
+            order = await self.worker.call(self._order_of, key, seq)
+            if order is None:
+                if self.builds is not None:
+                    self.builds.forget(sleep)
+                return
+            try:
+                await self._dispatch(order, answering=False)
+            except DispatchRefused as refusal:
+                await self._wake_refused(sleep, refusal.error)
+        except (ExecutorUnavailable, StoreUnavailable) as e:
+            failures = self._redo.get(sleep, (0, 0.0))[0] + 1
+            delay = rules.retry_delay(failures, REDO_BASE_S, REDO_CAP_S)
+            self._redo[sleep] = (failures, anyio.current_time() + delay)
+            klog.event("dispatch_deferred", logging.WARNING, ws=key, seq=seq, error=str(e), retry_in_s=delay)
+
+    async def _build_failed(self, sleep: Sleep, error: str) -> None:
+        await self._wake_refused(
+            sleep,
+            RequestError(
+                "environment.failed",
+                f"the workspace's uv.lock could not be installed, so none of this sleep's tasks ran and its whole "
+                f"charge is refunded: {error}",
+                None,
+            ),
+        )
+
+    async def _wake_refused(self, sleep: Sleep, error: RequestError) -> None:
+        key, seq = sleep
+        if self.builds is not None:
+            self.builds.forget(sleep)
+        await self.waker.wake_unrun(key, seq, error)
+        self.progress.changed(key, seq)
+
+    async def _redo_due(self) -> None:
+        now = anyio.current_time()
+        for sleep, (_, at) in list(self._redo.items()):
+            if at <= now:
+                await self._resume(sleep)
 
     async def cancel(self, order: SleepOrder, launches: tuple[str, ...]) -> None:
         await self.dispatcher.cancel(order, launches)
@@ -134,12 +278,15 @@ class RealExecutor:
             tg.start_soon(self._exit_loop)
             tg.start_soon(self.upkeep.run)
             tg.start_soon(self.progress.run)
+            if self.builds is not None:
+                tg.start_soon(self.builds.run)
             while True:
                 await anyio.sleep(TICK_S)
                 # A store that cannot be written (logged by the worker) only delays the tick's work.
                 with contextlib.suppress(StoreUnavailable):
                     await self._withdraw()
                     await self._tick()
+                    await self._redo_due()
 
     async def prune_once(self) -> int:
         """One retention pass now (kernel.service.upkeep); the number of sleeps pruned."""

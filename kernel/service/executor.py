@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from channel.decode import RequestError
-from channel.messages import JobRef, SleepRequest
+from channel.messages import EnvironmentBuild, JobRef, SleepRequest
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.io.store import StoreWorker
 
@@ -72,6 +72,19 @@ class Executor(Protocol):
         """Why part of the executor's work is stalled now (the others' goes on), for the status line; or None."""
         ...
 
+    # Called in store steps (memory only, never a file): a sleep accepted before its environment was built.
+    def accepted_building(self, key: str, seq: int) -> EnvironmentBuild | None:
+        """The build the `accepted` answer of a sleep just dispatched names (once), or None."""
+        ...
+
+    def environment_of(self, key: str, seq: int) -> EnvironmentBuild | None:
+        """The build the sleep's tasks wait for, with its log's last lines, for `status`; or None."""
+        ...
+
+    def environment_log(self, key: str, seq: int, lines: int) -> tuple[str, int, bool] | None:
+        """The last `lines` lines of that build's log (text, bytes, cut), for `tail`; or None."""
+        ...
+
 
 class PendingExecutor:
     """Execution is not built yet: tasks stay PENDING and `accepted` carries no backend job ids."""
@@ -92,4 +105,13 @@ class PendingExecutor:
         return None
 
     def degraded(self) -> str | None:
+        return None
+
+    def accepted_building(self, key: str, seq: int) -> EnvironmentBuild | None:
+        return None
+
+    def environment_of(self, key: str, seq: int) -> EnvironmentBuild | None:
+        return None
+
+    def environment_log(self, key: str, seq: int, lines: int) -> tuple[str, int, bool] | None:
         return None

@@ -33,6 +33,7 @@ from channel import safefs, sweep
 from channel.lifecycle import STOPPED_TASK_STATES
 from channel.messages import (
     Artifact,
+    ErrorInfo,
     LaunchSummary,
     LogFile,
     SkippedArtifact,
@@ -435,6 +436,7 @@ def build_wake(
     verdict: Verdict | None = None,
     snapshot: str | None = None,
     launches: tuple[LaunchSummary, ...] = (),
+    error: ErrorInfo | None = None,
 ) -> Wake:
     return Wake(
         protocol=L.PROTOCOL_VERSION,
@@ -449,6 +451,7 @@ def build_wake(
         refunded_gpu_hours=gpu_hours(refunded_gpu_s),
         snapshot=snapshot or None,
         launches=launches,
+        error=error,
     )
 
 

@@ -178,6 +178,9 @@ class _TailLook:
     req: TailRequest
     sleep_id: str
     job: JobRow
+    # A PENDING task's sleep waits for its environment build: the build's log so far (text, size, cut), from the
+    # executor's memory; then no run directory is read.
+    building: tuple[str, int, bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -909,7 +912,8 @@ class Pipeline:
             case StatusRequest():
                 latest = self.store.current_sleep(key) or next(iter(self.store.sleeps(key, 1)), None)
                 jobs = self.store.jobs_of(key, latest.seq) if latest else []
-                return rules.status_answer(req.id, self.kernel, ws, latest, jobs, now)
+                building = self.executor.environment_of(key, latest.seq) if latest else None
+                return rules.status_answer(req.id, self.kernel, ws, latest, jobs, now, building)
             case QueueRequest():
                 return rules.queue_answer(req.id, key, self.store.live_jobs(), now)
             case HistoryRequest():
@@ -924,7 +928,10 @@ class Pipeline:
         sleep = self.store.current_sleep(key) or next(iter(self.store.sleeps(key, 1)), None)
         job = rules.tail_target(sleep, self.store.jobs_of(key, sleep.seq) if sleep else [], req)
         assert sleep is not None
-        return _TailLook(r, digest, req, sleep.id, job)
+        building = (
+            self.executor.environment_log(key, sleep.seq, req.lines) if job.state == "PENDING" else None
+        )
+        return _TailLook(r, digest, req, sleep.id, job, building)
 
     def _sleep(
         self, ws: WorkspaceRow, rec: _Recorded, r: _Read, digest: str, req: SleepRequest, now: str
@@ -1156,9 +1163,11 @@ class Pipeline:
                     sleep_seq=c.seq,
                     jobs=refs,
                     budget=ws.balance.to_message(),
+                    building=building,
                 )
             )
 
+        building = self.executor.accepted_building(c.key, c.seq)
         return self._answer_and_deliver(c, make, "accepted")
 
     def _refuse_sleep(self, c: Continuation, order: SleepOrder, err: RequestError) -> _Answered:
@@ -1228,6 +1237,9 @@ def _look_at(look: _TailLook) -> _TailSeen:
     """A task's output so far, read from its run directory (kernel-owned; the log itself never through a
     symlink) with a bounded read, so a tail of a 2-hour job costs what a status does. Never in a store step."""
     run_dir = look.job.run_dir
+    if look.building is not None:
+        text, size, cut = look.building
+        return _TailSeen(gather.LiveTail(text, len(text.splitlines()), size, cut), False)
     if not run_dir:
         return _TailSeen(gather.read_tail(None, look.req.lines), False)
     stream = RunPaths.STDERR if look.req.stderr else RunPaths.STDOUT
@@ -1245,7 +1257,7 @@ def _tail_answer(look: _TailLook, seen: _TailSeen) -> TailAnswer:
         launch=job.launch,
         task=job.task,
         state="RUNNING" if seen.started else job.state,
-        stream="stderr" if req.stderr else "stdout",
+        stream="environment" if look.building is not None else "stderr" if req.stderr else "stdout",
         text=seen.live.text,
         lines=seen.live.lines,
         size=seen.live.size,

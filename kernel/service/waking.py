@@ -25,8 +25,9 @@ from typing import Final
 import msgspec
 
 from channel import safefs, sweep
-from channel.lifecycle import TERMINAL_TASK_STATES, SleepEvent, sleep_can
-from channel.messages import SkippedArtifact, Wake, encode
+from channel.decode import RequestError, parse_request
+from channel.lifecycle import TERMINAL_TASK_STATES, SleepEvent, TaskEvent, sleep_can
+from channel.messages import ErrorInfo, SkippedArtifact, SleepRequest, TaskResult, Wake, encode
 from channel.paths import ChannelPaths
 from channel.render import render_wake
 from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, RunnableBackend
@@ -206,6 +207,81 @@ class Waker:
             assert advanced, (key, seq, sleep.state)  # read in this transaction
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks))
         return True
+
+    def _record_unrun(self, key: str, seq: int, error: RequestError) -> bool:
+        """(store worker) An accepted sleep none of whose tasks will run (its environment build failed): every task
+        CANCELLED, the whole charge refunded (as for a refused sleep: `ledger.refund_rejected_sleep`), the wake
+        with `error` recorded, the sleep -> gathered. False when it is not waiting to be submitted (any more)."""
+        now = timestamp()
+        with self.store.transaction():
+            sleep = self.store.sleep(key, seq)
+            ws = self.store.workspace(key)
+            if sleep is None or ws is None or not sleep_can(sleep.state, SleepEvent.SUBMIT):
+                return sleep is not None and sleep.state == "gathered"
+            row = self.store.request(key, sleep.id)
+            assert row is not None, (key, seq)
+            assert row.body is not None, (key, seq)
+            req = parse_request(row.body, sleep.id)
+            assert isinstance(req, SleepRequest)
+            jobs = self.store.jobs_of(key, seq)
+            balance = ledger.refund_rejected_sleep(ws.balance, len(req.launches), jobs)
+            for j in jobs:
+                if j.state == "PENDING":
+                    moved = self.store.advance_task(
+                        key,
+                        seq,
+                        j.launch,
+                        j.task,
+                        "PENDING",
+                        TaskEvent.CANCEL,
+                        at=now,
+                        ended_at=now,
+                        release=True,
+                    )
+                    assert moved, (key, seq, j.launch, j.task)  # read in this transaction
+            fresh = self.store.jobs_of(key, seq)
+            hint = f"never started: {error.code} (the wake's error says why); nothing of it was charged"
+            never = "not collected: the task never ran"
+            tasks = tuple(
+                TaskResult(
+                    launch=j.launch,
+                    task=j.task,
+                    state=j.state,
+                    why=j.why,
+                    hint=hint,
+                    skipped=tuple(SkippedArtifact(a, never) for a in j.artifacts),
+                    params=dict(j.params) if j.params else None,
+                )
+                for j in fresh
+            )
+            exec_row = self.store.exec_sleep(key, seq)
+            wake = gather.build_wake(
+                sleep_id=sleep.id,
+                seq=seq,
+                created_at=sleep.created_at,
+                woken_at=now,
+                note=sleep.note,
+                balance=balance,
+                tasks=tasks,
+                refunded_gpu_s=ledger.reserved_by(jobs),
+                snapshot=exec_row.commit if exec_row is not None else None,
+                launches=gather.launch_summaries(fresh, tasks, ws.policy.max_concurrent_gpus),
+                error=ErrorInfo(code=error.code, message=error.message, path=None),
+            )
+            self.store.set_balance(key, balance)
+            self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
+            advanced = self.store.advance_sleep(key, seq, sleep.state, SleepEvent.GATHER)
+            assert advanced, (key, seq, sleep.state)  # read in this transaction
+        klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks), error=error.code)
+        return True
+
+    async def wake_unrun(self, key: str, seq: int, error: RequestError) -> None:
+        """Wake an accepted sleep whose tasks cannot run (`_record_unrun`), refunded, then write its wake."""
+        if not await self.worker.call(self._record_unrun, key, seq, error):
+            return
+        crash_point("gathered")
+        if await self._write_wake(key, seq):
+            await self.release(key, seq)
 
     def _wake_inputs(self, key: str, seq: int) -> tuple[WorkspaceRow, int, str, bytes, bytes, str] | None:
         """(store worker) The recorded wake of a gathered sleep: (workspace, the stamp of this read of its balance

@@ -11,7 +11,7 @@ a local HTTPS package index this test starts (127.0.0.1 only, its own CA; no int
 - A lock whose wheel URL is `https://127.0.0.1:<other>\\@127.0.0.1:<index>/...` (urllib reads the index's host,
   uv reads `\\` as `/` and the other server's) is refused with `environment.failed` naming the entry, refunded,
   and the other server receives no request at all.
-- A lock whose hash is not the wheel's is refused by uv (environment.failed, refunded).
+- A lock whose hash is not the wheel's is refused by uv (its sleep woken with environment.failed, refunded).
 - The build jail's profile, run by bwrap: it writes only what it is given, reads the lockfile, and sees neither
   the kernel's state, another entry, /etc/shadow nor the network (when built without it).
 - Each task's offline `uv sync` on the node runs in a bwrap jail too: the operator's interpreter is a launcher
@@ -24,14 +24,11 @@ a local HTTPS package index this test starts (127.0.0.1 only, its own CA; no int
 from __future__ import annotations
 
 import base64
-import datetime
 import hashlib
 import http.server
 import io
-import ipaddress
 import json
 import os
-import shutil
 import ssl
 import subprocess
 import threading
@@ -42,15 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kernelproc import Kernel, make_workspace, run_tool
+from localindex import make_tls, uv_lock
 from testenv import need
 
 from channel.paths import workspace_key
-from kernel.io.envcache import canonical_toml, uv_binary
+from kernel.io.envcache import canonical_toml
 from kernel.node.jail import SHARED_VENV, JailPolicy, build_bwrap_argv
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
@@ -61,71 +55,7 @@ WHEEL = "hostile-1.0-py3-none-any.whl"
 PYPROJECT = '[project]\nname = "victim"\nversion = "0.1.0"\ndependencies = ["hostile==1.0"]\n'
 
 
-# --- a CA, a certificate for 127.0.0.1, and the servers --------------------------------------------------------
-
-
-def make_tls(tmp: Path) -> tuple[Path, ssl.SSLContext]:
-    """A throwaway CA (its certificate is what SSL_CERT_FILE names) and a server context for 127.0.0.1 signed by
-    it, as a site's own CA bundle would hold."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "syscall test CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    leaf = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    ca_file, cert_file, key_file = tmp / "ca.pem", tmp / "server.pem", tmp / "server.key"
-    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    cert_file.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert_file, key_file)
-    return ca_file, context
+# --- the servers (the CA and certificate: localindex.make_tls) ------------------------------------------------
 
 
 def make_wheel(markers: list[Path]) -> bytes:
@@ -204,32 +134,6 @@ class Server:
         self.thread.join(10)
 
 
-def uv_lock(tmp: Path, index: str, ca: Path) -> str:
-    """The agent's side: `uv lock` of PYPROJECT against the local index (resolving, not installing)."""
-    proj = tmp / "lockgen"
-    proj.mkdir()
-    (proj / "pyproject.toml").write_text(PYPROJECT)
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "HOME": str(tmp),
-        "UV_CACHE_DIR": str(tmp / "lockgen-cache"),
-        "SSL_CERT_FILE": str(ca),
-        "NO_PROXY": "127.0.0.1",
-        "no_proxy": "127.0.0.1",
-    }
-    done = subprocess.run(
-        [uv_binary(), "lock", "--no-config", "--python", PYTHON, "--index-url", f"{index}/simple"],
-        cwd=proj,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    shutil.rmtree(tmp / "lockgen-cache", ignore_errors=True)
-    return (proj / "uv.lock").read_text()
-
-
 # --- the kernel ---------------------------------------------------------------------------------------------
 
 
@@ -269,7 +173,7 @@ def setup(
     index = Server(context, wheel, index=True)
     decoy = Server(context, wheel, index=False)
     try:
-        lock = uv_lock(tmp, index.url, ca)
+        lock = uv_lock(tmp, PYPROJECT, index.url, ca, PYTHON)
         wheel_url = f"{index.url}/files/{WHEEL}"
         assert f'url = "{wheel_url}"' in lock, lock
         # Item 1: urllib reads host 127.0.0.1 (after the `@`), uv reads 127.0.0.1:<decoy> (`\` is `/`).
@@ -404,14 +308,16 @@ def test_the_build_jail_writes_only_its_entry_and_sees_nothing_of_the_kernel(
 
 
 def test_a_file_whose_hash_is_not_the_locks_is_refused_by_uv_and_refunded(setup: Setup) -> None:
-    """What the lock check relies on: uv verifies every file against the lock's sha256."""
+    """What the lock check relies on: uv verifies every file against the lock's sha256 (in the background build:
+    the sleep is accepted, then woken with `environment.failed`, refunded)."""
     before = setup.budget("rehashed")
     setup.ok("rehashed", "launch", "--name", "never", "--", "echo should not run")
-    done = run_tool(setup.spaces["rehashed"], "sleep", "--json", timeout=180)
-    assert done.returncode == 3, done.stdout + done.stderr
-    ans = json.loads(done.stdout)
-    assert ans["error"]["code"] == "environment.failed"
-    assert "hash" in ans["error"]["message"].lower(), ans["error"]["message"]
+    ans = json.loads(setup.ok("rehashed", "sleep", "--json"))
+    assert ans["type"] == "accepted", ans
+    assert ans["building"] is not None
+    wake = json.loads(setup.ok("rehashed", "wait", "--json", "--timeout", "170"))
+    assert wake["error"]["code"] == "environment.failed"
+    assert "hash" in wake["error"]["message"].lower(), wake["error"]["message"]
     assert setup.budget("rehashed") == before
     for marker in setup.markers:
         assert not marker.exists()
@@ -452,7 +358,7 @@ def test_a_task_binds_the_caches_venv_and_runs_no_uv_of_its_own(
             LAUNCHER.format(site=site, state=kernel.state, tmp=tmp_path, port=index.port, python=PYTHON)
         )
         launcher.chmod(0o755)
-        lock = uv_lock(tmp_path, index.url, ca)
+        lock = uv_lock(tmp_path, PYPROJECT, index.url, ca, PYTHON)
         kernel.config.write_text(
             kernel.config.read_text()
             + f'jail = "bwrap"\n[environment]\npython = "{launcher}"\nextra_dirs = ["{site}"]\n'

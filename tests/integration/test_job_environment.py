@@ -42,7 +42,7 @@ dependencies = ["six==1.16.0"]
 MEM_MB = 256
 MAX_PROCS = 64
 TMP_MB = 8
-SPACES = ("locked", "twin", "broken", "stale", "site", "hog", "bomb", "bystander", "tmp", "plain")
+SPACES = ("locked", "twin", "broken", "stale", "respec", "site", "hog", "bomb", "bystander", "tmp", "plain")
 
 
 def need(component: str, available: bool, why: str) -> None:
@@ -141,6 +141,11 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
             )
             assert stale != PYPROJECT
             files |= {"pyproject.toml": stale, "uv.lock": lock}
+        if name == "respec":
+            # A version the lock does not satisfy: only uv's own check (`uv lock --check`) sees it.
+            respec = PYPROJECT.replace('"six==1.16.0"', '"six>=1.17"')
+            assert respec != PYPROJECT
+            files |= {"pyproject.toml": respec, "uv.lock": lock}
         spaces[name] = make_workspace(tmp / "spaces" / name, files)
         kernel.enroll(spaces[name], "--launches", "20", "--sleeps", "10", "--gpu-hours", "4")
     kernel.start()
@@ -155,7 +160,7 @@ def cache_listing(env: Env) -> dict[str, float]:
     root = env.run_dir / "envs"
     out = {}
     for p in root.rglob("*"):
-        if p.is_file() and "workspaces" not in p.parts and p.name != "used":
+        if p.is_file() and "workspaces" not in p.parts and "builds" not in p.parts and p.name != "used":
             out[str(p.relative_to(root))] = p.stat().st_mtime
     return out
 
@@ -185,7 +190,9 @@ def test_a_locked_environment_is_built_once_and_imported_offline(env: Env) -> No
     assert prefix != "/usr", "python must be the private venv's, not the system's"
     ready = [e for e in env.log_events("environment_ready") if e.get("ws") == env.key("locked")]
     assert [e["built"] for e in ready] == ["True"]
-    [entry] = [p for p in (env.run_dir / "envs").iterdir() if p.name not in ("workspaces", "python")]
+    [entry] = [
+        p for p in (env.run_dir / "envs").iterdir() if p.name not in ("workspaces", "python", "builds")
+    ]
     assert "six" in (entry / "warm.log").read_text()
     assert ["six", "1.16.0"] in json.loads((entry / "ready.json").read_text())["packages"]
     # jobenv.json now names the locked environment, and `syscall env` shows it.
@@ -231,35 +238,67 @@ def test_a_locked_environment_is_built_once_and_imported_offline(env: Env) -> No
     assert builds.count("False") >= 3
 
 
-def refused_sleep(env: Env, name: str) -> str:
-    """Launch a job in `name` and sleep: refused with `environment.failed`, nothing charged; the message."""
-    before = json.loads((env.spaces[name] / ".syscall" / "budget.json").read_text())["budget"]
+def budget_of(env: Env, name: str) -> dict[str, Any]:
+    return json.loads((env.spaces[name] / ".syscall" / "budget.json").read_text())["budget"]  # type: ignore[no-any-return]
+
+
+def refused_sleep(env: Env, name: str, code: str) -> str:
+    """Launch a job in `name` and sleep: refused with `code`, nothing charged; the message."""
+    before = budget_of(env, name)
     env.ok(name, "launch", "--name", "never", "--", "echo should not run")
     done = env.tool(name, "sleep", "--json")
     assert done.returncode == 3, done.stdout + done.stderr
     ans = json.loads(done.stdout)
     assert ans["type"] == "rejected"
-    assert ans["error"]["code"] == "environment.failed"
-    after = json.loads((env.spaces[name] / ".syscall" / "budget.json").read_text())["budget"]
-    assert (after["launches"], after["sleeps"]) == (before["launches"], before["sleeps"])
+    assert ans["error"]["code"] == code
+    assert budget_of(env, name) == before
     return str(ans["error"]["message"])
 
 
-def test_a_lockfile_that_does_not_install_is_refused_before_submission_and_refunded(env: Env) -> None:
-    message = refused_sleep(env, "broken")
+def test_a_lockfile_that_does_not_install_wakes_its_sleep_with_the_error_refunded_exactly(env: Env) -> None:
+    """Accepted at once (the build runs in the background), then woken with `environment.failed`: uv's own
+    words, every task CANCELLED and never submitted, the budget exactly as before the sleep."""
+    before = budget_of(env, "broken")
+    env.ok("broken", "launch", "--name", "never", "--array", "2", "--gpus", "1", "--", "echo should not run")
+    ans = json.loads(env.ok("broken", "sleep", "--json"))
+    assert ans["type"] == "accepted", ans
+    assert ans["building"]["state"] == "building"
+    assert all(j["job_id"] is None for j in ans["jobs"])
+    charged = ans["budget"]
+    assert (charged["sleeps"], charged["launches"]) == (before["sleeps"] - 1, before["launches"] - 1)
+    assert charged["reserved_gpu_hours"] > 0
+    wake = json.loads(env.ok("broken", "wait", "--json", "--timeout", "170"))
+    assert wake["error"]["code"] == "environment.failed"
+    message = wake["error"]["message"]
     assert "uv" in message
     assert "six" in message, "uv's own message names what failed"
+    assert [t["state"] for t in wake["tasks"]] == ["CANCELLED", "CANCELLED"]
+    assert all(t["job_id"] is None for t in wake["tasks"])
+    assert wake["budget"] == before
+    assert budget_of(env, "broken") == before
+    md = (env.spaces["broken"] / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
+    assert "None of this sleep's tasks ran: `environment.failed`" in md
     sleep_dir = env.run_dir / env.key("broken")
     assert not list(sleep_dir.glob("*/never")), "nothing may be submitted"
 
 
 def test_a_lock_out_of_date_with_pyproject_is_refused_with_uv_lock_and_refunded(env: Env) -> None:
-    message = refused_sleep(env, "stale")
+    message = refused_sleep(env, "stale", "environment.lock_outdated")
     assert "uv.lock is out of date" in message
     assert "'attrs'" in message
     assert "run `uv lock`" in message
     # refused before any build: no uv ran for it
     assert not [e for e in env.log_events("environment_ready") if e.get("ws") == env.key("stale")]
+
+
+def test_a_lock_that_does_not_satisfy_a_changed_specifier_is_refused_by_uvs_own_check(env: Env) -> None:
+    """`six>=1.17` in pyproject.toml, `six 1.16.0` in uv.lock: the kernel's own comparison finds `six` locked;
+    uv's offline `uv lock --check` (in the build jail, no network) does not, and the sleep is refused at once."""
+    message = refused_sleep(env, "respec", "environment.lock_outdated")
+    assert "uv.lock is out of date" in message
+    assert "run `uv lock`" in message
+    assert "six" in message, "uv's own words name the package"
+    assert not [e for e in env.log_events("environment_building") if e.get("ws") == env.key("respec")]
 
 
 def test_every_job_variable_is_set_in_every_task_and_extra_dirs_are_read_only_on_path(env: Env) -> None:
