@@ -15,9 +15,10 @@ ls-tree + cat-file: no checkout machinery, so no hook, no filter, no `.git` in t
 and the tree id recomputed; the workspace's own `.git` is never read); build the locked environment's venv
 (`prepare_environment`: an offline `uv sync`, in a bwrap jail of its own when the job's is bwrap); run
 `sh -c COMMAND` in the jail;
-copy declared artifacts out of the tree (contained, regular files, size-capped, every skip logged); remove the
-scratch; write exit-code. SIGTERM/SIGINT/SIGHUP (cancel, scheduler) and SIGUSR2 (the walltime warning) stop the
-jail and are recorded, so a killed job still leaves an exit-code that says why.
+copy declared artifacts out of the tree (contained, regular files, size-capped, every skip logged); write
+exit-code; remove the scratch (on the local backend in a detached child, so the task's slot is free as soon as
+exit-code is: `remove_scratch`). SIGTERM/SIGINT/SIGHUP (cancel, scheduler) and SIGUSR2 (the walltime warning)
+stop the jail and are recorded, so a killed job still leaves an exit-code that says why.
 
 Exit codes (the process status and `code` in exit-code): the command's own status, 128+N if a signal N killed it,
 or one of the EXIT_* codes below; exit-code's `kind` tells them apart unambiguously.
@@ -86,6 +87,9 @@ VENV_TOKEN = "@@SYSCALL_VENV@@"
 VENV_SOURCE_TOKEN = "@@SYSCALL_VENV_SOURCE@@"
 GPU_TOKEN = "@@SYSCALL_GPUS@@"
 SYNC_TOKEN = "@@SYSCALL_SYNC@@"
+# Set to "1" by the local backend (kernel.backends.jobscript.wrapper_env): the task's scratch is removed by a
+# detached child once exit-code is written, so the slot (this process) is free at once.
+DETACH_VAR = "SYSCALL_DETACH_CLEANUP"
 GPU_CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 
 # Replaced by kernel.backends.jobscript with the JSON text of this task's configuration.
@@ -1060,6 +1064,35 @@ def remove_tree(path: str) -> None:
         remove_deep(path)
 
 
+def remove_scratch(paths: list[str], *, detach: bool) -> None:
+    """Remove the task's scratch directories, once its exit-code is written. With `detach` (the local backend,
+    whose slot is this process: it is free when this process is gone) a forked child in a session of its own
+    removes them and this process leaves at once; not where another thread still runs (a copier held by an
+    escaped process, a kill timer), which a fork would not carry, nor under a scheduler that ends whatever a
+    job leaves behind when its script exits (Slurm): there they are removed here, before the exit."""
+    if not paths:
+        return
+    if detach:
+        import threading
+
+        if threading.active_count() == 1:
+            try:
+                pid = os.fork()
+            except OSError:
+                pid = -1
+            if pid == 0:
+                try:
+                    os.setsid()
+                    for path in paths:
+                        remove_tree(path)
+                finally:
+                    os._exit(0)
+            if pid > 0:
+                return
+    for path in paths:
+        remove_tree(path)
+
+
 def remove_deep(path: str) -> None:
     """Remove the tree at `path` without recursion or path lengths: depth-first through directory fds, each
     directory's permissions restored before it is entered; one that cannot be emptied is left (and skipped)."""
@@ -1702,8 +1735,12 @@ def preload() -> None:
         importlib.import_module(name)
 
 
-def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -> tuple[str, dict[str, Any]]:
-    """Run one task; returns (task dir, exit record). Raises WrapperError only before the task dir is known."""
+def main_task(
+    config: dict[str, Any], environ: dict[str, str], runner: Runner, leftover: list[str]
+) -> tuple[str, dict[str, Any]]:
+    """Run one task; returns (task dir, exit record), with the task's scratch directory appended to `leftover`
+    (removed by the caller once exit-code is written). Raises WrapperError only before the task dir is known."""
+
     launch_dir = config["launch_dir"]
     array = int(config["array"])
     index = task_index(array, environ)
@@ -1737,7 +1774,6 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         with contextlib.suppress(OSError):  # without it, the kernel takes the exit record's time
             write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
 
-    scratch = None
     try:
         with open(os.path.join(launch_dir, "command.txt"), "rb") as f:
             command = f.read().decode("utf-8", "replace")
@@ -1748,6 +1784,7 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         import tempfile
 
         scratch = tempfile.mkdtemp(prefix="syscall-job-", dir=base)
+        leftover.append(scratch)
         tree, home, work = (os.path.join(scratch, n) for n in ("tree", "home", "work"))
         for d in (tree, home, work):
             os.mkdir(d, 0o700)
@@ -1883,8 +1920,6 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         note("internal error:\n" + traceback.format_exc())
         return tdir, exit_record(KIND_WRAPPER, EXIT_WRAPPER_ERROR)
     finally:
-        if scratch is not None:
-            remove_tree(scratch)
         os.close(out_fd)
         os.close(err_fd)
 
@@ -1899,19 +1934,24 @@ def main() -> int:
     runner = Runner(float(config.get("kill_grace_s", 5.0)))
     runner.install()
     environ = dict(os.environ)
+    leftover: list[str] = []
     try:
-        tdir, rec = main_task(config, environ, runner)
-    except WrapperError as e:
-        sys.stderr.write(f"syscall job wrapper: {e}\n")
-        return e.code
-    rec["finished_at"] = now_rfc3339()
-    rec["host"] = os.uname().nodename
-    try:
-        write_record(tdir, "exit-code", (json.dumps(rec, sort_keys=True) + "\n").encode())
-    except OSError as e:  # no reserve and no room: the backend records the end (kernel.backends.local)
-        sys.stderr.write(f"syscall job wrapper: the exit record could not be written: {e}\n")
-        return EXIT_DISK_FULL if is_disk_full(e) else EXIT_WRAPPER_ERROR
-    return int(rec["code"])
+        try:
+            tdir, rec = main_task(config, environ, runner, leftover)
+        except WrapperError as e:
+            sys.stderr.write(f"syscall job wrapper: {e}\n")
+            return e.code
+        rec["finished_at"] = now_rfc3339()
+        rec["host"] = os.uname().nodename
+        try:
+            write_record(tdir, "exit-code", (json.dumps(rec, sort_keys=True) + "\n").encode())
+        except OSError as e:  # no reserve and no room: the backend records the end (kernel.backends.local)
+            sys.stderr.write(f"syscall job wrapper: the exit record could not be written: {e}\n")
+            return EXIT_DISK_FULL if is_disk_full(e) else EXIT_WRAPPER_ERROR
+        return int(rec["code"])
+    finally:
+        # After exit-code: the task's end is on record before its scratch (the tree, home, work) goes.
+        remove_scratch(leftover, detach=environ.get(DETACH_VAR) == "1")
 
 
 if __name__ == "__main__":
