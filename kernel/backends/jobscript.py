@@ -135,8 +135,7 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         if spec.environment is None
         else dict(
             msgspec.to_builtins(spec.environment),
-            sync=J.sync_template(jail, spec.environment),
-            mount=J.SHARED_VENV,  # where a jail binds the cache's own venv (`venv`), when it has one
+            mount=J.SHARED_VENV,  # where a bwrap or apptainer jail binds the cache entry's venv (`venv`)
         ),
         "artifacts": list(spec.artifacts),
         "artifact_max_bytes": spec.artifact_max_bytes,
