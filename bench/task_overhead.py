@@ -21,7 +21,8 @@ File mtimes come from the filesystem's coarse clock (a tick, 1-4 ms, behind the 
 one. `--kernel-root` runs another checkout's kernel (the "before" figure). Prints one JSON object per scenario.
 Usage:
     .venv/bin/python bench/task_overhead.py [--tasks 8] [--samples 3] [--deps numpy,scikit-learn]
-                                            [--jails bwrap,none] [--kernel-root CHECKOUT] [--keep]
+                                            [--jails bwrap,none] [--files 0] [--kernel-root CHECKOUT]
+                                            [--keep]
 """
 
 from __future__ import annotations
@@ -51,10 +52,14 @@ PYTHON = "/usr/bin/python3"
 COMMAND = "date +%s%N; command -v python || echo none"
 
 
-def make_workspace(ws: Path, deps: list[str] | None, scratch: Path) -> None:
+def make_workspace(ws: Path, deps: list[str] | None, scratch: Path, files: int) -> None:
     ws.mkdir(parents=True)
     git(ws, "init", "-q")
     (ws / "README").write_text("bench\n")
+    for i in range(files):  # each task's tree: materialised before the command, removed after it
+        d = ws / "data" / f"{i // 100:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:05d}.txt").write_bytes(bytes([65 + i % 26]) * 4096)
     if deps is not None:
         listed = ", ".join(json.dumps(d) for d in deps)
         (ws / "pyproject.toml").write_text(
@@ -169,8 +174,8 @@ def run_jail(args: argparse.Namespace, jail: str, tmp: Path) -> list[dict[str, o
         "[local]\nmax_parallel = 1\n"
     )
     env_ws, plain_ws = tmp / jail / "env", tmp / jail / "plain"
-    make_workspace(env_ws, args.deps.split(","), tmp)
-    make_workspace(plain_ws, None, tmp)
+    make_workspace(env_ws, args.deps.split(","), tmp, args.files)
+    make_workspace(plain_ws, None, tmp, args.files)
     sleeps = args.samples + 2
     for ws in (env_ws, plain_ws):
         subprocess.run(
@@ -210,6 +215,7 @@ def run_jail(args: argparse.Namespace, jail: str, tmp: Path) -> list[dict[str, o
                 rows += got
                 totals.append(total)
             s = summary(scenario, jail, rows, totals, args.tasks, python)
+            s["files"] = args.files
             if ws is env_ws:
                 s["first_sleep_with_build_s"] = round(warm_s, 1)
                 s["deps"] = args.deps
@@ -225,6 +231,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=3, help="sleeps per scenario")
     ap.add_argument("--deps", default="numpy,scikit-learn", help="comma-separated packages to lock")
     ap.add_argument("--jails", default="bwrap,none")
+    ap.add_argument("--files", type=int, default=0, help="4 KiB files committed in each workspace (its tree)")
     ap.add_argument("--kernel-root", default=str(ROOT), help="the checkout whose kernel runs (before/after)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
