@@ -82,3 +82,18 @@ def fill(path: Path) -> None:
         while True:
             f.write(b"\0" * 512)
             f.flush()
+
+
+def scratch_gone(scratch: Path, timeout: float = 30.0) -> None:
+    """Until no job's scratch (`syscall-job-*`) is left below `scratch`: on the local backend a detached child of
+    the wrapper removes it once exit-code is written (kernel.node.wrapper.remove_scratch), so it may still be
+    going when the task's end is reported."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while list(scratch.glob("syscall-job-*")):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"the job's scratch was left behind: {sorted(scratch.glob('syscall-job-*'))}"
+            )
+        time.sleep(0.01)

@@ -2788,7 +2788,7 @@ def _env_lines(
         if built:
             assert locked is not None
             add(
-                "interpreter:  python (Python {}) of a private venv built from your uv.lock".format(
+                "interpreter:  python (Python {}) of a read-only venv built once from your uv.lock".format(
                     locked.get("python_version") or "?"
                 )
             )
@@ -2800,7 +2800,7 @@ def _env_lines(
             )
         else:
             add(
-                "interpreter:  python of a private venv that the next sleep builds from uv.lock on "
+                "interpreter:  python of a read-only venv that the next sleep builds from uv.lock on "
                 f"{doc.get('python')}"
             )
             pkgs = shown_packages([(str(n), str(v)) for n, v in local.get("packages", [])])

@@ -135,8 +135,7 @@ def wrapper_config(spec: JobSpec) -> dict[str, object]:
         if spec.environment is None
         else dict(
             msgspec.to_builtins(spec.environment),
-            sync=J.sync_template(jail, spec.environment),
-            mount=J.SHARED_VENV,  # where a jail binds the cache's own venv (`venv`), when it has one
+            mount=J.SHARED_VENV,  # where a bwrap or apptainer jail binds the cache entry's venv (`venv`)
         ),
         "artifacts": list(spec.artifacts),
         "artifact_max_bytes": spec.artifact_max_bytes,
@@ -262,9 +261,15 @@ def read_artifact_log(task_dir: Path) -> list[ArtifactRecord]:
     return [msgspec.json.decode(line, type=ArtifactRecord) for line in lines if line.strip()]
 
 
-def wrapper_env(base: Mapping[str, str], *, task: int, tmpdir: str | None = None) -> dict[str, str]:
-    """The environment a backend starts `job.sh` with: nothing of the kernel's own (secrets stay out)."""
+def wrapper_env(
+    base: Mapping[str, str], *, task: int, tmpdir: str | None = None, detach_cleanup: bool = False
+) -> dict[str, str]:
+    """The environment a backend starts `job.sh` with: nothing of the kernel's own (secrets stay out).
+    `detach_cleanup`: the wrapper leaves once exit-code is written, a detached child removing the task's scratch
+    (a backend whose slot is the wrapper's process and that leaves a job's stray processes alone)."""
     env = {"PATH": base.get("PATH", J.JAIL_PATH), "LANG": "C.UTF-8", "SWEEP_INDEX": str(task)}
+    if detach_cleanup:
+        env[W.DETACH_VAR] = "1"
     if tmpdir is not None:
         env["TMPDIR"] = tmpdir
     for name in J.FORWARD_VARS:

@@ -7,7 +7,9 @@ finished ones (exit-code present), from queued ones that never started (queued a
 gone without an exit-code: an exit-code saying so is written). A task never starts twice: its `local.pid` claim
 is written before the spawn.
 
-Concurrency: at most `max_parallel` wrappers at once, and at most `JobSpec.width` per launch. Walltime: SIGUSR2
+Concurrency: at most `max_parallel` wrappers at once, and at most `JobSpec.width` per launch; a wrapper leaves
+as soon as its exit-code is written (`detach_cleanup`: a child of it removes the task's scratch), so its slot is
+free then. Walltime: SIGUSR2
 to the wrapper's process group (the wrapper records `timeout` and stops the jail), SIGKILL after the grace.
 Cancel: SIGTERM likewise (`terminated`); queued tasks are finished at once as `cancelled`. Exits are noticed at
 once through a pidfd; `wait_any_exit` hands them to the kernel.
@@ -249,7 +251,7 @@ class LocalBackend:
         # Jobs' scratch is the kernel's TMPDIR (the unit points it outside PrivateTmp=, which systemd empties when
         # the kernel stops while jobs go on running), unless the launch names its own.
         scratch = spec.scratch or self._base_env.get("TMPDIR") or None
-        env = jobscript.wrapper_env(self._base_env, task=task, tmpdir=scratch)
+        env = jobscript.wrapper_env(self._base_env, task=task, tmpdir=scratch, detach_cleanup=True)
         # The kernel's own interpreter runs the (stdlib-only) wrapper: no PATH lookup, no shim, no site import.
         try:
             pid = hostproc.spawn(

@@ -6,19 +6,23 @@ fills a uv cache for that lockfile on the kernel's host, in the build jail, with
 
     uv/           the uv cache (UV_CACHE_DIR) with every wheel the lock names for this interpreter
     project/      the pyproject.toml and uv.lock the cache was built from, as the kernel re-serialised them
-                  (what each job syncs)
+    venv/         the environment every job uses, installed from uv/ by hard link and byte-compiled; every write
+                  bit cleared (`make_read_only`)
     ready.json    written last: the interpreter's version and the installed packages (`EnvReady`)
     used          touched at each use; a cache unused for `keep_days` is pruned
     warm.log      uv's output
 
-Each job then copies (hard links where it can) the cache into node scratch and runs
-`uv sync --frozen --offline` into a private venv, bound read-only into the jail (kernel.node.wrapper): no network
-in the jail, and the same lockfile gives every job the same environment across sleeps and workspaces.
+No job builds anything: with jail = "bwrap" the venv is built at jail.SHARED_VENV (the entry mounted at
+jail.SHARED_ENV_ROOT in the build jail), the path its scripts and pyvenv.cfg name, and every job's jail binds it
+read-only there (kernel.node.wrapper); with "apptainer" it is relocatable (`uv venv --relocatable`: each script
+finds the interpreter beside it) and bound read-only at jail.SHARED_VENV; with "none" it is relocatable and used
+where it is, read-only by its mode bits alone (a task running as root, or one that chmods it back as the
+kernel's user, can change it: jail = "none" contains nothing). No network in the jail, and the same lockfile
+gives every job the same files across sleeps and workspaces. On Slurm the entry is in `run_dir`, which the
+nodes must see at the same path.
 
 The lockfile is the agent's. With jail = "bwrap", on the kernel's host only the kernel's own TOML parser reads it
-outside the build jail (`lock_problem`, `accepted_files`), and nothing it makes uv download runs at build time;
-on the node each task's offline `uv sync` reads the same accepted copy in a jail of its own too
-(kernel.node.jail.sync_template: no network, writing only the task's sync directory in scratch):
+outside the build jail (`lock_problem`, `accepted_files`), and nothing it makes uv download runs at build time:
 
 - `lock_problem` accepts only packages from the configured index, each file a canonical
   `https://<the index's file host>/<path>` URL (a grammar on which urllib and uv's WHATWG parser read the same
@@ -38,12 +42,10 @@ on the node each task's offline `uv sync` reads the same accepted copy in a jail
   installed wheel is read, no sitecustomize imported; the stdlib alone on sys.path) in the same jail without the
   network, able to write only the cache: no package code runs.
 - What the build wrote to the cache is checked before any task uses it (`stray_entries`: no link leaving the
-  cache, no special file): where uv copies instead of hard-linking it follows a link, so a host file's bytes
-  would land in the task's venv (a task's sync is unjailed with apptainer or none).
+  cache, no special file).
 
 With another jail kind (`apptainer`, or `none` for tests and a single-user laptop) uv and compileall run on the
-host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`), and each task's sync
-on the node as the job's user, without a jail: then the lock checks,
+host as the kernel's user, without a jail (logged at start, `environment_build_unjailed`): then the lock checks,
 `--no-build`, the hashes and `-S -I` are what hold, and a bug in uv's handling of a hostile lock or wheel would
 run with the kernel's rights. A lockfile that does not install fails its build: the sleeps waiting for it wake with
 `environment.failed`, refunded (kernel.service.building: builds run in the background, never before an answer).
@@ -150,6 +152,14 @@ UV_LOCK_CHECK: Final = hostproc.declare(
     timeout_s=CHECK_TIMEOUT_S,
     output_cap=1 << 20,
 )
+UV_VENV: Final = hostproc.declare(
+    "uv.venv",
+    agent_input="none: an empty relocatable venv for the configured interpreter (jail kinds other than bwrap), "
+    "before uv sync installs the agent's lock into it",
+    containment="unjailed, as the kernel's user (like uv.sync with jail = apptainer or none); an environment "
+    "built from nothing but the proxy and CA settings, environment.warm_timeout_seconds, at most 16 MiB of output",
+    output_cap=16 << 20,
+)
 COMPILE: Final = hostproc.declare(
     "uv.compile",
     agent_input="the Python sources of the locked packages' wheels, compiled to bytecode, never run: the "
@@ -189,8 +199,6 @@ class EnvReady(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     uv_version: str
     packages: tuple[tuple[str, str], ...]  # (name, version), sorted by name
     warm_seconds: float
-    # The entry keeps `venv/`, built at jail.SHARED_VENV (in bwrap), which jobs' jails bind read-only.
-    shared_venv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,7 +565,8 @@ def accepted_files(project: LockedProject, index_url: str) -> tuple[bytes, bytes
 def cache_key(project: LockedProject, python: str, index_url: str, uv_version: str) -> str:
     # v2: uv given the re-serialised files, compileall run with -S (a v1 entry holds the agent's bytes).
     # v3: built at jail.SHARED_ENV_ROOT, keeping its venv for jobs to bind.
-    h = hashlib.sha256(b"syscall-uv-env-v3\0")
+    # v4: every jail kind keeps the venv (relocatable where not built in bwrap), read-only by its mode bits.
+    h = hashlib.sha256(b"syscall-uv-env-v4\0")
     for part in (
         project.lock_sha256,
         hashlib.sha256(project.pyproject).hexdigest(),
@@ -582,6 +591,15 @@ def site_packages(venv: Path) -> list[tuple[str, str]]:
         name, _, version = stem.partition("-")
         out.append((name.replace("_", "-").lower(), version))
     return sorted(out)
+
+
+def relocatable(venv: Path) -> bool:
+    """Whether the venv's pyvenv.cfg says `relocatable = true` (its scripts find the interpreter beside them)."""
+    try:
+        lines = (venv / "pyvenv.cfg").read_text().splitlines()
+    except OSError:
+        return False
+    return any([p.strip() for p in line.partition("=")[::2]] == ["relocatable", "true"] for line in lines)
 
 
 def venv_python_version(venv: Path) -> str:
@@ -623,8 +641,8 @@ def cert_paths(env: Mapping[str, str]) -> list[str]:
 def stray_entries(root: Path) -> list[str]:
     """What under `root` (a cache the build jail wrote) is neither a directory, a regular file nor a symlink
     whose target, read as a path, stays below `root` (uv links wheels to archive entries with relative links):
-    each task's offline `uv sync` installs from the cache (unjailed with apptainer or none), and where it copies
-    (its fallback when a hard link fails) it follows a link."""
+    the venv every task uses is installed from the cache, and where uv copies (its fallback when a hard link
+    fails) it follows a link."""
     out = []
     top = os.path.normpath(root)
     for dirpath, dirnames, filenames in os.walk(root):
@@ -651,6 +669,32 @@ def lock_check_argv(uv: str, project: str, python: str) -> list[str]:
     """uv's own check that the project's uv.lock satisfies its pyproject.toml, changing nothing and reading no
     configuration file, offline (`EnvCache.check_lock`)."""
     return [uv, "lock", "--check", "--offline", "--no-config", "--project", project, "--python", python]
+
+
+def make_read_only(root: Path) -> None:
+    """Clear every write bit below `root` (directories and files; links have none): the venv every job shares.
+    A process of another user, or of the kernel's own user other than root, can then neither change a file
+    nor add or remove one; root, or the owner after a chmod, still can (with bwrap, the read-only bind holds
+    for every user)."""
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for name in [*filenames, *dirnames]:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if not stat.S_ISLNK(st.st_mode):
+                os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o222)
+    os.chmod(root, stat.S_IMODE(os.lstat(root).st_mode) & ~0o222)
+
+
+def remove_entry(path: Path) -> None:
+    """Remove a cache entry (its venv read-only: `make_read_only`): the owner's write bit restored on every
+    directory first, then the tree."""
+    for dirpath, dirnames, _ in os.walk(path):
+        for d in [dirpath, *(os.path.join(dirpath, n) for n in dirnames)]:
+            with contextlib.suppress(OSError):
+                st = os.lstat(d)
+                if stat.S_ISDIR(st.st_mode):
+                    os.chmod(d, stat.S_IMODE(st.st_mode) | 0o700)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def uv_binary() -> str:
@@ -710,7 +754,7 @@ class EnvCache:
     def entry(self, key: str) -> Path:
         return self.root / key
 
-    def job_environment(self, key: str, project: LockedProject, ready: EnvReady) -> JobEnvironment:
+    def job_environment(self, key: str, project: LockedProject) -> JobEnvironment:
         entry = self.entry(key)
         return JobEnvironment(
             uv=self.uv,
@@ -719,7 +763,7 @@ class EnvCache:
             python=self.cfg.python,
             python_install_dir=str(self.python_install_dir) if self.managed_python else None,
             lock_sha256=project.lock_sha256,
-            venv=str(entry / "venv") if ready.shared_venv else None,
+            venv=str(entry / "venv"),
         )
 
     def touch(self, key: str) -> None:
@@ -901,7 +945,8 @@ class EnvCache:
             (tmp / "project" / LOCK_FILE).write_bytes(files[1])
             # In bwrap the entry is built where every job's jail binds its venv (jail.SHARED_ENV_ROOT, one
             # mount, so uv links from its cache into the venv), the project files read-only over it; elsewhere
-            # at its own path, and each task syncs a venv of its own from the cache.
+            # at its own path into a relocatable venv (its scripts find their interpreter beside them), which
+            # jobs use where the entry ends up (jail = none) or bind at jail.SHARED_VENV (apptainer).
             shared = self.jail.kind == "bwrap"
             at = Path(SHARED_ENV_ROOT) if shared else tmp
             mounts = [(str(tmp), str(at), True), (str(tmp / "project"), str(at / "project"), False)]
@@ -917,8 +962,13 @@ class EnvCache:
                 extra["UV_PYTHON_DOWNLOADS"] = "never"
             env = uv_env(os.environ, home=str(at / "home"), cache=str(at / "uv"), **extra)
             certs = cert_paths(env)
-            argv = sync_argv(self.uv, str(at / "project"), self.cfg.python, offline=False)
+            # Without bwrap uv installs into the relocatable venv made first, named by its own interpreter (a
+            # request it satisfies: any other, uv replaces the venv with one that is not relocatable).
+            python = self.cfg.python if shared else str(tmp / "venv" / "bin" / "python")
+            argv = sync_argv(self.uv, str(at / "project"), python, offline=False)
             started = time.monotonic()
+            if not shared:
+                await self._relocatable_venv(tmp / "venv", env)
             log = self.build_log(key).open("wb")  # written as uv prints, closed below
             try:
                 got = await self._run_jailed(
@@ -944,14 +994,22 @@ class EnvCache:
             if got[0] != 0:
                 raise EnvironmentFailed(f"uv could not install the locked environment: {tail(out)}")
             venv = tmp / "venv"
+            if not shared and not relocatable(venv):
+                raise EnvironmentFailed(
+                    "uv replaced the environment's relocatable venv with one that is not (its scripts would "
+                    f"name the build's temporary directory): {tail(out)}"
+                )
             await self._compile(tmp, at, shared, tmp / WARM_LOG)
-            # What the jail wrote is what each task installs from, outside its jail: no link may leave it.
+            # What the jail wrote is what every task's venv is linked from: no link may leave it.
             stray = await anyio.to_thread.run_sync(stray_entries, tmp / "uv")
             if stray:
                 raise EnvironmentFailed(
                     f"the environment build left {len(stray)} entries in its cache that are not plain files or "
                     f"links within it (first: {stray[0]!r})"
                 )
+            # Jobs share it: no job may change it (with bwrap also bound read-only; with none these bits are
+            # what holds, for a kernel user other than root).
+            await anyio.to_thread.run_sync(make_read_only, venv)
             ready = EnvReady(
                 key=key,
                 lock_sha256=project.lock_sha256,
@@ -960,10 +1018,7 @@ class EnvCache:
                 uv_version=await self.uv_version(),
                 packages=tuple(site_packages(venv)),
                 warm_seconds=round(time.monotonic() - started, 3),
-                shared_venv=shared,
             )
-            if not shared:
-                shutil.rmtree(venv, ignore_errors=True)
             shutil.rmtree(tmp / "home", ignore_errors=True)
             (tmp / READY).write_bytes(msgspec.json.encode(ready))
             try:
@@ -976,7 +1031,21 @@ class EnvCache:
             return ready
         finally:
             if tmp.exists():  # a plain thread: the kernel's own cache, not one workspace's files
-                await anyio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
+                await anyio.to_thread.run_sync(remove_entry, tmp)
+
+    async def _relocatable_venv(self, venv: Path, env: dict[str, str]) -> None:
+        """An empty relocatable venv at `venv` for uv sync to install into (jail kinds other than bwrap: the entry
+        is renamed into place after the build, and its scripts must find their interpreter wherever it ends up)."""
+        argv = [self.uv, "venv", "--relocatable", "--no-config", "--quiet", "--python", self.cfg.python]
+        argv.append(str(venv))
+        got = await self._run_jailed(
+            UV_VENV, argv, network=False, writable=[], readable=[], env=env, cwd=str(venv.parent)
+        )
+        if got is None:
+            raise EnvironmentFailed("uv could not create the environment's venv: it timed out")
+        if got[0] != 0:
+            said = tail(got[1].decode("utf-8", "replace")) or f"it exited with status {got[0]} and said nothing"
+            raise EnvironmentFailed(f"uv could not create the environment's venv: {said}")
 
     async def _compile(self, tmp: Path, at: Path, shared: bool, log: Path) -> None:
         """Byte-compile the cache's unpacked wheels (and the venv jobs bind, where the entry keeps one) with the
@@ -1085,6 +1154,6 @@ class EnvCache:
                     continue
             except FileNotFoundError:
                 continue
-            shutil.rmtree(child, ignore_errors=True)
+            remove_entry(child)
             removed.append(child.name)
         return removed

@@ -13,8 +13,7 @@ wrapper through the tokens below.
 
 `build_bwrap_argv` is the jail of the kernel's own locked-environment build (kernel.io.envcache), on the kernel's
 host: uv and the byte-compilation read what the agent's lockfile named, so they get this module's rules too.
-`sync_template` is each task's offline `uv sync` on the node (kernel.node.wrapper.prepare_environment), in that
-same jail (without the network) when the job's jail is bwrap; the wrapper fills SYNC_TOKEN with its scratch path.
+No task builds an environment: the entry's venv is bound read-only into its jail (VENV_TOKEN, VENV_SOURCE_TOKEN).
 `listing_bwrap_argv` is the jail of the snapshot's git listing (kernel.io.gitlisting), on the kernel's host too:
 git walks the agent's live tree there.
 """
@@ -39,24 +38,16 @@ ENV_TOKEN: Final = "@@SYSCALL_ENV@@"
 COMMAND_TOKEN: Final = "@@SYSCALL_COMMAND@@"
 SCORER_TOKEN: Final = "@@SYSCALL_SCORER@@"
 SCORE_DATA_TOKEN: Final = "@@SYSCALL_SCORE_DATA@@"
-# The job's private venv (kernel.io.envcache): a whole argument, or the start of an env value (`<venv>/bin:...`).
+# The locked environment's venv as the job sees it (kernel.io.envcache): a whole argument, or the start of an env
+# value (`<venv>/bin:...`); SHARED_VENV in a bwrap or apptainer jail, the entry's own path with jail = none.
 VENV_TOKEN: Final = "@@SYSCALL_VENV@@"
-# Where the venv is bound from on the node (a whole argument): the task's own synced venv (the same path as
-# VENV_TOKEN), or the warm cache's shared venv, built at SHARED_VENV and bound read-only there in every jail.
+# Where the venv is bound from (a whole argument): the cache entry's `venv/`, `JobEnvironment.venv`.
 VENV_SOURCE_TOKEN: Final = "@@SYSCALL_VENV_SOURCE@@"
 # Where a warm cache entry is mounted while the kernel builds it in bwrap (kernel.io.envcache), so that the venv
 # it keeps (SHARED_VENV, whose paths the venv embeds) works unchanged when each job's jail binds it there:
 # one mount for the cache and the venv, so uv installs by hard link.
 SHARED_ENV_ROOT: Final = "/syscall-env"
 SHARED_VENV: Final = SHARED_ENV_ROOT + "/venv"
-# The directory in the node's scratch where a task's private venv is synced (kernel.node.wrapper.prepare_environment):
-# a whole argument, or the start of one (`<sync>/env`). It holds SYNC_CACHE, SYNC_VENV and SYNC_HOME, nothing else.
-SYNC_TOKEN: Final = "@@SYSCALL_SYNC@@"
-SYNC_CACHE: Final = "uv-cache"  # the task's link copy of the kernel's warm cache (UV_CACHE_DIR)
-SYNC_VENV: Final = (
-    "env"  # the venv uv installs into (UV_PROJECT_ENVIRONMENT), bound read-only into the job's jail
-)
-SYNC_HOME: Final = "uv-home"  # uv's HOME
 # Expands to the bind arguments of the GPU device nodes the node gave the task (kernel.node.wrapper.gpu_binds).
 GPU_TOKEN: Final = "@@SYSCALL_GPUS@@"
 
@@ -119,7 +110,7 @@ class JailPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     system_dirs: tuple[str, ...] = DEFAULT_SYSTEM_DIRS
     etc: tuple[str, ...] = DEFAULT_ETC
     hide: tuple[str, ...] = ()  # kernel directories to mask if they lie below a bound directory
-    venv: bool = False  # the task's private venv (VENV_TOKEN) is bound read-only and put first on PATH
+    venv: bool = False  # the locked environment's venv (VENV_TOKEN) is bound read-only and put first on PATH
     ro_dirs: tuple[str, ...] = ()  # more read-only directories (environment.extra_dirs, uv-managed Pythons)
     tmp_mb: int = 0  # the size of the jail's /tmp (0: the tmpfs default, half the RAM)
     shm_mb: int = 0  # the size of the jail's /dev/shm (0: the tmpfs default)
@@ -148,7 +139,7 @@ def with_resources(policy: JailPolicy, mem_mb: int | None, cpus: int | None) -> 
 
 
 class JobEnvironment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a job needs to build its private venv from a warm cache (part of the JobSpec and job.sh)."""
+    """The locked environment a job uses, a warm cache entry's (part of the JobSpec and job.sh)."""
 
     uv: str  # the uv binary, on a path the node sees
     cache: str  # <entry>/uv
@@ -156,8 +147,9 @@ class JobEnvironment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     python: str
     python_install_dir: str | None = None  # set when the interpreter is uv-managed (bound read-only)
     lock_sha256: str = ""
-    # <entry>/venv: the entry's own venv, built at SHARED_VENV, which a bwrap or apptainer jail binds there
-    # read-only instead of each task syncing a venv of its own (None: the build ran without bwrap)
+    # <entry>/venv, read-only: a bwrap or apptainer jail binds it read-only at SHARED_VENV (where bwrap built it;
+    # relocatable otherwise), jail = none uses it where it is. None only in a spec recorded by a kernel whose
+    # tasks each synced a venv of their own (before cache key v4): such a job.sh carries its own wrapper.
     venv: str | None = None
 
 
@@ -183,7 +175,7 @@ def jail_env(
     venv: str | None = None,
     path_dirs: Sequence[str] = (),
 ) -> dict[str, str]:
-    """The whole environment of the jailed command: an allowlist, nothing inherited. `venv` (the private
+    """The whole environment of the jailed command: an allowlist, nothing inherited. `venv` (the locked
     environment) and `path_dirs` (the site's extra directories) come before the system's PATH."""
     path = ":".join([*([f"{venv}/bin"] if venv else []), *path_dirs, JAIL_PATH])
     env = {"PATH": path, "LANG": lang, "HOME": home, "TMPDIR": "/tmp"}
@@ -241,7 +233,6 @@ def _abs(path: str, what: str) -> str:
         SCORER_TOKEN,
         VENV_TOKEN,
         VENV_SOURCE_TOKEN,
-        SYNC_TOKEN,
     ):
         raise ValueError(f"jail {what} must be an absolute path, got {path!r}")
     return path
@@ -309,7 +300,7 @@ def bwrap_argv(
     argv += _ro_dir_args(policy)
     if policy.venv:
         if venv is None:
-            raise ValueError("the jail binds a private environment but no venv path was given")
+            raise ValueError("the jail binds the locked environment but no venv path was given")
         v = _abs(venv, "venv")
         argv += ["--ro-bind", _abs(venv_source or v, "venv source"), v]
     argv += ["--bind", home, home, "--bind", tree, tree, "--chdir", tree]
@@ -342,7 +333,7 @@ def apptainer_argv(
         argv += ["--bind", f"{_abs(d, 'read-only directory')}:{d}:ro"]
     if policy.venv:
         if venv is None:
-            raise ValueError("the jail binds a private environment but no venv path was given")
+            raise ValueError("the jail binds the locked environment but no venv path was given")
         argv += ["--bind", f"{_abs(venv_source or venv, 'venv source')}:{_abs(venv, 'venv')}:ro"]
     argv += list(env)
     argv += [policy.image, "sh", "-c", command]
@@ -427,75 +418,13 @@ def build_bwrap_argv(
 
 
 def sync_argv(uv: str, project: str, python: str, *, offline: bool) -> list[str]:
-    """`uv sync` as the kernel's warm-up (kernel.io.envcache) and each task (`sync_template`) run it: the frozen
+    """`uv sync` as the kernel's warm-up (kernel.io.envcache) runs it: the frozen
     lock, wheels only, never the project itself, no configuration file."""
     argv = [uv, "sync", "--frozen", "--no-build", "--no-install-project", "--no-config", "--project", project]
     argv += ["--python", python]
     if offline:
         argv.append("--offline")
     return argv
-
-
-def sync_paths(root: str) -> tuple[str, str, str]:
-    """The task's (cache, venv, home) below its sync directory `root`."""
-    return f"{root}/{SYNC_CACHE}", f"{root}/{SYNC_VENV}", f"{root}/{SYNC_HOME}"
-
-
-def sync_env(environment: JobEnvironment, root: str) -> dict[str, str]:
-    """The whole environment of a task's offline `uv sync` into `root` (the node's sync directory): nothing
-    inherited; hard links from the cache into the venv (both below `root`, so on one mount in the jail too)."""
-    cache, venv, home = sync_paths(root)
-    env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": home,
-        "LANG": DEFAULT_LANG,
-        "NO_COLOR": "1",
-        "UV_NO_CONFIG": "1",
-        "UV_NO_PROGRESS": "1",
-        "UV_CACHE_DIR": cache,
-        "UV_PROJECT_ENVIRONMENT": venv,
-        "UV_LINK_MODE": "hardlink",
-        "UV_OFFLINE": "1",
-    }
-    if environment.python_install_dir:
-        env["UV_PYTHON_INSTALL_DIR"] = environment.python_install_dir
-    else:
-        env["UV_PYTHON_DOWNLOADS"] = "never"
-    return env
-
-
-def sync_bwrap_argv(policy: JailPolicy, environment: JobEnvironment, *, root: str) -> list[str]:
-    """A task's offline `uv sync` in the build jail (`build_bwrap_argv`) without the network: it reads the uv
-    binary, the warm cache's project directory (the lock and pyproject the kernel re-serialised) and, read-only,
-    `policy.ro_dirs` (the job jail's: extra_dirs and the uv-managed Python directory) besides the system
-    directories and /etc allowlist; it writes only `root`, the task's sync directory in scratch (the cache's link
-    copy, the venv, uv's home: one mount, so uv's hard links from cache to venv work). Not the job's tree (a
-    subverted uv could otherwise rewrite protected files after they were checked), not the run directory, the
-    kernel's state or a workspace (`policy.hide` masks them below a bound directory). Every path is bound at its
-    own path: the venv embeds it, and the job's jail binds it there too."""
-    return build_bwrap_argv(
-        policy,
-        network=False,
-        writable=[root],
-        readable=[environment.uv, environment.project],
-        env=sync_env(environment, root),
-        cwd=root,
-        argv=sync_argv(environment.uv, environment.project, environment.python, offline=True),
-    )
-
-
-def sync_template(policy: JailPolicy, environment: JobEnvironment) -> dict[str, object]:
-    """What the wrapper runs to build a task's venv, with SYNC_TOKEN for its sync directory: `argv` and the `env`
-    it is started with, and the `cache`, `venv` and `home` paths it prepares and uses. With `policy.kind` bwrap
-    the sync runs in `sync_bwrap_argv`'s jail; with apptainer or none it runs on the node unjailed, as the job's
-    user with the node's network (the lock checks, `--no-build`, `--offline` and the hashes are what hold)."""
-    cache, venv, home = sync_paths(SYNC_TOKEN)
-    if policy.kind == "bwrap":
-        argv, env = sync_bwrap_argv(policy, environment, root=SYNC_TOKEN), {"PATH": JAIL_PATH}
-    else:
-        argv = sync_argv(environment.uv, environment.project, environment.python, offline=True)
-        env = sync_env(environment, SYNC_TOKEN)
-    return {"argv": argv, "env": env, "cache": cache, "venv": venv, "home": home}
 
 
 def listing_bwrap_argv(

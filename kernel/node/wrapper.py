@@ -12,12 +12,12 @@ right here than in sh. Everything it writes goes into the kernel-owned task dire
 Steps: find the task index (SLURM_ARRAY_TASK_ID or SWEEP_INDEX); read command.txt; materialise the snapshot into
 node scratch straight from the objects of the KERNEL's repository of the workspace (`<run_dir>/repos/<key>.git`;
 ls-tree + cat-file: no checkout machinery, so no hook, no filter, no `.git` in the tree; every blob re-hashed
-and the tree id recomputed; the workspace's own `.git` is never read); build the locked environment's venv
-(`prepare_environment`: an offline `uv sync`, in a bwrap jail of its own when the job's is bwrap); run
-`sh -c COMMAND` in the jail;
-copy declared artifacts out of the tree (contained, regular files, size-capped, every skip logged); remove the
-scratch; write exit-code. SIGTERM/SIGINT/SIGHUP (cancel, scheduler) and SIGUSR2 (the walltime warning) stop the
-jail and are recorded, so a killed job still leaves an exit-code that says why.
+and the tree id recomputed; the workspace's own `.git` is never read); run `sh -c COMMAND` in the jail, with the
+locked environment's venv (the kernel's warm cache entry's, shared by every task) bound read-only;
+copy declared artifacts out of the tree (contained, regular files, size-capped, every skip logged); write
+exit-code; remove the scratch (on the local backend in a detached child, so the task's slot is free as soon as
+exit-code is: `remove_scratch`). SIGTERM/SIGINT/SIGHUP (cancel, scheduler) and SIGUSR2 (the walltime warning)
+stop the jail and are recorded, so a killed job still leaves an exit-code that says why.
 
 Exit codes (the process status and `code` in exit-code): the command's own status, 128+N if a signal N killed it,
 or one of the EXIT_* codes below; exit-code's `kind` tells them apart unambiguously.
@@ -85,7 +85,9 @@ SCORE_DATA_TOKEN = "@@SYSCALL_SCORE_DATA@@"
 VENV_TOKEN = "@@SYSCALL_VENV@@"
 VENV_SOURCE_TOKEN = "@@SYSCALL_VENV_SOURCE@@"
 GPU_TOKEN = "@@SYSCALL_GPUS@@"
-SYNC_TOKEN = "@@SYSCALL_SYNC@@"
+# Set to "1" by the local backend (kernel.backends.jobscript.wrapper_env): the task's scratch is removed by a
+# detached child once exit-code is written, so the slot (this process) is free at once.
+DETACH_VAR = "SYSCALL_DETACH_CLEANUP"
 GPU_CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 
 # Replaced by kernel.backends.jobscript with the JSON text of this task's configuration.
@@ -636,83 +638,6 @@ def _text(path: bytes) -> str:
     return path.decode("utf-8", "surrogateescape")
 
 
-# --- the locked environment --------------------------------------------------------------------------------
-
-
-def link_tree(src: str, dest: str) -> int:
-    """Recreate `src` (kernel-owned: the warm uv cache) at `dest` with hard links, copying where linking fails
-    (another filesystem); returns the number of files."""
-    import shutil
-
-    count = 0
-    for root, dirs, files in os.walk(src):
-        rel = os.path.relpath(root, src)
-        target = dest if rel == "." else os.path.join(dest, rel)
-        os.makedirs(target, exist_ok=True)
-        for name in files:
-            s, d = os.path.join(root, name), os.path.join(target, name)
-            if os.path.islink(s):
-                os.symlink(os.readlink(s), d)
-            else:
-                try:
-                    os.link(s, d)
-                except OSError:
-                    shutil.copy2(s, d)
-            count += 1
-        for name in dirs:
-            s = os.path.join(root, name)
-            if os.path.islink(s):
-                os.symlink(os.readlink(s), os.path.join(target, name))
-    return count
-
-
-def prepare_environment(env: dict[str, Any], scratch: str, stderr_fd: int, path: str | None = None) -> str:
-    """Build the task's private venv from the kernel's warm cache, offline; returns its path.
-
-    The cache is linked into `<scratch>/uv-sync/uv-cache`, then the kernel's `env["sync"]` (kernel.node.jail.
-    sync_template, SYNC_TOKEN filled with `<scratch>/uv-sync`) runs `uv sync --frozen --offline`, installing by
-    hard link into `<scratch>/uv-sync/env`. When the job's jail is bwrap that sync runs in a bwrap jail of its own
-    (no network, every namespace unshared, the system directories read-only, only `<scratch>/uv-sync` writable:
-    not the job's tree, not the task directory, the run directory or the kernel's state); with apptainer or none it
-    runs here unjailed, as the job's user. The job's jail then binds the venv read-only at the same path, so a job
-    cannot change files it shares (by link) with the cache other jobs use. `path` is the wrapper's own PATH (where
-    the jail program is looked up, as for the job's jail)."""
-    import subprocess
-
-    sync = env["sync"]
-    root = os.path.join(scratch, "uv-sync")
-
-    def fill(value: str) -> str:
-        return value.replace(SYNC_TOKEN, root)
-
-    cache, venv, home = (fill(sync[n]) for n in ("cache", "venv", "home"))
-    try:
-        os.mkdir(root, 0o700)
-        link_tree(env["cache"], cache)
-        os.mkdir(home, 0o700)
-    except OSError as e:
-        raise WrapperError(
-            KIND_ENVIRONMENT, EXIT_ENVIRONMENT_FAILED, f"copying the environment cache to scratch failed: {e}"
-        ) from None
-    argv = [fill(a) for a in sync["argv"]]
-    argv[0] = jail_program(argv[0], path)
-    sync_env = {k: fill(v) for k, v in sync["env"].items()}
-    try:
-        got = subprocess.run(argv, env=sync_env, cwd=root, stdin=subprocess.DEVNULL, capture_output=True)
-    except OSError as e:
-        raise WrapperError(
-            KIND_ENVIRONMENT, EXIT_ENVIRONMENT_FAILED, f"uv could not be started: {e}"
-        ) from None
-    if got.returncode != 0:
-        text = (got.stdout + got.stderr).decode("utf-8", "replace").strip()
-        raise WrapperError(
-            KIND_ENVIRONMENT,
-            EXIT_ENVIRONMENT_FAILED,
-            "uv sync --offline failed on the node:\n" + text[-4000:],
-        )
-    return venv
-
-
 # --- per-task limits (the local backend) --------------------------------------------------------------------
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -1058,6 +983,35 @@ def remove_tree(path: str) -> None:
             shutil.rmtree(path, onerror=fix)
     except RecursionError:  # shutil recurses once a level: a job's chain of ~1000 directories
         remove_deep(path)
+
+
+def remove_scratch(paths: list[str], *, detach: bool) -> None:
+    """Remove the task's scratch directories, once its exit-code is written. With `detach` (the local backend,
+    whose slot is this process: it is free when this process is gone) a forked child in a session of its own
+    removes them and this process leaves at once; not where another thread still runs (a copier held by an
+    escaped process, a kill timer), which a fork would not carry, nor under a scheduler that ends whatever a
+    job leaves behind when its script exits (Slurm): there they are removed here, before the exit."""
+    if not paths:
+        return
+    if detach:
+        import threading
+
+        if threading.active_count() == 1:
+            try:
+                pid = os.fork()
+            except OSError:
+                pid = -1
+            if pid == 0:
+                try:
+                    os.setsid()
+                    for path in paths:
+                        remove_tree(path)
+                finally:
+                    os._exit(0)
+            if pid > 0:
+                return
+    for path in paths:
+        remove_tree(path)
 
 
 def remove_deep(path: str) -> None:
@@ -1702,8 +1656,11 @@ def preload() -> None:
         importlib.import_module(name)
 
 
-def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -> tuple[str, dict[str, Any]]:
-    """Run one task; returns (task dir, exit record). Raises WrapperError only before the task dir is known."""
+def main_task(
+    config: dict[str, Any], environ: dict[str, str], runner: Runner, leftover: list[str]
+) -> tuple[str, dict[str, Any]]:
+    """Run one task; returns (task dir, exit record), with the task's scratch directory appended to `leftover`
+    (removed by the caller once exit-code is written). Raises WrapperError only before the task dir is known."""
     launch_dir = config["launch_dir"]
     array = int(config["array"])
     index = task_index(array, environ)
@@ -1737,7 +1694,6 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         with contextlib.suppress(OSError):  # without it, the kernel takes the exit record's time
             write_atomic(tdir, "ended", (now_rfc3339() + "\n").encode())
 
-    scratch = None
     try:
         with open(os.path.join(launch_dir, "command.txt"), "rb") as f:
             command = f.read().decode("utf-8", "replace")
@@ -1748,6 +1704,7 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         import tempfile
 
         scratch = tempfile.mkdtemp(prefix="syscall-job-", dir=base)
+        leftover.append(scratch)
         tree, home, work = (os.path.join(scratch, n) for n in ("tree", "home", "work"))
         for d in (tree, home, work):
             os.mkdir(d, 0o700)
@@ -1767,15 +1724,15 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         venv = venv_source = ""
         kind = config["jail"]["kind"]
         environment = config.get("environment")
-        if environment and environment.get("venv") and kind in ("bwrap", "apptainer"):
-            # The warm cache's own venv, built where the jail binds it (read-only): nothing to build per task.
-            venv, venv_source = environment["mount"], environment["venv"]
-        elif environment:
-            try:
-                venv = prepare_environment(environment, scratch, err_fd, environ.get("PATH"))
-            except WrapperError as e:
-                note(str(e))
-                return tdir, exit_record(e.kind, e.code)
+        if environment:
+            # The warm cache's own venv, read-only, shared by every task: nothing is built per task. A bwrap or
+            # apptainer jail binds it at `mount` (where bwrap built it; relocatable otherwise); with none the job
+            # uses it where it is.
+            venv_source = environment.get("venv") or ""
+            if not venv_source:
+                note("the locked environment names no venv (a cache entry from before venvs were shared)")
+                return tdir, exit_record(KIND_ENVIRONMENT, EXIT_ENVIRONMENT_FAILED)
+            venv = environment["mount"] if kind in ("bwrap", "apptainer") else venv_source
         env = job_env(config, index, home, environ, venv)
         gpu = config.get("gpu") or {}
         gpus = None
@@ -1883,8 +1840,6 @@ def main_task(config: dict[str, Any], environ: dict[str, str], runner: Runner) -
         note("internal error:\n" + traceback.format_exc())
         return tdir, exit_record(KIND_WRAPPER, EXIT_WRAPPER_ERROR)
     finally:
-        if scratch is not None:
-            remove_tree(scratch)
         os.close(out_fd)
         os.close(err_fd)
 
@@ -1899,19 +1854,24 @@ def main() -> int:
     runner = Runner(float(config.get("kill_grace_s", 5.0)))
     runner.install()
     environ = dict(os.environ)
+    leftover: list[str] = []
     try:
-        tdir, rec = main_task(config, environ, runner)
-    except WrapperError as e:
-        sys.stderr.write(f"syscall job wrapper: {e}\n")
-        return e.code
-    rec["finished_at"] = now_rfc3339()
-    rec["host"] = os.uname().nodename
-    try:
-        write_record(tdir, "exit-code", (json.dumps(rec, sort_keys=True) + "\n").encode())
-    except OSError as e:  # no reserve and no room: the backend records the end (kernel.backends.local)
-        sys.stderr.write(f"syscall job wrapper: the exit record could not be written: {e}\n")
-        return EXIT_DISK_FULL if is_disk_full(e) else EXIT_WRAPPER_ERROR
-    return int(rec["code"])
+        try:
+            tdir, rec = main_task(config, environ, runner, leftover)
+        except WrapperError as e:
+            sys.stderr.write(f"syscall job wrapper: {e}\n")
+            return e.code
+        rec["finished_at"] = now_rfc3339()
+        rec["host"] = os.uname().nodename
+        try:
+            write_record(tdir, "exit-code", (json.dumps(rec, sort_keys=True) + "\n").encode())
+        except OSError as e:  # no reserve and no room: the backend records the end (kernel.backends.local)
+            sys.stderr.write(f"syscall job wrapper: the exit record could not be written: {e}\n")
+            return EXIT_DISK_FULL if is_disk_full(e) else EXIT_WRAPPER_ERROR
+        return int(rec["code"])
+    finally:
+        # After exit-code: the task's end is on record before its scratch (the tree, home, work) goes.
+        remove_scratch(leftover, detach=environ.get(DETACH_VAR) == "1")
 
 
 if __name__ == "__main__":

@@ -245,7 +245,7 @@ class Dispatcher:
         ready = self.envs.ready(prepared.key)
         assert ready is not None, prepared.key
         self.envs.touch(prepared.key)
-        env = self.envs.job_environment(prepared.key, prepared.project, ready)
+        env = self.envs.job_environment(prepared.key, prepared.project)
         built = (order.workspace.key, order.sleep.seq) in self.waited
         klog.event(
             "environment_ready",

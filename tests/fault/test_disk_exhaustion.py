@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 from kernelproc import Kernel, git_workspace, run_tool, tool_popen
-from testenv import fill, tmpfs
+from testenv import fill, scratch_gone, tmpfs
 
 pytestmark = pytest.mark.bwrap
 
@@ -141,7 +141,7 @@ def test_a_job_printing_past_the_run_directorys_free_space_fails_its_task_and_th
         assert k.stop() == 0
     finally:
         k.ensure_stopped()
-    assert not list(scratch.glob("syscall-job-*")), "the job's scratch was left behind"
+    scratch_gone(scratch)
 
 
 @pytest.fixture
@@ -282,4 +282,4 @@ def test_a_job_writing_past_its_tree_limit_is_stopped_and_the_disk_does_not_grow
     assert "wrote all" not in task["stdout_tail"], task
     print(f"{name}: the scratch filesystem grew by at most {grown / (1 << 20):.1f} MiB (limit {TREE_MB} MiB)")
     assert grown <= (TREE_MB + OVERSHOOT_MB) << 20, grown
-    assert not list(scratch_fs.glob("syscall-job-*")), "the job's scratch was left behind"
+    scratch_gone(scratch_fs)

@@ -14,11 +14,11 @@ a local HTTPS package index this test starts (127.0.0.1 only, its own CA; no int
 - A lock whose hash is not the wheel's is refused by uv (its sleep woken with environment.failed, refunded).
 - The build jail's profile, run by bwrap: it writes only what it is given, reads the lockfile, and sees neither
   the kernel's state, another entry, /etc/shadow nor the network (when built without it).
-- Each task's offline `uv sync` on the node runs in a bwrap jail too: the operator's interpreter is a launcher
-  that uv runs (it queries the interpreter on every sync); asked to, it reports from inside a task's sync that
-  pid 1 is bwrap, that the kernel's state, the job's tree and the host's directories are out of sight, that the
-  index on the host's loopback cannot be reached, and that only the sync directory is writable; without the
-  request the same sync installs the package and the job imports it.
+- Every task uses the cache entry's one venv, read-only, and runs no uv (bwrap and none): the operator's
+  interpreter is a launcher that would report any uv sync that ran it, and none does; the first of two serial
+  tasks cannot append to, add or remove a module (EROFS, EACCES), the second imports the original, and the
+  package's console script finds the venv's interpreter. With jail = none the mode bits alone hold: a kernel run
+  as `nobody` shows its task refused EACCES.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ import http.server
 import io
 import json
 import os
+import pwd
+import shutil
 import ssl
 import subprocess
+import sys
+import tempfile
 import threading
 import tomllib
 import zipfile
@@ -44,7 +48,7 @@ from localindex import make_tls, uv_lock
 from testenv import need
 
 from channel.paths import workspace_key
-from kernel.io.envcache import canonical_toml
+from kernel.io.envcache import canonical_toml, uv_binary
 from kernel.node.jail import SHARED_VENV, JailPolicy, build_bwrap_argv
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
@@ -60,12 +64,14 @@ PYPROJECT = '[project]\nname = "victim"\nversion = "0.1.0"\ndependencies = ["hos
 
 def make_wheel(markers: list[Path]) -> bytes:
     """A pure wheel whose `hostile.pth` tries, line by line, to write each marker (an `import` line of a `.pth`
-    is executed by site processing whenever an interpreter with that site-packages starts with site on)."""
+    is executed by site processing whenever an interpreter with that site-packages starts with site on); it
+    ships a console script, `hostile-tool`, whose launcher uv writes at install time."""
     pth = "".join(f"import os; open({str(m)!r}, 'w').write('the .pth ran')\n" for m in markers)
     files = {
-        "hostile/__init__.py": "VALUE = 42\n",
+        "hostile/__init__.py": "VALUE = 42\n\n\ndef main():\n    import sys\n\n    print('tool', VALUE, sys.executable)\n",
         "hostile.pth": pth,
         "hostile-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: hostile\nVersion: 1.0\n",
+        "hostile-1.0.dist-info/entry_points.txt": "[console_scripts]\nhostile-tool = hostile:main\n",
         "hostile-1.0.dist-info/WHEEL": (
             "Wheel-Version: 1.0\nGenerator: syscall-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
         ),
@@ -239,6 +245,32 @@ def test_a_wheel_shipping_a_pth_installs_and_its_pth_never_runs_on_the_kernels_h
         assert not marker.exists(), f"{marker}: {marker.read_text()}"
 
 
+# Task 0 tries to change the shared venv three ways (given `try`); every task reports what it runs and imports.
+SHARED_PROBE = """\
+import errno, hashlib, os, shutil, stat, subprocess, sys
+import hostile
+module = hostile.__file__
+if os.environ["SWEEP_INDEX"] == "0" and sys.argv[1] == "try":
+    attempts = (
+        ("append", lambda: open(module, "a").write("VALUE = 0\\n")),
+        ("create", lambda: open(os.path.join(os.path.dirname(module), "added.py"), "w").close()),
+        ("remove", lambda: os.unlink(module)),
+    )
+    for what, attempt in attempts:
+        try:
+            attempt()
+            print(what, "allowed")
+        except OSError as e:
+            print(what, "refused", errno.errorcode[e.errno])
+writable = [p for p in (module, os.path.dirname(module), sys.prefix) if os.stat(p).st_mode & 0o222]
+print("writable", writable or "none")
+tool = shutil.which("hostile-tool")
+print("shebang", open(tool).readline().strip())
+print("ran", subprocess.run([tool], capture_output=True, text=True).stdout.strip())
+print("prefix", sys.prefix, "value", hostile.VALUE, hashlib.sha256(open(module, "rb").read()).hexdigest())
+"""
+
+
 def test_a_backslash_url_is_refused_naming_the_entry_and_the_other_server_is_never_asked(
     setup: Setup,
 ) -> None:
@@ -343,9 +375,14 @@ exec {python} "$@"
 """
 
 
-def test_a_task_binds_the_caches_venv_and_runs_no_uv_of_its_own(
-    tmp_path: Path, bwrap_available: None
+@pytest.mark.parametrize("jail", ["bwrap", "none"])
+def test_every_task_shares_the_caches_read_only_venv_and_runs_no_uv_of_its_own(
+    tmp_path: Path, jail: str, bwrap_available: None
 ) -> None:
+    """One venv per lockfile, used by every task: read-only (bwrap binds it so, over mode bits without a write
+    bit; with jail = none the bits alone, which hold for a kernel user other than root: see the nobody test),
+    its console script's launcher resolves where the task sees the venv, a task's attempts to change it leave
+    the next task the original, and no task runs uv."""
     need("python3 at /usr/bin/python3", os.path.exists(PYTHON), "the jobs' interpreter")
     kernel = Kernel(tmp_path, "")
     site = tmp_path / "site"
@@ -361,7 +398,7 @@ def test_a_task_binds_the_caches_venv_and_runs_no_uv_of_its_own(
         lock = uv_lock(tmp_path, PYPROJECT, index.url, ca, PYTHON)
         kernel.config.write_text(
             kernel.config.read_text()
-            + f'jail = "bwrap"\n[environment]\npython = "{launcher}"\nextra_dirs = ["{site}"]\n'
+            + f'jail = "{jail}"\n[environment]\npython = "{launcher}"\nextra_dirs = ["{site}"]\n'
             + f'index_url = "{index.url}/simple"\n'
         )
         files = {"README": "the sync\n", "pyproject.toml": PYPROJECT, "uv.lock": lock}
@@ -371,19 +408,23 @@ def test_a_task_binds_the_caches_venv_and_runs_no_uv_of_its_own(
         kernel.state.joinpath("marker").write_text("the kernel's state\n")
         (tmp_path / "host-file").write_text("host=seen\n")
 
-        def task(name: str, command: str) -> dict[str, Any]:
+        def tasks(name: str, command: str, *launch: str) -> list[dict[str, Any]]:
             for args in (
-                ("launch", "--name", name, "--minutes", "2", "--", command),
+                ("launch", "--name", name, "--minutes", "2", *launch, "--", command),
                 ("sleep", "--wait", "--json", "--timeout", "170"),
             ):
                 done = run_tool(ws, *args, timeout=180)
                 assert done.returncode == 0, (
                     f"{args}: {done.stdout}{done.stderr}\n{kernel.log_text()[-3000:]}"
                 )
-            [t] = json.loads(done.stdout)["tasks"]
-            return t  # type: ignore[no-any-return]
+            return sorted(json.loads(done.stdout)["tasks"], key=lambda t: int(t["task"]))
 
-        # The kernel built the venv where every job's jail binds it (read-only); no task syncs one of its own.
+        def task(name: str, command: str) -> dict[str, Any]:
+            [t] = tasks(name, command)
+            return t
+
+        # The kernel built the venv where every job's jail binds it (read-only), or with jail = none where every
+        # job uses it; no task syncs one of its own.
         probe = "import hostile, os, sys; print('hostile', hostile.VALUE, sys.prefix, os.stat(hostile.__file__).st_nlink)"
         t = task("imp", f'python -c "{probe}"')
         assert t["state"] == "COMPLETED", t
@@ -391,9 +432,42 @@ def test_a_task_binds_the_caches_venv_and_runs_no_uv_of_its_own(
             line.split()[1:] for line in t["stdout_tail"].splitlines() if "hostile" in line
         ]
         assert value == "42", t
-        assert prefix == SHARED_VENV, "the job's venv is the cache's own, bound at the path it was built at"
+        [entry] = [p.parent for p in (kernel.state / "runs" / "envs").glob("*/ready.json")]
+        if jail == "bwrap":
+            assert prefix == SHARED_VENV, (
+                "the job's venv is the cache's own, bound at the path it was built at"
+            )
+        else:
+            assert prefix == str(entry / "venv"), "the job's venv is the cache's own, where it is"
         # uv hard-linked the module from the cache into the venv (one mount in the build jail), not a copy.
         assert int(links) >= 2, t
+        # Two tasks one after the other: the first tries to change the venv; both report what they see.
+        (ws / "probe_shared.py").write_text(SHARED_PROBE)
+        # With jail = none a task as root could change it (mode bits do not bind root): the nobody test tries.
+        attempt = jail == "bwrap" or os.geteuid() != 0
+        two = tasks("shared", f"python probe_shared.py {'try' if attempt else 'skip'}", "--array", "2")
+        assert [t["state"] for t in two] == ["COMPLETED", "COMPLETED"], two
+        module = next((entry / "venv").glob("lib/python*/site-packages/hostile/__init__.py"))
+        digest = hashlib.sha256(module.read_bytes()).hexdigest()
+        seen = SHARED_VENV if jail == "bwrap" else str(entry / "venv")
+        for t in two:
+            out = dict(line.split(" ", 1) for line in t["stdout_tail"].splitlines())
+            assert out["prefix"] == f"{seen} value 42 {digest}", (out, t["stderr_tail"])
+            assert out["writable"] == "none", out
+            # uv wrote the launcher for where the task sees the venv (bwrap: the path it was built at;
+            # otherwise a relocatable one that finds the interpreter beside itself): it runs the venv's python.
+            assert out["shebang"] == (f"#!{SHARED_VENV}/bin/python" if jail == "bwrap" else "#!/bin/sh"), out
+            assert out["ran"] == f"tool 42 {seen}/bin/python", out
+        if attempt:
+            first = dict(line.split(" ", 1) for line in two[0]["stdout_tail"].splitlines())
+            said = [first[w] for w in ("append", "create", "remove")]
+            if jail == "bwrap":
+                # The mode bits refuse what the kernel checks first (a file's write), the read-only bind the rest.
+                assert set(said) <= {"refused EROFS", "refused EACCES"}, first
+                assert "refused EROFS" in said, first
+            else:
+                assert said == ["refused EACCES"] * 3, first
+        assert not list(module.parent.glob("added.py"))
         # Asked to report, the operator's interpreter would say what a task's uv sync sees: no task runs one.
         (site / "report").write_text("")
         t = task("probe", "echo ran")
@@ -405,3 +479,95 @@ def test_a_task_binds_the_caches_venv_and_runs_no_uv_of_its_own(
     finally:
         kernel.ensure_stopped()
         index.close()
+
+
+def nobodys_python(base: Path) -> str:
+    """An interpreter `nobody` can start that imports this checkout's kernel (the test's own may lie under
+    root's home): a venv of the system's Python of the same version, with the test's site-packages added and
+    the uv binary beside it (where `uv.find_uv_bin` looks)."""
+    system = Path(f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}")
+    need(str(system), system.exists(), "the kernel's interpreter for the unprivileged user")
+    shim = base / "python"
+    subprocess.run([str(system), "-m", "venv", "--without-pip", str(shim)], check=True, timeout=120)
+    here = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
+    (shim / "lib" / system.name / "site-packages" / "test-site.pth").write_text(
+        f"import site; site.addsitedir({str(here)!r})\n"
+    )
+    (shim / "bin" / "uv").symlink_to(uv_binary())
+    return str(shim / "bin" / "python")
+
+
+def test_with_jail_none_a_kernel_user_other_than_root_cannot_change_the_shared_venv() -> None:
+    """With jail = none nothing but the venv's mode bits keeps a task from changing what every task uses: a
+    kernel (and so every task) running as `nobody` here. Its first task's three attempts are refused EACCES and
+    the next task imports the original module. (As root the bits bind nothing, as jail = none contains nothing:
+    docs/operator.md.)"""
+    if os.geteuid() != 0:
+        pytest.skip(
+            "runs the kernel as another user; as that user the shared-venv test above tries the writes"
+        )
+    need("setpriv", shutil.which("setpriv") is not None, "switches to the unprivileged user")
+    need("python3 at /usr/bin/python3", os.path.exists(PYTHON), "the jobs' interpreter")
+    account = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix="sk-envnone-"))  # pytest's directories are root's alone
+    as_nobody = ["setpriv", f"--reuid={account.pw_uid}", f"--regid={account.pw_gid}", "--clear-groups"]
+    env = {
+        **os.environ,
+        "HOME": str(base),
+        "SSL_CERT_FILE": "",
+        "NO_PROXY": "127.0.0.1",
+        "no_proxy": "127.0.0.1",
+    }
+    ca, context = make_tls(base)
+    env["SSL_CERT_FILE"] = str(ca)
+    index = Server(context, make_wheel([]), index=True)
+    kernel = Kernel(base, "")
+    try:
+        lock = uv_lock(base, PYPROJECT, index.url, ca, PYTHON)
+        kernel.config.write_text(
+            kernel.config.read_text()
+            + f'jail = "none"\n[environment]\npython = "{PYTHON}"\nindex_url = "{index.url}/simple"\n'
+        )
+        files = {
+            "README": "nobody's\n",
+            "pyproject.toml": PYPROJECT,
+            "uv.lock": lock,
+            "probe.py": SHARED_PROBE,
+        }
+        ws = make_workspace(base / "spaces" / "ws", files)
+        for p in [base, *base.rglob("*")]:
+            os.chown(p, account.pw_uid, account.pw_gid, follow_symlinks=False)
+        base.chmod(0o755)
+
+        def nobody(*argv: str, cwd: Path) -> str:
+            done = subprocess.run(
+                [*as_nobody, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
+            )
+            assert done.returncode == 0, f"{argv}: {done.stdout}{done.stderr}\n{kernel.log_text()[-3000:]}"
+            return done.stdout
+
+        python = nobodys_python(base)
+        cli = [python, "-m", "kernel.cli"]
+        nobody(*cli, "enroll", str(ws), "--config", str(kernel.config), "--launches", "4", cwd=kernel.root)
+        kernel.start(env=env, prefix=as_nobody, python=python)
+        tool = [python, str(ws / ".syscall" / "syscall")]
+        nobody(*tool, "launch", "--name", "shared", "--array", "2", "--", "python probe.py try", cwd=ws)
+        wake = json.loads(nobody(*tool, "sleep", "--wait", "--json", "--timeout", "170", cwd=ws))
+        two = sorted(wake["tasks"], key=lambda t: int(t["task"]))
+        assert [t["state"] for t in two] == ["COMPLETED", "COMPLETED"], two
+        [entry] = [p.parent for p in (kernel.state / "runs" / "envs").glob("*/ready.json")]
+        module = next((entry / "venv").glob("lib/python*/site-packages/hostile/__init__.py"))
+        assert module.stat().st_uid == account.pw_uid, "the kernel's user owns the venv: only the bits hold"
+        digest = hashlib.sha256(module.read_bytes()).hexdigest()
+        first = dict(line.split(" ", 1) for line in two[0]["stdout_tail"].splitlines())
+        assert [first[w] for w in ("append", "create", "remove")] == ["refused EACCES"] * 3, first
+        for t in two:
+            out = dict(line.split(" ", 1) for line in t["stdout_tail"].splitlines())
+            assert out["prefix"] == f"{entry / 'venv'} value 42 {digest}", out
+        assert not list(module.parent.glob("added.py"))
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+        index.close()
+        subprocess.run(["chmod", "-R", "u+w", str(base)], check=False)
+        shutil.rmtree(base, ignore_errors=True)

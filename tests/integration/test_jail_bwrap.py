@@ -30,6 +30,7 @@ from test_local_backend import (
     wait_for,
     with_backend,
 )
+from testenv import scratch_gone
 
 from kernel.backends import jobscript
 from kernel.backends import local as L
@@ -80,6 +81,7 @@ def test_a_job_succeeds_on_the_dirty_snapshot_and_delivers_an_artifact(
     assert ".git" not in listing, "the job must not reach the repository"
     assert ".syscall" not in listing
     assert sorted(listing) == ["data", "dirty.txt", "out", "train.py"]
+    scratch_gone(w.scratch)
     assert list(w.scratch.iterdir()) == []
 
 

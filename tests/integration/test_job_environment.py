@@ -1,8 +1,8 @@
 """What a job sees, end to end: a real kernel, real uv, real bwrap, the local backend.
 
 - A workspace with `pyproject.toml` + `uv.lock` (made by `uv lock` here, against PyPI) depending on `six`: its
-  job imports it from a private venv with the network cut; the next sleep, in this workspace and in another with
-  the same lockfile, reuses the warm cache (nothing downloaded: the cache's files are unchanged and the log says
+  job imports it from the read-only venv the kernel built for that lock, with the network cut; the next sleep, in
+  this workspace and in another with the same lockfile, reuses the warm cache (nothing downloaded: the cache's files are unchanged and the log says
   `built: false`); a lockfile that does not install is refused before anything is submitted, and refunded.
 - Every job variable is set in every task; `environment.extra_dirs` is on PATH and read-only.
 - Limits ([local] mem_mb, max_procs, tmp_mb): a memory hog ends OUT_OF_MEMORY (FAILED where only rlimits are
@@ -187,7 +187,7 @@ def test_a_locked_environment_is_built_once_and_imported_offline(env: Env) -> No
     assert "six 1.16.0" in out
     assert "network off" in out
     prefix = out.split("prefix ", 1)[1].split("\n", 1)[0]
-    assert prefix != "/usr", "python must be the private venv's, not the system's"
+    assert prefix != "/usr", "python must be the locked venv's, not the system's"
     ready = [e for e in env.log_events("environment_ready") if e.get("ws") == env.key("locked")]
     assert [e["built"] for e in ready] == ["True"]
     [entry] = [

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 from kernelproc import Kernel, git_workspace, put_request, read_answer, wait_for
+from testenv import scratch_gone
 
 from channel.paths import workspace_key
 from kernel.backends.local import PID_FILE, PidRecord
@@ -93,4 +94,4 @@ def test_a_job_runs_across_a_kernel_restart_and_its_wake_comes_from_the_next_ker
     after = kernel.log_text()[log_before:]
     for event in ("event=task_ended", "event=woken"):
         assert event in after, f"{event}: the wake did not come from the next kernel"
-    assert not list(scratch.glob("syscall-job-*")), "the job's scratch was left behind"
+    scratch_gone(scratch)

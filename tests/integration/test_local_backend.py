@@ -6,10 +6,13 @@ Timing facts come from the wrapper's own `started`/`ended` files; waits are on c
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
+import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -23,7 +26,8 @@ import anyio
 import msgspec
 import pytest
 from kernelproc import PLAIN_GIT
-from testenv import fill, tmpfs
+from testenv import fill, scratch_gone, tmpfs
+from watchdog.observers import inotify_c as ic
 
 from kernel.backends import jobscript
 from kernel.backends import local as L
@@ -179,7 +183,96 @@ def test_success_failure_and_outputs(world: World) -> None:
     assert text(ok, "stdout") == "measured as it is\n"
     assert text(ok, "stderr") == "to-err\n"
     assert (result(bad).code, result(bad).kind) == (3, "exited")
-    assert list(world.scratch.iterdir()) == [], "scratch must be removed on every exit"
+    scratch_gone(world.scratch)  # on every exit
+    assert list(world.scratch.iterdir()) == []
+
+
+IN_MOVED_TO, IN_DELETE, IN_ISDIR = 0x80, 0x200, 0x40000000
+
+
+class DirEvents:
+    """One inotify queue over several directories: its events in the order the kernel made them, across them."""
+
+    def __init__(self, dirs: list[Path]) -> None:
+        self.fd = ic.inotify_init()
+        assert self.fd >= 0
+        self.dirs = {ic.inotify_add_watch(self.fd, os.fsencode(d), IN_MOVED_TO | IN_DELETE): d for d in dirs}
+
+    def read(self) -> list[tuple[Path, int, str]]:
+        """What is queued now, as (directory, mask, name)."""
+        out = []
+        try:
+            while select.select([self.fd], [], [], 0)[0]:
+                buf = os.read(self.fd, 1 << 16)
+                while buf:
+                    wd, mask, _cookie, size = struct.unpack_from("iIII", buf)
+                    name = buf[16 : 16 + size].rstrip(b"\0").decode()
+                    out.append((self.dirs[wd], mask, name))
+                    buf = buf[16 + size :]
+        finally:
+            os.close(self.fd)
+        return out
+
+
+def test_exit_code_is_written_before_the_scratch_is_removed(world: World) -> None:
+    """Run as Slurm runs job.sh (no detached cleanup): the end is on record first, then the tree goes."""
+    spec = world.spec("order", "mkdir -p a/b && echo x > a/b/c")
+    tdir = spec.task_dir(0)
+    tdir.mkdir(parents=True, exist_ok=True)
+    watch = DirEvents([tdir, world.scratch])
+    env = jobscript.wrapper_env({"PATH": "/usr/bin:/bin"}, task=0, tmpdir=str(world.scratch))
+    job = spec.paths.launch_dir / "job.sh"
+    done = subprocess.run([sys.executable, "-I", "-S", str(job)], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = watch.read()
+    recorded = seen.index((tdir, IN_MOVED_TO, "exit-code"))
+    [removed] = [
+        i for i, (d, mask, _) in enumerate(seen) if d == world.scratch and mask == IN_DELETE | IN_ISDIR
+    ]
+    assert recorded < removed, seen
+    assert list(world.scratch.iterdir()) == []
+
+
+def test_the_local_backend_frees_the_slot_while_a_child_of_the_wrapper_removes_the_scratch(
+    world: World,
+) -> None:
+    """The slot is the wrapper's process: it is gone once exit-code is written, and a child it left (reparented
+    to this process, a subreaper for the test) removes the scratch."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    try:
+        spec = world.spec("slot", "mkdir -p a/b && echo x > a/b/c")
+
+        async def go(b: L.LocalBackend) -> None:
+            await b.submit(spec)
+            await exits(b, 1)
+
+        with_backend(go)
+        assert (result(spec).code, result(spec).kind) == (0, "exited")
+        # The backend ran the wrapper with this interpreter; a child of it that has exited is a zombie now, so
+        # it is told by its command name (a zombie's command line reads empty).
+        left = [pid for pid, name in children_of(os.getpid()) if name == Path(sys.executable).name[:15]]
+        assert left, "no process of the wrapper outlived it: the scratch was removed before the slot was free"
+        for pid in left:
+            os.waitpid(pid, 0)
+        assert list(world.scratch.iterdir()) == []
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def children_of(parent: int) -> list[tuple[int, str]]:
+    """(pid, command name) of the processes (zombies too) whose parent is `parent`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                raw = (entry / "stat").read_bytes()
+                if int(raw[raw.rindex(b")") + 2 :].split()[1]) == parent:
+                    out.append((int(entry.name), raw[raw.index(b"(") + 1 : raw.rindex(b")")].decode()))
+    return out
 
 
 def test_empty_command_and_failed_materialisation_have_their_own_codes(world: World) -> None:
@@ -198,6 +291,7 @@ def test_empty_command_and_failed_materialisation_have_their_own_codes(world: Wo
         "materialise_failed",
     )
     assert "[syscall-wrapper]" in text(broken, "stderr")
+    scratch_gone(world.scratch)
     assert list(world.scratch.iterdir()) == []
 
 
@@ -442,13 +536,17 @@ def test_the_job_script_runs_on_the_oldest_and_newest_pythons(world: World, pyth
     )
     job = spec.paths.launch_dir / "job.sh"
     for task in range(2):
-        env = jobscript.wrapper_env({"PATH": "/usr/bin:/bin"}, task=task, tmpdir=str(world.scratch))
+        # task 1 as the local backend runs it: its scratch removed by a detached child (a fork on this Python)
+        env = jobscript.wrapper_env(
+            {"PATH": "/usr/bin:/bin"}, task=task, tmpdir=str(world.scratch), detach_cleanup=task == 1
+        )
         done = subprocess.run(
             [python, "-W", "error", str(job)], env=env, capture_output=True, text=True, timeout=60
         )
         assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
         assert (result(spec, task).code, text(spec, "stdout", task)) == (0, "measured as it is\n")
         assert (spec.task_dir(task) / "artifacts" / "out" / "i.txt").read_text() == f"{task}\n"
+    scratch_gone(world.scratch)
     assert list(world.scratch.iterdir()) == []
 
 

@@ -442,7 +442,11 @@ def _spec(**kw: object) -> JobSpec:
 
 def test_the_wrapper_is_told_the_job_variables_environment_gpus_and_limits() -> None:
     envspec = J.JobEnvironment(
-        uv="/k/uv", cache="/runs/envs/k/uv", project="/runs/envs/k/project", python="/usr/bin/python3"
+        uv="/k/uv",
+        cache="/runs/envs/k/uv",
+        project="/runs/envs/k/project",
+        python="/usr/bin/python3",
+        venv="/runs/envs/k/venv",
     )
     spec = _spec(
         environment=envspec, gpus=2, jail=J.JailPolicy(mem_mb=512, max_procs=100), path_dirs=("/opt/site",)
@@ -456,9 +460,6 @@ def test_the_wrapper_is_told_the_job_variables_environment_gpus_and_limits() -> 
     assert env["PATH"].startswith(J.VENV_TOKEN + "/bin:/opt/site:")
     assert cfg["index_vars"] == ["SWEEP_INDEX", "SLURM_ARRAY_TASK_ID", "SYSCALL_TASK"]
     environment = dict(cfg["environment"])  # type: ignore[call-overload]
-    assert environment.pop("sync") == J.sync_template(
-        J.JailPolicy(), envspec
-    )  # the policy's jail kind: bwrap
     assert environment == {
         "uv": "/k/uv",
         "cache": "/runs/envs/k/uv",
@@ -466,14 +467,14 @@ def test_the_wrapper_is_told_the_job_variables_environment_gpus_and_limits() -> 
         "python": "/usr/bin/python3",
         "python_install_dir": None,
         "lock_sha256": "",
-        "venv": None,  # no shared venv: each task syncs its own
+        "venv": "/runs/envs/k/venv",  # the cache entry's, shared by every task: none syncs its own
         "mount": J.SHARED_VENV,
     }
     assert cfg["gpu"] == {"count": 2, "constrained": False}
     assert cfg["limits"] == {"mem_mb": 512, "max_procs": 100, "tree_mb": 0, "cpus": 0}
     assert cfg["forward_vars"] == ["CUDA_VISIBLE_DEVICES"]
     argv = cfg["jail"]["argv"]  # type: ignore[index]
-    # bound from the venv the node has (its own, or the cache's) at the path the job sees
+    # bound from the cache entry's venv at the path the job sees
     assert argv[argv.index("--ro-bind") + 1 : argv.index("--ro-bind") + 3] == [
         J.VENV_SOURCE_TOKEN,
         J.VENV_TOKEN,
@@ -573,9 +574,45 @@ def test_prune_removes_caches_unused_for_keep_days(tmp_path: Path) -> None:
         (entry / E.USED).touch()
         os.utime(entry / E.USED, (now - age_days * 86400, now - age_days * 86400))
         os.utime(entry, (now - age_days * 86400, now - age_days * 86400))
+    # An entry's venv is read-only (make_read_only): pruning restores the owner's bits on directories first.
+    (root / "old" / "venv" / "lib").mkdir(parents=True)
+    (root / "old" / "venv" / "lib" / "m.py").write_text("x = 1\n")
+    E.make_read_only(root / "old" / "venv")
     removed = cache.prune(now)
     assert removed == ["old"]
     assert sorted(p.name for p in root.iterdir()) == ["fresh", E.PYTHON_DIR, "workspaces"]
+
+
+def test_the_shared_venv_is_left_without_a_write_bit_and_its_links_untouched(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib" / "pkg").mkdir(parents=True)
+    (venv / "lib" / "pkg" / "m.py").write_text("x = 1\n")
+    (venv / "bin" / "tool").write_text("#!/bin/sh\n")
+    (venv / "bin" / "tool").chmod(0o775)
+    outside = tmp_path / "outside"
+    outside.write_text("not the venv's\n")
+    (venv / "bin" / "python").symlink_to(outside)
+    E.make_read_only(venv)
+    modes = {
+        str(p.relative_to(tmp_path)): stat.S_IMODE(p.lstat().st_mode)
+        for p in [venv, *venv.rglob("*")]
+        if not p.is_symlink()
+    }
+    assert modes == {
+        "venv": 0o555,
+        "venv/bin": 0o555,
+        "venv/lib": 0o555,
+        "venv/lib/pkg": 0o555,
+        "venv/lib/pkg/m.py": 0o444,
+        "venv/bin/tool": 0o555,
+    }
+    assert stat.S_IMODE(os.stat(outside).st_mode) & 0o200, "a link's target is not the venv's to change"
+    E.remove_entry(tmp_path)
+    assert not tmp_path.exists()
 
 
 def test_uv_is_given_the_accepted_files_in_canonical_form() -> None:

@@ -325,7 +325,6 @@ def test_wrapper_tokens_match_the_kernels() -> None:
         W.VENV_TOKEN,
         W.VENV_SOURCE_TOKEN,
         W.GPU_TOKEN,
-        W.SYNC_TOKEN,
     ) == (
         J.TREE_TOKEN,
         J.HOME_TOKEN,
@@ -335,74 +334,8 @@ def test_wrapper_tokens_match_the_kernels() -> None:
         J.VENV_TOKEN,
         J.VENV_SOURCE_TOKEN,
         J.GPU_TOKEN,
-        J.SYNC_TOKEN,
     )
     assert W.GPU_CONTROL == J.GPU_CONTROL
-
-
-SYNC_ENV = J.JobEnvironment(
-    uv="/opt/kernel/bin/uv",
-    cache="/srv/runs/envs/k/uv",
-    project="/srv/runs/envs/k/project",
-    python="/usr/bin/python3",
-    python_install_dir="/srv/runs/envs/python",
-)
-# The job jail's policy as kernel.backends.jobscript makes it: the state, the run directory and the workspace
-# hidden, the uv-managed Python directory read-only, the job's network on.
-SYNC_POLICY = J.JailPolicy(
-    network=True,
-    hide=("/srv/state", "/srv/runs", "/home/agent/ws"),
-    ro_dirs=("/opt/site", "/srv/runs/envs/python"),
-    venv=True,
-)
-
-
-def test_a_tasks_uv_sync_runs_in_a_bwrap_jail_writing_only_its_sync_directory() -> None:
-    sync = J.sync_template(SYNC_POLICY, SYNC_ENV)
-    argv = sync["argv"]
-    assert isinstance(argv, list)
-    head, command = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
-    assert head[0] == "bwrap"
-    _assert_isolated(head)  # --unshare-net even though the job's own jail has the network
-    assert head.count("--disable-userns") == 1
-    assert not set(J.NETWORK_ETC) & set(head)
-    # Writable: exactly the sync directory (the cache's link copy, the venv and uv's home: one mount).
-    assert _pairs(head, "--bind") == [(J.SYNC_TOKEN, J.SYNC_TOKEN)]
-    assert sync["cache"] == f"{J.SYNC_TOKEN}/uv-cache"
-    assert sync["venv"] == f"{J.SYNC_TOKEN}/env"
-    assert sync["home"] == f"{J.SYNC_TOKEN}/uv-home"
-    # Read-only: the uv binary and the project, each at its own path, besides the system and the policy's dirs.
-    assert _pairs(head, "--ro-bind") == [(SYNC_ENV.uv, SYNC_ENV.uv), (SYNC_ENV.project, SYNC_ENV.project)]
-    tried = _pairs(head, "--ro-bind-try")
-    assert {a for a, _ in tried} == {*J.DEFAULT_SYSTEM_DIRS, *J.DEFAULT_ETC, *SYNC_POLICY.ro_dirs}
-    assert all(a == b for a, b in tried)
-    # Nothing of the run directory but the project, nothing of the state or the workspace is bound.
-    sources = [
-        a for flag in ("--bind", "--ro-bind", "--ro-bind-try", "--dev-bind") for a, _ in _pairs(head, flag)
-    ]
-    for private in ("/srv/state", "/srv/runs", "/home/agent/ws"):
-        assert not [s for s in sources if s == private or private.startswith(s.rstrip("/") + "/")], private
-    assert [s for s in sources if s.startswith("/srv/runs/")] == [SYNC_ENV.project, "/srv/runs/envs/python"]
-    assert not [s for s in sources if s.startswith(("/srv/state", "/home/agent"))]
-    assert _pairs(head, "--chdir", 1) == [(J.SYNC_TOKEN,)]
-    env = dict(_pairs(head, "--setenv"))
-    assert env["UV_CACHE_DIR"] == sync["cache"]
-    assert env["UV_PROJECT_ENVIRONMENT"] == sync["venv"]
-    assert env["HOME"] == sync["home"]
-    assert env["UV_LINK_MODE"] == "hardlink"
-    assert env["UV_OFFLINE"] == "1"
-    assert env["UV_PYTHON_INSTALL_DIR"] == "/srv/runs/envs/python"
-    assert command == J.sync_argv(SYNC_ENV.uv, SYNC_ENV.project, SYNC_ENV.python, offline=True)
-    assert "--offline" in command
-    assert sync["env"] == {"PATH": J.JAIL_PATH}, "bwrap itself is started with nothing of the wrapper's"
-
-
-@pytest.mark.parametrize("kind", ["apptainer", "none"])
-def test_a_tasks_uv_sync_without_a_bwrap_jail_runs_unjailed_as_before(kind: J.JailKind) -> None:
-    sync = J.sync_template(J.JailPolicy(kind=kind, image="/img.sif"), SYNC_ENV)
-    assert sync["argv"] == J.sync_argv(SYNC_ENV.uv, SYNC_ENV.project, SYNC_ENV.python, offline=True)
-    assert sync["env"] == J.sync_env(SYNC_ENV, J.SYNC_TOKEN)
-    assert sync["venv"] == f"{J.SYNC_TOKEN}/env"
 
 
 def test_the_listing_jail_binds_the_workspace_and_scratch_read_only_without_network_state_or_run_dir() -> (
