@@ -1044,7 +1044,9 @@ class EnvCache:
         if got is None:
             raise EnvironmentFailed("uv could not create the environment's venv: it timed out")
         if got[0] != 0:
-            said = tail(got[1].decode("utf-8", "replace")) or f"it exited with status {got[0]} and said nothing"
+            said = (
+                tail(got[1].decode("utf-8", "replace")) or f"it exited with status {got[0]} and said nothing"
+            )
             raise EnvironmentFailed(f"uv could not create the environment's venv: {said}")
 
     async def _compile(self, tmp: Path, at: Path, shared: bool, log: Path) -> None:

@@ -199,7 +199,10 @@ def test_a_build_whose_builder_died_is_found_stale_and_built_again(
     (root / E.BUILDS_DIR / f"{p.key}.json").write_bytes(msgspec.json.encode(dead))
     left = root / f".{p.key}.999999.1.tmp"
     (left / "uv").mkdir(parents=True)
-    with caplog.at_level(logging.INFO), pytest.raises(E.EnvironmentFailed, match="exited with status 1 and said nothing"):
+    with (
+        caplog.at_level(logging.INFO),
+        pytest.raises(E.EnvironmentFailed, match="exited with status 1 and said nothing"),
+    ):
         anyio.run(c.build, p)  # uv is /bin/false: the build runs, and fails
     assert "environment_build_stale" in caplog.text
     assert not left.exists()
