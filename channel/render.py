@@ -485,11 +485,20 @@ def render_header(w: Wake) -> str:
 
 
 def render_error(w: Wake) -> str:
-    """Why none of an accepted sleep's tasks ran (its environment build failed), and that it was refunded."""
+    """Why none of an accepted sleep's tasks ran (its environment build failed), and that it was refunded; for a
+    submit, that it reached no verdict and is not counted among the day's submits (Store.submits_since)."""
     assert w.error is not None
+    submit = any(t.launch in L.EVAL_LAUNCH_NAMES for t in w.tasks)
+    verdict = (
+        " No verdict was reached: none of the submit's evaluation runs ran, and this submit does not count toward "
+        "the workspace's max_submits_per_day."
+        if submit
+        else ""
+    )
     return (
         f"None of this sleep's tasks ran: `{w.error.code}`. Its whole charge (the sleep, its launches and their "
-        "GPU-hours) is refunded.\n\n" + data_block("The kernel's message, with uv's output", w.error.message)
+        f"GPU-hours) is refunded.{verdict}\n\n"
+        + data_block("The kernel's message, with uv's output", w.error.message)
     )
 
 

@@ -87,6 +87,17 @@ def eval_oom_hint(limit_mb: int | None) -> str:
     )
 
 
+def eval_timeout_hint(minutes: int) -> str:
+    """The hint of a submit's evaluation run stopped at its walltime: no launch declared it, the submit's
+    `eval_minutes` (else the contract's) did."""
+    return (
+        f"stopped for running past its walltime of {minutes} minutes (the submit's `eval_minutes`, else the "
+        "contract's) once the backend enforced it, which can be later (its elapsed time says when); a submit can "
+        "ask for more with `eval_minutes` (`submit --minutes`, up to kernel.json policy.max_minutes), or the "
+        "evaluation must be made faster"
+    )
+
+
 def oom_hint(limit_mb: int | None, asked_mb: int | None, max_mem_mb: int) -> str:
     """The hint of a task killed for its memory: the limit it had (`limit_mb`; None where the kernel does not know
     it), whether its launch asked for it (`asked_mb`, `launch --mem`) or had the site's default, and how to get

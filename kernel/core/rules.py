@@ -104,8 +104,8 @@ def accept_sleep(
     submits: tuple[int, str | None] = (0, None),
 ) -> Acceptance:
     """Decide a sleep: RequestError (nothing charged) or the charged balance and the PENDING tasks to record.
-    `submits`: how many sleeps carrying a submit were accepted since `submit_window_start(now)`, and the oldest's
-    `created_at`.
+    `submits`: how many sleeps carrying a submit that count were accepted since `submit_window_start(now)` (one
+    woken with no verdict, none of its runs run, does not: Store.submits_since), and the oldest's `created_at`.
 
     Cheap refusals in the spec's order: policy, then kernel state, then budget.
     """
@@ -122,8 +122,8 @@ def accept_sleep(
         oldest = submits[1] or now
         raise RequestError(
             "budget.submits_per_day",
-            f"this workspace may have at most {bound} submits accepted in any 24 hours, and {submits[0]} were "
-            f"accepted since {oldest}; the next can be accepted from "
+            f"this workspace may have at most {bound} submits accepted in any 24 hours, and {submits[0]} counting "
+            f"toward it were accepted since {oldest}; the next can be accepted from "
             f"{timestamp_of(parse_time(oldest) + SUBMIT_WINDOW_S)} (a sleep without `submit` can be now)",
             "$.submit",
         )

@@ -1212,11 +1212,14 @@ class Store:
         )
 
     def submits_since(self, workspace: str, since: str) -> tuple[int, str | None]:
-        """How many sleeps carrying a submit the workspace has had accepted at or after `since` (rejected ones
-        are not counted: they ran nothing), and when the oldest of them was."""
+        """How many sleeps carrying a submit the workspace has had accepted at or after `since`, and when the
+        oldest of them was. Not counted: rejected ones, and those gathered with no verdict (none of their runs
+        ran: their environment build failed, `Waker.wake_unrun`; a judged submit has its verdict recorded in the
+        transaction that gathers it)."""
         row = self._one(
             "SELECT COUNT(*), MIN(created_at) FROM sleeps WHERE workspace=? AND submit IS NOT NULL "
-            "AND state != 'rejected' AND created_at >= ?",
+            "AND state != 'rejected' AND NOT (state IN ('gathered', 'woken') AND verdict IS NULL) "
+            "AND created_at >= ?",
             (workspace, since),
         )
         assert row is not None

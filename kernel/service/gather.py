@@ -366,7 +366,8 @@ def task_result(
     that, and a plain failure whose stderr shows a missing import gets that import's hint (`environment_mode`:
     what the kernel builds jobs' environments from). A task killed for its memory gets the hint of its limit and
     how to ask for more (`memory`: the default limit of a task that asked for none, and the workspace's
-    `max_mem_mb`; without it, the end's own hint). The artifacts of a task stopped before its command ended
+    `max_mem_mb`; without it, the end's own hint); a submit's evaluation run stopped at its walltime, the hint
+    of the submit's `eval_minutes` (no launch declared it). The artifacts of a task stopped before its command ended
     (STOPPED_TASK_STATES) are delivered all the same, marked partial."""
     hint = files.hint
     if job.state == "OUT_OF_MEMORY" and memory is not None:
@@ -376,6 +377,8 @@ def task_result(
             if job.launch in L.EVAL_LAUNCH_NAMES
             else exits.oom_hint(job.mem_mb or default_mb, job.mem_mb, max_mem_mb)
         )
+    if job.state == "TIMEOUT" and job.launch in L.EVAL_LAUNCH_NAMES and hint is None:
+        hint = exits.eval_timeout_hint(job.minutes)
     if task_dir is None:
         hint = HINT_CANCELLED_EARLY if job.state == "CANCELLED" else None
     if hint == HINT_FAILED and files.stderr is not None:

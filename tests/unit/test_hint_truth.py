@@ -28,6 +28,7 @@ from kernel.service.gather import LogScan, TaskFiles, task_result
 
 MAX_MEM_MB = 65536
 DEFAULT_MEM_MB = 4096
+MINUTES = 10  # every case's walltime
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def cases() -> list[Case]:
 def seen(c: Case) -> Seen:
     end = exits.outcome(c.kind, 1, "SIGTERM", scheduler=c.scheduler, detail=c.detail)  # type: ignore[arg-type]
     job = JobRow(
-        "w-1", 3, c.launch, 0, 1, 0, "python train.py", 10, 0, (), "", 0, end.state,
+        "w-1", 3, c.launch, 0, 1, 0, "python train.py", MINUTES, 0, (), "", 0, end.state,
         exit_code=end.exit_code, signal=end.signal,
     )  # fmt: skip
     files = TaskFiles(stdout=_scan(c.stdout), stderr=_scan(c.stderr), hint=end.hint)
@@ -116,6 +117,10 @@ CLAIMS: tuple[tuple[str, Callable[[Seen], bool]], ...] = (
     (r"wrote nothing to stderr|left no message", lambda s: not s.task.stderr_tail.strip()),
     (r"printed nothing", lambda s: not (s.task.stdout_tail.strip() or s.task.stderr_tail.strip())),
     (r"walltime", lambda s: s.task.state == "TIMEOUT"),
+    # an evaluation run's walltime is the submit's `eval_minutes`, else the contract's: no launch declared it
+    (r"walltime you declared|ask for more minutes", lambda s: not s.case.evaluation),
+    (r"eval_minutes", lambda s: s.task.state == "TIMEOUT" and s.case.evaluation),
+    (r"its walltime of (\d+) minutes", lambda s: f"its walltime of {MINUTES} minutes" in s.hint),
     (r"its elapsed time says when", lambda s: s.task.elapsed_s is not None),
     (r"memory", lambda s: s.task.state == "OUT_OF_MEMORY" or "disk" in s.hint),
     (r"--mem MB", lambda s: s.task.state == "OUT_OF_MEMORY" and not s.case.evaluation),

@@ -399,7 +399,7 @@ def test_a_submit_past_the_daily_bound_is_refused_saying_when_the_next_can_be() 
         accept_sleep(ws_row(3), None, submit_req(), 9, NOW, (3, "2026-12-01T15:30:00.000Z"))
     assert exc.value.code == "budget.submits_per_day"
     assert (
-        "at most 3 submits accepted in any 24 hours, and 3 were accepted since 2026-12-01T15:30:00.000Z"
+        "at most 3 submits accepted in any 24 hours, and 3 counting toward it were accepted since 2026-12-01T15:30:00.000Z"
         in (str(exc.value))
     )
     assert "the next can be accepted from 2026-12-02T15:30:00.000Z" in str(exc.value)
@@ -413,17 +413,21 @@ def test_the_store_counts_accepted_submits_in_the_window(tmp_path: Path) -> None
     with s.transaction():
         s.put_workspace(ws_row(3))
         submit = msgspec.json.encode(Submit(report="r"))
-        for seq, (state, at, sub) in enumerate(
+        judged = b'{"outcome": "improved"}'  # what of the verdict is read here: that there is one
+        for seq, (state, at, sub, verdict) in enumerate(
             [
-                ("woken", "2026-12-01T11:59:59.999Z", submit),  # before the window
-                ("woken", "2026-12-01T12:00:00.000Z", submit),
-                ("rejected", "2026-12-01T13:00:00.000Z", submit),  # ran nothing
-                ("woken", "2026-12-01T14:00:00.000Z", None),  # no submit
-                ("woken", "2026-12-02T11:00:00.000Z", submit),
+                ("woken", "2026-12-01T11:59:59.999Z", submit, judged),  # before the window
+                ("woken", "2026-12-01T12:00:00.000Z", submit, judged),
+                ("rejected", "2026-12-01T13:00:00.000Z", submit, None),  # ran nothing
+                ("woken", "2026-12-01T14:00:00.000Z", None, None),  # no submit
+                ("woken", "2026-12-01T15:00:00.000Z", submit, None),  # none of its runs ran: no verdict
+                ("gathered", "2026-12-01T16:00:00.000Z", submit, None),  # the same, its wake not written yet
+                ("woken", "2026-12-02T11:00:00.000Z", submit, judged),
+                ("running", "2026-12-02T11:30:00.000Z", submit, None),  # its verdict still to come
             ],
             start=1,
         ):
-            s.insert_sleep(SleepRow("w-1", seq, f"s{seq}", state, "", sub, at, None, None))
-    assert s.submits_since("w-1", submit_window_start(NOW)) == (2, "2026-12-01T12:00:00.000Z")
+            s.insert_sleep(SleepRow("w-1", seq, f"s{seq}", state, "", sub, at, None, verdict))
+    assert s.submits_since("w-1", submit_window_start(NOW)) == (3, "2026-12-01T12:00:00.000Z")
     assert timestamp(0) == "1970-01-01T00:00:00.000Z"
     s.close()
