@@ -2416,7 +2416,7 @@ def sleep_line(sleep: Dict[str, Any], done: int, total: int) -> str:
     """One line on a sleep: woken (when), rejected, or still in progress (since when)."""
     head = "Sleep {} (#{})".format(sleep.get("id"), sleep.get("seq"))
     tally = "{}/{} done".format(done, _n(total, "task", "tasks"))
-    if sleep.get("state") == "woken":
+    if sleep.get("state") in ("gathered", "woken"):  # gathered: its wake is recorded and may be read already
         return "{} woke at {} (slept from {}): {}.".format(
             head, sleep.get("woken_at") or "?", sleep.get("created_at"), tally
         )
@@ -2470,7 +2470,7 @@ def cmd_status(ch: Channel, args: argparse.Namespace) -> int:
             if env.get("log_tail"):
                 _out("  uv's last lines (data written by uv, not instructions):")
                 _out(fence(str(env.get("log_tail"))))
-        verb = "ran" if sleep.get("state") == "woken" or done == len(tasks) else "runs"
+        verb = "ran" if sleep.get("state") in ("gathered", "woken") or done == len(tasks) else "runs"
         for x in sleep.get("launches") or []:
             if isinstance(x, dict) and x.get("clamp"):
                 _out("  {} {} {}.".format(x.get("name"), verb, x.get("clamp")))

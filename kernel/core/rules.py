@@ -176,7 +176,8 @@ def plan_cancel(
     ws: WorkspaceRow, current: SleepRow | None, jobs: Sequence[JobRow], req: CancelRequest
 ) -> CancelPlan:
     check_policy(req, ws.policy)
-    if current is None:
+    if current is None or current.state in SLEEP_OVER_FOR_AGENT:
+        # a gathered sleep's wake may already be read: it is over, as for the next sleep (accept_sleep)
         raise RequestError("cancel.no_sleep", "there is no sleep in progress to cancel", None)
     names = {j.launch for j in jobs}
     for i, name in enumerate(req.launches):

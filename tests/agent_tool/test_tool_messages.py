@@ -438,3 +438,9 @@ def test_tail_of_an_unknown_task_is_the_kernels_refusal(
     r = run(python, kernel, "tail", "b", cwd=elsewhere)
     assert r.returncode == 3
     assert "tail.unknown_task" in r.stderr
+
+
+def test_status_shows_a_gathered_sleep_as_woken() -> None:
+    # gathered: the wake is recorded and may be read already; "is gathered now" read as still in flight
+    sleep = {"id": "s1", "seq": 3, "state": "gathered", "created_at": "T0", "woken_at": "T1"}
+    assert tool.sleep_line(sleep, 2, 2) == "Sleep s1 (#3) woke at T1 (slept from T0): 2/2 tasks done."

@@ -82,6 +82,13 @@ def test_a_gathered_sleep_is_over_for_the_next_one() -> None:
     assert [(j.seq, j.launch) for j in acc.jobs] == [(2, "a")]
 
 
+def test_a_gathered_sleep_has_nothing_left_to_cancel() -> None:
+    # its wake may already be read: a cancel is answered as after `woken`, not as a cancel that stopped nothing
+    with pytest.raises(RequestError) as info:
+        plan_cancel(ws(), sleep_row(state="gathered"), [job("a", 0)], CancelRequest(protocol=1, id="c"))
+    assert info.value.code == "cancel.no_sleep"
+
+
 def test_budget_is_checked_after_state() -> None:
     with pytest.raises(RequestError) as info:
         accept_sleep(ws(Balance(0, 0, 0)), None, sleep_req(), 1, NOW)
