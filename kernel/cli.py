@@ -135,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     pol.add_argument(
         "--max-cpus", type=int, metavar="N", help="CPUs a launch may ask for per task (launch --cpus)"
     )
+    pol.add_argument(
+        "--max-sleeps-in-flight",
+        type=int,
+        metavar="N",
+        help="sleeps the workspace may have in flight at once",
+    )
     pol.add_argument("--network", action=argparse.BooleanOptionalAction, help="jobs get the network (or not)")
     pol.add_argument(
         "--account",
@@ -408,6 +414,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
                     "max_concurrent_gpus",
                     "max_mem_mb",
                     "max_cpus",
+                    "max_sleeps_in_flight",
                     "network",
                 )
                 if (v := getattr(args, k)) is not None
