@@ -79,6 +79,19 @@ def test_two_sleeps_in_flight_each_with_its_own_wake_and_charge(tmp_path: Path) 
         ]
         assert f"slow[0] of {a['id']}" in ok("queue")
 
+        # the operator's status lists both (once the kernel has recorded both tasks running)
+        def operator_view() -> list[tuple[str, str]]:
+            mine = json.loads(kernel.cli("status", "--json").stdout)["workspaces"][0]
+            return [(s["id"], s["state"]) for s in mine["in_flight"]]
+
+        both = [(a["id"], "running"), (b["id"], "running")]
+        wait_for(
+            lambda: operator_view() == both, 30, "both sleeps running in the operator's status", step=0.2
+        )
+        shown = kernel.cli("status").stdout
+        assert f"    sleep {a['id']} (seq {a['sleep_seq']}): running; 1 RUNNING" in shown
+        assert f"    sleep {b['id']} (seq {b['sleep_seq']}): running; 1 RUNNING" in shown
+
         which = tool("cancel")
         assert which.returncode == 3, which.stdout + which.stderr
         assert f"2 sleeps are in flight: '{a['id']}' (seq {a['sleep_seq']}), '{b['id']}'" in which.stderr
