@@ -1857,7 +1857,20 @@ def cmd_sleep(ch: Channel, args: argparse.Namespace) -> int:
     if not args.json:
         _render_accepted(ans, len(req["launches"]), req.get("submit") is not None)
     if not args.wait:
-        _out(f"Next: {_cmd('wait')} blocks until the sleep wakes and prints the wake.")
+        others = []
+        with contextlib.suppress(StagingError):
+            others = [s for s in _settled_staging(ch).unread if s != req["id"]]
+        if others:
+            _out(
+                "Next: {} blocks until the first of your {} sleeps whose wake is not shown yet wakes "
+                "and prints its wake; {} waits for this one.".format(
+                    _cmd("wait"),
+                    len(others) + 1,
+                    _cmd("wait", req["id"], json.dumps({"sleep_id": req["id"]})),
+                )
+            )
+        else:
+            _out(f"Next: {_cmd('wait')} blocks until the sleep wakes and prints the wake.")
         return EXIT_OK
     return wait_for_wake(ch, req["id"], deadline, args.every, args.json)
 
@@ -2292,7 +2305,9 @@ def cmd_cancel(ch: Channel, args: argparse.Namespace) -> int:
             "(the sleep id you gave)" if problem[2] == "$.sleep" else "(the launch names you gave)",
         )
     ans = ask(ch, req, args.timeout or ANSWER_TIMEOUT_S, args.json, question=False)
-    _check_rejected(ans, args.json)
+    code = (ans.get("error") or {}).get("code") if ans.get("type") == "rejected" else None
+    which = "{} names one of them.".format(_cmd("cancel", "--sleep ID [NAME...]", '{"sleep": "ID"}'))
+    _check_rejected(ans, args.json, which if code == "cancel.which_sleep" else "")
     _expect(ans, "cancelled")
     if _result(ans, args.json):
         return EXIT_OK

@@ -95,6 +95,7 @@ def test_two_sleeps_in_flight_each_with_its_own_wake_and_charge(tmp_path: Path) 
         which = tool("cancel")
         assert which.returncode == 3, which.stdout + which.stderr
         assert f"2 sleeps are in flight: '{a['id']}' (seq {a['sleep_seq']}), '{b['id']}'" in which.stderr
+        assert "`python3 .syscall/syscall cancel --sleep ID [NAME...]` names one of them." in which.stderr
 
         # the second sleep wakes first: `wait` without an id shows its wake, then the other's
         gate_b.touch()
