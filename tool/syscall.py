@@ -1246,7 +1246,12 @@ class Staging:
         self.current_sleep: str | None = data.get("current_sleep")
         self.pending: dict[str, Any] | None = data.get("pending")
         # Sleeps this tool committed and saw accepted whose wake `wait` has not shown yet, oldest first.
-        self.unread: list[str] = [x for x in data.get("unread") or [] if isinstance(x, str)]
+        # (only ids: the file is never trusted, and an id names files under wakes/)
+        self.unread: list[str] = [
+            x
+            for x in data.get("unread") or []
+            if isinstance(x, str) and re.search(DEFAULT_LIMITS["id_pattern"], x) is not None
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -460,3 +460,9 @@ def test_status_does_not_count_a_pending_sleeps_launches_as_staged_for_the_next(
     assert lines[-1].startswith("Sleep s9 was written with 1 launch but its answer has not been seen yet;")
     alone = tool.Staging({"launches": [first], "pending": {"id": "s9", "launches": [first], "submit": None}})
     assert tool._render_staging(alone, dict(tool.DEFAULT_POLICY))[0].startswith("Nothing staged")
+
+
+def test_the_staging_keeps_only_sleep_ids_as_unread_wakes() -> None:
+    # staged.json is never trusted: an entry that is not a sleep id never names a file under wakes/
+    st = tool.Staging({"unread": ["1764460800000-3fa9c2d1", "../../etc/passwd", 7, "a\nb"]})
+    assert st.unread == ["1764460800000-3fa9c2d1"]
