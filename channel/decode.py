@@ -396,6 +396,7 @@ PATTERN_WORDS: Final = {
     L.SWEEP_KEY_PATTERN: "be 1 to 32 characters: a lowercase letter, then lowercase letters, digits or '_' "
     "(the task's variable is SWEEP_<KEY>)",
     L.SWEEP_VALUE_PATTERN: "be 1 to 64 letters, digits or . _ + : / - (no blank, quote, comma, '=' or '|')",
+    L.ID_PATTERN: "be a sleep id: 1 to 64 lowercase letters, digits and '-', not starting with '-'",
     L.METRIC_KEY_PATTERN: "be a key of your JSON line (a letter or '_', then letters, digits or _ . : / -, at "
     "most 64), with '-' first when higher is better: val_loss, -accuracy",
 }
@@ -535,11 +536,12 @@ def clamp_note(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int
         return None
     return (
         f"{width} at a time, not {concurrency or f'all {array}'}: this workspace runs at most "
-        f"{_count(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus) and each task takes {_count(gpus, 'GPU')}"
+        f"{count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus) and each task takes {count_of(gpus, 'GPU')}"
     )
 
 
-def _count(n: int, unit: str) -> str:
+def count_of(n: int, unit: str) -> str:
+    """`n` units, plural when `n` is not 1: "1 GPU", "2 GPUs"."""
     return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
 
 

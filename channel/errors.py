@@ -82,6 +82,9 @@ CODES: Final[dict[str, Code]] = {
     "tail.launch.invalid": Code("4.6", "the launch to tail does not match the name pattern"),
     "tail.task.out_of_range": Code("4.6", "the task to tail is outside 0..array maximum - 1"),
     "tail.lines.out_of_range": Code("4.6", "lines to tail outside 1..tail lines maximum"),
+    "status.sleep.invalid": Code("4.6", "the sleep to show is not a sleep id"),
+    "cancel.sleep.invalid": Code("4.6", "the sleep to cancel is not a sleep id"),
+    "tail.sleep.invalid": Code("4.6", "the sleep to tail is not a sleep id"),
     # 5 policy (the workspace's ceilings, published in kernel.json)
     "policy.minutes": Code("5", "minutes above the workspace's maximum"),
     "policy.gpus": Code("5", "gpus above the workspace's maximum"),
@@ -92,7 +95,11 @@ CODES: Final[dict[str, Code]] = {
     "policy.verb_disabled": Code("5", "the verb is not enabled for this workspace"),
     # 6 kernel state and budget
     "request.id.reused": Code("6", "the id was used before with different content"),
-    "sleep.in_progress": Code("6", "the workspace already has a sleep that has not woken"),
+    "sleep.in_progress": Code(
+        "6",
+        "the workspace already has max_sleeps_in_flight sleeps in flight, a submit in flight (with a submit), "
+        "or sleeps in flight whose GPUs leave too few of max_concurrent_gpus (with GPUs)",
+    ),
     "budget.launches": Code("6", "not enough launches left in the budget"),
     "budget.sleeps": Code("6", "no sleeps left in the budget"),
     "budget.submits_per_day": Code(
@@ -100,9 +107,13 @@ CODES: Final[dict[str, Code]] = {
         "the workspace had as many submits accepted in the last 24 hours as its policy's max_submits_per_day",
     ),
     "budget.gpu_hours": Code("6", "not enough GPU-hours left for what the launches reserve"),
-    "cancel.no_sleep": Code("6", "there is no sleep in progress to cancel"),
-    "cancel.unknown_launch": Code("6", "a name to cancel is not a launch of the current sleep"),
+    "status.unknown_sleep": Code("6", "the sleep to show is not one of this workspace's"),
+    "cancel.no_sleep": Code("6", "there is no sleep in flight to cancel (or the one named has woken)"),
+    "cancel.which_sleep": Code("6", "several sleeps are in flight and the cancel names none of them"),
+    "cancel.unknown_sleep": Code("6", "the sleep to cancel is not one of this workspace's"),
+    "cancel.unknown_launch": Code("6", "a name to cancel is not a launch of the sleep"),
     "tail.no_sleep": Code("6", "the workspace has no sleep whose task could be tailed"),
+    "tail.unknown_sleep": Code("6", "the sleep to tail is not one of this workspace's"),
     "tail.unknown_task": Code("6", "the launch or task to tail is not one of the sleep's"),
     "snapshot.failed": Code("6", "the workspace could not be snapshotted (its git repository is unusable)"),
     "snapshot.too_large": Code(

@@ -76,6 +76,9 @@ POLICY_MAX_MINUTES: Final = 240
 POLICY_MAX_GPUS: Final = 8
 POLICY_MAX_MEM_MB: Final = 65536
 POLICY_MAX_CPUS: Final = 16
+# Sleeps a workspace may have in flight at once (accepted, not yet gathered); no policy may allow more.
+POLICY_MAX_SLEEPS_IN_FLIGHT: Final = 4
+SLEEPS_IN_FLIGHT_CEILING: Final = 16
 BUDGET_LAUNCHES: Final = 100
 BUDGET_SLEEPS: Final = 50
 BUDGET_GPU_HOURS: Final = 100.0

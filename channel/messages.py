@@ -104,13 +104,18 @@ class SleepRequest(_Request, tag="sleep", frozen=True):
 
 
 class CancelRequest(_Request, tag="cancel", frozen=True):
-    """Cancel running launches of the current sleep (empty list = all of them)."""
+    """Cancel running launches (empty list = all of them) of the sleep `sleep` names, or of the one in flight."""
 
     launches: Annotated[tuple[LaunchName, ...], Meta(max_length=L.CANCEL_MAX_NAMES)] = ()
+    # The sleep's id; null: the one sleep in flight (refused `cancel.which_sleep` when several are).
+    sleep: RequestId | None = None
 
 
 class StatusRequest(_Request, tag="status", frozen=True):
-    """What the kernel knows of this workspace: current sleep, tasks, budget."""
+    """What the kernel knows of this workspace: the sleeps in flight, one sleep's tasks, budget."""
+
+    # The sleep to show; null: the newest in flight, else the last.
+    sleep: RequestId | None = None
 
 
 class QueueRequest(_Request, tag="queue", frozen=True):
@@ -126,12 +131,14 @@ class HistoryRequest(_Request, tag="history", frozen=True):
 
 
 class TailRequest(_Request, tag="tail", frozen=True):
-    """The last lines of one task's stdout (or stderr) so far, from the current sleep (else the last one)."""
+    """The last lines of one task's stdout (or stderr) so far, of a sleep in flight (else the last one)."""
 
     launch: LaunchName
     task: Annotated[int, Meta(ge=0, le=L.ARRAY_MAX - 1)] = 0
     lines: Annotated[int, Meta(ge=1, le=L.TAIL_VERB_MAX_LINES)] = L.TAIL_VERB_DEFAULT_LINES
     stderr: bool = False
+    # The sleep's id; null: the newest sleep in flight with that launch, else the last sleep.
+    sleep: RequestId | None = None
 
 
 Request = SleepRequest | CancelRequest | StatusRequest | QueueRequest | HistoryRequest | TailRequest
@@ -227,6 +234,17 @@ class SleepView(_Strict, frozen=True):
     environment: EnvironmentBuild | None = None
 
 
+class SleepBrief(_Strict, frozen=True):
+    """A sleep in flight, in one line: how many of its tasks have ended."""
+
+    id: str
+    seq: int
+    state: SleepState
+    created_at: Timestamp
+    tasks: int
+    ended: int
+
+
 class KernelRef(_Strict, frozen=True, omit_defaults=True):
     name: str
     version: str
@@ -244,6 +262,8 @@ class QueueEntry(_Strict, frozen=True):
     gpus: int
     why: str = ""
     elapsed_s: float | None = None
+    # The id of the task's sleep (this workspace's tasks only; null for another workspace's).
+    sleep: str | None = None
 
 
 class HistoryLaunch(_Strict, frozen=True):
@@ -311,6 +331,8 @@ class StatusAnswer(_Answer, tag="status", frozen=True):
     kernel: KernelRef
     budget: Budget
     sleep: SleepView | None = None
+    # Every sleep in flight (accepted, not yet woken), oldest first.
+    in_flight: tuple[SleepBrief, ...] = ()
 
 
 class QueueAnswer(_Answer, tag="queue", frozen=True):
@@ -581,6 +603,8 @@ class Policy(_Strict, frozen=True):
     verbs: tuple[Verb, ...] = VERBS
     # The most sleeps carrying a submit this workspace may have accepted in any 24 hours (0: no bound).
     max_submits_per_day: int = 0
+    # The most sleeps this workspace may have in flight at once (a next one is refused `sleep.in_progress`).
+    max_sleeps_in_flight: int = L.POLICY_MAX_SLEEPS_IN_FLIGHT
 
 
 class Limits(_Strict, frozen=True):

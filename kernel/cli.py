@@ -33,7 +33,7 @@ from kernel.core.evaluate import (
     disclosure_warning,
     is_trusted,
 )
-from kernel.core.records import WorkspaceRow
+from kernel.core.records import SleepRow, WorkspaceRow
 from kernel.io import log, retention, statedir, stepguard
 from kernel.io import submit as S
 from kernel.io.repo import KernelRepo, RepoError, UntrustedGit, base_ref
@@ -72,6 +72,7 @@ class WorkspaceStatus(msgspec.Struct, frozen=True):
     watch: str
     problem: str | None
     budget: dict[str, float | int]
+    # The newest sleep not ended (woken or rejected), if any.
     sleep: SleepStatus | None
     # "none" (no eval contract), "trusted" or "self-reported" (kernel.core.evaluate.is_trusted)
     submit: str = "none"
@@ -83,6 +84,8 @@ class WorkspaceStatus(msgspec.Struct, frozen=True):
     result_bytes: int = 0
     disk_complete: bool = True
     pruned_sleeps: int = 0
+    # Every sleep in flight (not yet gathered), oldest first (PROTOCOL.md 6.1: up to max_sleeps_in_flight).
+    in_flight: tuple[SleepStatus, ...] = ()
 
 
 class KernelStatus(msgspec.Struct, frozen=True):
@@ -134,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     pol.add_argument(
         "--max-cpus", type=int, metavar="N", help="CPUs a launch may ask for per task (launch --cpus)"
+    )
+    pol.add_argument(
+        "--max-sleeps-in-flight",
+        type=int,
+        metavar="N",
+        help="sleeps the workspace may have in flight at once",
     )
     pol.add_argument("--network", action=argparse.BooleanOptionalAction, help="jobs get the network (or not)")
     pol.add_argument(
@@ -408,6 +417,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
                     "max_concurrent_gpus",
                     "max_mem_mb",
                     "max_cpus",
+                    "max_sleeps_in_flight",
                     "network",
                 )
                 if (v := getattr(args, k)) is not None
@@ -535,18 +545,19 @@ def cmd_rebase(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sleep_status(store: Store, key: str, s: SleepRow) -> SleepStatus:
+    tasks = tuple(TaskStatus(j.launch, j.task, j.state, j.job_id) for j in store.jobs_of(key, s.seq))
+    return SleepStatus(s.id, s.seq, s.state, s.created_at, tasks)
+
+
 def _status(cfg: Config) -> KernelStatus:
     store = Store.open(cfg.paths.store, readonly=True)
     try:
         out = []
         for ws in store.workspaces():
             s = store.current_sleep(ws.key)
-            sleep = None
-            if s is not None:
-                tasks = tuple(
-                    TaskStatus(j.launch, j.task, j.state, j.job_id) for j in store.jobs_of(ws.key, s.seq)
-                )
-                sleep = SleepStatus(s.id, s.seq, s.state, s.created_at, tasks)
+            sleep = None if s is None else _sleep_status(store, ws.key, s)
+            flying = tuple(_sleep_status(store, ws.key, f) for f in store.sleeps_in_flight(ws.key))
             c = ws.policy.submit
             trust = "none" if c is None else "trusted" if is_trusted(c, cfg.jail) else "self-reported"
             paused = store.admin(ws.key).paused_at
@@ -565,6 +576,7 @@ def _status(cfg: Config) -> KernelStatus:
                     res_b,
                     whole,
                     store.pruned_count(ws.key),
+                    flying,
                 )
             )
         counts = store.counts()
@@ -644,13 +656,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"    problem: {w.problem}")
         if w.submit == "self-reported":
             print(f"    warning: {SELF_REPORTED_WARNING}")
-        if w.sleep is not None:
+        for shown in w.in_flight or ((w.sleep,) if w.sleep is not None else ()):
             states: dict[str, int] = {}
-            for t in w.sleep.tasks:
+            for t in shown.tasks:
                 states[t.state] = states.get(t.state, 0) + 1
             summary = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "no tasks"
-            print(f"    sleep {w.sleep.id} (seq {w.sleep.seq}): {w.sleep.state}; {summary}")
-            jobs = sorted({t.job_id for t in w.sleep.tasks if t.job_id})
+            print(f"    sleep {shown.id} (seq {shown.seq}): {shown.state}; {summary}")
+            jobs = sorted({t.job_id for t in shown.tasks if t.job_id})
             if jobs:
                 print(f"    jobs: {' '.join(jobs)}")
     return 0

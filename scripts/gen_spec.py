@@ -117,6 +117,8 @@ LIMIT_DOCS: dict[str, str] = {
     "POLICY_MAX_GPUS": "default policy: `max_gpus` and `max_concurrent_gpus`",
     "POLICY_MAX_MEM_MB": "default policy: `max_mem_mb`",
     "POLICY_MAX_CPUS": "default policy: `max_cpus`",
+    "POLICY_MAX_SLEEPS_IN_FLIGHT": "default policy: `max_sleeps_in_flight` (sleeps a workspace may have in flight)",
+    "SLEEPS_IN_FLIGHT_CEILING": "largest `max_sleeps_in_flight` any policy may allow",
     "BUDGET_LAUNCHES": "default budget: launches of a newly enrolled workspace",
     "BUDGET_SLEEPS": "default budget: sleeps of a newly enrolled workspace",
     "BUDGET_GPU_HOURS": "default budget: GPU-hours of a newly enrolled workspace",

@@ -63,6 +63,10 @@ class Defaults(_Strict, frozen=True, kw_only=True):
     # The most sleeps carrying a submit a workspace may have accepted in any 24 hours (0: no bound); each submit's
     # verdict tells the agent something about the private data, however it is disclosed.
     max_submits_per_day: Annotated[int, Meta(ge=0, le=10**6)] = 0
+    # The most sleeps a workspace may have in flight at once (accepted, not yet woken).
+    max_sleeps_in_flight: Annotated[int, Meta(ge=1, le=L.SLEEPS_IN_FLIGHT_CEILING)] = (
+        L.POLICY_MAX_SLEEPS_IN_FLIGHT
+    )
 
     def policy(self) -> Policy:
         return Policy(
@@ -75,6 +79,7 @@ class Defaults(_Strict, frozen=True, kw_only=True):
             submit=self.submit,
             verbs=self.verbs,
             max_submits_per_day=self.max_submits_per_day,
+            max_sleeps_in_flight=self.max_sleeps_in_flight,
         )
 
 

@@ -1,8 +1,11 @@
 """The pipeline's decisions, as pure functions of recorded state (no I/O, no clock: `now` is passed in).
 
-- `accept_sleep`: policy, one-sleep-at-a-time, and budget -> the charged balance and the tasks to record (with a
-  submit, its two evaluation runs too: `kernel.core.evaluate.eval_jobs`).
-- `plan_cancel`: which live tasks a cancel names, and the balance after refunding those never submitted.
+- `accept_sleep`: policy, the sleeps in flight (`max_sleeps_in_flight`, one submit, the GPUs they hold), and
+  budget -> the charged balance and the tasks to record (with a submit, its two evaluation runs too:
+  `kernel.core.evaluate.eval_jobs`).
+- `plan_cancel`: which sleep and which of its live tasks a cancel names, and the balance after refunding those
+  never submitted.
+- `status_target`, `tail_target`: the sleep a `status` shows and the task a `tail` reads.
 - `status_answer`, `queue_answer`, `history_answer`: the read-only answers, built from store rows.
 - `plan_pass`: which workspaces get how many requests in one pass (bounded, round-robin, so that one flooding
   channel cannot starve the others).
@@ -20,7 +23,7 @@ import msgspec
 
 from channel import limits as L
 from channel import sweep
-from channel.decode import RequestError, at_a_time, check_policy, clamp_note
+from channel.decode import RequestError, at_a_time, check_policy, clamp_note, count_of
 from channel.lifecycle import LIVE_TASK_STATES, SLEEP_OVER_FOR_AGENT, TERMINAL_TASK_STATES
 from channel.messages import (
     CancelRequest,
@@ -35,9 +38,11 @@ from channel.messages import (
     ProgressFile,
     QueueAnswer,
     QueueEntry,
+    SleepBrief,
     SleepRequest,
     SleepView,
     StatusAnswer,
+    StatusRequest,
     TailRequest,
     TaskProgress,
     TaskView,
@@ -75,6 +80,29 @@ def elapsed(job: JobRow, now: float) -> float | None:
 # --- sleep and cancel ------------------------------------------------------------------------------------
 
 
+# A sleep and its tasks as read for a decision (a sleep in flight, or one a request names).
+Sleep = tuple[SleepRow, Sequence[JobRow]]
+
+
+def named_sleeps(sleeps: Sequence[Sleep]) -> str:
+    """'a' (seq 3), 'b' (seq 4): sleeps as a message names them."""
+    return ", ".join(f"{s.id!r} (seq {s.seq})" for s, _ in sleeps)
+
+
+def gpus_at_once(jobs: Sequence[JobRow], max_concurrent_gpus: int) -> int:
+    """The most GPUs `jobs` can hold at once: per launch, the tasks that run together (`at_a_time`, and no more
+    than are still live) times the GPUs each takes."""
+    live: dict[str, list[JobRow]] = {}
+    for j in jobs:
+        if j.gpus > 0 and j.state in LIVE_TASK_STATES:
+            live.setdefault(j.launch, []).append(j)
+    return sum(
+        min(len(ts), at_a_time(ts[0].array_size, ts[0].concurrency, ts[0].gpus, max_concurrent_gpus))
+        * ts[0].gpus
+        for ts in live.values()
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Acceptance:
     balance: Balance
@@ -97,26 +125,56 @@ def timestamp_of(t: float) -> str:
 
 def accept_sleep(
     ws: WorkspaceRow,
-    current: SleepRow | None,
+    in_flight: Sequence[Sleep],
     req: SleepRequest,
     seq: int,
     now: str,
     submits: tuple[int, str | None] = (0, None),
 ) -> Acceptance:
     """Decide a sleep: RequestError (nothing charged) or the charged balance and the PENDING tasks to record.
-    `submits`: how many sleeps carrying a submit that count were accepted since `submit_window_start(now)` (one
-    woken with no verdict, none of its runs run, does not: Store.submits_since), and the oldest's `created_at`.
+    `in_flight`: the workspace's sleeps in flight (not yet gathered) with their tasks, oldest first. `submits`:
+    how many sleeps carrying a submit that count were accepted since `submit_window_start(now)` (one woken with
+    no verdict, none of its runs run, does not: Store.submits_since), and the oldest's `created_at`.
 
     Cheap refusals in the spec's order: policy, then kernel state, then budget.
     """
     check_policy(req, ws.policy)
-    if current is not None and current.state not in SLEEP_OVER_FOR_AGENT:
+    assert all(s.state not in SLEEP_OVER_FOR_AGENT for s, _ in in_flight), in_flight
+    limit = ws.policy.max_sleeps_in_flight
+    if len(in_flight) >= limit:
         raise RequestError(
             "sleep.in_progress",
-            f"sleep {current.id!r} (seq {current.seq}) has not woken yet; one sleep at a time per workspace "
-            "(wait for its wake, or cancel its launches)",
+            f"already {count_of(len(in_flight), 'sleep')} in flight (max_sleeps_in_flight {limit}): "
+            f"{named_sleeps(in_flight)}; wait for a wake, or cancel a sleep's launches",
             None,
         )
+    if req.submit is not None:
+        for s, _ in in_flight:
+            if s.submit is not None:
+                raise RequestError(
+                    "sleep.in_progress",
+                    f"sleep {s.id!r} (seq {s.seq}), in flight, carries a submit; one submit at a time (wait for "
+                    "its wake and its verdict, then submit again; a sleep without `submit` can be now)",
+                    "$.submit",
+                )
+    evals = (
+        eval_jobs(ws.policy.submit, req.submit, ws.key, seq, now)
+        if req.submit is not None and ws.policy.submit is not None
+        else ()
+    )
+    jobs = _launch_jobs(ws, req, seq, now) + evals
+    if in_flight:
+        cap = ws.policy.max_concurrent_gpus
+        wanted = gpus_at_once(jobs, cap)
+        held = sum(gpus_at_once(tasks, cap) for _, tasks in in_flight)
+        if wanted > 0 and held + wanted > cap:
+            raise RequestError(
+                "sleep.in_progress",
+                f"the {count_of(len(in_flight), 'sleep')} in flight ({named_sleeps(in_flight)}) may hold "
+                f"{count_of(held, 'GPU')} at once and this one {wanted} more, above this workspace's "
+                f"max_concurrent_gpus ({cap}); wait for a wake, or launch with fewer GPUs or a lower concurrency",
+                None,
+            )
     bound = ws.policy.max_submits_per_day
     if req.submit is not None and bound and submits[0] >= bound:
         oldest = submits[1] or now
@@ -128,8 +186,16 @@ def accept_sleep(
             "$.submit",
         )
     charged = ledger.reserve_sleep(ws.balance, req.launches)
+    if evals:
+        # The submit's two evaluation runs are job rows of the sleep, their GPU time reserved like a launch's.
+        charged = ledger.reserve_eval(charged, evals)
+    return Acceptance(balance=charged, jobs=jobs)
+
+
+def _launch_jobs(ws: WorkspaceRow, req: SleepRequest, seq: int, now: str) -> tuple[JobRow, ...]:
+    """The PENDING tasks of the sleep's launches, one per array index."""
     grids = {launch.name: sweep.grid(launch.sweep) for launch in req.launches}
-    jobs = tuple(
+    return tuple(
         JobRow(
             workspace=ws.key,
             seq=seq,
@@ -153,12 +219,6 @@ def accept_sleep(
         for launch in req.launches
         for task in range(launch.array)
     )
-    if req.submit is not None and ws.policy.submit is not None:
-        # The submit's two evaluation runs are job rows of the sleep, their GPU time reserved like a launch's.
-        evals = eval_jobs(ws.policy.submit, req.submit, ws.key, seq, now)
-        charged = ledger.reserve_eval(charged, evals)
-        jobs += evals
-    return Acceptance(balance=charged, jobs=jobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,12 +232,57 @@ class CancelPlan:
     balance: Balance
 
 
+def _cancel_target(in_flight: Sequence[Sleep], named: Sleep | None, req: CancelRequest) -> Sleep:
+    """The sleep a cancel names (`named`: the workspace's sleep of the id `req.sleep`, if it has one), or without
+    an id the one sleep in flight (with launch names: the one sleep in flight that has them all)."""
+    if req.sleep is not None:
+        if named is None:
+            flying = named_sleeps(in_flight) or "none"
+            raise RequestError(
+                "cancel.unknown_sleep",
+                f"this workspace has no sleep {req.sleep!r} (in flight: {flying})",
+                "$.sleep",
+            )
+        s = named[0]
+        if s.state in SLEEP_OVER_FOR_AGENT:
+            # a gathered sleep's wake may already be read: it is over, as for the next sleep (accept_sleep)
+            what = "was refused" if s.state == "rejected" else "has woken"
+            raise RequestError(
+                "cancel.no_sleep",
+                f"sleep {s.id!r} (seq {s.seq}) {what}; nothing of it is left to cancel",
+                "$.sleep",
+            )
+        return named
+    if not in_flight:
+        raise RequestError("cancel.no_sleep", "there is no sleep in flight to cancel", None)
+    if len(in_flight) == 1:
+        return in_flight[0]
+    having = [x for x in in_flight if set(req.launches) <= {j.launch for j in x[1]}] if req.launches else []
+    if len(having) == 1:
+        return having[0]
+    which = (
+        ""
+        if not req.launches
+        else " with all of these launches"
+        if having
+        else ", none with all of these launches"
+    )
+    raise RequestError(
+        "cancel.which_sleep",
+        f"{len(in_flight)} sleeps are in flight{which}: {named_sleeps(having or in_flight)}; name the one to "
+        "cancel (`sleep`: its id)",
+        None,
+    )
+
+
 def plan_cancel(
-    ws: WorkspaceRow, current: SleepRow | None, jobs: Sequence[JobRow], req: CancelRequest
+    ws: WorkspaceRow, in_flight: Sequence[Sleep], named: Sleep | None, req: CancelRequest
 ) -> CancelPlan:
+    """What a cancel does: the sleep it names (`named`: the workspace's sleep of the id `req.sleep`, if it has
+    one; without an id, the one in `in_flight`), the live tasks of it it names, those never handed to a backend,
+    and the balance after refunding them."""
     check_policy(req, ws.policy)
-    if current is None:
-        raise RequestError("cancel.no_sleep", "there is no sleep in progress to cancel", None)
+    current, jobs = _cancel_target(in_flight, named, req)
     names = {j.launch for j in jobs}
     for i, name in enumerate(req.launches):
         if name not in names:
@@ -225,24 +330,51 @@ OLDER_LOGS: Final = (
 )
 
 
-def tail_target(sleep: SleepRow | None, jobs: Sequence[JobRow], req: TailRequest) -> JobRow:
-    """The task a `tail` names in `sleep` (the current sleep, else the last one), or RequestError saying why
-    there is none."""
-    if sleep is None:
+def tail_target(
+    in_flight: Sequence[Sleep], named: Sleep | None, last: Sleep | None, req: TailRequest
+) -> tuple[SleepRow, JobRow]:
+    """The sleep and task a `tail` names, or RequestError saying why there is none. The sleep: `named` (the
+    workspace's sleep of the id `req.sleep`, if it has one), which must be in flight or the last; without an id,
+    the newest sleep in flight with the launch, else `last` (the workspace's newest sleep)."""
+    if req.sleep is not None:
+        if named is None:
+            raise RequestError(
+                "tail.unknown_sleep",
+                f"this workspace has no sleep {req.sleep!r} (in flight: {named_sleeps(in_flight) or 'none'})",
+                "$.sleep",
+            )
+        if named[0].state in SLEEP_OVER_FOR_AGENT and (last is None or named[0].seq != last[0].seq):
+            raise RequestError(
+                "tail.no_sleep",
+                f"sleep {named[0].id!r} (seq {named[0].seq}) has woken and is not the last sleep; tail reaches "
+                f"the sleeps in flight and the last one. Its logs were delivered when it woke: {OLDER_LOGS}",
+                "$.sleep",
+            )
+        chosen: Sleep | None = named
+    else:
+        with_launch = [x for x in in_flight if any(j.launch == req.launch for j in x[1])]
+        chosen = with_launch[-1] if with_launch else last
+    if chosen is None:
         raise RequestError("tail.no_sleep", "this workspace has no sleep yet; nothing has run to tail", None)
+    sleep, jobs = chosen
     tasks = [j for j in jobs if j.launch == req.launch]
     if not tasks:
         known = ", ".join(sorted({j.launch for j in jobs})) or "none"
+        reach = (
+            ""
+            if req.sleep is not None
+            else " (no sleep in flight has it); tail reaches the sleeps in flight, else the last one "
+            f"(sleep {sleep.seq}). An earlier sleep's logs were delivered when it woke, as its wake names them: "
+            f"{OLDER_LOGS}"
+        )
         raise RequestError(
             "tail.unknown_task",
-            f"{req.launch!r} is not a launch of sleep {sleep.id!r} (its launches: {known}); tail reaches only "
-            f"the current sleep, else the last one (sleep {sleep.seq}). An earlier sleep's logs were delivered "
-            f"when it woke, as its wake names them: {OLDER_LOGS}",
+            f"{req.launch!r} is not a launch of sleep {sleep.id!r} (its launches: {known}){reach}",
             "$.launch",
         )
     for j in tasks:
         if j.task == req.task:
-            return j
+            return sleep, j
     raise RequestError(
         "tail.unknown_task",
         f"launch {req.launch!r} of sleep {sleep.id!r} has tasks 0..{len(tasks) - 1}, not {req.task}",
@@ -329,17 +461,45 @@ def progress_file(s: SleepRow, jobs: Sequence[JobRow], updated_at: str) -> Progr
     )
 
 
+def status_target(
+    in_flight: Sequence[Sleep], named: Sleep | None, last: Sleep | None, req: StatusRequest
+) -> Sleep | None:
+    """The sleep a `status` shows: `named` (the workspace's sleep of the id `req.sleep`; refused when it has
+    none), else the newest in flight, else `last` (the workspace's newest sleep; None: it has none)."""
+    if req.sleep is not None:
+        if named is None:
+            raise RequestError(
+                "status.unknown_sleep",
+                f"this workspace has no sleep {req.sleep!r} (in flight: {named_sleeps(in_flight) or 'none'})",
+                "$.sleep",
+            )
+        return named
+    return in_flight[-1] if in_flight else last
+
+
+def sleep_brief(s: SleepRow, jobs: Sequence[JobRow]) -> SleepBrief:
+    return SleepBrief(
+        id=s.id,
+        seq=s.seq,
+        state=s.state,
+        created_at=s.created_at,
+        tasks=len(jobs),
+        ended=sum(1 for j in jobs if j.state in TERMINAL_TASK_STATES),
+    )
+
+
 def status_answer(
     request_id: str,
     kernel: KernelRef,
     ws: WorkspaceRow,
-    latest: SleepRow | None,
-    jobs: Sequence[JobRow],
+    shown: Sleep | None,
+    in_flight: Sequence[Sleep],
     now: float,
     environment: EnvironmentBuild | None = None,
 ) -> StatusAnswer:
-    """`status`: the budget and the latest sleep, with the environment build its tasks wait for (if any)."""
-    view = None if latest is None else sleep_view(latest, jobs, now, ws.policy.max_concurrent_gpus)
+    """`status`: the budget, every sleep in flight in brief (oldest first), and `shown` (status_target's) whole,
+    with the environment build its tasks wait for (if any)."""
+    view = None if shown is None else sleep_view(shown[0], shown[1], now, ws.policy.max_concurrent_gpus)
     if view is not None and environment is not None:
         view = msgspec.structs.replace(view, environment=environment)
     return StatusAnswer(
@@ -348,10 +508,14 @@ def status_answer(
         kernel=kernel,
         budget=ws.balance.to_message(),
         sleep=view,
+        in_flight=tuple(sleep_brief(s, jobs) for s, jobs in in_flight),
     )
 
 
-def queue_answer(request_id: str, ws_key: str, live: Sequence[JobRow], now: float) -> QueueAnswer:
+def queue_answer(
+    request_id: str, ws_key: str, live: Sequence[JobRow], now: float, ids: Mapping[int, str]
+) -> QueueAnswer:
+    """`queue`: every live task of the kernel; this workspace's (`ws_key`) with its sleep's id (`ids`: by seq)."""
     return QueueAnswer(
         protocol=L.PROTOCOL_VERSION,
         id=request_id,
@@ -366,6 +530,7 @@ def queue_answer(request_id: str, ws_key: str, live: Sequence[JobRow], now: floa
                 gpus=j.gpus,
                 why=j.why,
                 elapsed_s=elapsed(j, now),
+                sleep=ids.get(j.seq) if j.workspace == ws_key else None,
             )
             for j in live
         ),

@@ -351,7 +351,8 @@ def enroll(
     written into the agent's `.git`).
 
     A channel whose kernel.json names another store as its owner is refused (OwnedElsewhere) unless `take_over`.
-    `overrides` (policy fields: max_minutes, max_gpus, max_concurrent_gpus, max_mem_mb, max_cpus, network) are kept for this workspace
+    `overrides` (policy fields: max_minutes, max_gpus, max_concurrent_gpus, max_mem_mb, max_cpus,
+    max_sleeps_in_flight, network) are kept for this workspace
     on top of the config's defaults, from then on; an unenrolled workspace is enrolled again.
     `slurm_account` (`--account`) is the workspace's own Slurm account from then on ("" drops it: the config's
     `[slurm] account` again); None keeps what it had.
@@ -688,6 +689,7 @@ OVERRIDABLE: Final = {
     "max_concurrent_gpus": (0, L.GPUS_CEILING * L.ARRAY_MAX),
     "max_mem_mb": (L.MEM_MB_MIN, L.MEM_MB_CEILING),
     "max_cpus": (1, L.CPUS_CEILING),
+    "max_sleeps_in_flight": (1, L.SLEEPS_IN_FLIGHT_CEILING),
 }
 
 

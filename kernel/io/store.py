@@ -32,6 +32,7 @@ from channel import release
 from channel.lifecycle import (
     FIRST_TASK_STATE,
     LIVE_TASK_STATES,
+    SLEEP_OVER_FOR_AGENT,
     SLEEP_TERMINAL,
     IllegalTransition,
     SleepEvent,
@@ -67,6 +68,7 @@ def _sql_states(states: frozenset[str]) -> str:
 # The lifecycle's sets (channel.lifecycle) as the store's SQL spells them: never written out by hand.
 _LIVE_TASKS: Final = _sql_states(LIVE_TASK_STATES)
 _SLEEP_ENDED: Final = _sql_states(SLEEP_TERMINAL)
+_SLEEP_OVER: Final = _sql_states(SLEEP_OVER_FOR_AGENT)
 _WOKEN: Final[SleepState] = "woken"
 
 _SCHEMA: Final = f"""
@@ -1041,6 +1043,22 @@ class Store:
             f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND state NOT IN {_SLEEP_ENDED} "
             "ORDER BY seq DESC LIMIT 1",
             (workspace,),
+        )
+        return None if row is None else SleepRow(*row)
+
+    def sleeps_in_flight(self, workspace: str) -> list[SleepRow]:
+        """The workspace's sleeps in flight for the agent (not yet gathered: channel.lifecycle.SLEEP_OVER_FOR_AGENT),
+        oldest first."""
+        rows = self._all(
+            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND state NOT IN {_SLEEP_OVER} ORDER BY seq",
+            (workspace,),
+        )
+        return [SleepRow(*r) for r in rows]
+
+    def sleep_by_id(self, workspace: str, sleep_id: str) -> SleepRow | None:
+        row = self._one(
+            f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND id=?",
+            (workspace, sleep_id),
         )
         return None if row is None else SleepRow(*row)
 

@@ -874,7 +874,10 @@ class Pipeline:
                 # place with no record, and it is answered afresh (read-only: nothing is done twice).
                 rec.unsynced = True
                 with self.store.transaction(durable=False):
-                    answer = encode(self._read_only(ws.key, decoded, received))
+                    try:
+                        answer = encode(self._read_only(ws.key, decoded, received))
+                    except RequestError as err:  # a status of a sleep the workspace does not have
+                        answer, outcome = encode(rejected(rid, err)), f"rejected:{err.code}"
                     self.store.insert_request(
                         RequestRow(ws.key, rid, digest, _verb(decoded), now, None, None, answer, now)
                     )
@@ -910,12 +913,13 @@ class Pipeline:
         assert ws is not None
         match req:
             case StatusRequest():
-                latest = self.store.current_sleep(key) or next(iter(self.store.sleeps(key, 1)), None)
-                jobs = self.store.jobs_of(key, latest.seq) if latest else []
-                building = self.executor.environment_of(key, latest.seq) if latest else None
-                return rules.status_answer(req.id, self.kernel, ws, latest, jobs, now, building)
+                in_flight = self._in_flight(key)
+                shown = rules.status_target(in_flight, self._named(key, req.sleep), self._last(key), req)
+                building = self.executor.environment_of(key, shown[0].seq) if shown else None
+                return rules.status_answer(req.id, self.kernel, ws, shown, in_flight, now, building)
             case QueueRequest():
-                return rules.queue_answer(req.id, key, self.store.live_jobs(), now)
+                ids = {s.seq: s.id for s in self.store.sleeps_in_flight(key)}
+                return rules.queue_answer(req.id, key, self.store.live_jobs(), now, ids)
             case HistoryRequest():
                 sleeps = self.store.sleeps(key, req.limit)
                 commits = self.store.snapshot_commits(key, [s.seq for s in sleeps])
@@ -923,11 +927,25 @@ class Pipeline:
                     req.id, [(s, self.store.jobs_of(key, s.seq)) for s in sleeps], commits, req.metric
                 )
 
+    def _in_flight(self, key: str) -> list[rules.Sleep]:
+        """(store step) The workspace's sleeps in flight, oldest first, each with its tasks."""
+        return [(s, self.store.jobs_of(key, s.seq)) for s in self.store.sleeps_in_flight(key)]
+
+    def _named(self, key: str, sleep_id: str | None) -> rules.Sleep | None:
+        """(store step) The workspace's sleep of the id a request names, with its tasks; None without one."""
+        s = None if sleep_id is None else self.store.sleep_by_id(key, sleep_id)
+        return None if s is None else (s, self.store.jobs_of(key, s.seq))
+
+    def _last(self, key: str) -> rules.Sleep | None:
+        """(store step) The workspace's newest sleep, with its tasks."""
+        s = next(iter(self.store.sleeps(key, 1)), None)
+        return None if s is None else (s, self.store.jobs_of(key, s.seq))
+
     def _tail_look(self, key: str, r: _Read, digest: str, req: TailRequest) -> _TailLook:
         """The task a `tail` names, from the store only (its run directory is read after the step)."""
-        sleep = self.store.current_sleep(key) or next(iter(self.store.sleeps(key, 1)), None)
-        job = rules.tail_target(sleep, self.store.jobs_of(key, sleep.seq) if sleep else [], req)
-        assert sleep is not None
+        sleep, job = rules.tail_target(
+            self._in_flight(key), self._named(key, req.sleep), self._last(key), req
+        )
         building = (
             self.executor.environment_log(key, sleep.seq, req.lines) if job.state == "PENDING" else None
         )
@@ -948,7 +966,7 @@ class Pipeline:
                     if req.submit is not None and row.policy.max_submits_per_day
                     else (0, None)
                 )
-                acc = rules.accept_sleep(row, self.store.current_sleep(ws.key), req, seq, now, submits)
+                acc = rules.accept_sleep(row, self._in_flight(ws.key), req, seq, now, submits)
             except RequestError as err:
                 refusal = (err.code, encode(rejected(rid, err)))
                 self.store.insert_request(
@@ -988,10 +1006,8 @@ class Pipeline:
         with self.store.transaction():
             row = self.store.workspace(ws.key)
             assert row is not None
-            current = self.store.current_sleep(ws.key)
-            jobs = self.store.jobs_of(ws.key, current.seq) if current else []
             try:
-                plan = rules.plan_cancel(row, current, jobs, req)
+                plan = rules.plan_cancel(row, self._in_flight(ws.key), self._named(ws.key, req.sleep), req)
             except RequestError as err:
                 refusal = (err.code, encode(rejected(rid, err)))
                 self.store.insert_request(

@@ -203,7 +203,8 @@ class Waker:
                 self.store.set_sleep_verdict(key, seq, encode(verdict))
             self.store.set_balance(key, balance)
             self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
-            advanced = self.store.advance_sleep(key, seq, sleep.state, SleepEvent.GATHER)
+            # woken_at is the wake's from here on: status and history show a gathered sleep as woken then
+            advanced = self.store.advance_sleep(key, seq, sleep.state, SleepEvent.GATHER, woken_at=woken_at)
             assert advanced, (key, seq, sleep.state)  # read in this transaction
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks))
         return True

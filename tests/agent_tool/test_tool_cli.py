@@ -980,3 +980,35 @@ def test_a_changed_contract_is_announced_once_in_the_next_output(
     quiet = run(python, kernel, "budget", "--json", cwd=tmp_path)
     json.loads(quiet.stdout)
     assert "policy.max_minutes 60 -> 30" in quiet.stderr
+
+
+def test_two_sleeps_in_flight_wait_shows_the_first_wake_and_names_the_other(
+    python: str, kernel: FakeKernel, elsewhere: Path
+) -> None:
+    assert run(python, kernel, "launch", "--name", "a", "--", "true", cwd=elsewhere).returncode == 0
+    first = run(python, kernel, "sleep", cwd=elsewhere)
+    assert first.returncode == 0, first.stderr
+    a = kernel.current()
+    assert a is not None
+    assert "Next: `python3 .syscall/syscall wait` blocks until the sleep wakes" in first.stdout
+    assert run(python, kernel, "launch", "--name", "b", "--", "true", cwd=elsewhere).returncode == 0
+    second = run(python, kernel, "sleep", cwd=elsewhere)
+    assert second.returncode == 0, second.stderr  # the policy allows several in flight
+    b = kernel.current()
+    assert b is not None
+    assert b.id != a.id
+    assert (
+        "Next: `python3 .syscall/syscall wait` blocks until the first of your 2 sleeps whose wake is not shown yet "
+        f"wakes and prints its wake; `python3 .syscall/syscall wait {b.id}` waits for this one."
+        in second.stdout
+    )
+    assert staged(kernel)["unread"] == [a.id, b.id]
+    kernel.finish("b")  # the second sleep wakes first
+    shown = run(python, kernel, "wait", "--timeout", "20", cwd=elsewhere)
+    assert shown.returncode == 0, shown.stderr
+    assert f"(The wake is kept at .syscall/wakes/{b.id}.md.)" in shown.stdout
+    assert (
+        f"Not shown yet: the wake of your sleep {a.id}; `python3 .syscall/syscall wait` shows the next."
+        in (shown.stdout)
+    )
+    assert staged(kernel)["unread"] == [a.id]

@@ -438,3 +438,31 @@ def test_tail_of_an_unknown_task_is_the_kernels_refusal(
     r = run(python, kernel, "tail", "b", cwd=elsewhere)
     assert r.returncode == 3
     assert "tail.unknown_task" in r.stderr
+
+
+def test_status_shows_a_gathered_sleep_as_woken() -> None:
+    # gathered: the wake is recorded and may be read already; "is gathered now" read as still in flight
+    sleep = {"id": "s1", "seq": 3, "state": "gathered", "created_at": "T0", "woken_at": "T1"}
+    assert tool.sleep_line(sleep, 2, 2) == "Sleep s1 (#3) woke at T1 (slept from T0): 2/2 tasks done."
+
+
+def test_status_does_not_count_a_pending_sleeps_launches_as_staged_for_the_next() -> None:
+    # a sleep written but not answered yet keeps its launches in the staging until its answer is seen: they
+    # are its own, not the next sleep's
+    first = {"name": "first", "command": "true", "minutes": 30}
+    second = {"name": "second", "command": "true", "minutes": 30}
+    st = tool.Staging(
+        {"launches": [first, second], "pending": {"id": "s9", "launches": [first], "submit": None}}
+    )
+    lines = tool._render_staging(st, dict(tool.DEFAULT_POLICY))
+    assert lines[0] == "Staged for the next sleep (1 launch):"
+    assert not any("first" in line for line in lines[1:-1])
+    assert lines[-1].startswith("Sleep s9 was written with 1 launch but its answer has not been seen yet;")
+    alone = tool.Staging({"launches": [first], "pending": {"id": "s9", "launches": [first], "submit": None}})
+    assert tool._render_staging(alone, dict(tool.DEFAULT_POLICY))[0].startswith("Nothing staged")
+
+
+def test_the_staging_keeps_only_sleep_ids_as_unread_wakes() -> None:
+    # staged.json is never trusted: an entry that is not a sleep id never names a file under wakes/
+    st = tool.Staging({"unread": ["1764460800000-3fa9c2d1", "../../etc/passwd", 7, "a\nb"]})
+    assert st.unread == ["1764460800000-3fa9c2d1"]

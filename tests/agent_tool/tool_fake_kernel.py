@@ -271,11 +271,13 @@ class FakeKernel:
         return None if isinstance(req, Rejected) else str(req.__struct_config__.tag)
 
     def _sleep(self, req: SleepRequest) -> Answer:
-        if self.sleeps and self.sleeps[-1].woken_at is None:
+        # Several sleeps may be in flight, as the policy says; the fake's other verbs look at the last only.
+        flying = [s for s in self.sleeps if s.woken_at is None]
+        if len(flying) >= self.policy.max_sleeps_in_flight:
+            limit = self.policy.max_sleeps_in_flight
+            message = f"already {len(flying)} sleeps in flight (max_sleeps_in_flight {limit})"
             return Rejected(
-                protocol=1,
-                id=req.id,
-                error=ErrorInfo(code="sleep.in_progress", message="a sleep is in progress", path=None),
+                protocol=1, id=req.id, error=ErrorInfo(code="sleep.in_progress", message=message, path=None)
             )
         sleep = _Sleep(
             id=req.id,

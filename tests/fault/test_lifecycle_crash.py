@@ -8,6 +8,7 @@ the kernel's bookkeeping; the jail has its own tests.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sqlite3
@@ -32,6 +33,21 @@ def make_workspace(path: Path) -> Path:
     return path
 
 
+def killed_then_restarted(
+    kernel: Kernel, ws: Path, step: str, requests: dict[str, dict[str, object]]
+) -> None:
+    """Start the kernel to die at `step`, commit `requests` (id -> body, in order), see it SIGKILLed there, and
+    start it again."""
+    kernel.start(env={CRASH_ENV: step})
+    for rid, body in requests.items():
+        put_request(ws, rid, body)
+    assert kernel.proc is not None
+    assert kernel.proc.wait(30) == -9
+    kernel.ensure_stopped()
+    assert f"event=crash_injected step={step}" in kernel.log_text()
+    kernel.start()
+
+
 @pytest.mark.parametrize("step", CRASH_STEPS)
 def test_a_kernel_killed_at_a_step_delivers_one_wake_and_runs_no_task_twice(
     tmp_path: Path, step: str
@@ -53,14 +69,7 @@ def test_a_kernel_killed_at_a_step_delivers_one_wake_and_runs_no_task_twice(
         ],
     }
     try:
-        kernel.start(env={CRASH_ENV: step})
-        put_request(ws, "s1", request)
-        assert kernel.proc is not None
-        assert kernel.proc.wait(30) == -9
-        kernel.ensure_stopped()
-        assert f"event=crash_injected step={step}" in kernel.log_text()
-
-        kernel.start()
+        killed_then_restarted(kernel, ws, step, {"s1": request})
         wake_file = ws / ".syscall" / "wakes" / "s1.json"
         wait_for(wake_file.exists, 30, "the wake")
         answer = wait_for(lambda: read_answer(ws, "s1"), 10, "the answer")
@@ -105,3 +114,66 @@ def test_a_kernel_killed_at_a_step_delivers_one_wake_and_runs_no_task_twice(
     budget = json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]
     assert budget == wake["budget"]
     assert budget["reserved_gpu_hours"] == 0
+
+
+@pytest.mark.parametrize("step", CRASH_STEPS)
+def test_two_sleeps_in_flight_survive_a_kill_at_each_step(tmp_path: Path, step: str) -> None:
+    """Two sleeps committed together (several in flight, issue 25), the kernel killed at `step` of whichever
+    reaches it first: after the restart each sleep has one wake, each task ran once, and the budget is exact."""
+    kernel = Kernel(tmp_path, 'jail = "none"\nrescan_seconds = 1\n[local]\nseconds_per_minute = 1.0\n')
+    ws = make_workspace(tmp_path / "ws")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    kernel.enroll(ws, "--launches", "10", "--sleeps", "5", "--gpu-hours", "1")
+    slow = f'echo run >> {marks}/slow.$SWEEP_INDEX; sleep 1; echo "slow $SWEEP_INDEX"'
+    first = {
+        "protocol": 1,
+        "id": "s1",
+        "type": "sleep",
+        "launches": [
+            {"name": "quick", "command": f"echo run >> {marks}/quick"},
+            {"name": "slow", "command": slow, "array": 2, "gpus": 1, "minutes": 5},
+        ],
+    }
+    other = f"echo run >> {marks}/other; sleep 1"
+    second = {
+        "protocol": 1,
+        "id": "s2",
+        "type": "sleep",
+        "launches": [{"name": "other", "command": other, "gpus": 1, "minutes": 5}],
+    }
+    wakes = ws / ".syscall" / "wakes"
+    try:
+        killed_then_restarted(kernel, ws, step, {"s1": first, "s2": second})
+        for rid in ("s1", "s2"):
+            wait_for((wakes / f"{rid}.md").exists, 30, f"the wake of {rid}")
+            assert wait_for(functools.partial(read_answer, ws, rid), 10, "the answer")["type"] == "accepted"
+        kernel.wait_log("event=woken", 10, count=2)
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+
+    for name in ("quick", "slow.0", "slow.1", "other"):
+        assert (marks / name).read_text() == "run\n", f"{name} ran more than once (or never)"
+    log = kernel.log_text()
+    assert log.count("event=gathered ") == 2
+    assert log.count("event=woken ") == 2
+    used = 0
+    for rid in ("s1", "s2"):
+        wake = json.loads((wakes / f"{rid}.json").read_bytes())
+        assert all(t["state"] == "COMPLETED" for t in wake["tasks"]), wake["tasks"]
+        used += sum(math.ceil(t["elapsed_s"]) for t in wake["tasks"] if t["launch"] != "quick")
+    db = sqlite3.connect(f"file:{kernel.state / 'state.sqlite'}?mode=ro", uri=True)
+    try:
+        key = workspace_key(ws.resolve())
+        row = db.execute(
+            "SELECT gpu_s, reserved_gpu_s, launches, sleeps FROM workspaces WHERE key=?", (key,)
+        ).fetchone()
+        assert row == (GPU_S - used, 0, 10 - 3, 5 - 2)
+        states = db.execute("SELECT id, state FROM sleeps WHERE workspace=? ORDER BY seq", (key,)).fetchall()
+        assert states == [("s1", "woken"), ("s2", "woken")]
+    finally:
+        db.close()
+    budget = json.loads((ws / ".syscall" / "budget.json").read_text())["budget"]
+    assert budget["reserved_gpu_hours"] == 0
+    assert budget["sleeps"] == 3

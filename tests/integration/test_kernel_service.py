@@ -39,7 +39,7 @@ def sleep_request(rid: str, *launches: dict[str, object]) -> dict[str, object]:
 def test_every_verb_is_answered_from_the_store(kernel: Kernel, tmp_path: Path) -> None:
     ws = git_workspace(tmp_path / "ws")
     other = git_workspace(tmp_path / "other")
-    kernel.enroll(ws, "--launches", "5", "--sleeps", "3", "--gpu-hours", "2")
+    kernel.enroll(ws, "--launches", "5", "--sleeps", "3", "--gpu-hours", "2", "--max-sleeps-in-flight", "1")
     kernel.enroll(other)
     kernel.start()
 
@@ -64,7 +64,12 @@ def test_every_verb_is_answered_from_the_store(kernel: Kernel, tmp_path: Path) -
     assert budget_file["budget"] == acc["budget"]
 
     put_request(ws, "z2", sleep_request("z2"))
-    assert wait_answer(ws, "z2")["error"]["code"] == "sleep.in_progress"
+    assert wait_answer(ws, "z2")["error"] == {
+        "code": "sleep.in_progress",
+        "message": "already 1 sleep in flight (max_sleeps_in_flight 1): 'z1' (seq 1); wait for a wake, or cancel "
+        "a sleep's launches",
+        "path": None,
+    }
 
     put_request(other, "q1", {"protocol": 1, "id": "q1", "type": "queue"})
     q = wait_answer(other, "q1")
@@ -288,7 +293,7 @@ def test_bad_config_is_refused_with_the_key(tmp_path: Path) -> None:
 
 def test_the_installed_tool_talks_to_the_kernel(kernel: Kernel, tmp_path: Path) -> None:
     ws = git_workspace(tmp_path / "ws")
-    kernel.enroll(ws, "--launches", "4")
+    kernel.enroll(ws, "--launches", "4", "--max-sleeps-in-flight", "1")
     kernel.start()
 
     def tool(*args: str) -> subprocess.CompletedProcess[str]:

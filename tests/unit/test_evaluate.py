@@ -174,7 +174,7 @@ def _submit(*launches: Launch, minutes: int | None = None) -> SleepRequest:
 
 
 def test_a_submit_adds_two_evaluation_rows_charged_like_launches_but_no_launch() -> None:
-    acc = accept_sleep(_ws(GPU_CONTRACT), None, _submit(Launch(name="a", command="x")), 1, NOW)
+    acc = accept_sleep(_ws(GPU_CONTRACT), (), _submit(Launch(name="a", command="x")), 1, NOW)
     rows = {j.launch: j for j in acc.jobs}
     assert set(rows) == {"a", EVAL_BASE, EVAL_CANDIDATE}
     for name in (EVAL_BASE, EVAL_CANDIDATE):
@@ -191,13 +191,13 @@ def test_a_submit_adds_two_evaluation_rows_charged_like_launches_but_no_launch()
 
 
 def test_the_agents_eval_minutes_override_the_contracts() -> None:
-    acc = accept_sleep(_ws(GPU_CONTRACT), None, _submit(minutes=5), 1, NOW)
+    acc = accept_sleep(_ws(GPU_CONTRACT), (), _submit(minutes=5), 1, NOW)
     assert [(j.minutes, j.reserved_gpu_s) for j in acc.jobs] == [(5, 300), (5, 300)]
 
 
 def test_a_submit_short_of_gpu_time_is_refused_and_costs_nothing() -> None:
     with pytest.raises(RequestError) as e:
-        accept_sleep(_ws(GPU_CONTRACT, gpu_s=2399), None, _submit(), 1, NOW)
+        accept_sleep(_ws(GPU_CONTRACT, gpu_s=2399), (), _submit(), 1, NOW)
     assert (e.value.code, e.value.path) == ("budget.gpu_hours", "$.submit")
 
 
@@ -209,12 +209,12 @@ def test_a_launch_may_not_take_an_evaluation_runs_name_in_a_submitting_sleep() -
     # without a submit the name is free
     req = SleepRequest(protocol=1, id="s1", launches=(Launch(name=EVAL_BASE, command="x"),))
     assert decode_request(encode(req), "s1") == req
-    assert [j.launch for j in accept_sleep(_ws(GPU_CONTRACT), None, req, 1, NOW).jobs] == [EVAL_BASE]
+    assert [j.launch for j in accept_sleep(_ws(GPU_CONTRACT), (), req, 1, NOW).jobs] == [EVAL_BASE]
 
 
 def test_a_submit_without_a_contract_is_refused_by_policy() -> None:
     with pytest.raises(RequestError) as e:
-        accept_sleep(_ws(None), None, _submit(), 1, NOW)
+        accept_sleep(_ws(None), (), _submit(), 1, NOW)
     assert e.value.code == "policy.submit_disabled"
 
 

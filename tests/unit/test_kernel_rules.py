@@ -12,6 +12,7 @@ from channel.safefs import Identity
 from kernel.core.budget import Balance
 from kernel.core.records import JobRow, SleepRow, WorkspaceRow
 from kernel.core.rules import (
+    Sleep,
     accept_sleep,
     cancelled_by,
     history_answer,
@@ -40,9 +41,14 @@ def sleep_row(seq: int = 1, state: str = "validated") -> SleepRow:
     return SleepRow("w-1", seq, f"s{seq}", state, "", None, NOW, None, None)
 
 
+def flying(seq: int = 1, *jobs: JobRow, state: str = "running") -> Sleep:
+    """A sleep in flight with its tasks."""
+    return (sleep_row(seq, state), jobs)
+
+
 def test_accept_records_one_pending_task_per_array_index() -> None:
     acc = accept_sleep(
-        ws(), None, sleep_req(Launch(name="a", command="x", gpus=1, minutes=10, array=3)), 1, NOW
+        ws(), (), sleep_req(Launch(name="a", command="x", gpus=1, minutes=10, array=3)), 1, NOW
     )
     assert [(j.launch, j.task, j.state, j.reserved_gpu_s) for j in acc.jobs] == [
         ("a", 0, "PENDING", 600),
@@ -53,38 +59,96 @@ def test_accept_records_one_pending_task_per_array_index() -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "launch", "current", "code"),
+    ("policy", "launch", "in_flight", "code"),
     [
-        (Policy(max_minutes=10), Launch(name="a", command="x", minutes=11), None, "policy.minutes"),
-        (Policy(max_gpus=1), Launch(name="a", command="x", gpus=2), None, "policy.gpus"),
-        (Policy(), Launch(name="a", command="x"), sleep_row(), "sleep.in_progress"),
+        (Policy(max_minutes=10), Launch(name="a", command="x", minutes=11), (), "policy.minutes"),
+        (Policy(max_gpus=1), Launch(name="a", command="x", gpus=2), (), "policy.gpus"),
+        (Policy(max_sleeps_in_flight=1), Launch(name="a", command="x"), (flying(),), "sleep.in_progress"),
         # policy is checked before state: the cheapest, most specific refusal first
-        (Policy(max_gpus=0), Launch(name="a", command="x", gpus=1), sleep_row(), "policy.gpus"),
+        (Policy(max_gpus=0), Launch(name="a", command="x", gpus=1), (flying(),), "policy.gpus"),
     ],
 )
-def test_refusals(policy: Policy, launch: Launch, current: SleepRow | None, code: str) -> None:
+def test_refusals(policy: Policy, launch: Launch, in_flight: tuple[Sleep, ...], code: str) -> None:
     with pytest.raises(RequestError) as info:
-        accept_sleep(ws(policy=policy), current, sleep_req(launch), 2, NOW)
+        accept_sleep(ws(policy=policy), in_flight, sleep_req(launch), 2, NOW)
     assert info.value.code == code
 
 
-@pytest.mark.parametrize("state", ["validated", "snapshotted", "submitted", "running"])
-def test_a_sleep_whose_wake_is_not_recorded_is_in_progress(state: str) -> None:
+def test_sleeps_in_flight_up_to_the_policy_limit() -> None:
+    two = (flying(1), flying(2))
+    acc = accept_sleep(
+        ws(policy=Policy(max_sleeps_in_flight=3)), two, sleep_req(Launch(name="a", command="x")), 3, NOW
+    )
+    assert [(j.seq, j.launch) for j in acc.jobs] == [(3, "a")]
+    # each sleep is charged its own sleep and launches
+    assert acc.balance == Balance(9, 4, 36000)
     with pytest.raises(RequestError) as info:
-        accept_sleep(ws(), sleep_row(state=state), sleep_req(), 2, NOW)
-    assert info.value.code == "sleep.in_progress"
+        accept_sleep(ws(policy=Policy(max_sleeps_in_flight=2)), two, sleep_req(), 3, NOW)
+    assert (info.value.code, info.value.message) == (
+        "sleep.in_progress",
+        "already 2 sleeps in flight (max_sleeps_in_flight 2): 's1' (seq 1), 's2' (seq 2); wait for a wake, or "
+        "cancel a sleep's launches",
+    )
 
 
-def test_a_gathered_sleep_is_over_for_the_next_one() -> None:
-    # its wake files may already be readable (they are written before `woken` is recorded): the agent that
-    # commits its next sleep the moment it reads the wake is not told the sleep "has not woken yet"
-    acc = accept_sleep(ws(), sleep_row(state="gathered"), sleep_req(Launch(name="a", command="x")), 2, NOW)
-    assert [(j.seq, j.launch) for j in acc.jobs] == [(2, "a")]
+def test_one_sleep_in_flight_by_default_limit_message() -> None:
+    with pytest.raises(RequestError) as info:
+        accept_sleep(ws(policy=Policy(max_sleeps_in_flight=1)), (flying(4),), sleep_req(), 5, NOW)
+    assert info.value.message.startswith("already 1 sleep in flight (max_sleeps_in_flight 1): 's4' (seq 4);")
+
+
+def test_the_default_policy_allows_several_sleeps_in_flight() -> None:
+    assert Policy().max_sleeps_in_flight == 4
+    accept_sleep(ws(), (flying(1), flying(2), flying(3)), sleep_req(), 4, NOW)
+
+
+def test_one_submit_in_flight_at_a_time() -> None:
+    from channel.messages import EvalContract, Submit
+
+    contract = Policy(submit=EvalContract(command="python eval.py", metric="acc"))
+    req = SleepRequest(protocol=1, id="s3", submit=Submit(report="r"))
+    with_submit = (replace(sleep_row(1, "running"), submit=b"{}"), ())
+    with pytest.raises(RequestError) as info:
+        accept_sleep(ws(policy=contract), (with_submit,), req, 3, NOW)
+    assert (info.value.code, info.value.path) == ("sleep.in_progress", "$.submit")
+    assert "carries a submit; one submit at a time" in info.value.message
+    # beside a sleep without a submit it is accepted
+    accept_sleep(ws(policy=contract), (flying(1),), req, 3, NOW)
+
+
+def test_the_gpu_ceiling_holds_across_sleeps_in_flight() -> None:
+    # max_concurrent_gpus 4: a sleep in flight whose two live 1-GPU tasks run at once holds 2
+    policy = Policy(max_gpus=4, max_concurrent_gpus=4)
+    held = flying(1, job("a", 0, "RUNNING", "1_0"), job("a", 1, "RUNNING", "1_1"), job("a", 2, "COMPLETED"))
+    two = sleep_req(Launch(name="b", command="x", gpus=2))
+    acc = accept_sleep(ws(policy=policy), (held,), two, 2, NOW)  # 2 + 2 <= 4
+    assert [j.gpus for j in acc.jobs] == [2]
+    three = sleep_req(Launch(name="b", command="x", gpus=3))
+    with pytest.raises(RequestError) as info:
+        accept_sleep(ws(policy=policy), (held,), three, 2, NOW)
+    assert (info.value.code, info.value.message) == (
+        "sleep.in_progress",
+        "the 1 sleep in flight ('s1' (seq 1)) may hold 2 GPUs at once and this one 3 more, above this "
+        "workspace's max_concurrent_gpus (4); wait for a wake, or launch with fewer GPUs or a lower concurrency",
+    )
+    # a sleep without GPUs is never held back by them; alone, a sleep is as before (its launches clamped)
+    accept_sleep(ws(policy=policy), (held,), sleep_req(Launch(name="c", command="x")), 2, NOW)
+    accept_sleep(ws(policy=policy), (), sleep_req(Launch(name="b", command="x", gpus=4, array=4)), 2, NOW)
+
+
+def test_a_gathered_sleep_has_nothing_left_to_cancel() -> None:
+    # its wake may already be read: a cancel naming it is answered as after `woken`, not as one that stopped
+    # nothing
+    gathered = (sleep_row(state="gathered"), [job("a", 0, "COMPLETED")])
+    with pytest.raises(RequestError) as info:
+        plan_cancel(ws(), (), gathered, CancelRequest(protocol=1, id="c", sleep="s1"))
+    assert (info.value.code, info.value.path) == ("cancel.no_sleep", "$.sleep")
+    assert info.value.message == "sleep 's1' (seq 1) has woken; nothing of it is left to cancel"
 
 
 def test_budget_is_checked_after_state() -> None:
     with pytest.raises(RequestError) as info:
-        accept_sleep(ws(Balance(0, 0, 0)), None, sleep_req(), 1, NOW)
+        accept_sleep(ws(Balance(0, 0, 0)), (), sleep_req(), 1, NOW)
     assert info.value.code == "budget.sleeps"
 
 
@@ -97,14 +161,14 @@ def job(
 def test_cancel_refunds_unsubmitted_tasks_and_leaves_submitted_ones_to_the_executor() -> None:
     jobs = [job("a", 0), job("a", 1, "RUNNING", "42_1"), job("b", 0), job("b", 1, "COMPLETED")]
     w = ws(Balance(5, 4, 1000, 2400))
-    plan = plan_cancel(w, sleep_row(), jobs, CancelRequest(protocol=1, id="c", launches=("a",)))
+    plan = plan_cancel(w, [(sleep_row(), jobs)], None, CancelRequest(protocol=1, id="c", launches=("a",)))
     assert [(j.launch, j.task) for j in plan.targets] == [("a", 0), ("a", 1)]
     # as read: the pipeline moves them PENDING -> CANCELLED by compare-and-set in the cancel's transaction
     assert [(j.launch, j.task, j.state, j.reserved_gpu_s) for j in plan.now_cancelled] == [
         ("a", 0, "PENDING", 600)
     ]
     assert plan.balance == Balance(5, 4, 1600, 1800)
-    everything = plan_cancel(w, sleep_row(), jobs, CancelRequest(protocol=1, id="c"))
+    everything = plan_cancel(w, [(sleep_row(), jobs)], None, CancelRequest(protocol=1, id="c"))
     assert len(everything.targets) == 3
 
 
@@ -144,30 +208,54 @@ def test_a_cancel_answer_does_not_trust_the_node_clock() -> None:
 
 
 def test_cancel_refusals() -> None:
+    one = [(sleep_row(), [job("a", 0)])]
     with pytest.raises(RequestError) as info:
-        plan_cancel(ws(), None, [], CancelRequest(protocol=1, id="c"))
+        plan_cancel(ws(), [], None, CancelRequest(protocol=1, id="c"))
     assert info.value.code == "cancel.no_sleep"
     with pytest.raises(RequestError) as info:
-        plan_cancel(ws(), sleep_row(), [job("a", 0)], CancelRequest(protocol=1, id="c", launches=("a", "zz")))
+        plan_cancel(ws(), one, None, CancelRequest(protocol=1, id="c", launches=("a", "zz")))
     assert info.value.code == "cancel.unknown_launch"
     assert info.value.path == "$.launches[1]"
+    with pytest.raises(RequestError) as info:
+        plan_cancel(ws(), one, None, CancelRequest(protocol=1, id="c", sleep="nope"))
+    assert (info.value.code, info.value.path) == ("cancel.unknown_sleep", "$.sleep")
+    assert info.value.message == "this workspace has no sleep 'nope' (in flight: 's1' (seq 1))"
     # a workspace whose policy withholds `cancel` is refused before its state is looked at
     no_cancel = Policy(verbs=("sleep", "status"))
     with pytest.raises(RequestError) as info:
-        plan_cancel(ws(policy=no_cancel), sleep_row(), [job("a", 0)], CancelRequest(protocol=1, id="c"))
+        plan_cancel(ws(policy=no_cancel), one, None, CancelRequest(protocol=1, id="c"))
     assert (info.value.code, info.value.path) == ("policy.verb_disabled", "$.type")
+
+
+def test_a_cancel_with_several_sleeps_in_flight_names_one() -> None:
+    a = (sleep_row(1, "running"), [job("train", 0, "RUNNING", "1")])
+    b = (sleep_row(2, "running"), [replace(job("eval", 0, "RUNNING", "2"), seq=2)])
+    with pytest.raises(RequestError) as info:
+        plan_cancel(ws(), [a, b], None, CancelRequest(protocol=1, id="c"))
+    assert (info.value.code, info.value.message) == (
+        "cancel.which_sleep",
+        "2 sleeps are in flight: 's1' (seq 1), 's2' (seq 2); name the one to cancel (`sleep`: its id)",
+    )
+    # by id, or by launch names only one of them has
+    assert plan_cancel(ws(), [a, b], b, CancelRequest(protocol=1, id="c", sleep="s2")).sleep.seq == 2
+    named = plan_cancel(ws(), [a, b], None, CancelRequest(protocol=1, id="c", launches=("train",)))
+    assert (named.sleep.seq, [j.launch for j in named.targets]) == (1, ["train"])
 
 
 def test_read_only_answers() -> None:
     k = KernelRef(name="syscall-kernel", version="0")
     started = JobRow("w-1", 1, "a", 0, 1, 0, "x", 10, 1, (), "why", 600, "RUNNING", started_at=NOW)
-    st = status_answer("q", k, ws(), sleep_row(), [started], 1796040010.0)
+    st = status_answer("q", k, ws(), (sleep_row(), [started]), [(sleep_row(), [started])], 1796040010.0)
     assert st.sleep is not None
     assert st.sleep.tasks[0].elapsed_s == 10.0
     assert st.budget.gpu_hours == 10.0
     other = JobRow("w-2", 1, "b", 0, 1, 0, "x", 5, 0, (), "theirs", 0, "PENDING")
-    q = queue_answer("q", "w-1", [started, other], 1796040010.0)
-    assert [(e.mine, e.workspace, e.why) for e in q.jobs] == [(True, "w-1", "why"), (False, "w-2", "theirs")]
+    assert [(b.id, b.tasks, b.ended) for b in st.in_flight] == [("s1", 1, 0)]
+    q = queue_answer("q", "w-1", [started, other], 1796040010.0, {1: "s1"})
+    assert [(e.mine, e.workspace, e.why, e.sleep) for e in q.jobs] == [
+        (True, "w-1", "why", "s1"),
+        (False, "w-2", "theirs", None),
+    ]
     verdict = Verdict(outcome="improved", metric="acc", direction="higher")
     import msgspec
 
@@ -219,8 +307,8 @@ def test_status_shows_each_launch_and_the_clamp_where_it_happens() -> None:
         "q",
         KernelRef(name="k", version="1"),
         ws(policy=Policy(max_concurrent_gpus=2)),
-        sleep_row(state="running"),
-        clamped + free,
+        (sleep_row(state="running"), clamped + free),
+        (),
         1796040010.0,
     )
     assert st.sleep is not None
@@ -241,13 +329,38 @@ def test_tail_of_an_earlier_sleeps_launch_says_what_it_reaches_and_where_the_log
     from channel.messages import TailRequest
     from kernel.core.rules import tail_target
 
-    last = replace(sleep_row(seq=3, state="woken"), id="s3")
+    last = (replace(sleep_row(seq=3, state="woken"), id="s3"), [job("eval", 0)])
     with pytest.raises(RequestError) as e:
-        tail_target(last, [job("eval", 0)], TailRequest(protocol=1, id="t", launch="train"))
+        tail_target((), None, last, TailRequest(protocol=1, id="t", launch="train"))
     assert e.value.code == "tail.unknown_task"
     assert e.value.message == (
-        "'train' is not a launch of sleep 's3' (its launches: eval); tail reaches only the current sleep, else "
-        "the last one (sleep 3). An earlier sleep's logs were delivered when it woke, as its wake names them: "
+        "'train' is not a launch of sleep 's3' (its launches: eval) (no sleep in flight has it); tail reaches the "
+        "sleeps in flight, else the last one (sleep 3). An earlier sleep's logs were delivered when it woke, as its "
+        "wake names them: "
         ".syscall/results/<seq>/<launch>/stdout (an array's task: .syscall/results/<seq>/<launch>/<task>/stdout; "
         "stderr beside it), at most the last log_max_bytes (kernel.json) of each"
     )
+
+
+def test_status_and_tail_with_several_sleeps_in_flight() -> None:
+    from channel.messages import StatusRequest, TailRequest
+    from kernel.core.rules import status_target, tail_target
+
+    a = (sleep_row(1, "running"), [job("train", 0, "RUNNING", "1")])
+    b = (sleep_row(2, "running"), [replace(job("eval", 0, "RUNNING", "2"), seq=2)])
+    # status: the newest in flight, or the one named; an unknown id is refused
+    assert status_target([a, b], None, b, StatusRequest(protocol=1, id="q")) == b
+    assert status_target([a, b], a, b, StatusRequest(protocol=1, id="q", sleep="s1")) == a
+    with pytest.raises(RequestError) as e:
+        status_target([a, b], None, b, StatusRequest(protocol=1, id="q", sleep="zz"))
+    assert (e.value.code, e.value.path) == ("status.unknown_sleep", "$.sleep")
+    # tail: the newest sleep in flight that has the launch
+    sleep, task = tail_target([a, b], None, b, TailRequest(protocol=1, id="t", launch="train"))
+    assert (sleep.seq, task.launch) == (1, "train")
+    with pytest.raises(RequestError) as e:
+        tail_target([a, b], b, b, TailRequest(protocol=1, id="t", launch="train", sleep="s2"))
+    assert e.value.message == "'train' is not a launch of sleep 's2' (its launches: eval)"
+    older = (sleep_row(1, "woken"), [job("train", 0, "COMPLETED")])
+    with pytest.raises(RequestError) as e:
+        tail_target([b], older, b, TailRequest(protocol=1, id="t", launch="train", sleep="s1"))
+    assert (e.value.code, e.value.path) == ("tail.no_sleep", "$.sleep")

@@ -376,7 +376,7 @@ def test_accepting_a_sweep_records_each_tasks_values_and_the_rank() -> None:
     req = SleepRequest(
         protocol=1, id="r1", launches=(Launch(name="t", command="x", array=6, sweep=(LR, WD), rank="-acc"),)
     )
-    jobs = rules.accept_sleep(ws, None, req, 1, NOW).jobs
+    jobs = rules.accept_sleep(ws, (), req, 1, NOW).jobs
     assert [j.params for j in jobs] == sweep.grid((LR, WD))
     assert {j.rank for j in jobs} == {"-acc"}
     (summary,) = rules.launch_summaries(jobs, 8)

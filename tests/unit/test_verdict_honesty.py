@@ -396,16 +396,16 @@ def submit_req() -> SleepRequest:
 
 def test_a_submit_past_the_daily_bound_is_refused_saying_when_the_next_can_be() -> None:
     with pytest.raises(RequestError) as exc:
-        accept_sleep(ws_row(3), None, submit_req(), 9, NOW, (3, "2026-12-01T15:30:00.000Z"))
+        accept_sleep(ws_row(3), (), submit_req(), 9, NOW, (3, "2026-12-01T15:30:00.000Z"))
     assert exc.value.code == "budget.submits_per_day"
     assert (
         "at most 3 submits accepted in any 24 hours, and 3 counting toward it were accepted since 2026-12-01T15:30:00.000Z"
         in (str(exc.value))
     )
     assert "the next can be accepted from 2026-12-02T15:30:00.000Z" in str(exc.value)
-    accept_sleep(ws_row(3), None, submit_req(), 9, NOW, (2, "2026-12-01T15:30:00.000Z"))
-    accept_sleep(ws_row(0), None, submit_req(), 9, NOW, (300, "2026-12-01T15:30:00.000Z"))
-    accept_sleep(ws_row(3), None, SleepRequest(protocol=1, id="s9"), 9, NOW, (3, "2026-12-01T15:30:00.000Z"))
+    accept_sleep(ws_row(3), (), submit_req(), 9, NOW, (2, "2026-12-01T15:30:00.000Z"))
+    accept_sleep(ws_row(0), (), submit_req(), 9, NOW, (300, "2026-12-01T15:30:00.000Z"))
+    accept_sleep(ws_row(3), (), SleepRequest(protocol=1, id="s9"), 9, NOW, (3, "2026-12-01T15:30:00.000Z"))
 
 
 def test_the_store_counts_accepted_submits_in_the_window(tmp_path: Path) -> None:
