@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from kernelproc import Kernel, make_workspace, run_tool
-from test_environment_build_jail import PYPROJECT, PYTHON, SHARED_PROBE, Server, make_tls, make_wheel, uv_lock
+from localindex import make_tls, uv_lock
+from test_environment_build_jail import PYPROJECT, PYTHON, SHARED_PROBE, Server, make_wheel
 from testenv import need
 
 from kernel.node.jail import SHARED_VENV
@@ -37,7 +38,7 @@ def test_a_slurm_job_binds_the_venv_the_kernel_built_in_its_run_directory(
         "client_timeout_seconds = 10\n",
     )
     try:
-        lock = uv_lock(tmp_path, index.url, ca)
+        lock = uv_lock(tmp_path, PYPROJECT, index.url, ca, PYTHON)
         files = {"pyproject.toml": PYPROJECT, "uv.lock": lock, "probe.py": SHARED_PROBE}
         ws = make_workspace(tmp_path / "spaces" / "locked", files)
         kernel.enroll(ws, "--launches", "4", "--sleeps", "4", "--gpu-hours", "1")
