@@ -13,8 +13,8 @@ Invariants, and why they hold:
   the look (a file renamed in after our listing but within the same timestamp tick leaves the stamp equal:
   coarse kernel clocks tick every few ms, some filesystems keep whole seconds). Such a channel is listed at
   every look until its last change is older than `racy_s` (git's "racy clean" rule).
-- The rescan (every `rescan_seconds`) lists every channel in full whatever its stamp: the ground truth for a
-  server whose clock runs behind ours, where a racy change could look old.
+- The rescan is the ground truth even for a server whose clock runs behind ours (where a racy change can look
+  old to the rule above), without listing every channel: `RescanLedger`, below.
 - A channel with activity (a changed stamp, or an answer the kernel just gave it: the agent often replies at
   once) is looked at every `base_s`; each look that finds nothing doubles its interval up to `idle_max_s`.
   So an active channel's pickup is at most `base_s` (p50 about `base_s / 2`), and an idle one costs a `stat`
@@ -182,3 +182,148 @@ class PollSchedule:
             ch.interval = self.base_s
             ch.due = min(ch.due, now + self.base_s)
             self._push(key, ch)
+
+
+# What the rescan stats of a served channel: its `requests/` and its kernel.json (dev, ino, size, mtime_ns,
+# ctime_ns; kernel.io.enroll.Fingerprint). None where a stat failed.
+Evidence = tuple[DirStamp | None, tuple[int, int, int, int, int] | None]
+
+
+@dataclass(slots=True)
+class _Checked:
+    due: float
+    trusted: Evidence | None = None  # what a confirming check (below) found unchanged
+    seen: Evidence | None = None  # the evidence of the last look, until a check confirms it
+    first_at: float = 0.0  # when `seen` was first looked at (the service's clock)
+    fresh: bool = True  # never looked at since it was served (its admission and first listing just ran)
+    generation: int = 0
+    queued: bool = False  # a live entry of it is on the heap
+    looking: bool = False
+
+
+@dataclass(slots=True)
+class RescanLedger:
+    """Which served channels (watched or polled) the rescan must check in full: list `requests/` and read the
+    owner its kernel.json names (a turn of the pipeline with the owner check). Every `rescan_seconds` each
+    channel's evidence (`Evidence`: two `lstat`s) is looked at; only a channel whose evidence is not `trusted`
+    is checked. Pure: times in, keys out.
+
+    Invariants, and why they hold:
+    - Evidence is trusted only once a check (a full listing and an owner read) that began at least `racy_s`
+      after that very evidence was first looked at has completed (`checked`). This needs no clock of the
+      server's: the change that gave the evidence its timestamps came before our first look at it, and a later
+      change that leaves the timestamps equal (same tick, or a server clock behind ours) comes within one tick of
+      it (ticks are at most `racy_s`; ctimes never move back), so before that check began: the check saw it.
+      After that, any change moves a ctime forward, and nobody can set a ctime back: unequal evidence.
+    - So an unchanged trusted channel costs two `lstat`s per rescan and no listing; any other is checked at the
+      rescan that sees it (a request hidden from the poll's stamp by a clock behind ours is answered then), and
+      again `racy_s` after its evidence was first seen (`next_at`), which confirms it.
+    - Evidence that differs from the trusted one drops the trust (a channel swapped away and back, or whose check
+      failed meanwhile, is checked again); evidence with a failed stat (None in it) is never trusted.
+    - A channel new to the ledger (just served: its admission read its owner, its first listing is under way)
+      is not checked at its first look, only `racy_s` later, to confirm.
+    - A look in flight is never asked for twice (`due` takes it off until `looked` or `skipped`).
+    """
+
+    racy_s: float = RACY_NS / 1e9
+    _channels: dict[str, _Checked] = field(default_factory=dict)
+    _heap: list[tuple[float, int, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+    def keys(self) -> set[str]:
+        return set(self._channels)
+
+    def sync(self, served: set[str], now: float) -> None:
+        """Follow the set of served channels: new ones are looked at from `now` on, gone ones forgotten."""
+        for key in [k for k in self._channels if k not in served]:
+            del self._channels[key]
+        for key in served:
+            if key not in self._channels:
+                ch = self._channels[key] = _Checked(now)
+                self._push(key, ch)
+
+    def trusted(self, key: str) -> bool:
+        """Whether `key`'s evidence is trusted (a rescan that finds it unchanged checks nothing)."""
+        ch = self._channels.get(key)
+        return ch is not None and ch.trusted is not None
+
+    def rescan(self, now: float) -> None:
+        """The rescan: every channel not looked at right now is due now."""
+        for key, ch in self._channels.items():
+            if not ch.looking and not (ch.queued and ch.due <= now):
+                ch.due = now
+                self._push(key, ch)
+
+    def _push(self, key: str, ch: _Checked) -> None:
+        ch.generation += 1
+        ch.queued = True
+        heapq.heappush(self._heap, (ch.due, ch.generation, key))
+
+    def next_at(self) -> float | None:
+        """When the earliest look is due (None: none is, until the next rescan)."""
+        while self._heap:
+            due, gen, key = self._heap[0]
+            ch = self._channels.get(key)
+            if ch is not None and ch.generation == gen:
+                return due
+            heapq.heappop(self._heap)
+        return None
+
+    def due(self, now: float, limit: int) -> list[str]:
+        """Up to `limit` keys whose look is due, earliest first, each taken off until `looked` or `skipped`."""
+        out: list[str] = []
+        while self._heap and len(out) < limit:
+            due, gen, key = self._heap[0]
+            ch = self._channels.get(key)
+            if ch is None or ch.generation != gen:
+                heapq.heappop(self._heap)
+                continue
+            if due > now:
+                break
+            heapq.heappop(self._heap)
+            ch.generation += 1
+            ch.looking, ch.queued = True, False
+            out.append(key)
+        return out
+
+    def looked(self, key: str, evidence: Evidence, wall_ns: int, now: float) -> bool:
+        """A look at `key` found `evidence` (`wall_ns` is unused: the rule needs no wall clock). True when the
+        channel must be checked in full now."""
+        ch = self._channels.get(key)
+        if ch is None:
+            return False
+        ch.looking = False
+        fresh, ch.fresh = ch.fresh, False
+        if evidence == ch.trusted:
+            return False
+        ch.trusted = None
+        if None in evidence:
+            ch.seen = None
+            return True  # a failed stat: the check says why (and it is checked at every rescan)
+        if evidence != ch.seen:
+            ch.seen, ch.first_at = evidence, now
+            ch.due = now + self.racy_s  # looked at again then, to confirm it
+            self._push(key, ch)
+            return not fresh
+        if now >= ch.first_at + self.racy_s:
+            return True  # the confirming check (`checked`)
+        ch.due = ch.first_at + self.racy_s
+        self._push(key, ch)
+        return False
+
+    def skipped(self, key: str, now: float) -> None:
+        """A due look that did not happen (its channel hung, or the kernel is stopping): due again in `racy_s`."""
+        ch = self._channels.get(key)
+        if ch is not None and ch.looking:
+            ch.looking = False
+            ch.due = now + self.racy_s
+            self._push(key, ch)
+
+    def checked(self, key: str, started: float) -> None:
+        """A full listing of `key` with its owner read, begun at `started` (the service's clock), completed: the
+        evidence last looked at is trusted if it was first looked at `racy_s` or more before that."""
+        ch = self._channels.get(key)
+        if ch is not None and ch.seen is not None and started >= ch.first_at + self.racy_s:
+            ch.trusted, ch.seen = ch.seen, None

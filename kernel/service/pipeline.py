@@ -246,9 +246,11 @@ class PipelineHooks:
     idle: Callable[[str], None] = _nothing
     # A turn ended (the service loop plans the next pass).
     turn_done: Callable[[], None] = _nothing
-    # A full listing of the workspace, planned at the time given, completed / the turn answered requests (the poll
-    # schedule: kernel.core.polling).
-    listed: Callable[[str, float], None] = _nothing
+    # A full listing of the workspace, planned at the time given (on `plan_clock`: the service's clock), completed,
+    # with its owner read or not / the turn answered requests (the poll schedule, the rescan's ledger:
+    # kernel.core.polling).
+    listed: Callable[[str, float, bool], None] = _nothing
+    plan_clock: Callable[[], float] = time.monotonic
     answered: Callable[[str], None] = _nothing
     # A turn found the channel's kernel.json naming another store (the rescan's owner check).
     owned_elsewhere: Callable[[WorkspaceRow, OwnedElsewhere], Awaitable[None]] = _ignore_owner
@@ -424,7 +426,7 @@ class Pipeline:
         if not queue and key in self.dirty:
             self.dirty.discard(key)
             self.named.pop(key, None)  # the full listing sees them too
-            return _Turn(key, n, True, None, swept, owner, self.clock())
+            return _Turn(key, n, True, None, swept, owner, self.plan_clock())
         if not queue and key in self.named:
             return _Turn(key, n, False, self.named.pop(key), swept, owner)
         return _Turn(key, n, False, None, swept, owner)
@@ -538,7 +540,7 @@ class Pipeline:
         if t.key in self.workspaces:
             self.hooks.ok(t.key)
         if t.full:
-            self.hooks.listed(t.key, t.planned)
+            self.hooks.listed(t.key, t.planned, t.check_owner)
         if done.answered:
             self.hooks.answered(t.key)
         if done.relist:
