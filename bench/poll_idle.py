@@ -127,6 +127,17 @@ def scenario(base: Path, n: int, args: argparse.Namespace, root: Path) -> dict[s
     log = base / f"kernel-{n}.log"
     log.unlink(missing_ok=True)
     k = Kernel(config, log, root)
+    try:
+        return measure(k, n, workspaces, args, port)
+    finally:
+        if k.proc is not None and k.proc.poll() is None:  # a measurement failed: no kernel left serving
+            k.proc.kill()
+            k.proc.wait(30)
+
+
+def measure(
+    k: Kernel, n: int, workspaces: list[Path], args: argparse.Namespace, port: int
+) -> dict[str, object]:
     t0 = time.perf_counter()
     k.start_ready()
     k.wait(b"event=channels_refreshed", 1)

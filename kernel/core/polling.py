@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 
 # A directory changed within this long of the look (wall clock, ns) may change again within the same timestamp
 # tick unseen: 2 s covers filesystems that keep whole seconds.
 RACY_NS: Final = 2_000_000_000
 
 
-@dataclass(frozen=True, slots=True)
-class DirStamp:
+class DirStamp(NamedTuple):
     """What a `stat` of a directory says about its entries: a new entry, a rename or a removal changes its
-    mtime and ctime (and, on most filesystems, its size or link count); a replaced directory has a new inode."""
+    mtime and ctime (and, on most filesystems, its size or link count); a replaced directory has a new inode.
+    (A tuple: 2,500 are made and compared a second at 10,000 idle polled channels.)"""
 
     dev: int
     ino: int

@@ -1056,9 +1056,13 @@ class Service:
         send.send_nowait(key)
 
     def _rescan_check(self, key: str) -> None:
-        """(event loop) The rescan's look at `key` asks for a full check: listed in full, its owner read."""
+        """(event loop) The rescan's look at `key` asks for a full check: listed in full, its owner read. The loop
+        is woken only when the sweep was empty (it goes on with a sweep it has by itself): a rescan that checks
+        10,000 channels wakes it once, not 10,000 times (each wake plans a pass)."""
+        idle = not self.pipeline.sweeping()
         self.pipeline.sweep([key], owners=True)
-        self._wake("")
+        if idle:
+            self._wake("")
 
     def _listed(self, key: str, planned: float, owner_checked: bool) -> None:
         """(event loop) A turn of `key` planned at `planned` listed it in full (and read its owner)."""

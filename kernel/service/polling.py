@@ -159,11 +159,13 @@ class Poller(Generic[S]):
 
     def _apply(self, batch: _Batch[S], n: int, now: float) -> None:
         """Feed the stamps `batch.applied:n` to the schedule (each once)."""
+        looked, changed = self.schedule.looked, 0
         for i in range(batch.applied, n):
             key = batch.keys[i]
-            if self.schedule.looked(key, batch.stamps[i], batch.wall_ns, now):
-                self._changed.inc()
+            if looked(key, batch.stamps[i], batch.wall_ns, now):
+                changed += 1
                 self.on_changed(key)
-            else:
-                self._unchanged.inc()
+        if n > batch.applied:
+            self._changed.inc(changed)
+            self._unchanged.inc(n - batch.applied - changed)
         batch.applied = max(batch.applied, n)
