@@ -6,9 +6,9 @@ subdirectory, read `requests/`); at 10,000 channels every half second that is se
 look is one `stat` of `requests/` (its `DirStamp`), and only a changed stamp leads to a full listing.
 
 Invariants, and why they hold:
-- A stamp is trusted (an unchanged stamp means "nothing to list") only once a full listing that began after that
-  stamp was taken has completed (`listed`): a stamp seen but not yet followed by a listing (the turn was deferred, failed,
-  or the kernel stopped) is listed at the next look.
+- A stamp is trusted (an unchanged stamp means "nothing to list") only once a full listing that began after the
+  first look that saw that stamp has completed (`listed`): a stamp seen but not yet followed by a listing (the turn
+  was deferred, failed, or the kernel stopped) is listed at the next look.
 - A stamp is never trusted while it is *racy*: when the directory was changed within `racy_s` of the clock at
   the look (a file renamed in after our listing but within the same timestamp tick leaves the stamp equal:
   coarse kernel clocks tick every few ms, some filesystems keep whole seconds). Such a channel is listed at
@@ -146,9 +146,13 @@ class PollSchedule:
             ch.interval = min(ch.interval * 2, self.idle_max_s)
         else:
             ch.interval = self.base_s
-            ch.seen, ch.seen_at = stamp, now
-            if stamp is not None and stamp == ch.trusted:
+            if stamp is None or stamp == ch.trusted:
                 ch.seen = None  # racy, not changed: listed again, nothing new to trust afterwards
+            elif stamp != ch.seen:
+                # Kept from the first look that saw it: a listing begun after that one trusts it, though looks
+                # every `base_s` see it again while the listing waits (else a kernel whose listings take longer
+                # than `base_s` would never trust a stamp, and list every channel at every look).
+                ch.seen, ch.seen_at = stamp, now
         ch.boosted = False
         ch.due = now + ch.interval
         self._push(key, ch)

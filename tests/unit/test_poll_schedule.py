@@ -76,6 +76,23 @@ def test_a_changed_stamp_is_listed_and_trusted_only_after_a_listing_that_began_a
     assert s.looked("a", changed, NOW_NS, 1.5) is False
 
 
+def test_a_listing_slower_than_the_looks_still_trusts_the_stamp_it_began_after() -> None:
+    """Looks every base_s see the same changed stamp while its listing waits for a slot: the listing began after
+    the first of them, which is enough (else a loaded kernel would list every channel at every look)."""
+    s = sched()
+    s.sync({"a"}, 0.0)
+    s.due(0.0, 1)
+    s.looked("a", st(), NOW_NS, 0.0)
+    s.listed("a", 0.0)
+    changed = st(size=8192, mtime_ns=OLD_NS + 5)
+    for now in (0.5, 1.0, 1.5):
+        s.due(now, 1)
+        assert s.looked("a", changed, NOW_NS, now) is True
+    s.listed("a", 0.6)  # planned after the look at 0.5, done after the one at 1.5
+    s.due(2.0, 1)
+    assert s.looked("a", changed, NOW_NS, 2.0) is False
+
+
 def test_a_look_not_followed_by_a_listing_lists_again() -> None:
     """The turn was deferred or failed (no `listed`): the same stamp is not taken as listed."""
     s = sched()
