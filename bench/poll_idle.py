@@ -112,6 +112,8 @@ def scenario(base: Path, n: int, args: argparse.Namespace, root: Path) -> dict[s
     workspaces = make_workspaces(spaces, n, commit=False)
     state = base / f"state-{n}"
     shutil.rmtree(state, ignore_errors=True)
+    for ws in workspaces:  # kept from an earlier run (`--keep`): their channels name the store just removed
+        shutil.rmtree(ws / ".syscall", ignore_errors=True)
     port = free_port()
     extra = (
         f'watch = "poll"\npoll_seconds = {args.poll_seconds}\nrescan_seconds = {args.rescan_seconds}\n'
