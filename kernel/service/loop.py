@@ -819,9 +819,7 @@ class Service:
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
         # The look is the loop's (`_look_at_rows`, in the channel look pool): no channel is opened here.
         # Keys first: at 10,000 served channels, reading every row at every rescan cost more than its looks.
-        rows = (
-            self.store.workspace(k) for k in self.store.enrolled_keys() if not self.custody.holds(k)
-        )
+        rows = (self.store.workspace(k) for k in self.store.enrolled_keys() if not self.custody.holds(k))
         return [row for row in rows if row is not None]
 
     def served(self, rows: list[WorkspaceRow]) -> list[WorkspaceRow]:

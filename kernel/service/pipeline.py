@@ -445,7 +445,7 @@ class Pipeline:
         if not queue and key in self.dirty:
             self.dirty.discard(key)
             self.named.pop(key, None)  # the full listing sees them too
-            return _Turn(key, n, True, None, swept, owner, self.plan_clock())
+            return _Turn(key, n, True, None, swept, owner, self.hooks.plan_clock())
         if not queue and key in self.named:
             return _Turn(key, n, False, self.named.pop(key), swept, owner)
         return _Turn(key, n, False, None, swept, owner)
