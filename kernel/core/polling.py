@@ -19,14 +19,21 @@ Invariants, and why they hold:
   once) is looked at every `base_s`; each look that finds nothing doubles its interval up to `idle_max_s`.
   So an active channel's pickup is at most `base_s` (p50 about `base_s / 2`), and an idle one costs a `stat`
   every `idle_max_s`.
+- An idle channel's next look (at `idle_max_s`) is moved back to the grid of `idle_max_s / IDLE_GRID` seconds,
+  never later: the idle channels' looks fall due together, a few times a second, in full batches (at 10,000
+  channels the loop wakes and a thread starts for each batch: 50 a second without the grid, 16 with it), and an
+  idle channel is still looked at within `idle_max_s`.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
+# Idle looks fall on a grid of idle_max_s / IDLE_GRID seconds.
+IDLE_GRID: Final = 8
 # A directory changed within this long of the look (wall clock, ns) may change again within the same timestamp
 # tick unseen: 2 s covers filesystems that keep whole seconds.
 RACY_NS: Final = 2_000_000_000
@@ -155,6 +162,9 @@ class PollSchedule:
                 ch.seen, ch.seen_at = stamp, now
         ch.boosted = False
         ch.due = now + ch.interval
+        if ch.interval >= self.idle_max_s > self.base_s:
+            grid = self.idle_max_s / IDLE_GRID
+            ch.due = max(now + self.base_s, math.floor(ch.due / grid) * grid)
         self._push(key, ch)
         return not unchanged
 
