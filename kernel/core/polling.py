@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, Protocol
 
 # Idle looks fall on a grid of idle_max_s / IDLE_GRID seconds.
 IDLE_GRID: Final = 8
@@ -55,6 +56,44 @@ class DirStamp(NamedTuple):
         return max(self.mtime_ns, self.ctime_ns) > wall_ns - racy_ns
 
 
+class _Entry(Protocol):
+    generation: int  # bumped on every reschedule; heap entries of an older generation are stale
+    looking: bool
+
+
+# A schedule's heap: (due, generation, key), only the entry of a key's current generation live.
+_Heap = list[tuple[float, int, str]]
+
+
+def _earliest(heap: _Heap, channels: Mapping[str, _Entry]) -> float | None:
+    """When the earliest live entry is due (stale ones are dropped on the way)."""
+    while heap:
+        due, gen, key = heap[0]
+        ch = channels.get(key)
+        if ch is not None and ch.generation == gen:
+            return due
+        heapq.heappop(heap)  # stale: rescheduled or forgotten since
+    return None
+
+
+def _take_due(heap: _Heap, channels: Mapping[str, _Entry], now: float, limit: int) -> list[str]:
+    """Up to `limit` keys due by `now`, earliest first, each taken off (`looking`) until it is pushed again."""
+    out: list[str] = []
+    while heap and len(out) < limit:
+        due, gen, key = heap[0]
+        ch = channels.get(key)
+        if ch is None or ch.generation != gen:
+            heapq.heappop(heap)
+            continue
+        if due > now:
+            break
+        heapq.heappop(heap)
+        ch.generation += 1  # off the schedule: no entry of it is live until it is pushed again
+        ch.looking = True
+        out.append(key)
+    return out
+
+
 @dataclass(slots=True)
 class _Channel:
     interval: float
@@ -76,7 +115,7 @@ class PollSchedule:
     idle_max_s: float
     racy_ns: int = RACY_NS
     _channels: dict[str, _Channel] = field(default_factory=dict)
-    _heap: list[tuple[float, int, str]] = field(default_factory=list)
+    _heap: _Heap = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.idle_max_s < self.base_s:
@@ -114,31 +153,12 @@ class PollSchedule:
 
     def next_at(self) -> float | None:
         """When the earliest look is due (None: nothing is polled)."""
-        while self._heap:
-            due, gen, key = self._heap[0]
-            ch = self._channels.get(key)
-            if ch is not None and ch.generation == gen:
-                return due
-            heapq.heappop(self._heap)  # stale: rescheduled or forgotten since
-        return None
+        return _earliest(self._heap, self._channels)
 
     def due(self, now: float, limit: int) -> list[str]:
         """Up to `limit` keys whose look is due, earliest first. Each is taken off the schedule until `looked`
         (or `skipped`) puts it back, so a look in flight is never asked for twice."""
-        out: list[str] = []
-        while self._heap and len(out) < limit:
-            due, gen, key = self._heap[0]
-            ch = self._channels.get(key)
-            if ch is None or ch.generation != gen:
-                heapq.heappop(self._heap)
-                continue
-            if due > now:
-                break
-            heapq.heappop(self._heap)
-            ch.generation += 1  # off the schedule: no entry of it is live until it is pushed again
-            ch.looking = True
-            out.append(key)
-        return out
+        return _take_due(self._heap, self._channels, now, limit)
 
     def looked(self, key: str, stamp: DirStamp | None, wall_ns: int, now: float) -> bool:
         """A look at `key` found `stamp` (None: the stat failed, which a listing explains to the operator) at
@@ -244,7 +264,7 @@ class RescanLedger:
 
     racy_s: float = RACY_NS / 1e9
     _channels: dict[str, _Checked] = field(default_factory=dict)
-    _heap: list[tuple[float, int, str]] = field(default_factory=list)
+    _heap: _Heap = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self._channels)
@@ -280,29 +300,13 @@ class RescanLedger:
 
     def next_at(self) -> float | None:
         """When the earliest look is due (None: none is, until the next rescan)."""
-        while self._heap:
-            due, gen, key = self._heap[0]
-            ch = self._channels.get(key)
-            if ch is not None and ch.generation == gen:
-                return due
-            heapq.heappop(self._heap)
-        return None
+        return _earliest(self._heap, self._channels)
 
     def due(self, now: float, limit: int) -> list[str]:
         """Up to `limit` keys whose look is due, earliest first, each taken off until `looked` or `skipped`."""
-        out: list[str] = []
-        while self._heap and len(out) < limit:
-            due, gen, key = self._heap[0]
-            ch = self._channels.get(key)
-            if ch is None or ch.generation != gen:
-                heapq.heappop(self._heap)
-                continue
-            if due > now:
-                break
-            heapq.heappop(self._heap)
-            ch.generation += 1
-            ch.looking, ch.queued = True, False
-            out.append(key)
+        out = _take_due(self._heap, self._channels, now, limit)
+        for key in out:
+            self._channels[key].queued = False
         return out
 
     def looked(self, key: str, evidence: Evidence, wall_ns: int, now: float) -> bool:
