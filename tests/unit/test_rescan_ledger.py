@@ -26,6 +26,16 @@ def served(now: float = 0.0, *keys: str) -> RescanLedger:
     return led
 
 
+def confirmed() -> RescanLedger:
+    """A ledger whose channel "a" was served at 0 and confirmed (its evidence `ev()` trusted) at RACY."""
+    led = served(0.0)
+    look(led, "a", ev(), 0.0)
+    look(led, "a", ev(), RACY)
+    led.checked("a", RACY)
+    assert led.trusted("a")
+    return led
+
+
 def test_a_new_channel_is_confirmed_racy_s_after_its_first_look_then_costs_no_check() -> None:
     led = served(0.0)
     assert look(led, "a", ev(), 0.0) is False  # just served: its admission and first listing just ran
@@ -55,10 +65,7 @@ def test_a_check_begun_too_soon_after_the_first_look_confirms_nothing() -> None:
 
 
 def test_changed_evidence_is_checked_at_the_rescan_that_sees_it_and_confirmed_later() -> None:
-    led = served(0.0)
-    look(led, "a", ev(), 0.0)
-    look(led, "a", ev(), RACY)
-    led.checked("a", RACY)
+    led = confirmed()
     led.rescan(30.0)
     assert look(led, "a", ev(mtime_ns=9), 30.0) is True  # a new request, or a take-over's kernel.json
     led.checked("a", 30.1)
@@ -72,20 +79,14 @@ def test_changed_evidence_is_checked_at_the_rescan_that_sees_it_and_confirmed_la
 
 
 def test_a_new_kernel_json_is_checked_though_requests_is_unchanged() -> None:
-    led = served(0.0)
-    look(led, "a", ev(), 0.0)
-    look(led, "a", ev(), RACY)
-    led.checked("a", RACY)
+    led = confirmed()
     led.rescan(30.0)
     assert look(led, "a", ev(owner=(1, 8, 300, 9, 9)), 30.0) is True  # another kernel's store took it over
 
 
 def test_evidence_that_changes_back_is_checked_again() -> None:
     """The channel was swapped away (its check failed, so nothing confirmed) and back: trust is not restored."""
-    led = served(0.0)
-    look(led, "a", ev(), 0.0)
-    look(led, "a", ev(), RACY)
-    led.checked("a", RACY)
+    led = confirmed()
     led.rescan(30.0)
     assert look(led, "a", ev(ino=99), 30.0) is True  # swapped: the check fails (no `checked`)
     led.rescan(60.0)
