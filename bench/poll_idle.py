@@ -112,6 +112,8 @@ def scenario(base: Path, n: int, args: argparse.Namespace, root: Path) -> dict[s
     workspaces = make_workspaces(spaces, n, commit=False)
     state = base / f"state-{n}"
     shutil.rmtree(state, ignore_errors=True)
+    for ws in workspaces:  # kept from an earlier run (`--keep`): their channels name the store just removed
+        shutil.rmtree(ws / ".syscall", ignore_errors=True)
     port = free_port()
     extra = (
         f'watch = "poll"\npoll_seconds = {args.poll_seconds}\nrescan_seconds = {args.rescan_seconds}\n'
@@ -127,6 +129,17 @@ def scenario(base: Path, n: int, args: argparse.Namespace, root: Path) -> dict[s
     log = base / f"kernel-{n}.log"
     log.unlink(missing_ok=True)
     k = Kernel(config, log, root)
+    try:
+        return measure(k, n, workspaces, args, port)
+    finally:
+        if k.proc is not None and k.proc.poll() is None:  # a measurement failed: no kernel left serving
+            k.proc.kill()
+            k.proc.wait(30)
+
+
+def measure(
+    k: Kernel, n: int, workspaces: list[Path], args: argparse.Namespace, port: int
+) -> dict[str, object]:
     t0 = time.perf_counter()
     k.start_ready()
     k.wait(b"event=channels_refreshed", 1)

@@ -65,6 +65,13 @@ POLL_LOOKS: Final = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+RESCAN_LOOKS: Final = Counter(
+    P + "rescan_looks",
+    "The rescan's looks at served channels (an lstat of requests/ and of kernel.json), by outcome (unchanged, "
+    "checked: listed in full and its owner read, as the evidence was new, changed or not confirmed yet)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 SLEEPS: Final = Gauge(P + "sleeps", "Sleeps in the store, by state", ["state"], registry=REGISTRY)
 TASKS: Final = Gauge(P + "tasks", "Tasks in the store, by state", ["state"], registry=REGISTRY)
 BUDGET_LEFT: Final = Gauge(

@@ -773,6 +773,17 @@ class Store:
         policies: dict[bytes, Policy] = {}
         return [self._ws(r, policies) for r in rows]
 
+    def enrolled_keys(self) -> list[str]:
+        """The keys of `workspaces()`, without reading their rows (the rescan looks for the few not served)."""
+        try:
+            rows = self._all(
+                "SELECT key FROM workspaces WHERE key NOT IN "
+                "(SELECT workspace FROM workspace_admin WHERE unenrolled_at IS NOT NULL) ORDER BY key"
+            )
+        except sqlite3.OperationalError:  # as `workspaces`
+            rows = self._all("SELECT key FROM workspaces ORDER BY key")
+        return [r[0] for r in rows]
+
     def workspace_paths(self) -> set[str]:
         """The path of every workspace the store has a row for, unenrolled ones included (the glob enrolls a
         path only when it has none: an unenrolled workspace is enrolled again only by an operator)."""

@@ -57,7 +57,7 @@ from channel import safefs
 from kernel.core import serving as sv
 from kernel.core.config import Config, ConfigError, LiveConfig
 from kernel.core.config import load as load_config
-from kernel.core.polling import PollSchedule
+from kernel.core.polling import PollSchedule, RescanLedger
 from kernel.core.records import WorkspaceRow
 from kernel.io import crash, log, metrics
 from kernel.io import enroll as enrollment
@@ -78,7 +78,7 @@ from kernel.service.enrolling import Enroller
 from kernel.service.executor import Executor, PendingExecutor
 from kernel.service.notify import Notifier
 from kernel.service.pipeline import Pipeline, PipelineHooks, Spawn
-from kernel.service.polling import Poller
+from kernel.service.polling import Poller, evidence_of, stamp_of
 from kernel.service.refreshing import Refresher
 from kernel.service.watching import CHANNEL_ERRORS, Watches, channel_problem
 
@@ -205,7 +205,8 @@ class Service:
             hooks=PipelineHooks(
                 idle=self._wake,
                 turn_done=lambda: self._wake(""),
-                listed=lambda key, planned: self.polls.listed(key, planned),
+                listed=self._listed,
+                plan_clock=clock,
                 answered=lambda key: self.polls.active(key, self.clock()),
                 owned_elsewhere=self._taken_over,
                 store_id=lambda: self._mine or None,
@@ -284,7 +285,22 @@ class Service:
             self.clock,
             lambda: self.cfg.channel_io_deadline_seconds,
             on_changed=self._wake,
+            stamp=stamp_of,
         )
+        # The rescan's looks at every served channel (kernel.core.polling.RescanLedger): two lstats each, and a
+        # full check (listing and owner read, in the pipeline) only where the evidence is not trusted.
+        self.rescans = RescanLedger()
+        self.rescanner = Poller(
+            self.rescans,
+            self.clock,
+            lambda: self.cfg.channel_io_deadline_seconds,
+            on_changed=self._rescan_check,
+            stamp=evidence_of,
+            name="rescan-look",
+            counter=metrics.RESCAN_LOOKS,
+            outcomes=("checked", "unchanged"),
+        )
+        self._next_rescan_looks = 0.0  # the earliest the next batch of the rescan's looks may start
         self._token: EventLoopToken | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._mine = ""  # this store's id, read by `_startup` (the pipeline's owner checks compare with it)
@@ -802,7 +818,9 @@ class Service:
         # Channels not locked yet (another process held the lock, the channel could not be opened, or its
         # kernel.json named another store when last read): served once it is ours and this kernel holds the lock.
         # The look is the loop's (`_look_at_rows`, in the channel look pool): no channel is opened here.
-        return [row for row in self.store.workspaces() if not self.custody.holds(row.key)]
+        # Keys first: at 10,000 served channels, reading every row at every rescan cost more than its looks.
+        rows = (self.store.workspace(k) for k in self.store.enrolled_keys() if not self.custody.holds(k))
+        return [row for row in rows if row is not None]
 
     def served(self, rows: list[WorkspaceRow]) -> list[WorkspaceRow]:
         """(event loop) The rows this kernel answers: those whose channel lock it holds (kernel.io.chanlock: so no
@@ -1039,6 +1057,32 @@ class Service:
             key = ""  # marked: the loop plans it
         send.send_nowait(key)
 
+    def _rescan_check(self, key: str) -> None:
+        """(event loop) The rescan's look at `key` asks for a full check: listed in full, its owner read. The loop
+        is woken only when the sweep was empty (it goes on with a sweep it has by itself): a rescan that checks
+        10,000 channels wakes it once, not 10,000 times (each wake plans a pass)."""
+        idle = not self.pipeline.sweeping()
+        self.pipeline.sweep([key], owners=True)
+        if idle:
+            self._wake("")
+
+    def _listed(self, key: str, planned: float, owner_checked: bool) -> None:
+        """(event loop) A turn of `key` planned at `planned` listed it in full (and read its owner)."""
+        self.polls.listed(key, planned)
+        if owner_checked:
+            self.rescans.checked(key, planned)
+
+    def _rescan_looks(self, now: float) -> None:
+        """Start the rescan's looks now due (at most once per LOOK_QUANTUM_S); also gives up on a batch of them
+        past its deadline."""
+        if self._token is None:
+            return
+        due = self.rescans.next_at()
+        if (due is not None and due <= now and now >= self._next_rescan_looks) or self.rescanner.running():
+            self._next_rescan_looks = now + LOOK_QUANTUM_S
+            rows = self.pipeline.workspaces
+            self.rescanner.tick(self._token, lambda key: rows[key].path if key in rows else None)
+
     def _wake(self, key: str) -> None:
         """A workspace's continuation finished: wake the loop so its waiting requests are served now."""
         if self._send is not None:
@@ -1086,6 +1130,7 @@ class Service:
         now = self.clock()
         next_rescan = now + self.cfg.rescan_seconds
         next_tick = now + self.cfg.poll_seconds
+        self.rescans.sync(set(self.pipeline.workspaces), now)  # confirmed `racy_s` from now (RescanLedger)
         next_status = now + STATUS_EVERY_S
         while not self.stopping:
             retry_at = self.pipeline.due_retries()  # marks the workspaces whose backoff has ended
@@ -1095,6 +1140,9 @@ class Service:
                 look_at = self.serving.look_at()
                 if look_at is not None:
                     wake_at = min(wake_at, look_at)
+                rescan_at = self.rescans.next_at()
+                if rescan_at is not None:
+                    wake_at = min(wake_at, max(rescan_at, self._next_rescan_looks))
                 timeout = max(0.0, wake_at - self.clock())
                 with anyio.move_on_after(timeout) as scope:
                     self._wait_scope = scope
@@ -1136,7 +1184,10 @@ class Service:
                     await self._apply_rows(self._changed(changes))
             if now >= next_rescan:
                 next_rescan = now + self.cfg.rescan_seconds
-                self.pipeline.sweep(owners=True)
+                # Every served channel is looked at (its evidence); those whose evidence is not trusted are
+                # listed in full with their owner read (`_rescan_check`).
+                self.rescans.sync(set(self.pipeline.workspaces), now)
+                self.rescans.rescan(now)
                 unwatched = {
                     k
                     for k in self.pipeline.workspaces
@@ -1166,6 +1217,7 @@ class Service:
             failed = self.pipeline.take_store_failure()
             if failed is not None:
                 raise failed
+            self._rescan_looks(self.clock())
             self.pipeline.start_pass(start, spawn)
             await anyio.lowlevel.checkpoint()
 

@@ -246,9 +246,11 @@ class PipelineHooks:
     idle: Callable[[str], None] = _nothing
     # A turn ended (the service loop plans the next pass).
     turn_done: Callable[[], None] = _nothing
-    # A full listing of the workspace, planned at the time given, completed / the turn answered requests (the poll
-    # schedule: kernel.core.polling).
-    listed: Callable[[str, float], None] = _nothing
+    # A full listing of the workspace, planned at the time given (on `plan_clock`: the service's clock), completed,
+    # with its owner read or not / the turn answered requests (the poll schedule, the rescan's ledger:
+    # kernel.core.polling).
+    listed: Callable[[str, float, bool], None] = _nothing
+    plan_clock: Callable[[], float] = time.monotonic
     answered: Callable[[str], None] = _nothing
     # A turn found the channel's kernel.json naming another store (the rescan's owner check).
     owned_elsewhere: Callable[[WorkspaceRow, OwnedElsewhere], Awaitable[None]] = _ignore_owner
@@ -373,21 +375,40 @@ class Pipeline:
                 self._swept.add(key)
                 self._sweep.append(key)
 
+    def sweeping(self) -> bool:
+        """Whether channels of a rescan or poll tick wait to be listed."""
+        return bool(self._sweep)
+
     def has_work(self) -> bool:
-        """Whether a pass would start anything now (workspaces with a turn in flight wait for it to end)."""
-        sweepable = bool(self._sweep) and self._sweeping < SWEEP_IN_FLIGHT
-        return sweepable or bool(self._pending())
+        """Whether a pass would start anything now (workspaces with a turn in flight wait for it to end). Called
+        at every turn of the service loop: it stops at the first workspace that can go on, so it costs the
+        workspaces with news that wait (at most those in flight or at the executor), never all of them."""
+        if self._sweep and self._sweeping < SWEEP_IN_FLIGHT:
+            return True
+        busy, inflight = self.busy, self.inflight
+        for k in self.dirty:
+            if k not in busy and k not in inflight:
+                return True
+        for k in self.named:
+            if k not in busy and k not in inflight:
+                return True
+        # A copy first (see `_pending`).
+        return any(q and k not in busy and k not in inflight for k, q in list(self.backlog.items()))
 
     def _pending(self) -> dict[str, int]:
         # A workspace with a sleep or cancel at the executor waits (its next request may depend on it), as does
         # one whose turn is still in flight (its channel I/O may not have returned); the others go on.
-        waiting = self.busy | self.inflight
+        busy, inflight = self.busy, self.inflight
         # A copy first: channel I/O threads add keys to `backlog` (`_take`) while this runs on the loop, and a
         # dict that grows during iteration raises (seen at 10,000 workspaces); list() copies it in one C call.
-        pending = {k: len(q) for k, q in list(self.backlog.items()) if q and k not in waiting}
-        for k in (*self.dirty, *self.named):
-            if k not in waiting:
-                pending.setdefault(k, self.cfg.batch_per_workspace)
+        pending = {
+            k: len(q) for k, q in list(self.backlog.items()) if q and k not in busy and k not in inflight
+        }
+        if self.dirty or self.named:
+            n = self.cfg.batch_per_workspace
+            for k in (*self.dirty, *self.named):
+                if k not in busy and k not in inflight:
+                    pending.setdefault(k, n)
         return pending
 
     def _plan(self) -> list[_Turn]:
@@ -424,7 +445,7 @@ class Pipeline:
         if not queue and key in self.dirty:
             self.dirty.discard(key)
             self.named.pop(key, None)  # the full listing sees them too
-            return _Turn(key, n, True, None, swept, owner, self.clock())
+            return _Turn(key, n, True, None, swept, owner, self.hooks.plan_clock())
         if not queue and key in self.named:
             return _Turn(key, n, False, self.named.pop(key), swept, owner)
         return _Turn(key, n, False, None, swept, owner)
@@ -538,7 +559,7 @@ class Pipeline:
         if t.key in self.workspaces:
             self.hooks.ok(t.key)
         if t.full:
-            self.hooks.listed(t.key, t.planned)
+            self.hooks.listed(t.key, t.planned, t.check_owner)
         if done.answered:
             self.hooks.answered(t.key)
         if done.relist:

@@ -1,5 +1,7 @@
 """The polled channels' looks: one `stat` of each `requests/` on threads of their own, in batches, fed to the
-pure schedule (kernel.core.polling), which says which channels to list in full.
+pure schedule (kernel.core.polling), which says which channels to list in full. The rescan's looks at every
+served channel (its `requests/` and kernel.json: `evidence_of`, fed to kernel.core.polling.RescanLedger, which
+says which channels to check in full) run the same way, on a `Poller` of their own.
 
 Invariants, and why they hold:
 - A look only reads the attributes of `<workspace>/.syscall/requests` (`lstat`, no open, no read): whatever the
@@ -22,12 +24,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Generic, Protocol, TypeVar
 
 from anyio.lowlevel import EventLoopToken
+from prometheus_client import Counter
 
 from channel.paths import CHANNEL_DIR, ChannelPaths
-from kernel.core.polling import DirStamp, PollSchedule
+from kernel.core.polling import DirStamp, Evidence
 from kernel.io import log, metrics
 from kernel.io.loopcall import call_soon
 
@@ -45,37 +48,70 @@ def stamp_of(workspace: str) -> DirStamp | None:
     return DirStamp(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_nlink)
 
 
+def evidence_of(workspace: str) -> Evidence:
+    """What the rescan looks at: the stamp of the channel's `requests/` and the `lstat` of its kernel.json (as
+    kernel.io.enroll.Fingerprint), None where a stat failed (the check says why). Attributes only, as `stamp_of`."""
+    try:
+        st = os.stat(os.path.join(workspace, CHANNEL_DIR, ChannelPaths.KERNEL_JSON), follow_symlinks=False)
+        owner = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    except (OSError, ValueError):
+        owner = None
+    return stamp_of(workspace), owner
+
+
+S = TypeVar("S")
+S_contra = TypeVar("S_contra", contravariant=True)
+
+
+class Schedule(Protocol[S_contra]):
+    """What a `Poller` drives (kernel.core.polling: PollSchedule, RescanLedger)."""
+
+    def due(self, now: float, limit: int) -> list[str]: ...
+    def looked(self, key: str, stamp: S_contra, wall_ns: int, now: float) -> bool: ...
+    def skipped(self, key: str, now: float) -> None: ...
+
+
 @dataclass(slots=True)
-class _Batch:
+class _Batch(Generic[S]):
     keys: list[str]
     paths: list[str]
     started: float
     wall_ns: int
-    stamps: list[DirStamp | None] = field(default_factory=list)
+    stamps: list[S] = field(default_factory=list)
     cut: int = -1  # >= 0: only the first `cut` keys are this batch's (the rest were handed back)
     applied: int = 0  # the first `applied` stamps were fed to the schedule already (at the cut)
 
 
-class Poller:
-    """Looks at the polled channels on the schedule's clock; `on_changed(key)` for each one to list."""
+class Poller(Generic[S]):
+    """Looks at channels on the schedule's clock (`stamp` of each); `on_changed(key)` for each one the schedule
+    says to list (or check) in full."""
 
     def __init__(
         self,
-        schedule: PollSchedule,
+        schedule: Schedule[S],
         clock: Callable[[], float],
         deadline: Callable[[], float],
         on_changed: Callable[[str], None],
-        stamp: Callable[[str], DirStamp | None] = stamp_of,
+        stamp: Callable[[str], S],
+        name: str = "poll",
+        counter: Counter = metrics.POLL_LOOKS,
+        outcomes: tuple[str, str] = ("listed", "unchanged"),
     ) -> None:
         self.schedule = schedule
         self.clock = clock
         self.deadline = deadline
         self.on_changed = on_changed
         self.stamp = stamp
-        self._batches: list[_Batch] = []  # running or stuck; a batch leaves it when its thread returns
+        self.name = name
+        self._changed, self._unchanged = (counter.labels(o) for o in outcomes)
+        self._batches: list[_Batch[S]] = []  # running or stuck; a batch leaves it when its thread returns
 
-    def stuck(self) -> list[_Batch]:
+    def stuck(self) -> list[_Batch[S]]:
         return [b for b in self._batches if b.cut >= 0]
+
+    def running(self) -> bool:
+        """Whether a batch runs that is not past its deadline yet (`tick` gives up on it once it is)."""
+        return any(b.cut < 0 for b in self._batches)
 
     def tick(self, token: EventLoopToken, paths: Callable[[str], str | None]) -> None:
         """(event loop) Give up on batches past their deadline, then start batches for the looks now due."""
@@ -94,7 +130,7 @@ class Poller:
             keys = self.schedule.due(now, BATCH)
             if not keys:
                 return
-            batch = _Batch([], [], now, time.time_ns())
+            batch: _Batch[S] = _Batch([], [], now, time.time_ns())
             for key in keys:
                 path = paths(key)
                 if path is None:
@@ -105,9 +141,9 @@ class Poller:
                 continue
             self._batches.append(batch)
             running += 1
-            threading.Thread(target=self._run, args=(token, batch), name="poll", daemon=True).start()
+            threading.Thread(target=self._run, args=(token, batch), name=self.name, daemon=True).start()
 
-    def _run(self, token: EventLoopToken, batch: _Batch) -> None:
+    def _run(self, token: EventLoopToken, batch: _Batch[S]) -> None:
         stamp = self.stamp
         for i, path in enumerate(batch.paths):
             if 0 <= batch.cut <= i:
@@ -115,19 +151,21 @@ class Poller:
             batch.stamps.append(stamp(path))
         call_soon(token, self._returned, batch)
 
-    def _returned(self, batch: _Batch) -> None:
+    def _returned(self, batch: _Batch[S]) -> None:
         """(event loop) Feed a batch's stamps to the schedule; mark the channels to list."""
         self._batches.remove(batch)
         n = len(batch.stamps) if batch.cut < 0 else min(batch.cut, len(batch.stamps))
         self._apply(batch, n, self.clock())
 
-    def _apply(self, batch: _Batch, n: int, now: float) -> None:
+    def _apply(self, batch: _Batch[S], n: int, now: float) -> None:
         """Feed the stamps `batch.applied:n` to the schedule (each once)."""
+        looked, changed = self.schedule.looked, 0
         for i in range(batch.applied, n):
             key = batch.keys[i]
-            if self.schedule.looked(key, batch.stamps[i], batch.wall_ns, now):
-                metrics.POLL_LOOKS.labels("listed").inc()
+            if looked(key, batch.stamps[i], batch.wall_ns, now):
+                changed += 1
                 self.on_changed(key)
-            else:
-                metrics.POLL_LOOKS.labels("unchanged").inc()
+        if n > batch.applied:
+            self._changed.inc(changed)
+            self._unchanged.inc(n - batch.applied - changed)
         batch.applied = max(batch.applied, n)

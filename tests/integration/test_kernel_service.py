@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -279,6 +281,49 @@ def test_the_rescan_finds_what_no_event_announced(tmp_path: Path) -> None:
         time.sleep(0.5)  # past the first sweep after ready
         put_request(ws, "quiet", status("quiet"))
         assert wait_answer(ws, "quiet", timeout=10)["type"] == "status"
+        assert kernel.stop() == 0
+    finally:
+        kernel.ensure_stopped()
+
+
+def _rescan_looks(port: int, outcome: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = re.search(rf'^syscall_kernel_rescan_looks_total{{outcome="{outcome}"}} (\S+)$', text, re.M)
+    return float(got.group(1)) if got else 0.0
+
+
+def test_the_rescan_skips_an_unchanged_channel_and_still_finds_a_request_whose_mtime_was_put_back(
+    tmp_path: Path,
+) -> None:
+    # Polled once every 600 s: only the rescan (every 2 s) can find the request. Once the channel's evidence is
+    # confirmed, a rescan that finds it unchanged lists nothing (`unchanged`); the request then renamed in has its
+    # directory's mtime put back as it was (all an agent can do: the ctime moves on, and nobody can set it), and
+    # the rescan still answers it. A rescan that skipped channels would not.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    kernel = Kernel(
+        tmp_path,
+        'rescan_seconds = 2\nbackend = "none"\nwatch = "poll"\npoll_seconds = 600\n'
+        f'metrics_listen = "127.0.0.1:{port}"\n',
+    )
+    ws = git_workspace(tmp_path / "ws")
+    kernel.enroll(ws)
+    kernel.start()
+    try:
+        kernel.wait_log("event=metrics_listening", 10)
+        wait_for(
+            lambda: _rescan_looks(port, "unchanged") >= 2, 30, "a rescan that found the channel unchanged"
+        )
+        checked = _rescan_looks(port, "checked")
+        requests = ws / ".syscall" / "requests"
+        before = requests.stat()
+        put_request(ws, "hidden", status("hidden"))
+        os.utime(requests, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert requests.stat().st_mtime_ns == before.st_mtime_ns
+        assert wait_answer(ws, "hidden", timeout=15)["type"] == "status"
+        assert _rescan_looks(port, "checked") > checked  # the rescan found it
         assert kernel.stop() == 0
     finally:
         kernel.ensure_stopped()

@@ -26,7 +26,7 @@ from kernel.io.enroll import (
     owner_unchanged,
 )
 from kernel.io.install import ToolSource
-from kernel.io.store import Store
+from kernel.io.store import AdminRow, Store
 
 
 def dot_git(ws: Path) -> dict[str, bytes]:
@@ -320,3 +320,11 @@ def test_the_owner_fingerprint_accepts_only_the_very_file_unchanged(tmp_path: Pa
         assert not owner_unchanged(ch, None)
         kj.unlink()
         assert not owner_unchanged(ch, seen)
+
+
+def test_the_enrolled_keys_are_those_of_the_enrolled_rows(tmp_path: Path, cfg: Config, store: Store) -> None:
+    """`enrolled_keys` (the rescan's look for channels not served) leaves out the unenrolled, as `workspaces`."""
+    keys = [enroll(store, cfg, str(git_repo(tmp_path / f"ws{i}")), TOOL).row.key for i in range(3)]
+    with store.transaction():
+        store.set_admin(keys[1], AdminRow(unenrolled_at="2026-01-01T00:00:00Z"))
+    assert store.enrolled_keys() == [r.key for r in store.workspaces()] == sorted([keys[0], keys[2]])

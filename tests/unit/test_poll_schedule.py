@@ -3,6 +3,7 @@ and fake stamps: which polled channels are listed, when, and what a hung `stat` 
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -12,7 +13,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from kernel.core.polling import RACY_NS, DirStamp, PollSchedule
+from kernel.core.polling import IDLE_GRID, RACY_NS, DirStamp, PollSchedule
 from kernel.service.polling import Poller, stamp_of
 
 OLD_NS = 1_000 * 10**9  # a directory last changed long before the looks below
@@ -58,6 +59,32 @@ def test_an_idle_channel_backs_off_to_the_idle_interval_and_activity_brings_it_b
     assert s.next_at() == pytest.approx(now + 0.5)
 
 
+def test_idle_looks_fall_on_a_grid_and_never_later_than_the_idle_interval() -> None:
+    s = sched(0.5, 4.0)
+    keys = [f"k{i}" for i in range(40)]
+    for i, key in enumerate(keys):  # polled from 0.01 s apart, then idle
+        now = i * 0.01
+        s.sync(set(keys[: i + 1]), now)
+        assert s.due(now, 100) == [key]
+        s.looked(key, st(), NOW_NS, now)
+        s.listed(key, now)
+    looks: dict[str, list[float]] = {k: [i * 0.01] for i, k in enumerate(keys)}
+    now = 0.0
+    while now < 40.0:
+        nxt = s.next_at()
+        assert nxt is not None
+        now = nxt
+        for key in s.due(now, 100):
+            s.looked(key, st(), NOW_NS, now)
+            looks[key].append(now)
+    grid = 4.0 / IDLE_GRID
+    for times in looks.values():
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert max(gaps) <= 4.0 + 1e-9  # never later than the idle interval
+        assert all(abs(t / grid - round(t / grid)) < 1e-6 for t in times[-3:])  # idle: on the grid
+    assert len({t for times in looks.values() for t in times[-3:]}) <= 3 * 2  # due together
+
+
 def test_a_changed_stamp_is_listed_and_trusted_only_after_a_listing_that_began_after_the_look() -> None:
     s = sched()
     s.sync({"a"}, 0.0)
@@ -74,6 +101,23 @@ def test_a_changed_stamp_is_listed_and_trusted_only_after_a_listing_that_began_a
     s.listed("a", 1.1)  # this one began after the look
     s.due(1.5, 1)
     assert s.looked("a", changed, NOW_NS, 1.5) is False
+
+
+def test_a_listing_slower_than_the_looks_still_trusts_the_stamp_it_began_after() -> None:
+    """Looks every base_s see the same changed stamp while its listing waits for a slot: the listing began after
+    the first of them, which is enough (else a loaded kernel would list every channel at every look)."""
+    s = sched()
+    s.sync({"a"}, 0.0)
+    s.due(0.0, 1)
+    s.looked("a", st(), NOW_NS, 0.0)
+    s.listed("a", 0.0)
+    changed = st(size=8192, mtime_ns=OLD_NS + 5)
+    for now in (0.5, 1.0, 1.5):
+        s.due(now, 1)
+        assert s.looked("a", changed, NOW_NS, now) is True
+    s.listed("a", 0.6)  # planned after the look at 0.5, done after the one at 1.5
+    s.due(2.0, 1)
+    assert s.looked("a", changed, NOW_NS, 2.0) is False
 
 
 def test_a_look_not_followed_by_a_listing_lists_again() -> None:
