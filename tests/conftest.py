@@ -3,6 +3,15 @@
 Tests that need a real component (bubblewrap, the throwaway Slurm cluster) carry the `bwrap` or `slurm` marker
 and call `need(...)`. Outside CI a missing component skips the test; with `CI=true` it fails it, because CI must
 exercise the real thing.
+
+`./dev test` runs the tiers in parallel (pytest-xdist, `--dist loadgroup`); `pytest_collection_modifyitems` below
+decides what may run beside what. Every test gets its own `tmp_path` and picks free ports, so tests are safe to
+run concurrently unless they share something, and what they share is grouped onto one worker, run in order:
+- every test that uses the throwaway Slurm cluster (the `slurm` marker or the `slurm_conf` fixture): several
+  stop its controller for 30 s or fill its only node, which would fail or stall any other test using it;
+- the tests of a module, class or package-scoped fixture (one kernel serving a module's scenarios): split over
+  workers each would build its own, and some start background work that a later test of the module reads.
+Groups and tests marked `slow` are sent first so that the longest work is not left for the end.
 """
 
 from __future__ import annotations
@@ -19,6 +28,46 @@ from testenv import IN_CI, ROOT, need, python38
 from kernel.io import stepguard
 
 __all__ = ["IN_CI", "ROOT", "need"]
+
+
+SLURM_GROUP = "slurm-cluster"
+SHARED_SCOPES = ("module", "class", "package")
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The one group `item` runs in under `--dist loadgroup`, or None (it may run anywhere, beside anything)."""
+    marked = [
+        m.args[0] if m.args else m.kwargs.get("name", "default") for m in item.iter_markers("xdist_group")
+    ]
+    if marked:
+        return str(marked[0])
+    if item.get_closest_marker("slurm") is not None or "slurm_conf" in getattr(item, "fixturenames", ()):
+        return SLURM_GROUP
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in getattr(info, "name2fixturedefs", {}).values():
+        if defs and defs[-1].scope in SHARED_SCOPES:
+            return item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group markers into node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("dist", default="no") != "loadgroup":
+        return
+    first: list[pytest.Item] = []
+    slow: list[pytest.Item] = []
+    rest: list[pytest.Item] = []
+    for item in items:
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        if group == SLURM_GROUP:
+            first.append(item)
+        elif item.get_closest_marker("slow") is not None or group is not None:
+            slow.append(item)
+        else:
+            rest.append(item)
+    items[:] = first + slow + rest
 
 
 def bwrap_works() -> tuple[bool, str]:

@@ -53,7 +53,8 @@ class Env:
         return done.stdout.decode()
 
 
-@pytest.fixture(scope="module", params=["local", "slurm"])
+# the slurm half uses the throwaway cluster (tests/conftest.py groups its users)
+@pytest.fixture(scope="module", params=["local", pytest.param("slurm", marks=pytest.mark.slurm)])
 def env(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, bwrap_available: None
 ) -> Iterator[Env]:
