@@ -52,7 +52,12 @@ def xdist_group(item: pytest.Item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group markers into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("dist", default="no") != "loadgroup":
+    # a worker has dist "no" and xdist's `loadgroup` flag; the controller (which collects only for
+    # --collect-only) has dist "loadgroup"
+    if (
+        not getattr(config.option, "loadgroup", False)
+        and config.getoption("dist", default="no") != "loadgroup"
+    ):
         return
     first: list[pytest.Item] = []
     slow: list[pytest.Item] = []
