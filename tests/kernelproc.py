@@ -126,6 +126,18 @@ def read_answer(ws: Path, rid: str) -> dict[str, Any] | None:
         return None
 
 
+def wake_md_bytes(ws: Path, sleep_id: str, timeout: float = 30.0) -> bytes:
+    """A wake's markdown, `wakes/<sleep_id>.md`. The kernel writes it right after `<sleep_id>.json` (PROTOCOL.md
+    section 8), which is what `sleep --wait` returns on, so it may not be there yet when the JSON is."""
+    path = ws / ".syscall" / "wakes" / f"{sleep_id}.md"
+    wait_for(path.exists, timeout, f"{path.name} after its wake's JSON in {ws.name}")
+    return path.read_bytes()
+
+
+def wake_md(ws: Path, sleep_id: str, timeout: float = 30.0) -> str:
+    return wake_md_bytes(ws, sleep_id, timeout).decode()
+
+
 def wait_answer(ws: Path, rid: str, timeout: float = 10.0) -> dict[str, Any]:
     return wait_for(lambda: read_answer(ws, rid), timeout, f"the answer to {rid} in {ws.name}")
 

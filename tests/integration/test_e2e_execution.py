@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git, make_workspace, run_tool, wait_for
+from kernelproc import Kernel, git, make_workspace, run_tool, wait_for, wake_md
 
 from channel.paths import workspace_key
 
@@ -123,7 +123,7 @@ def test_a_successful_launch_delivers_its_artifact_with_evidence(env: Env) -> No
     assert delivered.read_bytes() == b"made\n"
     assert (art["size"], art["sha256"]) == (5, hashlib.sha256(b"made\n").hexdigest())
     assert t["elapsed_s"] is not None
-    md = (env.spaces["artifact"] / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
+    md = wake_md(env.spaces["artifact"], wake["id"])
     assert "| make[0] | COMPLETED | 0 |" in md
 
     # The snapshot lives in the kernel's repository of the workspace (never the agent's .git) and its ref is

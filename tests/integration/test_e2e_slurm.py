@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from kernelproc import ROOT, Kernel, make_workspace, put_request, read_answer, run_tool, wait_for
+from kernelproc import ROOT, Kernel, make_workspace, put_request, read_answer, run_tool, wait_for, wake_md
 
 from channel.paths import RunPaths, workspace_key
 from kernel.backends.slurm import backend as S
@@ -149,7 +149,7 @@ class Env:
         return wake
 
     def wake_md(self, name: str, wake: dict[str, Any]) -> str:
-        return (self.spaces[name] / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
+        return wake_md(self.spaces[name], wake["id"])
 
     def budget(self, name: str) -> dict[str, Any]:
         """The budget as the kernel answers `status` now."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git, put_request, run_tool, wait_for
+from kernelproc import Kernel, git, put_request, run_tool, wait_for, wake_md
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_tool"))
 from mcp_wire import RawClient  # the raw MCP client of the tool tests
@@ -88,7 +88,7 @@ class Env:
         return wake  # type: ignore[no-any-return]
 
     def md(self, name: str, sleep_id: str) -> str:
-        return (self.spaces[name] / ".syscall" / "wakes" / f"{sleep_id}.md").read_text()
+        return wake_md(self.spaces[name], sleep_id)
 
     def stored(self, name: str) -> list[tuple[int, str, bytes, str, str]]:
         db = sqlite3.connect(f"file:{self.kernel.state / 'state.sqlite'}?mode=ro", uri=True)

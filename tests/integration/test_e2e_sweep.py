@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, make_workspace
+from kernelproc import Kernel, make_workspace, wake_md
 
 pytestmark = pytest.mark.bwrap
 
@@ -87,7 +87,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iter
 def sleep_wake(env: Env) -> tuple[dict[str, Any], str]:
     """Sleep on what is staged; the wake's JSON and its markdown."""
     wake = json.loads(env.ok("sleep", "--wait", "--json", "--timeout", "240", timeout=300))
-    return wake, (env.ws / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
+    return wake, wake_md(env.ws, wake["id"])
 
 
 GRID = [(wd, lr) for wd in ("0", "1e-4") for lr in ("1e-3", "3e-3", "1e-2")]

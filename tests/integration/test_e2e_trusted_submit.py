@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git, run_tool
+from kernelproc import Kernel, git, run_tool, wake_md
 
 from channel.paths import workspace_key
 from kernel.core.evaluate import seed_commitment
@@ -243,7 +243,7 @@ class Env:
         return json.loads(self.tool(name, "wait", self.sleeps[name], "--json", "--timeout", "120"))  # type: ignore[no-any-return]
 
     def md(self, name: str) -> str:
-        return (self.spaces[name] / ".syscall" / "wakes" / f"{self.sleeps[name]}.md").read_text()
+        return wake_md(self.spaces[name], self.sleeps[name])
 
     def plans(self, name: str) -> list[tuple[list[int], str]]:
         db = sqlite3.connect(f"file:{self.kernel.state / 'state.sqlite'}?mode=ro", uri=True)

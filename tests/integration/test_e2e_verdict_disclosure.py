@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git, run_tool
+from kernelproc import Kernel, git, run_tool, wake_md
 
 from channel.paths import workspace_key
 from kernel.core.evaluate import seed_commitment
@@ -134,7 +134,7 @@ def test_three_submits_draw_fresh_seeds_show_only_the_ladder_and_a_fourth_is_ref
         ("not_improved", None, 0.1, None, None),
         ("improved", 0.4, 0.4, None, None),
     ]
-    md = "".join((ws / ".syscall" / "wakes" / f"{w['id']}.md").read_text() + json.dumps(w) for w in wakes)
+    md = "".join(wake_md(ws, w["id"]) + json.dumps(w) for w in wakes)
     assert "0.62" not in md
     assert "Disclosure: ladder (step 0.05)" in md
     assert "Not shown better than the best so far (0.1) by at least 0.05" in md

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, git, make_workspace, wait_for
+from kernelproc import Kernel, git, make_workspace, wait_for, wake_md, wake_md_bytes
 
 from channel.paths import workspace_key
 
@@ -53,7 +53,8 @@ class Env:
         return done.stdout.decode()
 
 
-@pytest.fixture(scope="module", params=["local", "slurm"])
+# the slurm half uses the throwaway cluster (tests/conftest.py groups its users)
+@pytest.fixture(scope="module", params=["local", pytest.param("slurm", marks=pytest.mark.slurm)])
 def env(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, bwrap_available: None
 ) -> Iterator[Env]:
@@ -147,7 +148,7 @@ def test_a_sweep_with_a_failure_wakes_decision_first_with_full_logs(env: Env) ->
     env.ok("sweep", "launch", "--name", "sweep", "--array", "4", "--artifact", "out/curve.json", "--", SWEEP)
     wake = json.loads(env.ok("sweep", "sleep", "--wait", "--json", "--timeout", "120", timeout=150))
     seq = wake["seq"]
-    md = (ws / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
+    md = wake_md(ws, wake["id"])
     # the snapshot: a commit of the workspace's content (in the kernel's own repository), named in the wake and
     # in history
     assert re.fullmatch(r"[0-9a-f]{40}", wake["snapshot"])
@@ -196,7 +197,7 @@ def test_a_sweep_that_all_completed_wakes_in_one_and_a_half_kb(env: Env) -> None
         "clean", "launch", "--name", "sweep", "--array", "4", "--artifact", "out/curve.json", "--", command
     )
     wake = json.loads(env.ok("clean", "sleep", "--wait", "--json", "--timeout", "120", timeout=150))
-    md = (env.spaces["clean"] / ".syscall" / "wakes" / f"{wake['id']}.md").read_bytes()
+    md = wake_md_bytes(env.spaces["clean"], wake["id"])
     assert len(md) <= 1536, md.decode()
     assert b"4 of 4 tasks completed" in md
     assert b"epoch 1 loss" not in md  # routine logs stay in results/

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, make_workspace, run_tool
+from kernelproc import Kernel, make_workspace, run_tool, wake_md
 
 from kernel.node.wrapper import limits_mechanism
 
@@ -93,7 +93,7 @@ def test_a_launch_asking_for_64_mb_is_held_to_it_while_the_default_is_not(env: E
     summaries = {x["name"]: x for x in wake["launches"]}
     assert (summaries["small"]["mem_mb"], summaries["small"]["cpus"]) == (64, None)
     assert (summaries["plain"]["mem_mb"], summaries["plain"]["cpus"]) == (None, None)
-    md = (env.ws / ".syscall" / "wakes" / f"{wake['id']}.md").read_text()
+    md = wake_md(env.ws, wake["id"])
     assert f"small (64 MB per task): {HOG}" in md
     assert f"plain: {HOG}" in md
 
