@@ -278,7 +278,12 @@ def test_a_job_writing_past_its_tree_limit_is_stopped_and_the_disk_does_not_grow
         assert says in task["hint"], task
         held = re.search(r"held (\d+) MiB when it was stopped", task["hint"])
         if held:  # what the hint says the job held is past the limit, by no more than the overshoot
-            assert TREE_MB <= int(held[1]) <= TREE_MB + OVERSHOOT_MB, task
+            assert int(held[1]) >= TREE_MB, task
+            # Empty files are counted at 4 KiB each, and the watchdog's walk over 100,000 of them is itself its
+            # interval (seconds on a loaded machine): that figure bounds files, not bytes; the disk's own growth
+            # is bounded below for every case.
+            if name != "empty-files":
+                assert int(held[1]) <= TREE_MB + OVERSHOOT_MB, task
     assert "wrote all" not in task["stdout_tail"], task
     print(f"{name}: the scratch filesystem grew by at most {grown / (1 << 20):.1f} MiB (limit {TREE_MB} MiB)")
     assert grown <= (TREE_MB + OVERSHOOT_MB) << 20, grown
