@@ -434,6 +434,11 @@ class Store:
         # Held around every COMMIT: whoever holds it knows no commit is half-way (the service's forced stop takes
         # it, and keeps it, before the process exits).
         self.commit_lock = threading.Lock()
+        # Held by every store step (StoreWorker.run_here), whichever thread runs it, and by `close`: sqlite has one
+        # writer at a time, and a connection closed while another thread is inside one of its calls is freed
+        # under that call (the process crashes). A step that starts after `close` gets sqlite3.ProgrammingError
+        # ("Cannot operate on a closed database"): a channel I/O thread given up at stop may still run one.
+        self.step_lock = threading.Lock()
         # The WAL, open for `sync_wal` (any thread); reopened if sqlite made a new one.
         self._wal_lock = threading.Lock()
         self._wal_fd: int | None = None
@@ -652,7 +657,9 @@ class Store:
             log.event("workspace_rekeyed", logging.WARNING, old=old, new=new, path=path)
 
     def close(self) -> None:
-        self._conn.close()
+        """Close the connection once no store step is running (`step_lock`)."""
+        with self.step_lock:
+            self._conn.close()
         with self._wal_lock:
             if self._wal_fd is not None:
                 os.close(self._wal_fd)
@@ -1503,8 +1510,6 @@ class StoreWorker:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._limiter = anyio.CapacityLimiter(1)
-        # Held by every store step, whichever thread runs it: sqlite has one writer at a time.
-        self._mutex = threading.Lock()
         self.failing: str | None = None
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -1516,7 +1521,7 @@ class StoreWorker:
         """`fn(*args)` on the calling thread (a worker thread, never the event loop), serialised with every
         other store step by the worker's lock: a channel I/O thread's store step without two hops through the
         event loop. A step uses sqlite and memory only (kernel.io.stepguard): every other step waits for it."""
-        with self._mutex:
+        with self.store.step_lock:
             stepguard.enter()
             try:
                 return self._guarded(fn, *args)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import anyio
@@ -77,6 +80,34 @@ def test_a_store_step_that_only_uses_sqlite_passes(store: Store) -> None:
     assert worker.run_here(store.counts)["workspaces"] == 0
     assert anyio.run(worker.call, store.workspaces) == []
     assert stepguard.found() == []
+
+
+def test_closing_the_store_waits_for_a_step_running_on_another_thread(store: Store) -> None:
+    """At stop, a channel I/O thread whose caller was cancelled may still run a store step while the service
+    closes the store: closing under it freed the connection under that step (the kernel died of SIGSEGV)."""
+    worker = StoreWorker(store)
+    inside = threading.Event()
+    results: list[object] = []
+
+    def step() -> int:
+        inside.set()
+        time.sleep(0.3)  # the close is called meanwhile
+        return int(store.counts()["workspaces"])
+
+    def run() -> None:
+        try:
+            results.append(worker.run_here(step))
+        except Exception as exc:  # the test reports what the step met
+            results.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert inside.wait(5)
+    store.close()
+    thread.join(5)
+    assert results == [0], results  # the step finished on an open connection
+    with pytest.raises(sqlite3.ProgrammingError, match="closed database"):
+        worker.run_here(store.counts)  # a step after the close gets a clean error
 
 
 def test_tail_reads_the_run_directory_outside_the_store_step(
