@@ -406,6 +406,9 @@ class Serving:
     # workspace.
     _republishing: dict[str, str] = field(default_factory=dict)
     _polled: set[str] = field(default_factory=set)  # the served channels polled rather than watched
+    # `_polled` changed since the schedule last followed it (at the next `Tick`: 10,000 keys are not compared at
+    # every tick when nothing changed).
+    _polled_changed: bool = False
 
     def __post_init__(self) -> None:
         self.polls = PollSchedule(self.poll_s, max(self.poll_s, self.poll_idle_s))
@@ -505,6 +508,7 @@ class Serving:
                 return []
             case Unserved(keys):
                 self._polled.difference_update(keys)
+                self._polled_changed = True
                 return []
             case Unenrolled(keys):
                 for key in keys:
@@ -562,6 +566,9 @@ class Serving:
                 self._prune(key)
                 return out
             case Tick(now):
+                if self._polled_changed:
+                    self._polled_changed = False
+                    self.polls.sync(set(self._polled), now)
                 look_at = self.look_at()
                 if self.stopping or look_at is None or look_at > now:
                     return []
@@ -597,6 +604,7 @@ class Serving:
             self._polled.add(key)
         elif polled is not None:
             self._polled.discard(key)
+        self._polled_changed = True
 
     def _look_done(self, ev: LookDone) -> list[Action]:
         key, outcome = ev.key, ev.outcome

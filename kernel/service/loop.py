@@ -1178,7 +1178,6 @@ class Service:
             now = self.clock()
             if now >= next_tick:
                 next_tick = now + self.cfg.poll_seconds
-                self.polls.sync(set(self.serving.polled()), now)
                 changes = await self.worker.call(self._read_changes)
                 if changes is not None:
                     await self._apply_rows(self._changed(changes))

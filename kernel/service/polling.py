@@ -15,11 +15,17 @@ Invariants, and why they hold:
   starts until one returns, so threads never grow without bound.
 - Only the event loop touches the schedule: a batch's thread fills its own lists and hands them over with
   `call_soon`.
+- The batches run on threads the poller keeps (starting a thread per batch made the loop wait for each start):
+  a thread that finished a batch waits for the next. So a poller has at most MAX_RUNNING + MAX_STUCK threads,
+  idle ones included.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -34,15 +40,26 @@ from kernel.core.polling import DirStamp, Evidence
 from kernel.io import log, metrics
 from kernel.io.loopcall import call_soon
 
-BATCH: Final = 512
+# Looks per batch, stat'ed in turn by one thread. Batches running at once hand the GIL to each other at every
+# `stat` (a thread switch each), so a batch is large: the idle looks of one grid slot at 10,000 channels (1,250)
+# are one batch. A slow filesystem still gets parallel looks: the next slot's batch starts beside a late one.
+BATCH: Final = 2048
 MAX_RUNNING: Final = 4
 MAX_STUCK: Final = 16
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _looked_at(workspace: str) -> tuple[str, str]:
+    """The paths a look stats: the channel's `requests/` and its kernel.json (joined once per workspace, not at
+    each of its looks)."""
+    channel = os.path.join(workspace, CHANNEL_DIR)
+    return os.path.join(channel, ChannelPaths.REQUESTS), os.path.join(channel, ChannelPaths.KERNEL_JSON)
 
 
 def stamp_of(workspace: str) -> DirStamp | None:
     """The stamp of the channel's `requests/` (None when it cannot be stat'ed: the listing says why)."""
     try:
-        st = os.stat(os.path.join(workspace, CHANNEL_DIR, ChannelPaths.REQUESTS), follow_symlinks=False)
+        st = os.stat(_looked_at(workspace)[0], follow_symlinks=False)
     except (OSError, ValueError):
         return None
     return DirStamp(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_nlink)
@@ -52,7 +69,7 @@ def evidence_of(workspace: str) -> Evidence:
     """What the rescan looks at: the stamp of the channel's `requests/` and the `lstat` of its kernel.json (as
     kernel.io.enroll.Fingerprint), None where a stat failed (the check says why). Attributes only, as `stamp_of`."""
     try:
-        st = os.stat(os.path.join(workspace, CHANNEL_DIR, ChannelPaths.KERNEL_JSON), follow_symlinks=False)
+        st = os.stat(_looked_at(workspace)[1], follow_symlinks=False)
         owner = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     except (OSError, ValueError):
         owner = None
@@ -105,6 +122,11 @@ class Poller(Generic[S]):
         self.name = name
         self._changed, self._unchanged = (counter.labels(o) for o in outcomes)
         self._batches: list[_Batch[S]] = []  # running or stuck; a batch leaves it when its thread returns
+        # The poller's threads: those waiting for a batch take them from `_queue` (`_idle` of them, counted
+        # under `_mutex`; `_submit` starts a thread only when none waits).
+        self._queue: queue.SimpleQueue[tuple[EventLoopToken, _Batch[S]]] = queue.SimpleQueue()
+        self._mutex = threading.Lock()
+        self._idle = 0
 
     def stuck(self) -> list[_Batch[S]]:
         return [b for b in self._batches if b.cut >= 0]
@@ -141,15 +163,33 @@ class Poller(Generic[S]):
                 continue
             self._batches.append(batch)
             running += 1
-            threading.Thread(target=self._run, args=(token, batch), name=self.name, daemon=True).start()
+            self._submit(token, batch)
 
-    def _run(self, token: EventLoopToken, batch: _Batch[S]) -> None:
-        stamp = self.stamp
-        for i, path in enumerate(batch.paths):
-            if 0 <= batch.cut <= i:
-                break
-            batch.stamps.append(stamp(path))
-        call_soon(token, self._returned, batch)
+    def _submit(self, token: EventLoopToken, batch: _Batch[S]) -> None:
+        with self._mutex:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        self._queue.put((token, batch))
+        if start:
+            threading.Thread(target=self._work, name=self.name, daemon=True).start()
+
+    def _work(self) -> None:
+        """(a poller thread) Run batches, one after another, for as long as the process lives."""
+        while True:
+            token, batch = self._queue.get()
+            stamp = self.stamp
+            for i, path in enumerate(batch.paths):
+                if 0 <= batch.cut <= i:
+                    break
+                batch.stamps.append(stamp(path))
+            # Idle before the batch is handed back: a thread counts as busy only while its batch is in
+            # `_batches`, so a new thread starts only when all of them are, and there are at most as many threads
+            # as batches may be running or stuck.
+            with self._mutex:
+                self._idle += 1
+            with contextlib.suppress(RuntimeError):  # the loop is gone (the process is exiting)
+                call_soon(token, self._returned, batch)
 
     def _returned(self, batch: _Batch[S]) -> None:
         """(event loop) Feed a batch's stamps to the schedule; mark the channels to list."""

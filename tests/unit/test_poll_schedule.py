@@ -245,3 +245,49 @@ def test_the_poller_marks_changed_channels_and_gives_up_a_hung_stat_alone() -> N
     assert first == []  # the batch is stuck on "b": nothing delivered yet
     assert second[:2] == ["a", "b"]  # "a" applied and "b" marked at the cut
     assert "c" in second[2:]  # by the next batch (with "a" again: no listing followed its look)
+
+
+def test_the_pollers_threads_are_kept_and_bounded() -> None:
+    """Batches run on threads the poller keeps (a thread started per batch made the loop wait for each start):
+    batches one after another share one thread, and a stuck batch's thread is not reused while it hangs."""
+    release = threading.Event()
+    ran_on: list[int] = []
+
+    def fake_stamp(path: str) -> DirStamp | None:
+        ran_on.append(threading.get_native_id())
+        if path == "/hang":
+            release.wait(10)
+        return st()
+
+    async def main() -> tuple[set[int], set[int]]:
+        clock = _Clock()
+        s = PollSchedule(0.5, 4.0)
+        poller = Poller(s, clock, lambda: 1.0, lambda key: None, stamp=fake_stamp)
+        token = anyio.lowlevel.current_token()
+        paths = {"a": "/a"}
+        s.sync(set(paths), 0.0)
+        for _ in range(20):
+            n = len(ran_on)
+            poller.tick(token, paths.get)
+            with anyio.fail_after(5):
+                while poller.running() or len(ran_on) == n:  # until this batch is back on the loop
+                    await anyio.lowlevel.checkpoint()
+            clock.t += 1.0  # "a" is due again
+        sequential = set(ran_on)
+        ran_on.clear()
+        paths = {"g": "/hang", "z": "/z"}
+        s.sync(set(paths), clock.t)
+        poller.tick(token, paths.get)  # one batch, in key order: "g" hangs, "z" waits behind it
+        await anyio.sleep(0.1)
+        clock.t += 2.0  # past the deadline: the stuck batch is cut at "g", "z" handed back
+        poller.tick(token, paths.get)
+        clock.t += 0.5
+        poller.tick(token, paths.get)  # "z" looked at by a new batch, on a new thread
+        await anyio.sleep(0.1)
+        release.set()
+        await anyio.sleep(0.1)
+        return sequential, set(ran_on)
+
+    sequential, with_stuck = anyio.run(main)
+    assert len(sequential) == 1, sequential  # one thread ran all 20 batches
+    assert len(with_stuck) == 2, with_stuck  # the stuck thread's place was taken by a second one

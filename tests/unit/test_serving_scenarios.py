@@ -173,6 +173,24 @@ def test_an_idle_polled_channel_backs_off_to_the_idle_interval_and_an_answer_bri
     assert h.looked_at["a"][-1] - start <= 500
 
 
+def test_the_schedule_follows_the_polled_channels_at_the_next_tick() -> None:
+    """The core owns both the polled set and the schedule: a channel that turns polled is looked at from the next
+    tick, one that turns watched (or is no longer served) is not looked at again."""
+    h = Harness()
+    h.stamps |= {"a": stamp(1), "b": stamp(1)}
+    h.feed(sv.Watched("a", polled=True))
+    h.feed(sv.Watched("b", polled=True))
+    h.run_until(10)
+    assert set(h.looked_at) == {"a", "b"}
+    h.feed(sv.Watched("a", polled=False))  # re-watched with inotify
+    h.feed(sv.Unserved(("b",)))
+    h.looked_at.clear()
+    h.run_until(10_000)
+    assert h.looked_at == {}
+    assert "a" not in h.core.polls
+    assert "b" not in h.core.polls
+
+
 def test_looks_start_at_most_once_per_quantum_and_take_every_look_then_due() -> None:
     h = Harness()
     keys = {f"w{i}" for i in range(1000)}
