@@ -2440,7 +2440,12 @@ def contract_lines(info: dict[str, Any]) -> list[str]:
     lines += _disclosure_lines(rules)
     per_day = policy.get("max_submits_per_day") if isinstance(policy, dict) else None
     if per_day:
-        lines.append("  limit: at most {} submits accepted in any 24 hours.".format(per_day))
+        lines.append(
+            "  limit: at most {} submits accepted in any 24 hours (max_submits_per_day). An unjudged submit, "
+            "one that reached no verdict because none of its evaluation runs ran (its environment build "
+            "failed: its wake's error says why), does not count toward it, and its whole charge is refunded; "
+            "nor does a submit refused at sleep. A judged one counts, whatever its verdict.".format(per_day)
+        )
     protected = c.get("protected") or []
     if protected:
         lines.append(

@@ -101,7 +101,7 @@ def test_three_submits_draw_fresh_seeds_show_only_the_ladder_and_a_fourth_is_ref
 
     assert "seeds: fresh private seeds for every submit, on both sides" in contract
     assert "disclosure: ladder, step 0.05" in contract
-    assert "limit: at most 3 submits accepted in any 24 hours." in contract
+    assert "limit: at most 3 submits accepted in any 24 hours (max_submits_per_day)." in contract
 
     # Fresh seeds on both sides for every submit: three different commitments, each base measured anew.
     verdicts = [w["verdict"] for w in wakes]

@@ -77,6 +77,13 @@ def world(tmp_path: Path) -> Iterator[World]:
 
 
 def test_a_submit_whose_environment_build_fails_reaches_no_verdict_and_is_not_counted(world: World) -> None:
+    # What `submit --help` promises is what the rest of this test shows the kernel doing.
+    promise = " ".join(world.tool("submit", "--help").stdout.split())
+    assert (
+        "limit: at most 1 submits accepted in any 24 hours (max_submits_per_day). An unjudged submit, one that "
+        "reached no verdict because none of its evaluation runs ran (its environment build failed: its wake's "
+        "error says why), does not count toward it, and its whole charge is refunded;" in promise
+    ), promise
     before = world.budget()
     wheels = dict(world.index.wheels)
     world.index.wheels.clear()  # the lock's wheel is gone from the index: the build fails
