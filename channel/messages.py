@@ -793,6 +793,11 @@ class ProgressFile(_Strict, frozen=True):
     state: SleepState
     updated_at: Timestamp
     tasks: tuple[TaskProgress, ...] = ()
+    # The locked environment the sleep's tasks wait for (spec 8.7): `building` (`started_at` null while it waits
+    # for a build slot), `ready` once built (its tasks then get job ids), `failed` (the sleep wakes with
+    # `environment.failed`); `log_tail` is empty here (`tail` shows the build's output). Null for a sleep that
+    # waited for no build in this kernel's run.
+    environment: EnvironmentBuild | None = None
 
 
 _encoder: Final = msgspec.json.Encoder()

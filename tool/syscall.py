@@ -2105,9 +2105,10 @@ def wait_for_wake(
     one of `others` (sleeps in flight too) ends the wait as well: that wake is printed instead.
 
     The ends come from the sleep's `results/<seq>/progress.json` (PROTOCOL.md 8.7), looked at every `every`
-    seconds: a `stat`, and a read only when the kernel wrote it anew. A kernel that writes none (it is there
-    before the `accepted` answer when the kernel writes one) is asked `status` instead, at most every
-    max(`every`, STATUS_EVERY_S) seconds."""
+    seconds: a `stat`, and a read only when the kernel wrote it anew; so does a line per step of the
+    environment build the tasks wait for (waiting for a slot, begun, built, failed). A kernel that writes none
+    (it is there before the `accepted` answer when the kernel writes one) is asked `status` instead, at most
+    every max(`every`, STATUS_EVERY_S) seconds."""
 
     def say(line: str) -> None:
         # An MCP call's lines go as progress notifications (a call with a progress token), never into its
@@ -2117,8 +2118,13 @@ def wait_for_wake(
         else:
             (_err if json_mode else _out)(line)
 
-    def report(tasks: list[dict[str, Any]]) -> None:
-        nonlocal announced
+    def report(tasks: list[dict[str, Any]], env: Any = None) -> None:
+        nonlocal announced, env_seen
+        if isinstance(env, dict) and env.get("state") in ("building", "ready", "failed"):
+            seen = (env.get("state"), bool(env.get("started_at")))
+            if seen != env_seen:  # a line per step of the build: waiting for a slot, begun, built or failed
+                env_seen = seen
+                say(building_line(env))
         if not announced:
             announced = True
             say(
@@ -2152,6 +2158,7 @@ def wait_for_wake(
     next_look = now
     first_look = False  # the answer was just read: the look after it decides whether to ask `status`
     announced = False
+    env_seen: Any = None  # (state, begun) of the environment build last reported
     settled = False
     poll = _Poll(min(every, 0.2))
     while True:
@@ -2186,7 +2193,7 @@ def wait_for_wake(
                 if isinstance(doc, dict) and doc.get("id") == sleep_id:
                     watching = True
                     drop_status()
-                    report([t for t in doc.get("tasks") or [] if isinstance(t, dict)])
+                    report([t for t in doc.get("tasks") or [] if isinstance(t, dict)], doc.get("environment"))
         if first_look:
             first_look = False
             if not watching:
@@ -2201,7 +2208,8 @@ def wait_for_wake(
                 next_status = now + status_every
                 view = sa.get("sleep") if sa.get("type") == "status" else None
                 if isinstance(view, dict) and view.get("id") == sleep_id:
-                    report([t for t in view.get("tasks") or [] if isinstance(t, dict)])
+                    tasks = [t for t in view.get("tasks") or [] if isinstance(t, dict)]
+                    report(tasks, view.get("environment"))
             elif now - status_sent > max(30.0, status_every):
                 ch.withdraw(status_id)
                 status_id = None  # unanswered; ask again
@@ -4212,7 +4220,8 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "{p} wait --timeout 600\n{p} wait 1764460800000-3fa9c2d1",
         "Without an id it waits for the first wake of the sleeps you committed whose wake it has not\n"
         "shown (one already there is shown at once), reporting the oldest one's tasks as they end.\n"
-        "Interrupting or timing out stops only the waiting.",
+        "A sleep waiting for its environment build gets a line as the build waits for a slot, begins,\n"
+        "is built or fails. Interrupting or timing out stops only the waiting.",
     )
     p.add_argument("sleep_id", nargs="?", metavar="SLEEP-ID")
     p.add_argument("--timeout", type=_positive_seconds, help="give up after S seconds (exit 4)")

@@ -437,14 +437,18 @@ def sleep_view(s: SleepRow, jobs: Sequence[JobRow], now: float, max_concurrent_g
     )
 
 
-def progress_file(s: SleepRow, jobs: Sequence[JobRow], updated_at: str) -> ProgressFile:
-    """`results/<seq>/progress.json` of a sleep in flight: each task as recorded; an ended task's elapsed time."""
+def progress_file(
+    s: SleepRow, jobs: Sequence[JobRow], updated_at: str, environment: EnvironmentBuild | None = None
+) -> ProgressFile:
+    """`results/<seq>/progress.json` of a sleep in flight: each task as recorded; an ended task's elapsed time;
+    the environment build it waits for (or waited for), without its log."""
     return ProgressFile(
         protocol=L.PROTOCOL_VERSION,
         id=s.id,
         seq=s.seq,
         state=s.state,
         updated_at=updated_at,
+        environment=None if environment is None else msgspec.structs.replace(environment, log_tail=""),
         tasks=tuple(
             TaskProgress(
                 launch=j.launch,

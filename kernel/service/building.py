@@ -8,7 +8,8 @@ heavy pool, so a 20-minute torch build holds nobody's channel), one per cache ke
 and workspaces waiting for it (kernel.io.envcache: an flock per key across processes). When a build is ready,
 each sleep waiting for nothing else is given to `on_ready` (the executor dispatches it again: its environments
 warm now, its tasks are submitted); when it fails, each sleep waiting for it is given to `on_failed` with uv's
-message (the executor wakes it with `environment.failed`, refunded).
+message (the executor wakes it with `environment.failed`, refunded). When a build begins (it had waited for a
+slot), each sleep waiting for it is given to `on_started` (its progress file shows the start).
 
 What a sleep waits for is kept in memory only, from its dispatch until the executor `forget`s it: the store's
 record of the sleep (`snapshotted`, its answer recorded) is what a restart resumes from (RealExecutor.recover
@@ -80,8 +81,10 @@ class Builds:
         slots: Callable[[], int],
         on_ready: Callable[[Sleep], Coroutine[object, object, None]],
         on_failed: Callable[[Sleep, str], Coroutine[object, object, None]],
+        on_started: Callable[[Sleep], None] = lambda sleep: None,
     ) -> None:
         self.envs = envs
+        self.on_started = on_started
         self._limiter = anyio.CapacityLimiter(max(1, slots()))
         self._slots = slots
         self.on_ready = on_ready
@@ -179,6 +182,9 @@ class Builds:
         try:
             async with self._limiter:
                 b.started_at = timestamp()
+                for sleep in sorted(b.waiters):  # (event loop) each waiting sleep's view now has its start
+                    if sleep in self._waiting:
+                        self.on_started(sleep)
                 try:
                     ready, built = await self.envs.build(b.prepared, on_output=b.heard)
                 except envcache.EnvironmentFailed as e:

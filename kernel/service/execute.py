@@ -95,6 +95,7 @@ class RealExecutor:
                 lambda: self.cfg.environment.max_builds,
                 on_ready=self._resume,
                 on_failed=self._build_failed,
+                on_started=self._build_started,
             )
         )
         self._accepted_building: dict[Sleep, EnvironmentBuild] = {}
@@ -162,6 +163,8 @@ class RealExecutor:
                 self.builds.want((key, seq), cold.needed)
                 return await self._building(order, answering)
             if self.builds is not None:
+                # the build it waited for is shown `ready` from here until it wakes (its tasks have job ids)
+                self.progress.environment(key, seq, self.builds.view((key, seq)))
                 self.builds.forget((key, seq))
             # Tasks that ended while the kernel was down (or before their ids were recorded), and a checkpoint.
             await self.tracker.sweep([(key, seq)])
@@ -179,6 +182,7 @@ class RealExecutor:
         view = self.builds.view((key, seq))
         if view is not None and answering:
             self._accepted_building[(key, seq)] = view
+        self.progress.environment(key, seq, view)
         await self.progress.publish(key, seq)
         jobs = await self.worker.call(self.store.jobs_of, key, seq)
         return tuple(JobRef(launch=j.launch, task=j.task, job_id=j.job_id) for j in jobs)
@@ -241,7 +245,15 @@ class RealExecutor:
             self._redo[sleep] = (failures, anyio.current_time() + delay)
             klog.event("dispatch_deferred", logging.WARNING, ws=key, seq=seq, error=str(e), retry_in_s=delay)
 
+    def _build_started(self, sleep: Sleep) -> None:
+        """(event loop) The build the sleep waits for has begun: its progress file shows when."""
+        if self.builds is not None:
+            self.progress.environment(*sleep, self.builds.view(sleep))
+
     async def _build_failed(self, sleep: Sleep, error: str) -> None:
+        if self.builds is not None:  # shown `failed` before the wake, which is the sleep's last word
+            self.progress.environment(*sleep, self.builds.view(sleep))
+            await self.progress.publish(*sleep)
         await self._wake_refused(
             sleep,
             RequestError(

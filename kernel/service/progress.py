@@ -13,6 +13,9 @@ id recorded at dispatch, its start, its end, a cancel), once the change is in th
   rejected sleep is not written again.
 - at dispatch the file is written before the sleep is answered (`publish` awaited), so a client that reads an
   `accepted` answer and finds no progress file knows this kernel could not write one.
+- the environment build a sleep waits for (kernel.service.building) is shown as the executor last told it
+  (`environment`: building, its start, ready, failed), kept in memory from the build's want until the sleep is
+  woken; a restart shows the build it starts again, if any.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections import deque
 import anyio
 
 from channel import safefs
-from channel.messages import encode
+from channel.messages import EnvironmentBuild, encode
 from channel.paths import ChannelPaths
 from kernel.core import rules
 from kernel.core.records import WorkspaceRow
@@ -59,6 +62,20 @@ class Progress:
         self._problems: dict[tuple[str, int], str] = {}
         self._queue: deque[tuple[str, int]] = deque()  # sleeps for `run` to start a drain for
         self._wakeup: anyio.Event | None = None  # made by `run`, in the event loop
+        # The build each sleep waits (or waited) for, as the executor last told it (`environment`).
+        self._environments: dict[tuple[str, int], EnvironmentBuild] = {}
+
+    def environment(self, key: str, seq: int, build: EnvironmentBuild | None) -> None:
+        """(event loop) The environment build the sleep waits for changed (None: nothing to show): its file is
+        rewritten soon, or at once by an awaited `publish`."""
+        if build is None:
+            if self._environments.pop((key, seq), None) is None:
+                return
+        elif self._environments.get((key, seq)) == build:
+            return
+        else:
+            self._environments[(key, seq)] = build
+        self.changed(key, seq)
 
     def changed(self, key: str, seq: int) -> None:
         """(event loop) A task of the sleep changed state in the store: its file is rewritten soon (`run`)."""
@@ -116,11 +133,13 @@ class Progress:
         sleep = self.store.sleep(key, seq)
         ws = self.store.workspace(key)
         if sleep is None or ws is None or sleep.state in _DONE or self.store.admin(key).unenrolled_at:
+            self._environments.pop((key, seq), None)  # never shown again
             return None
         jobs = self.store.jobs_of(key, seq)
         if not jobs:
             return None
-        return ws, encode(rules.progress_file(sleep, jobs, timestamp()))
+        build = self._environments.get((key, seq))
+        return ws, encode(rules.progress_file(sleep, jobs, timestamp(), build))
 
     def _problem(self, key: str, seq: int, problem: str) -> None:
         if self._problems.get((key, seq)) != problem:

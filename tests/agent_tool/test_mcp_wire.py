@@ -23,7 +23,7 @@ import pytest
 from mcp_wire import INIT_PARAMS, RawClient, normalize
 from tool_fake_kernel import FakeKernel
 
-from channel.messages import ErrorInfo
+from channel.messages import EnvironmentBuild, ErrorInfo
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "mcp_transcript.jsonl"
 VERBS = [
@@ -333,6 +333,40 @@ def test_wait_sends_progress_and_returns_the_wake(client: RawClient, kernel: Fak
     assert done["id"] == "w"
     assert done["result"]["structuredContent"]["id"] == sleep_id
     assert "(The wake is kept at .syscall/wakes/" in done["result"]["content"][0]["text"]
+
+
+def test_wait_sends_progress_for_each_step_of_the_environment_build(
+    client: RawClient, kernel: FakeKernel
+) -> None:
+    """The build the tasks wait for, from the progress file: a notification as it begins and once it is built."""
+    client.handshake()
+    sleep_id = _sleep_with_one_running_task(client, kernel)
+    sha = "ab" * 32
+    kernel.building(
+        EnvironmentBuild(lock_sha256=sha, state="building", started_at="2026-12-03T10:00:00.000Z")
+    )
+    client.send(
+        {
+            "jsonrpc": "2.0",
+            "id": "w",
+            "method": "tools/call",
+            "params": {"name": "wait", "arguments": {}, "_meta": {"progressToken": "tok"}},
+        }
+    )
+    begun = client.recv()
+    assert begun["method"] == "notifications/progress"
+    assert begun["params"]["message"].startswith(
+        f"Environment: building the environment for uv.lock (sha256 {sha[:12]}) since 2026-12-03T10:00:00.000Z;"
+    ), begun
+    assert f"Waiting for sleep {sleep_id}" in client.recv()["params"]["message"]
+    kernel.building(EnvironmentBuild(lock_sha256=sha, state="ready", started_at="2026-12-03T10:00:00.000Z"))
+    built = client.recv()
+    assert built["params"]["message"] == (
+        f"Environment: the environment for uv.lock (sha256 {sha[:12]}) is built; the tasks are being submitted."
+    ), built
+    kernel.finish("job", 0, elapsed_s=2.0)
+    assert "job[0] COMPLETED" in client.recv()["params"]["message"]
+    assert client.recv()["id"] == "w"
 
 
 def test_cancelling_a_wait_stops_the_wait_never_the_job(client: RawClient, kernel: FakeKernel) -> None:

@@ -33,6 +33,7 @@ from channel.messages import (
     BudgetFile,
     Cancelled,
     CancelRequest,
+    EnvironmentBuild,
     ErrorInfo,
     HistoryAnswer,
     HistoryEntry,
@@ -98,6 +99,7 @@ class _Sleep:
     created_at: str
     tasks: list[_Task] = field(default_factory=list)
     woken_at: str | None = None
+    environment: EnvironmentBuild | None = None  # the build its tasks wait for, as progress.json shows it
     launches: tuple[tuple[str, int, str], ...] = ()
     staged: tuple[LaunchSummary, ...] = ()
 
@@ -169,6 +171,13 @@ class FakeKernel:
     def current(self) -> _Sleep | None:
         with self._lock:
             return self.sleeps[-1] if self.sleeps and self.sleeps[-1].woken_at is None else None
+
+    def building(self, build: EnvironmentBuild | None) -> None:
+        """Show the current sleep waiting for (or done with) an environment build in its progress file."""
+        with self._lock:
+            sleep = self.sleeps[-1]
+            sleep.environment = build
+            self._write_progress(sleep)
 
     def finish(
         self,
@@ -514,6 +523,7 @@ class FakeKernel:
                 )
                 for t in sleep.tasks
             ),
+            environment=sleep.environment,
         )
         (self.channel / ChannelPaths.RESULTS / str(sleep.seq)).mkdir(exist_ok=True)
         self._write(f"{ChannelPaths.RESULTS}/{sleep.seq}", ChannelPaths.PROGRESS, encode(doc))

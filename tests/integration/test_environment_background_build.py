@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,9 +115,33 @@ def test_a_sleep_is_answered_while_its_environment_builds_and_runs_once_it_is_bu
     assert tail["state"] == "PENDING"
     assert "environment build" in setup.ok("first", "tail", "probe")
 
-    setup.index.gate.set()
+    # The progress file `wait` watches carries the build (no request asked), and `wait` says each step of it.
+    progress = setup.spaces["first"] / ".syscall" / "results" / str(ans["sleep_seq"]) / "progress.json"
+    env = json.loads(progress.read_text())["environment"]
+    assert (env["state"], env["lock_sha256"], env["log_tail"]) == ("building", sha, ""), env
+    assert env["started_at"] == view["environment"]["started_at"]
+    said = setup.kernel.dir / "wait-first.err"
+    with said.open("w") as err:
+        waiter = subprocess.Popen(
+            [sys.executable, ".syscall/syscall", "wait", ans["id"], "--json", "--timeout", "170"],
+            cwd=setup.spaces["first"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        wait_for(lambda: "Environment: building" in said.read_text(), 30, "wait to say the build")
+        setup.index.gate.set()
+        first_wake = json.loads(waiter.communicate(timeout=170)[0])
+    lines = said.read_text()
+    assert (
+        f"Environment: building the environment for uv.lock (sha256 {sha[:12]}) since {env['started_at']}; "
+        in lines
+    ), lines
+    assert f"Environment: the environment for uv.lock (sha256 {sha[:12]}) is built; " in lines, lines
+    assert waiter.returncode == 0, lines
+    assert json.loads(progress.read_text())["environment"]["state"] == "ready"
     for name in ("first", "second"):
-        wake = setup.json(name, "wait", "--timeout", "170")
+        wake = first_wake if name == "first" else setup.json(name, "wait", "--timeout", "170")
         [t] = wake["tasks"]
         assert t["state"] == "COMPLETED", t
         assert "slowpkg 7" in t["stdout_tail"]
