@@ -8,10 +8,10 @@ the decoder agree by construction. Decoding lives in `channel.decode`; this modu
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from channel import limits as L
 
@@ -301,6 +301,24 @@ class HistoryEntry(_Strict, frozen=True):
     metric: MetricBest | None = None
 
 
+class ContractChange(_Strict, frozen=True):
+    """One value of the workspace's contract that changed: its dotted key in `kernel.json` (`policy.max_minutes`),
+    its value before and now; `old` or `new` is absent where the contract had no such key then or has none now."""
+
+    key: str
+    old: Any | UnsetType = UNSET
+    new: Any | UnsetType = UNSET
+
+
+class ContractChanged(_Strict, frozen=True):
+    """What of the workspace's contract (`kernel.json`'s `limits`, `policy`, `verbs`, `submit_trusted`,
+    `submit_verdicts`) changed since the kernel's last answer or wake to it, told once (spec 7.4): `text`, the
+    sentence the markdown wake shows, and every change."""
+
+    text: str
+    changes: tuple[ContractChange, ...]
+
+
 # --- answers ---------------------------------------------------------------------------------------------
 
 
@@ -319,12 +337,18 @@ class Accepted(_Answer, tag="accepted", frozen=True, omit_defaults=True):
     jobs: tuple[JobRef, ...]
     budget: Budget
     building: EnvironmentBuild | None = None
+    # What of the contract changed since the kernel's last answer or wake to this workspace (spec 7.4); absent
+    # when nothing did.
+    contract_changed: ContractChanged | UnsetType = UNSET
 
 
 class Rejected(_Answer, tag="rejected", frozen=True):
     """The request was refused; nothing was done and nothing was charged."""
 
     error: ErrorInfo
+    # What of the contract changed since the kernel's last answer or wake to this workspace (spec 7.4); absent
+    # when nothing did.
+    contract_changed: ContractChanged | UnsetType = UNSET
 
 
 class StatusAnswer(_Answer, tag="status", frozen=True):
@@ -333,10 +357,16 @@ class StatusAnswer(_Answer, tag="status", frozen=True):
     sleep: SleepView | None = None
     # Every sleep in flight (accepted, not yet woken), oldest first.
     in_flight: tuple[SleepBrief, ...] = ()
+    # What of the contract changed since the kernel's last answer or wake to this workspace (spec 7.4); absent
+    # when nothing did.
+    contract_changed: ContractChanged | UnsetType = UNSET
 
 
 class QueueAnswer(_Answer, tag="queue", frozen=True):
     jobs: tuple[QueueEntry, ...]
+    # What of the contract changed since the kernel's last answer or wake to this workspace (spec 7.4); absent
+    # when nothing did.
+    contract_changed: ContractChanged | UnsetType = UNSET
 
 
 class HistoryAnswer(_Answer, tag="history", frozen=True):
@@ -344,12 +374,18 @@ class HistoryAnswer(_Answer, tag="history", frozen=True):
     # The request's `metric` (its key) and which end of it is best ("min", "max"); null without one.
     metric: str | None = None
     best: Literal["min", "max"] | None = None
+    # What of the contract changed since the kernel's last answer or wake to this workspace (spec 7.4); absent
+    # when nothing did.
+    contract_changed: ContractChanged | UnsetType = UNSET
 
 
 class Cancelled(_Answer, tag="cancelled", frozen=True):
     sleep: str
     cancelled: tuple[JobRef, ...]
     budget: Budget
+    # What of the contract changed since the kernel's last answer or wake to this workspace (spec 7.4); absent
+    # when nothing did.
+    contract_changed: ContractChanged | UnsetType = UNSET
 
 
 class TailAnswer(_Answer, tag="tail", frozen=True):
@@ -366,6 +402,9 @@ class TailAnswer(_Answer, tag="tail", frozen=True):
     size: int
     cut: bool
     job_id: str | None = None
+    # What of the contract changed since the kernel's last answer or wake to this workspace (spec 7.4); absent
+    # when nothing did.
+    contract_changed: ContractChanged | UnsetType = UNSET
 
 
 Answer = Accepted | Rejected | StatusAnswer | QueueAnswer | HistoryAnswer | Cancelled | TailAnswer
@@ -526,6 +565,9 @@ class Wake(_Strict, frozen=True):
     # Why none of the sleep's tasks ran, for a sleep accepted and then unable to run (its environment build
     # failed: `environment.failed`); its whole charge is refunded. Null for every sleep whose tasks were submitted.
     error: ErrorInfo | None = None
+    # What of the contract changed since the kernel's last answer or wake to this workspace (spec 7.4); absent
+    # when nothing did.
+    contract_changed: ContractChanged | UnsetType = UNSET
 
 
 # --- kernel-written channel files ------------------------------------------------------------------------

@@ -13,7 +13,17 @@ from typing import Final
 from channel import limits as L
 from channel import sweep
 from channel.lifecycle import NOT_RUN_TASK_STATES
-from channel.messages import Budget, LaunchSummary, LogFile, RankedTask, SidePath, TaskResult, Verdict, Wake
+from channel.messages import (
+    Budget,
+    ContractChanged,
+    LaunchSummary,
+    LogFile,
+    RankedTask,
+    SidePath,
+    TaskResult,
+    Verdict,
+    Wake,
+)
 from channel.paths import CHANNEL_DIR, ChannelPaths
 
 _RUN_RE: Final = re.compile(r"`+|~+")
@@ -635,6 +645,10 @@ def render_wake(w: Wake) -> str:
     """The wake for a reader deciding what to do next: header, note, verdict, launches, the task table, what
     is not routine about each task, where the files are, and the budget last."""
     out = [render_header(w)]
+    if isinstance(
+        w.contract_changed, ContractChanged
+    ):  # kernel-written (kernel.core.contract), values escaped
+        out.append(f"**Contract changed.** {visible(w.contract_changed.text)}\n")
     if w.error is not None:
         out.append(render_error(w))
     if w.note:

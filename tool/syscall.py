@@ -1180,6 +1180,7 @@ def await_answer(ch: Channel, obj: dict[str, Any], timeout: float, question: boo
         if ans is not None:
             if question:
                 ch.discard_answer(rid)
+            _kernel_notice(ans)
             return ans
         if time.monotonic() >= deadline:
             break
@@ -1358,27 +1359,56 @@ def reconcile(ch: Channel, st: Staging) -> bool:
 CONTRACT_SEEN = "syscall-contract.json"
 CONTRACT_KEYS = ("limits", "policy", "verbs", "submit_trusted", "submit_verdicts")
 CONTRACT_CHANGES_SHOWN = 8
-_ABSENT = object()
+CONTRACT_ABSENT = object()
 
 
 def contract_changes(old: Any, new: Any, prefix: str = "") -> List[Tuple[str, Any, Any]]:
-    """(dotted key, old value, new value) for each value that differs; `_ABSENT` where a side has none."""
+    """(dotted key, old value, new value) for each value that differs; `CONTRACT_ABSENT` where a side has
+    none."""
     if old == new:
         return []
     if isinstance(old, dict) and isinstance(new, dict):
         out: List[Tuple[str, Any, Any]] = []
         for k in list(new) + [k for k in old if k not in new]:
             key = "{}.{}".format(prefix, k) if prefix else str(k)
-            out += contract_changes(old.get(k, _ABSENT), new.get(k, _ABSENT), key)
+            out += contract_changes(old.get(k, CONTRACT_ABSENT), new.get(k, CONTRACT_ABSENT), key)
         return out
     return [(prefix, old, new)]
 
 
 def _contract_value(v: Any) -> str:
-    if v is _ABSENT:
+    if v is CONTRACT_ABSENT:
         return "(none)"
     text = json.dumps(v, ensure_ascii=False, sort_keys=True)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def contract_change_text(key: str, old: Any, new: Any) -> str:
+    """`policy.max_minutes 60 -> 30`: the words of the kernel's notice (kernel.core.contract.change_text)."""
+    return "{} {} -> {}".format(key, _contract_value(old), _contract_value(new))
+
+
+# What this call's own notice told (`announce_contract`), so that the kernel's notice in an answer
+# (`contract_changed`, PROTOCOL.md 7.4) is printed only when it tells something more.
+_TOLD = threading.local()
+
+
+def _kernel_notice(ans: Dict[str, Any]) -> None:
+    """Print the kernel's notice that the contract changed since its last answer or wake, carried by `ans`,
+    unless this call's own notice named every change in it already."""
+    notice = ans.get("contract_changed")
+    if not isinstance(notice, dict) or not isinstance(notice.get("changes"), list):
+        return
+    told = getattr(_TOLD, "shown", None) or set()
+    texts = {
+        contract_change_text(str(c.get("key")), c.get("old", CONTRACT_ABSENT), c.get("new", CONTRACT_ABSENT))
+        for c in notice["changes"]
+        if isinstance(c, dict)
+    }
+    if texts <= told:
+        return
+    _TOLD.shown = told | texts
+    (_err if getattr(_TOLD, "json_mode", False) else _out)("Note: {}".format(notice.get("text", "")))
 
 
 def _read_seen(ch: Channel) -> Any:
@@ -1409,14 +1439,13 @@ def announce_contract(ch: Channel, json_mode: bool) -> Callable[[], None]:
         return lambda: None
     now = {k: info[k] for k in CONTRACT_KEYS if k in info}
     seen = _read_seen(ch)
+    _TOLD.json_mode, _TOLD.shown = json_mode, set()
     if seen == now:
         return lambda: None
     if isinstance(seen, dict):
         changes = contract_changes(seen, now)
-        shown = "; ".join(
-            "{} {} -> {}".format(k, _contract_value(a), _contract_value(b))
-            for k, a, b in changes[:CONTRACT_CHANGES_SHOWN]
-        )
+        _TOLD.shown = {contract_change_text(k, a, b) for k, a, b in changes}
+        shown = "; ".join(contract_change_text(k, a, b) for k, a, b in changes[:CONTRACT_CHANGES_SHOWN])
         more = len(changes) - CONTRACT_CHANGES_SHOWN
         shown += "; and {} more".format(more) if more > 0 else ""
         (_err if json_mode else _out)(

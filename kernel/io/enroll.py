@@ -42,7 +42,8 @@ from channel.paths import CHANNEL_DIR, ChannelPaths, workspace_key
 from kernel.core import budget, ledger
 from kernel.core.budget import Balance
 from kernel.core.config import Config, score_data_problem, slurm_account_ok
-from kernel.core.evaluate import EVAL_FLAGS, contract_problem, is_trusted
+from kernel.core.contract import contract_of, published_limits
+from kernel.core.evaluate import EVAL_FLAGS, contract_problem
 from kernel.core.records import WorkspaceRow
 from kernel.io import chanlock, jobenv, statedir, watch
 from kernel.io import repo as R
@@ -276,19 +277,6 @@ def check_owner(store: Store, ch: safefs.Channel, path: str, *, mine: str | None
     return StoreRef(store=mine, state_dir=str(store.path.parent))
 
 
-def published_limits(cfg: Config | None) -> Limits:
-    """The protocol's limits with the operator's: `log_max_bytes` and the `[snapshot]` limits (the defaults
-    without a config)."""
-    if cfg is None:
-        return Limits()
-    return Limits(
-        log_max_bytes=cfg.log_max_bytes,
-        snapshot_max_files=cfg.snapshot.max_files,
-        snapshot_max_bytes=cfg.snapshot.max_bytes,
-        snapshot_max_depth=cfg.snapshot.max_depth,
-    )
-
-
 def kernel_json(
     row: WorkspaceRow,
     tool: ToolSource,
@@ -302,21 +290,20 @@ def kernel_json(
     """`kernel.json`; `jail` (the config's) decides, with the contract, whether its verdicts are trusted;
     `limits` as `published_limits` makes them from the config, `package_index` as `jobenv.package_index`,
     `verdicts` the config's `[verdicts]`."""
-    from channel.messages import VERBS
-
+    c = contract_of(row.policy, jail=jail, limits=limits, verdicts=verdicts)
     return encode(
         KernelInfo(
             protocol=L.PROTOCOL_VERSION,
             kernel=kernel_ref(),
             workspace=row.path,
-            limits=Limits() if limits is None else limits,
-            policy=row.policy,
-            verbs=VERBS,
+            limits=c.limits,
+            policy=c.policy,
+            verbs=c.verbs,
             tool_sha256=tool.sha256,
             owner=owner,
-            submit_trusted=None if row.policy.submit is None else is_trusted(row.policy.submit, jail),
+            submit_trusted=c.submit_trusted,
             package_index=package_index,
-            submit_verdicts=None if row.policy.submit is None else verdicts or VerdictRules(),
+            submit_verdicts=c.submit_verdicts,
         )
     )
 

@@ -52,9 +52,9 @@ from kernel.io.budgetorder import BudgetOrder
 # _ADMIN_SCHEMA and _ADDED_COLUMNS when missing without changing it, so a store at 1 holds any subset of them;
 # 2 is a store with all of them; 3 adds the memory and CPUs a launch asked for per task (jobs.mem_mb, jobs.cpus); 4
 # a swept task's values, its launch's rank key and the numbers of its last JSON line (jobs.params, jobs.rank,
-# jobs.metrics). A
+# jobs.metrics); 5 the contract each workspace was last told (contract_told). A
 # change to the schema raises it and adds a step to _MIGRATIONS.
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
 
 
 def _sql_states(states: frozenset[str]) -> str:
@@ -71,7 +71,17 @@ _SLEEP_ENDED: Final = _sql_states(SLEEP_TERMINAL)
 _SLEEP_OVER: Final = _sql_states(SLEEP_OVER_FOR_AGENT)
 _WOKEN: Final[SleepState] = "woken"
 
-_SCHEMA: Final = f"""
+# Schema 5: the contract (kernel.core.contract.encoded) the kernel last told each workspace, recorded in the
+# transaction that records the answer or wake that told it; no row: none told yet.
+_CONTRACT_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS contract_told (
+    workspace       TEXT PRIMARY KEY REFERENCES workspaces(key),
+    contract        BLOB NOT NULL
+) STRICT;
+"""
+
+_SCHEMA: Final = (
+    f"""
 CREATE TABLE workspaces (
     key             TEXT PRIMARY KEY,
     path            TEXT NOT NULL UNIQUE,
@@ -150,6 +160,8 @@ CREATE TABLE jobs (
 ) STRICT;
 CREATE INDEX jobs_live ON jobs(state) WHERE state IN {_LIVE_TASKS};
 """
+    + _CONTRACT_SCHEMA
+)
 
 # Added while SCHEMA_VERSION was 1, so made if missing (additive only): by the migration to 2, and again at every
 # read-write open. A table added from now on comes with a SCHEMA_VERSION of its own. Every table the kernel keeps
@@ -311,11 +323,18 @@ def _add_job_sweeps(c: sqlite3.Connection) -> None:
             c.execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
 
 
+def _add_contract_told(c: sqlite3.Connection) -> None:
+    """Schema 5: the contract each workspace was last told, none for now (the next answer tells nothing and
+    records the contract then)."""
+    c.execute(_CONTRACT_SCHEMA)
+
+
 # version -> the step that takes a store at that version to the next one, run in the migrating transaction.
 _MIGRATIONS: Final[dict[int, Callable[[sqlite3.Connection], None]]] = {
     1: _ensure_additive,
     2: _add_job_resources,
     3: _add_job_sweeps,
+    4: _add_contract_told,
 }
 assert set(_MIGRATIONS) == set(range(1, SCHEMA_VERSION)), "a step for every version below SCHEMA_VERSION"
 
@@ -1016,6 +1035,18 @@ class Store:
                 r.answer,
                 r.answered_at,
             ),
+        )
+
+    def contract_told(self, workspace: str) -> bytes | None:
+        """The contract last told to the workspace (kernel.core.contract.encoded), None when none was."""
+        row = self._one("SELECT contract FROM contract_told WHERE workspace=?", (workspace,))
+        return None if row is None else bytes(row[0])
+
+    def set_contract_told(self, workspace: str, contract: bytes) -> None:
+        self._one(
+            "INSERT INTO contract_told (workspace, contract) VALUES (?,?) "
+            "ON CONFLICT(workspace) DO UPDATE SET contract=excluded.contract",
+            (workspace, contract),
         )
 
     def set_answer(self, workspace: str, request_id: str, answer: bytes, at: str) -> None:

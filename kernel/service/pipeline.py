@@ -55,6 +55,7 @@ from channel.decode import RequestError, check_policy, decode_request, parse_req
 from channel.lifecycle import SleepEvent, TaskEvent, next_sleep_state
 from channel.messages import (
     Accepted,
+    Answer,
     Cancelled,
     CancelRequest,
     HistoryAnswer,
@@ -79,7 +80,7 @@ from kernel.io import crash, metrics
 from kernel.io.enroll import OwnedElsewhere, kernel_ref, owner_of, write_budget
 from kernel.io.log import event
 from kernel.io.store import StoreUnavailable, StoreWorker, timestamp
-from kernel.service import gather
+from kernel.service import gather, telling
 from kernel.service.chanio import ChannelIO, ChannelIOAbandoned, Started, store_step
 from kernel.service.executor import DispatchRefused, Executor, ExecutorUnavailable, SleepOrder
 from kernel.service.watching import channel_problem
@@ -107,6 +108,7 @@ class _Backoff:
 
 Spawn = Callable[["Continuation"], object]
 T = TypeVar("T")
+A = TypeVar("A", bound=Answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -757,8 +759,7 @@ class Pipeline:
         look, rest = rec.look, rec.rest
         assert look is not None
         rec.look, rec.rest = None, []
-        answer = encode(_tail_answer(look, seen))
-        self._record_read_only(rec, ws, look.read, look.digest, "tail", answer, "tail")
+        self._record_read_only(rec, ws, look.read, look.digest, "tail", _tail_answer(look, seen), "tail")
         return self._record(ws, rest, rec)
 
     def _failed_io(self, key: str, exc: Exception) -> None:
@@ -869,8 +870,7 @@ class Pipeline:
         decoded = decode_request(data, rid)
         match decoded:
             case Rejected():
-                answer = encode(decoded)
-                self._record_answer(ws.key, rid, digest, "invalid", now, answer)
+                answer = self._record_answer(ws.key, rid, digest, "invalid", now, decoded)
                 self._answer(rec, ws, r, answer, f"rejected:{decoded.error.code}")
                 return
             case StatusRequest() | QueueRequest() | HistoryRequest() | TailRequest():
@@ -878,16 +878,16 @@ class Pipeline:
                     # read-only verbs obey the policy's `verbs` too (an operator may withhold `queue`)
                     check_policy(decoded, ws.policy)
                 except RequestError as err:
-                    answer = encode(rejected(rid, err))
-                    self._record_answer(ws.key, rid, digest, _verb(decoded), now, answer)
+                    answer = self._record_answer(ws.key, rid, digest, _verb(decoded), now, rejected(rid, err))
                     self._answer(rec, ws, r, answer, f"rejected:{err.code}")
                     return
                 if isinstance(decoded, TailRequest):
                     try:
                         rec.look = self._tail_look(ws.key, r, digest, decoded)
                     except RequestError as err:  # a tail of a task the sleep does not have
-                        answer = encode(rejected(rid, err))
-                        self._record_read_only(rec, ws, r, digest, "tail", answer, f"rejected:{err.code}")
+                        self._record_read_only(
+                            rec, ws, r, digest, "tail", rejected(rid, err), f"rejected:{err.code}"
+                        )
                     return
                 outcome = _verb(decoded)
                 # Recorded without the WAL's fsync, so the answer is shown a disk flush sooner; `_deliver_all`
@@ -895,10 +895,14 @@ class Pipeline:
                 # place with no record, and it is answered afresh (read-only: nothing is done twice).
                 rec.unsynced = True
                 with self.store.transaction(durable=False):
+                    row = self.store.workspace(ws.key)
+                    assert row is not None
+                    msg: StatusAnswer | QueueAnswer | HistoryAnswer | Rejected
                     try:
-                        answer = encode(self._read_only(ws.key, decoded, received))
+                        msg = self._read_only(row, decoded, received)
                     except RequestError as err:  # a status of a sleep the workspace does not have
-                        answer, outcome = encode(rejected(rid, err)), f"rejected:{err.code}"
+                        msg, outcome = rejected(rid, err), f"rejected:{err.code}"
+                    answer = encode(self._told(row, msg))
                     self.store.insert_request(
                         RequestRow(ws.key, rid, digest, _verb(decoded), now, None, None, answer, now)
                     )
@@ -912,26 +916,45 @@ class Pipeline:
                 return
         raise AssertionError(f"unhandled request type {type(decoded).__name__}")  # pragma: no cover
 
-    def _record_answer(self, key: str, rid: str, digest: str, kind: str, now: str, answer: bytes) -> None:
+    def _told(self, ws: WorkspaceRow, msg: A) -> A:
+        """(in the transaction recording it) The answer with what of the contract changed since the last answer
+        or wake to the workspace (kernel.service.telling); `ws` as read in this transaction."""
+        return telling.told(self.store, self.cfg, ws, msg)
+
+    def _record_answer(self, key: str, rid: str, digest: str, kind: str, now: str, msg: Rejected) -> bytes:
+        """Record a refusal, with what of the contract changed; its bytes."""
         with self.store.transaction():
+            row = self.store.workspace(key)
+            assert row is not None
+            answer = encode(self._told(row, msg))
             self.store.insert_request(RequestRow(key, rid, digest, kind, now, None, None, answer, now))
+        return answer
 
     def _record_read_only(
-        self, rec: _Recorded, ws: WorkspaceRow, r: _Read, digest: str, kind: str, answer: bytes, outcome: str
+        self,
+        rec: _Recorded,
+        ws: WorkspaceRow,
+        r: _Read,
+        digest: str,
+        kind: str,
+        msg: TailAnswer | Rejected,
+        outcome: str,
     ) -> None:
-        """Record a read-only answer without the WAL's fsync (`_deliver_all` syncs it before the request is
-        removed), and deliver it."""
+        """Record a read-only answer (with what of the contract changed) without the WAL's fsync (`_deliver_all`
+        syncs it before the request is removed), and deliver it."""
         now = timestamp(r.received)
         rec.unsynced = True
         with self.store.transaction(durable=False):
+            row = self.store.workspace(ws.key)
+            assert row is not None
+            answer = encode(self._told(row, msg))
             self.store.insert_request(RequestRow(ws.key, r.rid, digest, kind, now, None, None, answer, now))
         self._answer(rec, ws, r, answer, outcome)
 
     def _read_only(
-        self, key: str, req: StatusRequest | QueueRequest | HistoryRequest, now: float
+        self, ws: WorkspaceRow, req: StatusRequest | QueueRequest | HistoryRequest, now: float
     ) -> StatusAnswer | QueueAnswer | HistoryAnswer:
-        ws = self.store.workspace(key)
-        assert ws is not None
+        key = ws.key
         match req:
             case StatusRequest():
                 in_flight = self._in_flight(key)
@@ -989,7 +1012,7 @@ class Pipeline:
                 )
                 acc = rules.accept_sleep(row, self._in_flight(ws.key), req, seq, now, submits)
             except RequestError as err:
-                refusal = (err.code, encode(rejected(rid, err)))
+                refusal = (err.code, encode(self._told(row, rejected(rid, err))))
                 self.store.insert_request(
                     RequestRow(ws.key, rid, digest, "sleep", now, None, None, refusal[1], now)
                 )
@@ -1030,7 +1053,7 @@ class Pipeline:
             try:
                 plan = rules.plan_cancel(row, self._in_flight(ws.key), self._named(ws.key, req.sleep), req)
             except RequestError as err:
-                refusal = (err.code, encode(rejected(rid, err)))
+                refusal = (err.code, encode(self._told(row, rejected(rid, err))))
                 self.store.insert_request(
                     RequestRow(ws.key, rid, digest, "cancel", now, None, None, refusal[1], now)
                 )
@@ -1177,7 +1200,7 @@ class Pipeline:
         return later
 
     def _answer_and_deliver(
-        self, c: Continuation, make: Callable[[WorkspaceRow], bytes], outcome: str
+        self, c: Continuation, make: Callable[[WorkspaceRow], Accepted | Rejected | Cancelled], outcome: str
     ) -> _Answered:
         """Record the continuation's answer (unless one is recorded already); it is delivered after this step
         (`_advance`: channel I/O never runs on the store worker)."""
@@ -1186,22 +1209,20 @@ class Pipeline:
             known = self.store.request(c.key, c.request_id)
             assert ws is not None
             assert known is not None
-            answer = known.answer if known.answer is not None else make(ws)
+            answer = known.answer if known.answer is not None else encode(self._told(ws, make(ws)))
             if known.answer is None:
                 self.store.set_answer(c.key, c.request_id, answer, timestamp(self.clock()))
         return _Answered(ws, answer, outcome, self.store.budget_order.stamp())
 
     def _finish_sleep(self, c: Continuation, refs: tuple[JobRef, ...]) -> _Answered:
-        def make(ws: WorkspaceRow) -> bytes:
-            return encode(
-                Accepted(
-                    protocol=L.PROTOCOL_VERSION,
-                    id=c.request_id,
-                    sleep_seq=c.seq,
-                    jobs=refs,
-                    budget=ws.balance.to_message(),
-                    building=building,
-                )
+        def make(ws: WorkspaceRow) -> Accepted:
+            return Accepted(
+                protocol=L.PROTOCOL_VERSION,
+                id=c.request_id,
+                sleep_seq=c.seq,
+                jobs=refs,
+                budget=ws.balance.to_message(),
+                building=building,
             )
 
         building = self.executor.accepted_building(c.key, c.seq)
@@ -1234,24 +1255,20 @@ class Pipeline:
                 self.store.set_balance(c.key, balance)
                 advanced = self.store.advance_sleep(c.key, c.seq, sleep.state, SleepEvent.REJECT)
                 assert advanced, (c.key, c.seq, sleep.state)  # read in this transaction
-        return self._answer_and_deliver(
-            c, lambda ws: encode(rejected(c.request_id, err)), f"rejected:{err.code}"
-        )
+        return self._answer_and_deliver(c, lambda ws: rejected(c.request_id, err), f"rejected:{err.code}")
 
     def _finish_cancel(self, c: Continuation, order: SleepOrder) -> _Answered:
         row = self.store.request(c.key, c.request_id)
         assert row is not None
         targets = rules.cancelled_by(order.jobs, c.names, row.received_at)
 
-        def make(ws: WorkspaceRow) -> bytes:
-            return encode(
-                Cancelled(
-                    protocol=L.PROTOCOL_VERSION,
-                    id=c.request_id,
-                    sleep=order.sleep.id,
-                    cancelled=rules.job_refs(targets),
-                    budget=ws.balance.to_message(),
-                )
+        def make(ws: WorkspaceRow) -> Cancelled:
+            return Cancelled(
+                protocol=L.PROTOCOL_VERSION,
+                id=c.request_id,
+                sleep=order.sleep.id,
+                cancelled=rules.job_refs(targets),
+                budget=ws.balance.to_message(),
             )
 
         return self._answer_and_deliver(c, make, "cancelled")

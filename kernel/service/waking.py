@@ -40,7 +40,7 @@ from kernel.io.enroll import write_budget
 from kernel.io.repo import KernelRepo, RepoError, snapshot_ref
 from kernel.io.snapshot import release_sync
 from kernel.io.store import StoreWorker, timestamp
-from kernel.service import gather
+from kernel.service import gather, telling
 from kernel.service.evaluation import Evaluation, Runs
 from kernel.service.gather import job_order
 from kernel.service.heavy import HeavyPool
@@ -202,6 +202,7 @@ class Waker:
             if verdict is not None:
                 self.store.set_sleep_verdict(key, seq, encode(verdict))
             self.store.set_balance(key, balance)
+            wake = telling.told(self.store, self.cfg, ws, wake)  # what of the contract changed, told once
             self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
             # woken_at is the wake's from here on: status and history show a gathered sleep as woken then
             advanced = self.store.advance_sleep(key, seq, sleep.state, SleepEvent.GATHER, woken_at=woken_at)
@@ -270,6 +271,7 @@ class Waker:
                 error=ErrorInfo(code=error.code, message=error.message, path=None),
             )
             self.store.set_balance(key, balance)
+            wake = telling.told(self.store, self.cfg, ws, wake)  # what of the contract changed, told once
             self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
             advanced = self.store.advance_sleep(key, seq, sleep.state, SleepEvent.GATHER)
             assert advanced, (key, seq, sleep.state)  # read in this transaction

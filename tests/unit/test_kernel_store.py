@@ -339,7 +339,8 @@ def store_with_w1(path: Path) -> Path:
 
 
 def _without_job_sweeps(db: sqlite3.Connection) -> None:
-    """The jobs table as schema 3 and older had it: no `params`, `rank` or `metrics`."""
+    """The jobs table as schema 3 and older had it: no `params`, `rank` or `metrics` (nor schema 5's table)."""
+    _without_contract_told(db)
     for column in ("params", "rank", "metrics"):
         db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
 
@@ -400,7 +401,7 @@ def test_a_schema_3_store_gets_the_sweep_columns_and_its_tasks_read_as_unswept(t
 
     path = _store_at(tmp_path, 3, _without_job_sweeps)
     s = Store.open(path)
-    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 4
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION
     (old,) = s.jobs_of("w-1", 1)
     assert (old.params, old.rank, old.metrics) == ((), None, {})
     new = JobRow(
@@ -433,7 +434,29 @@ def test_a_schema_3_store_gets_the_sweep_columns_and_its_tasks_read_as_unswept(t
     )
     s.close()
     (backup,) = backups(path, 3)
-    assert backup.name.startswith("state.sqlite.v3-before-v4.")
+    assert backup.name.startswith(f"state.sqlite.v3-before-v{SCHEMA_VERSION}.")
+
+
+def _without_contract_told(db: sqlite3.Connection) -> None:
+    """The store as schema 4 and older had it: no `contract_told`."""
+    db.execute("DROP TABLE contract_told")
+
+
+def test_a_schema_4_store_gets_the_contract_told_table_with_nothing_told(tmp_path: Path) -> None:
+    """Schema 5 added `contract_told`: a store at 4 is migrated, no workspace told anything yet (its next answer
+    tells nothing and records the contract), and a contract told is kept."""
+    path = _store_at(tmp_path, 4, _without_contract_told)
+    s = Store.open(path)
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 5
+    assert s.contract_told("w-1") is None
+    with s.transaction():
+        s.set_contract_told("w-1", b'{"a":1}')
+    with s.transaction():
+        s.set_contract_told("w-1", b'{"a":2}')
+    assert s.contract_told("w-1") == b'{"a":2}'
+    s.close()
+    (backup,) = backups(path, 4)
+    assert backup.name.startswith("state.sqlite.v4-before-v5.")
 
 
 def _as_schema_1(path: Path) -> None:
