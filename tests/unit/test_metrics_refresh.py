@@ -40,3 +40,14 @@ def test_refresh_sets_each_workspaces_budget_and_drops_an_unenrolled_ones(
     assert budget(b.key, "launches") is None  # unenrolled: its gauges are gone
     assert metrics.REGISTRY.get_sample_value(f"{metrics.P}workspaces") == 1
     assert metrics.REGISTRY.get_sample_value(f"{metrics.P}degraded") == 1
+
+    # Another process (the operator's `budget` command) changes a balance: seen at the next refresh.
+    other = Store.open(store.path)
+    try:
+        with other.transaction():
+            other.set_balance(a.key, Balance(launches=2, sleeps=3, gpu_s=5400))
+    finally:
+        other.close()
+    metrics.refresh(store, degraded=False)
+    assert budget(a.key, "launches") == 2
+    assert metrics.REGISTRY.get_sample_value(f"{metrics.P}degraded") == 0
