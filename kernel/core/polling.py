@@ -28,8 +28,9 @@ Invariants, and why they hold:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple, Protocol
 
@@ -57,11 +58,14 @@ class DirStamp(NamedTuple):
 
 
 class _Entry(Protocol):
-    generation: int  # bumped on every reschedule; heap entries of an older generation are stale
+    generation: int  # set anew at every reschedule; heap entries of another generation are stale
     looking: bool
 
 
-# A schedule's heap: (due, generation, key), only the entry of a key's current generation live.
+# A schedule's heap: (due, generation, key), only the entry of a key's current generation live. Generations come
+# from one counter per schedule (`_generations`), never from the channel's entry: a channel forgotten and served
+# again gets a new entry, and its old heap entries must stay stale (with a count restarted at 0, one of them
+# became live again: a look at the old entry's time).
 _Heap = list[tuple[float, int, str]]
 
 
@@ -88,7 +92,7 @@ def _take_due(heap: _Heap, channels: Mapping[str, _Entry], now: float, limit: in
         if due > now:
             break
         heapq.heappop(heap)
-        ch.generation += 1  # off the schedule: no entry of it is live until it is pushed again
+        ch.generation = 0  # off the schedule (no entry has generation 0) until it is pushed again
         ch.looking = True
         out.append(key)
     return out
@@ -101,7 +105,7 @@ class _Channel:
     trusted: DirStamp | None = None  # the stamp a completed full listing followed
     seen: DirStamp | None = None  # the stamp of the last look, until a listing follows it
     seen_at: float = 0.0  # when that look was taken (the service's clock)
-    generation: int = 0  # bumped on every reschedule; heap entries of an older generation are stale
+    generation: int = 0  # set anew at every reschedule; heap entries of another generation are stale
     looking: bool = False  # taken by `due`, not yet put back by `looked` or `skipped`
     boosted: bool = False  # `active` while its look was in flight: the next interval is the fast one
 
@@ -116,6 +120,7 @@ class PollSchedule:
     racy_ns: int = RACY_NS
     _channels: dict[str, _Channel] = field(default_factory=dict)
     _heap: _Heap = field(default_factory=list)
+    _generations: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
         if self.idle_max_s < self.base_s:
@@ -132,23 +137,22 @@ class PollSchedule:
 
     def sync(self, polled: set[str], now: float) -> None:
         """Follow the set of polled channels: new ones are looked at now, gone ones forgotten. (Called at every
-        poll tick: the same set, as nearly always, costs one comparison of the sets, not a walk of 10,000 keys.)"""
+        change of the polled set: the same set costs one comparison of the sets, not a walk of 10,000 keys.)"""
         if self._channels.keys() == polled:
             return
         for key in [k for k in self._channels if k not in polled]:
             del self._channels[key]
-        for key in polled:
-            if key not in self._channels:
-                ch = _Channel(self.base_s, now)
-                self._channels[key] = ch
-                self._push(key, ch)
+        for key in sorted(polled - self._channels.keys()):  # in key order: looks of equal times are too
+            ch = _Channel(self.base_s, now)
+            self._channels[key] = ch
+            self._push(key, ch)
 
     def forget(self, key: str) -> None:
         """`key` is no longer polled (unenrolled): its entry goes now (its heap entries are stale)."""
         self._channels.pop(key, None)
 
     def _push(self, key: str, ch: _Channel) -> None:
-        ch.generation += 1
+        ch.generation = next(self._generations)
         heapq.heappush(self._heap, (ch.due, ch.generation, key))
 
     def next_at(self) -> float | None:
@@ -265,6 +269,7 @@ class RescanLedger:
     racy_s: float = RACY_NS / 1e9
     _channels: dict[str, _Checked] = field(default_factory=dict)
     _heap: _Heap = field(default_factory=list)
+    _generations: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def __len__(self) -> int:
         return len(self._channels)
@@ -276,10 +281,9 @@ class RescanLedger:
         """Follow the set of served channels: new ones are looked at from `now` on, gone ones forgotten."""
         for key in [k for k in self._channels if k not in served]:
             del self._channels[key]
-        for key in served:
-            if key not in self._channels:
-                ch = self._channels[key] = _Checked(now)
-                self._push(key, ch)
+        for key in sorted(served - self._channels.keys()):  # in key order, as PollSchedule.sync
+            ch = self._channels[key] = _Checked(now)
+            self._push(key, ch)
 
     def trusted(self, key: str) -> bool:
         """Whether `key`'s evidence is trusted (a rescan that finds it unchanged checks nothing)."""
@@ -294,7 +298,7 @@ class RescanLedger:
                 self._push(key, ch)
 
     def _push(self, key: str, ch: _Checked) -> None:
-        ch.generation += 1
+        ch.generation = next(self._generations)
         ch.queued = True
         heapq.heappush(self._heap, (ch.due, ch.generation, key))
 

@@ -225,6 +225,8 @@ class Service:
         self.watcher: Watcher | None = None
         self.stopping = False
         self._wait_scope: anyio.CancelScope | None = None
+        # The store's data_version at the last look for other processes' changes. Read and written only in store
+        # steps (`_startup`, `_read_changes`), which the store's step lock runs one at a time.
         self._data_version = -1
         self._send: MemoryObjectSendStream[str] | None = None
         # While the service loop waits for news: how it starts a turn (`_arrived` starts one at once).
@@ -233,7 +235,8 @@ class Service:
         self._reserving = False  # an `_apply_current` runs (`_reserve`); `_reserve_again`: another after it
         self._reserve_again = False
         # Every workspace the store lists as enrolled, as this kernel last read them: one another process (the
-        # operator's `enroll`, `unenroll`) adds or removes is logged when the poll tick notices it.
+        # operator's `enroll`, `unenroll`) adds or removes is logged when the poll tick notices it. Read and written
+        # only in store steps (`_startup`, `_to_serve`, `_read_changes`), as `_data_version`.
         self._enrolled: set[str] = set()
         # Why the last SIGHUP's config could not be used (None: it was, or none came): in the status line until a
         # reload succeeds.
@@ -245,7 +248,10 @@ class Service:
         # them.
         # (Those a later round enrolls are looked at in full, as any channel new to the running kernel.)
         self._fresh: set[str] = set()
-        # kernel.json fingerprints taken by this start's owner checks, recorded after the admission (`_admitted`).
+        # kernel.json fingerprints taken by this start's owner checks (`_admit_io`, in the channel look pool),
+        # recorded by the store steps `_admitted` and, for a call that was overdue, `_record_seen` once it
+        # returned. Taken item by item (`popitem`, atomic), so one added meanwhile by a call still running is
+        # recorded by the next, never lost.
         self._seen_now: dict[str, enrollment.Fingerprint] = {}
         # The kernel-written files of served channels, refreshed off the store worker (kernel.service.refreshing):
         # those `_admit_io` left stale, after `ready` (`serving` says which).
@@ -539,8 +545,11 @@ class Service:
         return True
 
     def _record_seen(self) -> None:
-        if self._seen_now:
-            seen, self._seen_now = self._seen_now, {}
+        seen: dict[str, enrollment.Fingerprint] = {}
+        while self._seen_now:
+            key, found = self._seen_now.popitem()
+            seen[key] = found
+        if seen:
             with self.store.transaction():
                 self.store.set_owners_seen(seen)
 

@@ -102,7 +102,7 @@ RETRY_CAP_S: Final = 300.0
 @dataclass(slots=True)
 class _Backoff:
     failures: int
-    until: float
+    until: float  # on the service's clock (`PipelineHooks.plan_clock`)
     error: str
 
 
@@ -1164,13 +1164,13 @@ class Pipeline:
 
     def _backing_off(self, key: str) -> bool:
         b = self._backoff.get(key)
-        return b is not None and self.clock() < b.until
+        return b is not None and self.hooks.plan_clock() < b.until
 
     def _failed(self, c: Continuation, error: str) -> None:
         b = self._backoff.get(c.key)
         failures = 1 if b is None else b.failures + 1
         delay = rules.retry_delay(failures, RETRY_BASE_S, RETRY_CAP_S)
-        self._backoff[c.key] = _Backoff(failures, self.clock() + delay, error)
+        self._backoff[c.key] = _Backoff(failures, self.hooks.plan_clock() + delay, error)
         if b is None or b.error != error:  # logged once per state change, not once per retry
             event(
                 "executor_unavailable",
@@ -1187,9 +1187,9 @@ class Pipeline:
             event("executor_available", ws=key, failures=b.failures)
 
     def due_retries(self) -> float | None:
-        """Mark the workspaces whose backoff has ended for listing; the next end still ahead (clock time), if
-        any, so the service wakes up for it."""
-        now = self.clock()
+        """Mark the workspaces whose backoff has ended for listing; the next end still ahead, if any, so the
+        service wakes up for it: on `plan_clock`, the service's clock, which its other wake-up times are on."""
+        now = self.hooks.plan_clock()
         later: float | None = None
         for key, b in self._backoff.items():
             if b.until <= now:

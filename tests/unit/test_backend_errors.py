@@ -29,7 +29,7 @@ from kernel.core.records import WorkspaceRow
 from kernel.io.enroll import Grant, enroll
 from kernel.io.store import Store, StoreWorker
 from kernel.service.execute import RealExecutor
-from kernel.service.pipeline import Pipeline
+from kernel.service.pipeline import Pipeline, PipelineHooks
 
 ROOT = Path(__file__).resolve().parents[2]
 REFUSED = "sbatch: error: Batch job submission failed: Invalid partition name specified"
@@ -136,7 +136,13 @@ class World:
         self.store = store
         self.ws = ws
         self.executor = RealExecutor(LiveConfig(cfg), StoreWorker(store), backend)
-        self.pipeline = Pipeline(LiveConfig(cfg), self.executor.worker, self.executor, clock=self.clock)
+        self.pipeline = Pipeline(
+            LiveConfig(cfg),
+            self.executor.worker,
+            self.executor,
+            clock=self.clock,
+            hooks=PipelineHooks(plan_clock=self.clock),
+        )
         self.pipeline.set_workspaces([self.row])
 
     def balance(self) -> object:

@@ -18,7 +18,7 @@ from kernel.core.config import Config, LiveConfig
 from kernel.io.enroll import Grant
 from kernel.io.store import Store, StoreWorker
 from kernel.service.executor import ExecutorUnavailable, JobRef, PendingExecutor, SleepOrder
-from kernel.service.pipeline import RETRY_BASE_S, RETRY_CAP_S, Pipeline
+from kernel.service.pipeline import RETRY_BASE_S, RETRY_CAP_S, Pipeline, PipelineHooks
 
 
 class Failing(PendingExecutor):
@@ -60,7 +60,7 @@ def test_executor_unavailable_backs_off_per_workspace_and_logs_once(
     clock = Clock()
     worker = StoreWorker(store)
     executor = Failing(worker, clock)
-    pipeline = Pipeline(LiveConfig(cfg), worker, executor, clock=clock)
+    pipeline = Pipeline(LiveConfig(cfg), worker, executor, clock=clock, hooks=PipelineHooks(plan_clock=clock))
     pipeline.set_workspaces([row])
     put(ws, "s1", {"type": "sleep", "launches": [{"name": "a", "command": "true", "minutes": 1}]})
 
@@ -97,3 +97,24 @@ def test_executor_unavailable_backs_off_per_workspace_and_logs_once(
     assert answer["type"] == "accepted"
     assert "event=executor_available" in caplog.text
     assert pipeline.due_retries() is None
+
+
+def test_the_retry_time_is_on_the_services_clock_not_the_wall_clock(
+    tmp_path: Path, cfg: Config, store: Store
+) -> None:
+    """The service compares `due_retries` with its other wake-up times (monotonic): a wall-clock time there
+    (1.7e9 against an uptime) was never the earliest, so a retry waited for the next tick instead."""
+    ws, row = enrolled(tmp_path, store, cfg, Grant(launches=5, sleeps=5, gpu_hours=1))
+    wall, service = Clock(), Clock()
+    service.now = 100.0
+    worker = StoreWorker(store)
+    pipeline = Pipeline(
+        LiveConfig(cfg), worker, Failing(worker, wall), clock=wall, hooks=PipelineHooks(plan_clock=service)
+    )
+    pipeline.set_workspaces([row])
+    put(ws, "s1", {"type": "sleep", "launches": [{"name": "a", "command": "true", "minutes": 1}]})
+    pipeline.mark(row.key)
+    anyio.run(pipeline.run_pass)
+    retry_at = pipeline.due_retries()
+    assert retry_at is not None
+    assert service.now < retry_at <= service.now + RETRY_CAP_S

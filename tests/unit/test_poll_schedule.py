@@ -13,7 +13,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from kernel.core.polling import IDLE_GRID, RACY_NS, DirStamp, PollSchedule
+from kernel.core.polling import IDLE_GRID, RACY_NS, DirStamp, PollSchedule, RescanLedger
 from kernel.service.polling import Poller, stamp_of
 
 OLD_NS = 1_000 * 10**9  # a directory last changed long before the looks below
@@ -291,3 +291,20 @@ def test_the_pollers_threads_are_kept_and_bounded() -> None:
     sequential, with_stuck = anyio.run(main)
     assert len(sequential) == 1, sequential  # one thread ran all 20 batches
     assert len(with_stuck) == 2, with_stuck  # the stuck thread's place was taken by a second one
+
+
+def test_a_channel_served_again_is_not_looked_at_by_its_old_entries() -> None:
+    """A channel forgotten and served again gets a new entry; the old one's heap entries stay stale (its
+    generation count restarted at 0 made one of them live again: a look at the old time)."""
+    s = PollSchedule(0.5, 4.0)
+    s.sync({"a"}, 0.0)
+    s.sync(set(), 1.0)
+    s.sync({"a"}, 5.0)
+    assert s.next_at() == 5.0
+    assert s.due(4.9, 10) == []
+    assert s.due(5.0, 10) == ["a"]
+    ledger = RescanLedger()
+    ledger.sync({"a"}, 0.0)
+    ledger.sync(set(), 1.0)
+    ledger.sync({"a"}, 5.0)
+    assert ledger.next_at() == 5.0
