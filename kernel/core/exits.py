@@ -284,3 +284,29 @@ def import_hint(stderr_tail: str, environment_mode: str) -> str | None:
         "its own packages, and this kernel does not build environments from uv.lock (ask the operator for a "
         f"package); {own}"
     )
+
+
+# The shell's "not found" line for a command (dash: `sh: 1: NAME: not found`; bash: `bash: line 1: NAME: command
+# not found`);
+# job-written text, so only a plain command name is taken from it.
+_NOT_FOUND: Final = re.compile(
+    r"(?m)^(?:\S+: (?:(?:line )?\d+: )?)?([A-Za-z0-9_.+-]{1,64}): (?:command )?not found$"
+)
+
+
+def not_found_hint(exit_code: int | None, stderr_tail: str) -> str | None:
+    """The hint of a command the shell could not find (exit 127 and its "not found" line), None otherwise."""
+    if exit_code != 127:
+        return None
+    found = _NOT_FOUND.findall(stderr_tail)
+    if not found:
+        return None
+    name = found[-1]
+    also = (
+        " (its `interpreter:` line names the Python they run)" if name.startswith(("python", "pip")) else ""
+    )
+    return (
+        f"the shell found no command `{name}` (exit 127): jobs get the system's commands and, with a uv.lock, "
+        f"those of its locked environment, not the ones of your own shell; `syscall env` says what they get{also}, "
+        "and a script of your own must be in the snapshot (committed, or untracked and not ignored)"
+    )

@@ -382,7 +382,11 @@ def task_result(
     if task_dir is None:
         hint = HINT_CANCELLED_EARLY if job.state == "CANCELLED" else None
     if hint == HINT_FAILED and files.stderr is not None:
-        hint = import_hint(files.stderr.tail, environment_mode) or hint
+        hint = (
+            import_hint(files.stderr.tail, environment_mode)
+            or exits.not_found_hint(job.exit_code, files.stderr.tail)
+            or hint
+        )
     hint = exits.output_hint(
         hint, files.stdout.tail if files.stdout else "", files.stderr.tail if files.stderr else ""
     )

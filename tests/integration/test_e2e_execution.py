@@ -28,6 +28,7 @@ SCENARIOS = (
     "artifact",
     "failing",
     "noimport",
+    "notfound",
     "walltime",
     "serial",
     "cancel",
@@ -161,6 +162,15 @@ def test_a_missing_import_gets_a_hint_that_says_how_to_add_it(env: Env) -> None:
     assert "could not import `torchvision`" in t["hint"], t["hint"]
     assert "`uv add torchvision`" in t["hint"]
     assert "in the snapshot" in t["hint"]
+
+
+def test_a_command_the_jail_lacks_gets_a_hint_that_says_where_commands_come_from(env: Env) -> None:
+    env.launch("notfound", "--name", "nf", "--", "no-such-tool-xyz", "--train")
+    t = only_task(env.sleep_wait("notfound"))
+    assert (t["state"], t["exit_code"]) == ("FAILED", 127)
+    assert "no-such-tool-xyz: not found" in t["stderr_tail"]
+    assert "found no command `no-such-tool-xyz` (exit 127)" in t["hint"], t["hint"]
+    assert "`syscall env` says what they get" in t["hint"]
 
 
 def test_the_walltime_kills_a_job_that_runs_too_long(env: Env) -> None:

@@ -136,3 +136,21 @@ def test_a_missing_import_is_named_with_the_fix_of_this_kernel() -> None:
     assert exits.import_hint("ValueError: bad\n", "uv") is None
     # job-written text: only a plain dotted name is taken, never markup
     assert exits.import_hint("ModuleNotFoundError: No module named '`x`'", "uv") is None
+
+
+def test_a_command_the_shell_did_not_find_is_named() -> None:
+    dash = exits.not_found_hint(127, "sh: 1: python: not found\n")
+    assert dash is not None
+    assert "found no command `python` (exit 127)" in dash
+    assert "`interpreter:` line" in dash  # a Python name: where to read which Python jobs run
+    bash = exits.not_found_hint(127, "bash: line 1: nvcc: command not found\n")
+    plain = exits.not_found_hint(127, "nvcc: command not found\n")
+    assert plain is not None
+    assert "`nvcc`" in plain
+    assert "interpreter" not in plain
+    assert bash is not None
+    assert "`nvcc`" in bash
+    assert exits.not_found_hint(1, "sh: 1: python: not found\n") is None  # not the shell's 127
+    assert exits.not_found_hint(127, "Segmentation fault\n") is None
+    # job-written text: only a plain command name is taken, never markup
+    assert exits.not_found_hint(127, "sh: 1: `x`: not found\n") is None
