@@ -519,24 +519,34 @@ def artifact_path_problem(path: str) -> str | None:
 
 
 def at_a_time(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int) -> int:
-    """How many tasks of an array run at once: `concurrency` (0 = all), lowered so that the tasks running
-    together hold at most the workspace's `max_concurrent_gpus` (but never below one task)."""
+    """How many tasks of an array run at once when it is the sleep's only GPU launch and no sleep in flight
+    holds GPUs: `concurrency` (0 = all), lowered so that the tasks running together hold at most the
+    workspace's `max_concurrent_gpus` (but never below one task). A sleep's widths are decided at acceptance
+    (kernel.core.rules.share_gpus), which gives a launch at most this."""
     width = concurrency or array
     if gpus > 0:
         width = min(width, max(1, max_concurrent_gpus // gpus))
     return min(width, array)
 
 
-def clamp_note(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int) -> str | None:
-    """Why fewer tasks of a launch run at once than it asked for (`at_a_time` below `concurrency`, or below the
-    whole array when `concurrency` is 0), or None when nothing lowered it. The one wording of the wake and
-    `status` (tool/syscall.py's clamp_text says the same for staged launches; a test keeps them equal)."""
-    width = at_a_time(array, concurrency, gpus, max_concurrent_gpus)
+def clamp_note(
+    array: int, concurrency: int, gpus: int, max_concurrent_gpus: int, width: int | None = None
+) -> str | None:
+    """Why fewer tasks of a launch run at once than it asked for (`width`, the tasks at once it was given at
+    acceptance, or without it `at_a_time`, below `concurrency`, or below the whole array when `concurrency` is
+    0), or None when nothing lowered it. The one wording of the wake and `status` (tool/syscall.py's clamp_text
+    says the same for staged launches; a test keeps them equal)."""
+    alone = at_a_time(array, concurrency, gpus, max_concurrent_gpus)
+    width = alone if width is None else width
     if width >= (concurrency or array):
         return None
+    head = f"{width} at a time, not {concurrency or f'all {array}'}: this workspace runs at most "
+    each = f"each task takes {count_of(gpus, 'GPU')}"
+    if width >= alone:
+        return f"{head}{count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus) and {each}"
     return (
-        f"{width} at a time, not {concurrency or f'all {array}'}: this workspace runs at most "
-        f"{count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus) and each task takes {count_of(gpus, 'GPU')}"
+        f"{head}{count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus), shared when this sleep was "
+        f"accepted among its GPU launches and the GPUs the sleeps in flight could hold, and {each}"
     )
 
 
@@ -601,6 +611,43 @@ def _check_sleep_policy(req: SleepRequest, policy: Policy) -> None:
                 f"this workspace allows at most {policy.max_minutes}",
                 "$.submit.eval_minutes",
             )
+    _check_gpus_at_once(req, policy)
+
+
+def gpu_launches(req: SleepRequest, policy: Policy) -> tuple[tuple[str, int], ...]:
+    """The sleep's launches that take GPUs, as (name, GPUs per task), in order: its own launches, then a
+    submit's two evaluation runs (`EVAL_LAUNCH_NAMES`, which start with them) when the contract's runs take
+    GPUs."""
+    own = tuple((x.name, x.gpus) for x in req.launches if x.gpus > 0)
+    contract = policy.submit
+    if req.submit is None or contract is None or contract.gpus == 0:
+        return own
+    return own + tuple((name, contract.gpus) for name in L.EVAL_LAUNCH_NAMES)
+
+
+def _check_gpus_at_once(req: SleepRequest, policy: Policy) -> None:
+    """One task of each GPU launch runs at once at the least, so their GPUs together must fit the ceiling."""
+    cap = policy.max_concurrent_gpus
+    gpu = gpu_launches(req, policy)
+    need = sum(g for _, g in gpu)
+    if need <= cap:
+        return
+    at, total = "$.submit", 0
+    for i, x in enumerate(req.launches):
+        total += x.gpus
+        if x.gpus > 0 and total > cap:
+            at = f"$.launches[{i}].gpus"
+            break
+    each = ", ".join(f"{name} {g}" for name, g in gpu)
+    evals = len(gpu) - sum(1 for x in req.launches if x.gpus > 0)
+    among = f" (its submit's {evals} evaluation runs among them)" if evals else ""
+    raise RequestError(
+        "policy.concurrent_gpus",
+        f"this sleep's {len(gpu)} GPU launches{among} need at least {count_of(need, 'GPU')} at once (one task of each: "
+        f"{each}), above this workspace's max_concurrent_gpus ({cap}): put some of them in another sleep, "
+        "or ask fewer GPUs per task",
+        at,
+    )
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

@@ -92,6 +92,9 @@ CODES: Final[dict[str, Code]] = {
     "policy.cpus": Code("5", "cpus above the workspace's maximum"),
     "policy.submit_disabled": Code("5", "the workspace has no evaluation contract, so submit is unavailable"),
     "policy.eval_minutes": Code("5", "eval_minutes above the workspace's maximum"),
+    "policy.concurrent_gpus": Code(
+        "5", "one task of each GPU launch of the sleep at once needs more GPUs than max_concurrent_gpus"
+    ),
     "policy.verb_disabled": Code("5", "the verb is not enabled for this workspace"),
     # 6 kernel state and budget
     "request.id.reused": Code("6", "the id was used before with different content"),

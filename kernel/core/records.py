@@ -88,6 +88,11 @@ class JobRow:
     params: tuple[tuple[str, str], ...] = ()
     rank: str | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
+    # How many tasks of this task's launch run at once, decided when its sleep was accepted
+    # (rules.accept_sleep: `concurrency` within the GPUs max_concurrent_gpus left it) and the same on every row
+    # of the launch; dispatch, the wake and `status` all use it. None: recorded by a kernel that decided it at
+    # dispatch (channel.decode.at_a_time under the policy of the time).
+    width: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

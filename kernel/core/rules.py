@@ -2,7 +2,8 @@
 
 - `accept_sleep`: policy, the sleeps in flight (`max_sleeps_in_flight`, one submit, the GPUs they hold), and
   budget -> the charged balance and the tasks to record (with a submit, its two evaluation runs too:
-  `kernel.core.evaluate.eval_jobs`).
+  `kernel.core.evaluate.eval_jobs`), each with its launch's width: how many of its tasks run at once, the GPU
+  launches sharing what `max_concurrent_gpus` leaves (`share_gpus`), decided once and recorded.
 - `plan_cancel`: which sleep and which of its live tasks a cancel names, and the balance after refunding those
   never submitted.
 - `status_target`, `tail_target`: the sleep a `status` shows and the task a `tail` reads.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Final
 
@@ -89,17 +90,83 @@ def named_sleeps(sleeps: Sequence[Sleep]) -> str:
     return ", ".join(f"{s.id!r} (seq {s.seq})" for s, _ in sleeps)
 
 
+def width_of(job: JobRow, max_concurrent_gpus: int) -> int:
+    """How many tasks of `job`'s launch run at once: the width recorded at acceptance (accept_sleep), or for a
+    task an older kernel recorded without one, `at_a_time` under the ceiling now, as that kernel decided it."""
+    if job.width is not None:
+        return job.width
+    return at_a_time(job.array_size, job.concurrency, job.gpus, max_concurrent_gpus)
+
+
 def gpus_at_once(jobs: Sequence[JobRow], max_concurrent_gpus: int) -> int:
-    """The most GPUs `jobs` can hold at once: per launch, the tasks that run together (`at_a_time`, and no more
+    """The most GPUs `jobs` can hold at once: per launch, the tasks that run together (`width_of`, and no more
     than are still live) times the GPUs each takes."""
     live: dict[str, list[JobRow]] = {}
     for j in jobs:
         if j.gpus > 0 and j.state in LIVE_TASK_STATES:
             live.setdefault(j.launch, []).append(j)
-    return sum(
-        min(len(ts), at_a_time(ts[0].array_size, ts[0].concurrency, ts[0].gpus, max_concurrent_gpus))
-        * ts[0].gpus
-        for ts in live.values()
+    return sum(min(len(ts), width_of(ts[0], max_concurrent_gpus)) * ts[0].gpus for ts in live.values())
+
+
+def share_gpus(gpus_left: int, launches: Sequence[tuple[int, int]]) -> tuple[int, ...] | None:
+    """How many tasks of each GPU launch run at once when the launches share `gpus_left` GPUs: `launches` are
+    (GPUs per task, the most tasks it would run at once: its concurrency, or its array), in order. Each gets one
+    task first; then, round robin in order, one more task to each launch that would run more and whose task
+    still fits, until none does. None when one task of each does not fit. The widths' GPUs never exceed
+    `gpus_left`, and no launch gets more than its most."""
+    widths = [1] * len(launches)
+    left = gpus_left - sum(g for g, _ in launches)
+    if left < 0:
+        return None
+    grew = True
+    while grew:
+        grew = False
+        for i, (g, most) in enumerate(launches):
+            if widths[i] < most and g <= left:
+                widths[i] += 1
+                left -= g
+                grew = True
+    return tuple(widths)
+
+
+def _one_task_of_each(launches: int) -> str:
+    if launches == 1:
+        return "one task of this sleep's GPU launch"
+    return f"one task of each of this sleep's {launches} GPU launches at once"
+
+
+def _with_widths(
+    jobs: tuple[JobRow, ...], in_flight: Sequence[Sleep], ws: WorkspaceRow
+) -> tuple[JobRow, ...]:
+    """`jobs` (a new sleep's) with each launch's width: a launch without GPUs runs its concurrency (or its whole
+    array); the GPU launches share what the ceiling leaves beside what the sleeps in flight may hold
+    (`share_gpus`). RequestError(sleep.in_progress) when that leaves too few for one task of each: the sleep
+    alone fits (check_policy refused it otherwise), so it fits once sleeps in flight end."""
+    cap = ws.policy.max_concurrent_gpus
+    first: dict[str, JobRow] = {}
+    for j in jobs:
+        first.setdefault(j.launch, j)
+    gpu = [j for j in first.values() if j.gpus > 0]
+    held = sum(gpus_at_once(tasks, cap) for _, tasks in in_flight)
+    shared = share_gpus(
+        max(0, cap - held), [(j.gpus, min(j.concurrency or j.array_size, j.array_size)) for j in gpu]
+    )
+    if shared is None:
+        need = sum(j.gpus for j in gpu)
+        assert need <= cap, (need, cap)  # check_policy's policy.concurrent_gpus
+        assert held > 0, (held, need, cap)
+        holding = [x for x in in_flight if gpus_at_once(x[1], cap) > 0]
+        raise RequestError(
+            "sleep.in_progress",
+            f"the {count_of(len(holding), 'sleep')} in flight holding GPUs ({named_sleeps(holding)}) may hold "
+            f"{count_of(held, 'GPU')} at once, leaving {max(0, cap - held)} of this workspace's "
+            f"max_concurrent_gpus ({cap}), and {_one_task_of_each(len(gpu))} needs {need}; wait for a wake (or "
+            "cancel a sleep's launches), or launch with fewer GPUs per task",
+            None,
+        )
+    widths = {j.launch: w for j, w in zip(gpu, shared, strict=True)}
+    return tuple(
+        replace(j, width=widths.get(j.launch, min(j.concurrency or j.array_size, j.array_size))) for j in jobs
     )
 
 
@@ -162,19 +229,7 @@ def accept_sleep(
         if req.submit is not None and ws.policy.submit is not None
         else ()
     )
-    jobs = _launch_jobs(ws, req, seq, now) + evals
-    if in_flight:
-        cap = ws.policy.max_concurrent_gpus
-        wanted = gpus_at_once(jobs, cap)
-        held = sum(gpus_at_once(tasks, cap) for _, tasks in in_flight)
-        if wanted > 0 and held + wanted > cap:
-            raise RequestError(
-                "sleep.in_progress",
-                f"the {count_of(len(in_flight), 'sleep')} in flight ({named_sleeps(in_flight)}) may hold "
-                f"{count_of(held, 'GPU')} at once and this one {wanted} more, above this workspace's "
-                f"max_concurrent_gpus ({cap}); wait for a wake, or launch with fewer GPUs or a lower concurrency",
-                None,
-            )
+    jobs = _with_widths(_launch_jobs(ws, req, seq, now) + evals, in_flight, ws)
     bound = ws.policy.max_submits_per_day
     if req.submit is not None and bound and submits[0] >= bound:
         oldest = submits[1] or now
@@ -400,10 +455,10 @@ def launch_summaries(jobs: Sequence[JobRow], max_concurrent_gpus: int) -> tuple[
             name=j.launch,
             command=j.command,
             array=j.array_size,
-            at_a_time=at_a_time(j.array_size, j.concurrency, j.gpus, max_concurrent_gpus),
+            at_a_time=width_of(j, max_concurrent_gpus),
             gpus=j.gpus,
             minutes=j.minutes,
-            clamp=clamp_note(j.array_size, j.concurrency, j.gpus, max_concurrent_gpus),
+            clamp=clamp_note(j.array_size, j.concurrency, j.gpus, max_concurrent_gpus, j.width),
             why=j.why,
             mem_mb=j.mem_mb,
             cpus=j.cpus,

@@ -52,9 +52,9 @@ from kernel.io.budgetorder import BudgetOrder
 # _ADMIN_SCHEMA and _ADDED_COLUMNS when missing without changing it, so a store at 1 holds any subset of them;
 # 2 is a store with all of them; 3 adds the memory and CPUs a launch asked for per task (jobs.mem_mb, jobs.cpus); 4
 # a swept task's values, its launch's rank key and the numbers of its last JSON line (jobs.params, jobs.rank,
-# jobs.metrics); 5 the contract each workspace was last told (contract_told). A
-# change to the schema raises it and adds a step to _MIGRATIONS.
-SCHEMA_VERSION: Final = 5
+# jobs.metrics); 5 the contract each workspace was last told (contract_told); 6 how many tasks of a launch run at
+# once, decided at acceptance (jobs.width). A change to the schema raises it and adds a step to _MIGRATIONS.
+SCHEMA_VERSION: Final = 6
 
 
 def _sql_states(states: frozenset[str]) -> str:
@@ -155,6 +155,7 @@ CREATE TABLE jobs (
     params          TEXT,
     rank            TEXT,
     metrics         TEXT,
+    width           INTEGER,
     PRIMARY KEY (workspace, seq, launch, task),
     FOREIGN KEY (workspace, seq) REFERENCES sleeps(workspace, seq)
 ) STRICT;
@@ -329,12 +330,20 @@ def _add_contract_told(c: sqlite3.Connection) -> None:
     c.execute(_CONTRACT_SCHEMA)
 
 
+def _add_job_width(c: sqlite3.Connection) -> None:
+    """Schema 6: how many tasks of a launch run at once, NULL for every older task (it was decided at dispatch,
+    and is again, as then: channel.decode.at_a_time)."""
+    if "width" not in {r[1] for r in c.execute("PRAGMA table_info(jobs)")}:
+        c.execute("ALTER TABLE jobs ADD COLUMN width INTEGER")
+
+
 # version -> the step that takes a store at that version to the next one, run in the migrating transaction.
 _MIGRATIONS: Final[dict[int, Callable[[sqlite3.Connection], None]]] = {
     1: _ensure_additive,
     2: _add_job_resources,
     3: _add_job_sweeps,
     4: _add_contract_told,
+    5: _add_job_width,
 }
 assert set(_MIGRATIONS) == set(range(1, SCHEMA_VERSION)), "a step for every version below SCHEMA_VERSION"
 
@@ -1358,7 +1367,7 @@ class Store:
     _JOB_COLS: Final = (
         "workspace, seq, launch, task, array_size, concurrency, command, minutes, gpus, artifacts, why, "
         "reserved_gpu_s, state, backend, job_id, exit_code, signal, started_at, ended_at, run_dir, updated_at, "
-        "mem_mb, cpus, params, rank, metrics"
+        "mem_mb, cpus, params, rank, metrics, width"
     )
 
     @staticmethod
@@ -1378,7 +1387,7 @@ class Store:
                     f"task {j.launch}[{j.task}] of sleep {j.seq} recorded as {j.state!r}, not {FIRST_TASK_STATE!r}"
                 )
         self._conn.executemany(
-            f"INSERT INTO jobs ({self._JOB_COLS}) VALUES ({','.join('?' * 26)})",
+            f"INSERT INTO jobs ({self._JOB_COLS}) VALUES ({','.join('?' * 27)})",
             [
                 (
                     j.workspace,
@@ -1407,6 +1416,7 @@ class Store:
                     msgspec.json.encode(j.params).decode() if j.params else None,
                     j.rank,
                     msgspec.json.encode(dict(j.metrics)).decode() if j.metrics else None,
+                    j.width,
                 )
                 for j in jobs
             ],

@@ -26,11 +26,12 @@ from typing import NoReturn
 import msgspec
 
 from channel import safefs
-from channel.decode import RequestError, at_a_time
+from channel.decode import RequestError
 from channel.lifecycle import LIVE_TASK_STATES, SleepEvent, sleep_can
 from channel.messages import JobRef, LockedEnvironment
 from kernel.backends import jobscript
 from kernel.backends.base import BackendRefused, BackendUnavailable, JobSpec, RunnableBackend
+from kernel.core import rules
 from kernel.core.config import Config, LiveConfig
 from kernel.core.records import JobRow, WorkspaceRow
 from kernel.io import crash, envcache, jobenv
@@ -174,7 +175,7 @@ class Dispatcher:
         for j in jobs:
             if j.launch in specs:
                 continue
-            width = at_a_time(j.array_size, j.concurrency, j.gpus, ws.policy.max_concurrent_gpus)
+            width = rules.width_of(j, ws.policy.max_concurrent_gpus)  # decided at acceptance
             specs[j.launch] = JobSpec(
                 mem_mb=j.mem_mb,
                 cpus=j.cpus,

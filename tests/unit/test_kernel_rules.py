@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
 import pytest
 
 from channel.decode import RequestError
@@ -122,18 +123,110 @@ def test_the_gpu_ceiling_holds_across_sleeps_in_flight() -> None:
     held = flying(1, job("a", 0, "RUNNING", "1_0"), job("a", 1, "RUNNING", "1_1"), job("a", 2, "COMPLETED"))
     two = sleep_req(Launch(name="b", command="x", gpus=2))
     acc = accept_sleep(ws(policy=policy), (held,), two, 2, NOW)  # 2 + 2 <= 4
-    assert [j.gpus for j in acc.jobs] == [2]
+    assert [(j.gpus, j.width) for j in acc.jobs] == [(2, 1)]
     three = sleep_req(Launch(name="b", command="x", gpus=3))
     with pytest.raises(RequestError) as info:
         accept_sleep(ws(policy=policy), (held,), three, 2, NOW)
     assert (info.value.code, info.value.message) == (
         "sleep.in_progress",
-        "the 1 sleep in flight ('s1' (seq 1)) may hold 2 GPUs at once and this one 3 more, above this "
-        "workspace's max_concurrent_gpus (4); wait for a wake, or launch with fewer GPUs or a lower concurrency",
+        "the 1 sleep in flight holding GPUs ('s1' (seq 1)) may hold 2 GPUs at once, leaving 2 of this "
+        "workspace's max_concurrent_gpus (4), and one task of this sleep's GPU launch needs 3; wait for a wake "
+        "(or cancel a sleep's launches), or launch with fewer GPUs per task",
     )
     # a sleep without GPUs is never held back by them; alone, a sleep is as before (its launches clamped)
     accept_sleep(ws(policy=policy), (held,), sleep_req(Launch(name="c", command="x")), 2, NOW)
-    accept_sleep(ws(policy=policy), (), sleep_req(Launch(name="b", command="x", gpus=4, array=4)), 2, NOW)
+    alone = accept_sleep(
+        ws(policy=policy), (), sleep_req(Launch(name="b", command="x", gpus=4, array=4)), 2, NOW
+    )
+    assert {j.width for j in alone.jobs} == {1}
+
+
+def test_a_new_sleep_gets_the_gpus_the_sleeps_in_flight_leave() -> None:
+    """Cap 8, a sleep in flight holding 2 (2 live 1-GPU tasks at once): a `--gpus 1 --array 10` sleep is
+    accepted with 6 at a time, not refused, and the 8 together are never exceeded."""
+    policy = Policy(max_gpus=8, max_concurrent_gpus=8)
+    held = flying(1, job("a", 0, "RUNNING", "1_0"), job("a", 1, "PENDING"))
+    acc = accept_sleep(
+        ws(policy=policy), (held,), sleep_req(Launch(name="b", command="x", gpus=1, array=10)), 2, NOW
+    )
+    assert {j.width for j in acc.jobs} == {6}
+    from kernel.core.rules import gpus_at_once
+
+    assert gpus_at_once(held[1], 8) + gpus_at_once(acc.jobs, 8) == 8
+
+
+def test_two_gpu_launches_of_one_sleep_share_the_ceiling() -> None:
+    """The defect: cap 8, two `--gpus 4 --array 8` launches each ran 2 at a time (16 GPUs). Now 1 each, and
+    the widths are on every row of their launch; a CPU launch beside them keeps its whole array."""
+    from kernel.core.rules import gpus_at_once
+
+    req = sleep_req(
+        Launch(name="a", command="x", gpus=4, array=8),
+        Launch(name="b", command="x", gpus=4, array=8),
+        Launch(name="c", command="x", array=5),
+    )
+    acc = accept_sleep(ws(Balance(10, 5, 10**9), Policy(max_concurrent_gpus=8)), (), req, 1, NOW)
+    assert {(j.launch, j.width) for j in acc.jobs} == {("a", 1), ("b", 1), ("c", 5)}
+    assert gpus_at_once(acc.jobs, 8) == 8
+
+
+def test_a_sleep_whose_gpu_launches_never_fit_is_refused_by_policy() -> None:
+    req = sleep_req(*(Launch(name=n, command="x", gpus=4) for n in "abc"))
+    with pytest.raises(RequestError) as info:
+        accept_sleep(ws(policy=Policy(max_concurrent_gpus=8)), (), req, 1, NOW)
+    assert (info.value.code, info.value.path, info.value.message) == (
+        "policy.concurrent_gpus",
+        "$.launches[2].gpus",
+        "this sleep's 3 GPU launches need at least 12 GPUs at once (one task of each: a 4, b 4, c 4), above this "
+        "workspace's max_concurrent_gpus (8): put some of them in another sleep, or ask fewer GPUs per task",
+    )
+
+
+def test_a_submits_gpu_evaluation_runs_share_the_ceiling_with_the_launches() -> None:
+    from channel.messages import EvalContract, Submit
+
+    contract = EvalContract(command="python eval.py", metric="acc", gpus=2, repeats=3)
+    policy = Policy(max_concurrent_gpus=8, submit=contract)
+    req = SleepRequest(
+        protocol=1,
+        id="s1",
+        launches=(Launch(name="t", command="x", gpus=2, array=4),),
+        submit=Submit(report="r"),
+    )
+    acc = accept_sleep(ws(Balance(10, 5, 10**9), policy), (), req, 1, NOW)
+    widths = {(j.launch, j.width) for j in acc.jobs}
+    assert widths == {("t", 2), ("submit-base", 1), ("submit-candidate", 1)}
+    big = msgspec.structs.replace(req, launches=(Launch(name="t", command="x", gpus=5),))
+    with pytest.raises(RequestError) as info:
+        accept_sleep(ws(Balance(10, 5, 10**9), policy), (), big, 1, NOW)
+    assert (info.value.code, info.value.path) == ("policy.concurrent_gpus", "$.submit")
+    assert info.value.message.startswith(
+        "this sleep's 3 GPU launches (its submit's 2 evaluation runs among them) need at least 9 GPUs at once "
+        "(one task of each: t 5, submit-base 2, submit-candidate 2)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("left", "launches", "want"),
+    [
+        (8, [(4, 8), (4, 8)], (1, 1)),
+        (8, [(1, 8), (1, 8)], (4, 4)),
+        (8, [(1, 2), (1, 8)], (2, 6)),  # what one launch does not take goes to the others
+        (7, [(2, 8), (1, 8)], (2, 3)),  # one each (3 GPUs), then one more each (6), then only b's task fits
+        (3, [(4, 1)], None),
+        (8, [(3, 3), (3, 3), (3, 3)], None),
+        (0, [], ()),
+        (5, [(1, 1)], (1,)),  # never above what it asked for
+    ],
+)
+def test_share_gpus(left: int, launches: list[tuple[int, int]], want: tuple[int, ...] | None) -> None:
+    from kernel.core.rules import share_gpus
+
+    got = share_gpus(left, launches)
+    assert got == want
+    if got is not None:
+        assert sum(g * w for (g, _), w in zip(launches, got, strict=True)) <= left
+        assert all(1 <= w <= most for (_, most), w in zip(launches, got, strict=True))
 
 
 def test_a_gathered_sleep_has_nothing_left_to_cancel() -> None:

@@ -437,8 +437,14 @@ def test_a_schema_3_store_gets_the_sweep_columns_and_its_tasks_read_as_unswept(t
     assert backup.name.startswith(f"state.sqlite.v3-before-v{SCHEMA_VERSION}.")
 
 
+def _without_job_width(db: sqlite3.Connection) -> None:
+    """The jobs table as schema 5 and older had it: no `width`."""
+    db.execute("ALTER TABLE jobs DROP COLUMN width")
+
+
 def _without_contract_told(db: sqlite3.Connection) -> None:
-    """The store as schema 4 and older had it: no `contract_told`."""
+    """The store as schema 4 and older had it: no `contract_told` (nor schema 6's column)."""
+    _without_job_width(db)
     db.execute("DROP TABLE contract_told")
 
 
@@ -447,7 +453,7 @@ def test_a_schema_4_store_gets_the_contract_told_table_with_nothing_told(tmp_pat
     tells nothing and records the contract), and a contract told is kept."""
     path = _store_at(tmp_path, 4, _without_contract_told)
     s = Store.open(path)
-    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 5
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION
     assert s.contract_told("w-1") is None
     with s.transaction():
         s.set_contract_told("w-1", b'{"a":1}')
@@ -456,7 +462,29 @@ def test_a_schema_4_store_gets_the_contract_told_table_with_nothing_told(tmp_pat
     assert s.contract_told("w-1") == b'{"a":2}'
     s.close()
     (backup,) = backups(path, 4)
-    assert backup.name.startswith("state.sqlite.v4-before-v5.")
+    assert backup.name.startswith(f"state.sqlite.v4-before-v{SCHEMA_VERSION}.")
+
+
+def test_a_schema_5_store_gets_the_width_column_and_its_tasks_read_as_decided_at_dispatch(
+    tmp_path: Path,
+) -> None:
+    """Schema 6 added `jobs.width` (tasks of a launch at once, decided at acceptance): a store at 5 is migrated,
+    its tasks read as recorded without one (None: dispatch decides as before), and a new task's width is kept."""
+    from kernel.core.records import JobRow, SleepRow
+
+    path = _store_at(tmp_path, 5, _without_job_width)
+    s = Store.open(path)
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 6
+    (old,) = s.jobs_of("w-1", 1)
+    assert old.width is None
+    new = JobRow("w-1", 2, "gpu", 0, 8, 0, "x", 10, 4, (), "", 0, "PENDING", updated_at=NOW, width=2)
+    with s.transaction():
+        s.insert_sleep(SleepRow("w-1", 2, "s2", "validated", "", None, NOW, None, None))
+        s.insert_jobs([new])
+    assert [j.width for j in s.jobs_of("w-1", 2)] == [2]
+    s.close()
+    (backup,) = backups(path, 5)
+    assert backup.name.startswith("state.sqlite.v5-before-v6.")
 
 
 def _as_schema_1(path: Path) -> None:
