@@ -545,8 +545,8 @@ def clamp_note(
     if width >= alone:
         return f"{head}{count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus) and {each}"
     return (
-        f"{head}{count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus), shared when this sleep was "
-        f"accepted among its GPU launches and the GPUs the sleeps in flight could hold, and {each}"
+        f"{head}{count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus), shared by this sleep's GPU "
+        f"launches and the sleeps in flight at its acceptance, and {each}"
     )
 
 

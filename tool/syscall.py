@@ -778,22 +778,55 @@ def _check_policy(req: dict[str, Any], pol: dict[str, Any]) -> None:
             )
     submit = req.get("submit")
     if submit is not None:
-        if pol.get("submit") is None:
-            raise _Refuse(
-                "policy.submit_disabled",
-                "this workspace has no evaluation contract, so submit is unavailable "
-                "(kernel.json policy.submit)",
-                "$.submit",
-            )
-        eval_minutes = submit.get("eval_minutes")
-        if eval_minutes is not None and eval_minutes > pol["max_minutes"]:
-            raise _Refuse(
-                "policy.eval_minutes",
-                "$.submit.eval_minutes is {}; this workspace allows at most {}".format(
-                    eval_minutes, pol["max_minutes"]
-                ),
-                "$.submit.eval_minutes",
-            )
+        _check_submit_policy(submit, pol)
+    _check_gpus_at_once(req, pol)
+
+
+def _check_gpus_at_once(req: dict[str, Any], pol: dict[str, Any]) -> None:
+    """channel.decode's policy.concurrent_gpus: one task of each GPU launch at once must fit the ceiling."""
+    cap = pol["max_concurrent_gpus"]
+    launches = req.get("launches", [])
+    gpu = [(x["name"], x.get("gpus", 0)) for x in launches if x.get("gpus", 0) > 0]
+    contract = pol.get("submit") if req.get("submit") is not None else None
+    evals = int(contract.get("gpus") or 0) if isinstance(contract, dict) else 0
+    if evals:
+        gpu += [(name, evals) for name in ("submit-base", "submit-candidate")]
+    need = sum(g for _, g in gpu)
+    if need <= cap:
+        return
+    at, total = "$.submit", 0
+    for i, x in enumerate(launches):
+        total += x.get("gpus", 0)
+        if x.get("gpus", 0) > 0 and total > cap:
+            at = "$.launches[{}].gpus".format(i)
+            break
+    among = " (its submit's 2 evaluation runs among them)" if evals else ""
+    raise _Refuse(
+        "policy.concurrent_gpus",
+        "this sleep's {} GPU launches{} need at least {} at once (one task of each: {}), above this workspace's "
+        "max_concurrent_gpus ({}): put some of them in another sleep, or ask fewer GPUs per task".format(
+            len(gpu), among, _n(need, "GPU", "GPUs"), ", ".join("{} {}".format(n, g) for n, g in gpu), cap
+        ),
+        at,
+    )
+
+
+def _check_submit_policy(submit: dict[str, Any], pol: dict[str, Any]) -> None:
+    if pol.get("submit") is None:
+        raise _Refuse(
+            "policy.submit_disabled",
+            "this workspace has no evaluation contract, so submit is unavailable (kernel.json policy.submit)",
+            "$.submit",
+        )
+    eval_minutes = submit.get("eval_minutes")
+    if eval_minutes is not None and eval_minutes > pol["max_minutes"]:
+        raise _Refuse(
+            "policy.eval_minutes",
+            "$.submit.eval_minutes is {}; this workspace allows at most {}".format(
+                eval_minutes, pol["max_minutes"]
+            ),
+            "$.submit.eval_minutes",
+        )
 
 
 # ==========================================================================================================
@@ -1569,30 +1602,83 @@ def at_a_time(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int)
     return min(width, array)
 
 
-def clamp_text(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int) -> str:
-    """'' or why fewer tasks of a launch run at once than it asked for: channel.decode.clamp_note's wording,
-    which the kernel sends for a sleep's launches in `status` and the wake (a test keeps the two equal)."""
-    width = at_a_time(array, concurrency, gpus, max_concurrent_gpus)
+def clamp_text(
+    array: int, concurrency: int, gpus: int, max_concurrent_gpus: int, width: Optional[int] = None
+) -> str:
+    """'' or why fewer tasks of a launch run at once than it asked for (`width`: what the sleep's GPU launches
+    sharing the ceiling give it, share_gpus): channel.decode.clamp_note's wording, which the kernel sends for a
+    sleep's launches in `status` and the wake (a test keeps the two equal)."""
+    alone = at_a_time(array, concurrency, gpus, max_concurrent_gpus)
+    width = alone if width is None else width
     if width >= (concurrency or array):
         return ""
-    return "{} at a time, not {}: this workspace runs at most {} at once (max_concurrent_gpus) and {}".format(
-        width,
-        concurrency or "all {}".format(array),
-        _n(max_concurrent_gpus, "GPU", "GPUs"),
-        "each task takes " + _n(gpus, "GPU", "GPUs"),
+    return (
+        "{} at a time, not {}: this workspace runs at most {} at once (max_concurrent_gpus){} and {}".format(
+            width,
+            concurrency or "all {}".format(array),
+            _n(max_concurrent_gpus, "GPU", "GPUs"),
+            ""
+            if width >= alone
+            else ", shared by this sleep's GPU launches and the sleeps in flight at its acceptance",
+            "each task takes " + _n(gpus, "GPU", "GPUs"),
+        )
     )
 
 
-def clamp_note(x: Dict[str, Any], pol: Dict[str, Any]) -> str:
-    """'' or why fewer tasks of the staged launch `x` will run at once than it asked for (clamp_text)."""
+def share_gpus(gpus_left: int, launches: List[Tuple[int, int]]) -> Optional[List[int]]:
+    """How many tasks of each GPU launch, (GPUs per task, the most it would run at once), run at once when they
+    share `gpus_left` GPUs (kernel.core.rules.share_gpus, which the kernel decides by at acceptance): one task
+    each, then one more at a time round robin while a task fits; None when one task each does not fit."""
+    widths = [1] * len(launches)
+    left = gpus_left - sum(g for g, _ in launches)
+    if left < 0:
+        return None
+    grew = True
+    while grew:
+        grew = False
+        for i, (g, most) in enumerate(launches):
+            if widths[i] < most and g <= left:
+                widths[i] += 1
+                left -= g
+                grew = True
+    return widths
+
+
+def staged_widths(launches: List[Any], pol: Dict[str, Any], submit: bool) -> Dict[str, int]:
+    """The tasks at once of each staged GPU launch (by name) when the sleep is accepted with no sleep in flight
+    holding GPUs (one that does leaves fewer): the staged GPU launches, and a submit's GPU evaluation runs,
+    sharing max_concurrent_gpus. Empty when they do not fit (the kernel refuses: policy.concurrent_gpus)."""
+    try:
+        gpu = [
+            (str(x["name"]), int(x.get("gpus") or 0), int(x.get("array", 1)), int(x.get("concurrency") or 0))
+            for x in launches
+            if isinstance(x, dict) and int(x.get("gpus") or 0) > 0
+        ]
+        contract = pol.get("submit") if submit else None
+        eval_gpus = int(contract.get("gpus") or 0) if isinstance(contract, dict) else 0
+        wants = [(g, min(c or a, a)) for _, g, a, c in gpu] + [(eval_gpus, 1)] * (2 if eval_gpus else 0)
+        shared = share_gpus(int(pol["max_concurrent_gpus"]), wants)
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+    ):  # a staging file edited by hand: no claim rather than a wrong one
+        return {}
+    return {} if shared is None else {name: w for (name, _, _, _), w in zip(gpu, shared)}
+
+
+def clamp_note(x: Dict[str, Any], pol: Dict[str, Any], widths: Optional[Dict[str, int]] = None) -> str:
+    """'' or why fewer tasks of the staged launch `x` will run at once than it asked for (clamp_text), `widths`
+    the staged GPU launches' share (staged_widths)."""
     try:
         array, conc, gpus = int(x.get("array", 1)), int(x.get("concurrency") or 0), int(x.get("gpus") or 0)
-        return clamp_text(array, conc, gpus, int(pol["max_concurrent_gpus"]))
+        width = (widths or {}).get(str(x.get("name")))
+        return clamp_text(array, conc, gpus, int(pol["max_concurrent_gpus"]), width)
     except (TypeError, ValueError):  # a staging file edited by hand: no claim rather than a wrong one
         return ""
 
 
-def _describe_launch(x: Any, pol: Dict[str, Any]) -> str:
+def _describe_launch(x: Any, pol: Dict[str, Any], widths: Optional[Dict[str, int]] = None) -> str:
     if not isinstance(x, dict):
         return f"  - (not a launch: {x!r})"
     parts = ["{} min".format(x.get("minutes"))]
@@ -1603,7 +1689,7 @@ def _describe_launch(x: Any, pol: Dict[str, Any]) -> str:
     if x.get("cpus") is not None:
         parts.append(_n(int(x.get("cpus") or 0), "CPU", "CPUs"))
     if x.get("array", 1) != 1:
-        clamp = clamp_note(x, pol)
+        clamp = clamp_note(x, pol, widths)
         conc = x.get("concurrency") or "all"
         parts.append("array {} ({})".format(x.get("array"), clamp or "{} at a time".format(conc)))
     if x.get("sweep"):
@@ -1636,7 +1722,8 @@ def _render_staging(st: Staging, pol: Dict[str, Any]) -> list[str]:
         lines.append(f"Nothing staged: {_cmd('launch', '--name N -- CMD')} stages a job.")
     else:
         lines.append("Staged for the next sleep ({}):".format(_n(len(launches), "launch", "launches")))
-        lines += [_describe_launch(x, pol) for x in launches]
+        widths = staged_widths(launches, pol, submit is not None)
+        lines += [_describe_launch(x, pol, widths) for x in launches]
         if isinstance(submit, dict):
             em = submit.get("eval_minutes")
             lines.append(
@@ -1743,9 +1830,9 @@ def stage_launch(ch: Channel, launch: dict[str, Any], json_mode: bool) -> int:
             launch["name"], len(trial.launches), lim["max_launches"], command
         )
     )
-    clamp = clamp_note(launch, pol)
+    clamp = clamp_note(launch, pol, staged_widths(trial.launches, pol, trial.submit is not None))
     if clamp:
-        _out("It runs {}.".format(clamp))
+        _out("It runs {} (fewer if sleeps in flight hold GPUs when it is accepted).".format(clamp))
     _out(f"Nothing runs until {_cmd('sleep')} commits what is staged.")
     return EXIT_OK
 

@@ -239,14 +239,14 @@ def placed_bytes(vector: Vector, new_id: str) -> bytes:
     return out
 
 
-PolicyKey = tuple[int, int, int, int, frozenset[str], bool]
+PolicyKey = tuple[int, int, int, int, frozenset[str], int | None, int]
 
 
 def policy_key(policy: Policy) -> PolicyKey:
     """What section 5.1 refuses by: a workspace whose policy has the same key gives a vector its outcome.
 
-    `max_concurrent_gpus` and `network` never refuse a request (5.2), and only the presence of an evaluation
-    contract matters to `policy.submit_disabled`.
+    `network` never refuses a request (5.2); of an evaluation contract only its presence
+    (`policy.submit_disabled`) and its runs' `gpus` (`policy.concurrent_gpus`) matter.
     """
     return (
         policy.max_minutes,
@@ -254,16 +254,18 @@ def policy_key(policy: Policy) -> PolicyKey:
         policy.max_mem_mb,
         policy.max_cpus,
         frozenset(policy.verbs),
-        policy.submit is not None,
+        None if policy.submit is None else policy.submit.gpus,
+        policy.max_concurrent_gpus,
     )
 
 
 def describe_policy(policy: Policy) -> str:
-    mm, mg, mem, cpus, verbs, submit = policy_key(policy)
+    mm, mg, mem, cpus, verbs, submit, mcg = policy_key(policy)
     shown = ",".join(v for v in ANSWER_TYPE if v in verbs)
+    evals = "no" if submit is None else f"yes (runs of {submit} GPUs)" if submit else "yes"
     return (
-        f"max_minutes={mm} max_gpus={mg} max_mem_mb={mem} max_cpus={cpus} verbs={shown} "
-        f"submit={'yes' if submit else 'no'}"
+        f"max_minutes={mm} max_gpus={mg} max_concurrent_gpus={mcg} max_mem_mb={mem} max_cpus={cpus} "
+        f"verbs={shown} submit={evals}"
     )
 
 

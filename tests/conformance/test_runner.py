@@ -151,7 +151,8 @@ def test_a_bad_vector_is_named_with_what_is_wrong(raw: Any, words: str) -> None:
 def test_policy_placement_key_ignores_what_never_refuses() -> None:
     from channel.messages import Policy
 
-    assert vectors.policy_key(Policy()) == vectors.policy_key(Policy(max_concurrent_gpus=1, network=True))
+    assert vectors.policy_key(Policy()) == vectors.policy_key(Policy(network=True))
+    assert vectors.policy_key(Policy()) != vectors.policy_key(Policy(max_concurrent_gpus=1))
     assert vectors.policy_key(Policy()) != vectors.policy_key(Policy(verbs=("status",)))
 
 
