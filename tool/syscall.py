@@ -803,8 +803,9 @@ def _check_gpus_at_once(req: dict[str, Any], pol: dict[str, Any]) -> None:
     among = " (its submit's 2 evaluation runs among them)" if evals else ""
     raise _Refuse(
         "policy.concurrent_gpus",
-        "this sleep's {} GPU launches{} need at least {} at once (one task of each: {}), above this workspace's "
-        "max_concurrent_gpus ({}): put some of them in another sleep, or ask fewer GPUs per task".format(
+        "this sleep's {} GPU launches{} need at least {} at once (one task of each: {}), above this "
+        "workspace's max_concurrent_gpus ({}): put some of them in another sleep, or ask fewer GPUs per "
+        "task".format(
             len(gpu), among, _n(need, "GPU", "GPUs"), ", ".join("{} {}".format(n, g) for n, g in gpu), cap
         ),
         at,
@@ -1605,9 +1606,9 @@ def at_a_time(array: int, concurrency: int, gpus: int, max_concurrent_gpus: int)
 def clamp_text(
     array: int, concurrency: int, gpus: int, max_concurrent_gpus: int, width: Optional[int] = None
 ) -> str:
-    """'' or why fewer tasks of a launch run at once than it asked for (`width`: what the sleep's GPU launches
-    sharing the ceiling give it, share_gpus): channel.decode.clamp_note's wording, which the kernel sends for a
-    sleep's launches in `status` and the wake (a test keeps the two equal)."""
+    """'' or why fewer tasks of a launch run at once than it asked for (`width`: what the sleep's GPU
+    launches sharing the ceiling give it, share_gpus): channel.decode.clamp_note's wording, which the kernel
+    sends for a sleep's launches in `status` and the wake (a test keeps the two equal)."""
     alone = at_a_time(array, concurrency, gpus, max_concurrent_gpus)
     width = alone if width is None else width
     if width >= (concurrency or array):
@@ -1619,16 +1620,17 @@ def clamp_text(
             _n(max_concurrent_gpus, "GPU", "GPUs"),
             ""
             if width >= alone
-            else ", shared by this sleep's GPU launches and the sleeps in flight at its acceptance",
+            else ", shared by this sleep's GPU launches and the sleeps in flight at its acceptance,",
             "each task takes " + _n(gpus, "GPU", "GPUs"),
         )
     )
 
 
 def share_gpus(gpus_left: int, launches: List[Tuple[int, int]]) -> Optional[List[int]]:
-    """How many tasks of each GPU launch, (GPUs per task, the most it would run at once), run at once when they
-    share `gpus_left` GPUs (kernel.core.rules.share_gpus, which the kernel decides by at acceptance): one task
-    each, then one more at a time round robin while a task fits; None when one task each does not fit."""
+    """How many tasks of each GPU launch, (GPUs per task, the most it would run at once), run at once when
+    they share `gpus_left` GPUs (kernel.core.rules.share_gpus, which the kernel decides by at acceptance):
+    one task each, then one more at a time round robin while a task fits; None when one task each does not
+    fit."""
     widths = [1] * len(launches)
     left = gpus_left - sum(g for g, _ in launches)
     if left < 0:
@@ -1645,9 +1647,10 @@ def share_gpus(gpus_left: int, launches: List[Tuple[int, int]]) -> Optional[List
 
 
 def staged_widths(launches: List[Any], pol: Dict[str, Any], submit: bool) -> Dict[str, int]:
-    """The tasks at once of each staged GPU launch (by name) when the sleep is accepted with no sleep in flight
-    holding GPUs (one that does leaves fewer): the staged GPU launches, and a submit's GPU evaluation runs,
-    sharing max_concurrent_gpus. Empty when they do not fit (the kernel refuses: policy.concurrent_gpus)."""
+    """The tasks at once of each staged GPU launch (by name) when the sleep is accepted with no sleep in
+    flight holding GPUs (one that does leaves fewer): the staged GPU launches, and a submit's GPU evaluation
+    runs, sharing max_concurrent_gpus. Empty when they do not fit (the kernel refuses:
+    policy.concurrent_gpus)."""
     try:
         gpu = [
             (str(x["name"]), int(x.get("gpus") or 0), int(x.get("array", 1)), int(x.get("concurrency") or 0))
@@ -1668,8 +1671,8 @@ def staged_widths(launches: List[Any], pol: Dict[str, Any], submit: bool) -> Dic
 
 
 def clamp_note(x: Dict[str, Any], pol: Dict[str, Any], widths: Optional[Dict[str, int]] = None) -> str:
-    """'' or why fewer tasks of the staged launch `x` will run at once than it asked for (clamp_text), `widths`
-    the staged GPU launches' share (staged_widths)."""
+    """'' or why fewer tasks of the staged launch `x` will run at once than it asked for (clamp_text),
+    `widths` the staged GPU launches' share (staged_widths)."""
     try:
         array, conc, gpus = int(x.get("array", 1)), int(x.get("concurrency") or 0), int(x.get("gpus") or 0)
         width = (widths or {}).get(str(x.get("name")))
@@ -4230,7 +4233,14 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "--name", help="(required) unique name in this sleep: lowercase letters, digits, '-' (<= 32)"
     )
     p.add_argument("--minutes", type=int, help="walltime in minutes (default from kernel.json, usually 30)")
-    p.add_argument("--gpus", type=int, default=0, help="GPUs per task (default 0)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="GPUs per task (default 0); the GPU launches of a sleep share kernel.json "
+        "policy.max_concurrent_gpus (one task of each at once, then more in turn), decided when the sleep is "
+        "accepted",
+    )
     p.add_argument(
         "--mem",
         type=_mem_mb,
@@ -4259,7 +4269,13 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         help="rank the tasks in the wake by KEY of their last JSON line of stdout, lowest first "
         "(-KEY: highest first), e.g. --rank val_loss, --rank -accuracy",
     )
-    p.add_argument("--concurrency", type=int, default=0, help="at most K array tasks at once (0 = all)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help="at most K array tasks at once (0 = all); with --gpus, fewer when the sleep's GPU launches and "
+        "the sleeps in flight would hold more than max_concurrent_gpus (launch, status and the wake say so)",
+    )
     p.add_argument(
         "--artifact", action="append", metavar="PATH", help="relative file to copy back (repeatable)"
     )

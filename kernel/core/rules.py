@@ -98,6 +98,13 @@ def width_of(job: JobRow, max_concurrent_gpus: int) -> int:
     return at_a_time(job.array_size, job.concurrency, job.gpus, max_concurrent_gpus)
 
 
+def array_throttle(job: JobRow, max_concurrent_gpus: int) -> int:
+    """What a backend is told of `job`'s launch (JobSpec.concurrency, Slurm's `--array=0-N%K`): its width, or 0
+    (no throttle) when the whole array runs at once."""
+    width = width_of(job, max_concurrent_gpus)
+    return 0 if width >= job.array_size else width
+
+
 def gpus_at_once(jobs: Sequence[JobRow], max_concurrent_gpus: int) -> int:
     """The most GPUs `jobs` can hold at once: per launch, the tasks that run together (`width_of`, and no more
     than are still live) times the GPUs each takes."""

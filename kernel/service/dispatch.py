@@ -175,7 +175,6 @@ class Dispatcher:
         for j in jobs:
             if j.launch in specs:
                 continue
-            width = rules.width_of(j, ws.policy.max_concurrent_gpus)  # decided at acceptance
             specs[j.launch] = JobSpec(
                 mem_mb=j.mem_mb,
                 cpus=j.cpus,
@@ -189,7 +188,7 @@ class Dispatcher:
                 tree=tree,
                 minutes=j.minutes,
                 array=j.array_size,
-                concurrency=0 if width >= j.array_size else width,
+                concurrency=rules.array_throttle(j, ws.policy.max_concurrent_gpus),  # decided at acceptance
                 gpus=j.gpus,
                 artifacts=j.artifacts,
                 params=_task_params(grids.get(j.launch, {}), j.array_size),

@@ -165,6 +165,60 @@ def test_clamp_text_agrees_with_the_kernel() -> None:
                     assert tool.clamp_text(array, conc, gpus, cap) == (
                         clamp_note(array, conc, gpus, cap) or ""
                     )
+                    for width in range(1, array + 1):  # a width shared with other GPU launches
+                        assert tool.clamp_text(array, conc, gpus, cap, width) == (
+                            clamp_note(array, conc, gpus, cap, width) or ""
+                        )
+
+
+def test_share_gpus_agrees_with_the_kernel() -> None:
+    """The staged launches' share (the tool) is the kernel's decision at acceptance with no sleep in flight."""
+    import itertools
+
+    from kernel.core.rules import share_gpus
+
+    shapes = [(g, most) for g in range(1, 4) for most in (1, 2, 5)]
+    for n in (1, 2, 3):
+        for launches in itertools.product(shapes, repeat=n):
+            for left in range(12):
+                got = tool.share_gpus(left, list(launches))
+                want = share_gpus(left, launches)
+                assert (None if got is None else tuple(got)) == want, (left, launches)
+
+
+def test_staged_gpu_launches_show_their_share_and_one_past_the_ceiling_is_refused(
+    python: str, tmp_path: Path, elsewhere: Path
+) -> None:
+    fk = FakeKernel(tmp_path / "ws", policy=Policy(max_gpus=4, max_concurrent_gpus=8))
+    with fk.running():
+        for name in ("a", "b"):
+            ok(
+                run(
+                    python,
+                    fk,
+                    "launch",
+                    "--name",
+                    name,
+                    "--gpus",
+                    "4",
+                    "--array",
+                    "8",
+                    "--",
+                    "t",
+                    cwd=elsewhere,
+                )
+            )
+        s = ok(run(python, fk, "status", cwd=elsewhere)).stdout
+        assert s.count("array 8 (1 at a time, not all 8: ") == 2, s
+        assert "shared by this sleep's GPU launches and the sleeps in flight at its acceptance" in s
+        over = run(python, fk, "launch", "--name", "c", "--gpus", "4", "--", "t", cwd=elsewhere)
+        assert over.returncode != 0
+        assert "policy.concurrent_gpus" in over.stdout + over.stderr
+        assert (
+            "this sleep's 3 GPU launches need at least 12 GPUs at once (one task of each: a 4, b 4, c 4), above "
+            "this workspace's max_concurrent_gpus (8): put some of them in another sleep, or ask fewer GPUs per "
+            "task"
+        ) in over.stdout + over.stderr
 
 
 def test_concurrency_clamp_shown_in_status_for_a_running_sleep(

@@ -76,6 +76,35 @@ def test_array_and_throttle(array: int, concurrency: int, expected: str | None) 
     assert flags.get("--array") == expected
 
 
+def test_a_sleeps_gpu_launches_are_throttled_to_their_share_of_the_ceiling() -> None:
+    """Cap 8 and two `--gpus 4 --array 8` launches (each sized alone: `%2`, 16 GPUs at once): the widths decided
+    at acceptance reach sbatch as `%1` each; a CPU launch beside them is not throttled."""
+    from channel.messages import Launch, Policy, SleepRequest
+    from channel.safefs import Identity
+    from kernel.core.budget import Balance
+    from kernel.core.records import WorkspaceRow
+    from kernel.core.rules import accept_sleep, array_throttle
+
+    now = "2026-12-03T12:00:00.000Z"
+    policy = Policy(max_gpus=4, max_concurrent_gpus=8)
+    ws = WorkspaceRow(WS, "/w", Identity(1, 2, 3), Balance(10, 5, 10**9), policy, "sha", "inotify", now, None)
+    req = SleepRequest(
+        protocol=1,
+        id="s1",
+        launches=(
+            Launch(name="a", command="x", gpus=4, array=8),
+            Launch(name="b", command="x", gpus=4, array=8),
+            Launch(name="c", command="x", array=3),
+        ),
+    )
+    firsts = {j.launch: j for j in reversed(accept_sleep(ws, (), req, 7, now).jobs)}
+    arrays = {}
+    for name, j in firsts.items():
+        job = _job(launch=name, gpus=j.gpus, array=j.array_size, concurrency=array_throttle(j, 8))
+        arrays[name] = _flags(render_sbatch_argv(job, SbatchPolicy(), _paths(name))).get("--array")
+    assert arrays == {"a": "0-7%1", "b": "0-7%1", "c": "0-2"}
+
+
 def test_array_output_uses_the_task_index_pattern() -> None:
     flags = _flags(render_sbatch_argv(_job(array=3), SbatchPolicy(), _paths()))
     assert flags["--output"] == f"{RUN}/{WS}/7/train.%a/scheduler.out"
