@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as hs
 
 from channel.decode import RequestError
 from channel.messages import CancelRequest, KernelRef, Launch, Policy, SleepRequest, Verdict
@@ -222,11 +224,27 @@ def test_a_submits_gpu_evaluation_runs_share_the_ceiling_with_the_launches() -> 
 def test_share_gpus(left: int, launches: list[tuple[int, int]], want: tuple[int, ...] | None) -> None:
     from kernel.core.rules import share_gpus
 
+    assert share_gpus(left, launches) == want
+
+
+@given(
+    hs.integers(0, 64),
+    hs.lists(hs.tuples(hs.integers(1, 8), hs.integers(1, 16)), max_size=6),
+)
+def test_share_gpus_stays_within_what_is_left_and_leaves_nothing_a_task_could_use(
+    left: int, launches: list[tuple[int, int]]
+) -> None:
+    from kernel.core.rules import share_gpus
+
     got = share_gpus(left, launches)
-    assert got == want
-    if got is not None:
-        assert sum(g * w for (g, _), w in zip(launches, got, strict=True)) <= left
-        assert all(1 <= w <= most for (_, most), w in zip(launches, got, strict=True))
+    if got is None:  # only when one task of each does not fit
+        assert sum(g for g, _ in launches) > left
+        return
+    used = sum(g * w for (g, _), w in zip(launches, got, strict=True))
+    assert used <= left
+    assert all(1 <= w <= most for (_, most), w in zip(launches, got, strict=True))
+    # maximal: every launch that would run more has a task larger than what is left
+    assert all(w == most or g > left - used for (g, most), w in zip(launches, got, strict=True))
 
 
 def test_a_gathered_sleep_has_nothing_left_to_cancel() -> None:
