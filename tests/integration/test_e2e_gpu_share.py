@@ -5,13 +5,14 @@ without GPUs (it binds none), so the ceiling is watched through the tasks' own s
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, make_workspace, run_tool
+from kernelproc import Kernel, make_workspace, run_tool, wait_for
 
 from channel.paths import workspace_key
 
@@ -94,3 +95,57 @@ def test_a_sleep_beside_one_holding_gpus_gets_what_it_leaves(kernel: tuple[Kerne
     spans += spans_of(runs / str(second["sleep_seq"]), ["second.0", "second.1", "second.2"])
     assert all(t["state"] == "COMPLETED" for w in wakes.values() for t in w["tasks"])
     assert most_at_once(spans) <= 2, f"more than 2 GPU tasks ran at once: {sorted(spans)}"
+
+
+def test_a_lowered_ceiling_applies_to_sleeps_accepted_after_the_reload(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    """A sleep accepted under max_concurrent_gpus 2 keeps its 2 at a time after a reload lowers the ceiling to
+    1 (status says so); the next GPU sleep is refused while it holds them, and accepted at 1 once it is over."""
+    k = Kernel(tmp_path, f"{CONFIG}[defaults]\nmax_gpus = 1\nmax_concurrent_gpus = 2\n")
+    ws = make_workspace(tmp_path / "ws", {"README": "reload\n"})
+    k.enroll(ws, "--launches", "20", "--sleeps", "10", "--gpu-hours", "4")
+    k.start()
+    try:
+        ok(
+            ws,
+            "launch",
+            "--name",
+            "held",
+            "--gpus",
+            "1",
+            "--array",
+            "4",
+            "--minutes",
+            "30",
+            "--",
+            "sleep 300",
+        )
+        held = json.loads(ok(ws, "sleep", "--json"))
+        assert k.proc is not None
+        k.config.write_text(
+            k.config.read_text().replace("max_concurrent_gpus = 2", "max_concurrent_gpus = 1")
+        )
+        k.proc.send_signal(signal.SIGHUP)
+        k.wait_log("event=reloaded", 10)
+        policy = ws / ".syscall" / "kernel.json"
+        wait_for(
+            lambda: json.loads(policy.read_text())["policy"]["max_concurrent_gpus"] == 1, 10, "the reload"
+        )
+        shown = json.loads(ok(ws, "status", "--sleep", held["id"], "--json"))["answer"]["sleep"]
+        assert [(x["name"], x["at_a_time"]) for x in shown["launches"]] == [("held", 2)]
+        ok(ws, "launch", "--name", "next", "--gpus", "1", "--array", "2", "--", "true")
+        refused = run_tool(ws, "sleep", "--json", timeout=90)
+        assert refused.returncode != 0
+        assert "sleep.in_progress" in refused.stdout + refused.stderr
+        assert "may hold 2 GPUs at once, leaving 0 of this workspace's max_concurrent_gpus (1)" in (
+            refused.stdout + refused.stderr
+        )
+        ok(ws, "cancel", "--sleep", held["id"])
+        ok(ws, "wait", held["id"], "--json", "--timeout", "60")
+        accepted = json.loads(ok(ws, "sleep", "--json"))
+        wake = json.loads(ok(ws, "wait", accepted["id"], "--json", "--timeout", "60"))
+        assert [(x["name"], x["at_a_time"]) for x in wake["launches"]] == [("next", 1)]
+        assert k.stop() == 0
+    finally:
+        k.ensure_stopped()
