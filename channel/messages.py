@@ -185,6 +185,8 @@ class LaunchSummary(_Strict, frozen=True):
     name: str
     command: str
     array: int = 1
+    # How many of its tasks run at once, decided when the sleep was accepted (kernel.core.rules.accept_sleep);
+    # `clamp` says why, when that is fewer than it asked for.
     at_a_time: int = 1
     gpus: int = 0
     minutes: int = L.MINUTES_DEFAULT
