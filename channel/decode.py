@@ -540,13 +540,15 @@ def clamp_note(
     width = alone if width is None else width
     if width >= (concurrency or array):
         return None
-    head = f"{width} at a time, not {concurrency or f'all {array}'}: this workspace runs at most "
+    head = f"{width} at a time, not {concurrency or f'all {array}'}: "
     each = f"each task takes {count_of(gpus, 'GPU')}"
-    if width >= alone:
-        return f"{head}{count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus) and {each}"
+    if width == alone:
+        return f"{head}this workspace runs at most {count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus) and {each}"
+    # Shared (or decided under a ceiling a reload has changed since): true whatever the sharers were.
     return (
-        f"{head}{count_of(max_concurrent_gpus, 'GPU')} at once (max_concurrent_gpus), shared by this sleep's GPU "
-        f"launches and the sleeps in flight at its acceptance, and {each}"
+        f"{head}its share, at the sleep's acceptance, of this workspace's max_concurrent_gpus "
+        f"({count_of(max_concurrent_gpus, 'GPU')} at once now), beside any other GPU launches of the sleep and any "
+        f"sleeps in flight then; {each}"
     )
 
 

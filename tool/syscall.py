@@ -1613,16 +1613,13 @@ def clamp_text(
     width = alone if width is None else width
     if width >= (concurrency or array):
         return ""
+    head = "{} at a time, not {}: ".format(width, concurrency or "all {}".format(array))
+    cap, each = _n(max_concurrent_gpus, "GPU", "GPUs"), "each task takes " + _n(gpus, "GPU", "GPUs")
+    if width == alone:
+        return "{}this workspace runs at most {} at once (max_concurrent_gpus) and {}".format(head, cap, each)
     return (
-        "{} at a time, not {}: this workspace runs at most {} at once (max_concurrent_gpus){} and {}".format(
-            width,
-            concurrency or "all {}".format(array),
-            _n(max_concurrent_gpus, "GPU", "GPUs"),
-            ""
-            if width >= alone
-            else ", shared by this sleep's GPU launches and the sleeps in flight at its acceptance,",
-            "each task takes " + _n(gpus, "GPU", "GPUs"),
-        )
+        "{}its share, at the sleep's acceptance, of this workspace's max_concurrent_gpus ({} at once now), "
+        "beside any other GPU launches of the sleep and any sleeps in flight then; {}".format(head, cap, each)
     )
 
 

@@ -210,7 +210,7 @@ def test_staged_gpu_launches_show_their_share_and_one_past_the_ceiling_is_refuse
             )
         s = ok(run(python, fk, "status", cwd=elsewhere)).stdout
         assert s.count("array 8 (1 at a time, not all 8: ") == 2, s
-        assert "shared by this sleep's GPU launches and the sleeps in flight at its acceptance" in s
+        assert "beside any other GPU launches of the sleep and any sleeps in flight then" in s
         over = run(python, fk, "launch", "--name", "c", "--gpus", "4", "--", "t", cwd=elsewhere)
         assert over.returncode != 0
         assert "policy.concurrent_gpus" in over.stdout + over.stderr

@@ -67,8 +67,9 @@ def test_two_gpu_launches_of_one_sleep_together_stay_within_max_concurrent_gpus(
     assert [t["state"] for t in wake["tasks"]] == ["COMPLETED"] * 6
     assert [(x["name"], x["at_a_time"]) for x in wake["launches"]] == [("left", 1), ("right", 1)]
     assert wake["launches"][0]["clamp"] == (
-        "1 at a time, not all 3: this workspace runs at most 2 GPUs at once (max_concurrent_gpus), shared by "
-        "this sleep's GPU launches and the sleeps in flight at its acceptance, and each task takes 1 GPU"
+        "1 at a time, not all 3: its share, at the sleep's acceptance, of this workspace's max_concurrent_gpus "
+        "(2 GPUs at once now), beside any other GPU launches of the sleep and any sleeps in flight then; each "
+        "task takes 1 GPU"
     )
     sleep_dir = k.state / "runs" / workspace_key(ws.resolve()) / str(wake["seq"])
     spans = spans_of(sleep_dir, [f"{n}.{i}" for n in ("left", "right") for i in range(3)])
@@ -134,6 +135,12 @@ def test_a_lowered_ceiling_applies_to_sleeps_accepted_after_the_reload(
         )
         shown = json.loads(ok(ws, "status", "--sleep", held["id"], "--json"))["answer"]["sleep"]
         assert [(x["name"], x["at_a_time"]) for x in shown["launches"]] == [("held", 2)]
+        # not "at most 1 GPU at once", which 2 at a time would belie
+        assert shown["launches"][0]["clamp"] == (
+            "2 at a time, not all 4: its share, at the sleep's acceptance, of this workspace's max_concurrent_gpus "
+            "(1 GPU at once now), beside any other GPU launches of the sleep and any sleeps in flight then; each "
+            "task takes 1 GPU"
+        )
         ok(ws, "launch", "--name", "next", "--gpus", "1", "--array", "2", "--", "true")
         refused = run_tool(ws, "sleep", "--json", timeout=90)
         assert refused.returncode != 0
