@@ -168,11 +168,13 @@ class KernelRun:
                 self._junk_settled()
                 if self._wants("2.7"):
                     self._retained()
+                # Before the replacement: a request answered but not yet removed (its record being made durable)
+                # is moved aside with requests/, where a kernel that stopped serving the workspace leaves it.
+                if self._wants("3.4"):
+                    self._removed()
                 # last of all: a kernel may stop serving the workspace for good once it saw the replacement
                 if self._wants("2.3"):
                     self._replaced_subdir()
-                if self._wants("3.4"):
-                    self._removed()
                 if self._wants("2.4"):
                     self._atomic()
                 if self._wants("15.2", "2.7"):
