@@ -1639,7 +1639,7 @@ def _settled_staging(ch: Channel) -> Staging:
 
 
 def _sleep_request(
-    ch: Channel, st: Staging, note: str, wake_on: Any = None, rest: Optional[str] = None
+    ch: Channel, st: Staging, note: str, wake_on: Any = None, rest: Any = None
 ) -> dict[str, Any]:
     req = _request(ch, "sleep", launches=list(st.launches), submit=st.submit, note=note)
     if wake_on is not None or rest is not None:
@@ -1650,10 +1650,14 @@ def _sleep_request(
                 "wake_on_max); sleep without them, and the sleep wakes when all its tasks have ended.",
             )
         if wake_on is not None:
-            req["wake_on"] = wake_on
+            req["wake_on"] = None if wake_on is _NULL else wake_on
         if rest is not None:
-            req["rest"] = rest
+            req["rest"] = None if rest is _NULL else rest
     return req
+
+
+# An MCP argument given as JSON null (`None` is an argument not given): sent as null, for the request's rules.
+_NULL = object()
 
 
 CLI_FLAGS = {
@@ -3512,8 +3516,9 @@ def _run_sleep(ch: Channel, a: dict[str, Any]) -> int:
         note=a.get("note", ""),
         wait=wait,
         timeout=_arg(a, "timeout_s", "seconds", MCP_WAIT_DEFAULT_S),
-        wake_on=a.get("wake_on"),  # judged with the request (a string or an integer)
-        rest=a.get("rest"),
+        # judged with the request (absent: None; null is sent as null, and refused as the kernel would)
+        wake_on=_NULL if "wake_on" in a and a["wake_on"] is None else a.get("wake_on"),
+        rest=_NULL if "rest" in a and a["rest"] is None else a.get("rest"),
     )
     return cmd_sleep(ch, args)
 
@@ -3557,8 +3562,8 @@ def _last(results: list[Any]) -> Any:
 _TIMEOUT_IN = {
     "type": "number",
     "exclusiveMinimum": 0,
-    "maximum": MCP_WAIT_MAX_S,
-    "default": MCP_WAIT_DEFAULT_S,
+    "maximum": int(MCP_WAIT_MAX_S),
+    "default": int(MCP_WAIT_DEFAULT_S),
     "description": "jobs outlive it",
 }
 
@@ -3758,8 +3763,8 @@ MCP_TOOLS = [
     ),
     McpTool(
         "sleep",
-        "Run what is staged (none: a checkpoint) in a snapshot; costs one sleep (refused: nothing). "
-        'wait: true returns the wake. Example: sleep {"wait": true}',
+        "Commit what is staged (none: a checkpoint); costs a sleep (refused: nothing). wait: true returns "
+        'the wake. Example: sleep {"wait": true}',
         _run_sleep,
         _members("answer", "wake"),
         inputs=lambda lim, pol: {
@@ -3767,11 +3772,9 @@ MCP_TOOLS = [
                 "note": {"type": "string", "maxLength": lim["note_max_chars"]},  # shown in the wake
                 "wait": {"type": "boolean"},
                 "timeout_s": _TIMEOUT_IN,
-                "wake_on": {
-                    "type": ["string", "integer"],
-                    "description": "all, first-failure, first-exit, or N ended",
-                },
-                "rest": {"enum": list(REST_CHOICES), "description": "at an early wake: go on, or cancel"},
+                # a string or an integer: the request's rules judge it (no type here: the listing stays small)
+                "wake_on": {"description": "first-failure|first-exit|N"},
+                "rest": {"enum": list(REST_CHOICES)},
             }
         },
         structured=_sleep_result,
@@ -3787,7 +3790,8 @@ MCP_TOOLS = [
         inputs=lambda lim, pol: {
             "properties": {
                 "sleep_id": {"type": "string"},
-                "timeout_s": {k: v for k, v in _TIMEOUT_IN.items() if k != "description"},  # said above
+                # its default is the sleep tool's (said above); the server refuses what is out of range
+                "timeout_s": {"type": "number", "maximum": _TIMEOUT_IN["maximum"]},
                 "interval_s": {"type": "number"},  # seconds between looks (default 0.2); > 0
             }
         },
