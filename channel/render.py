@@ -8,6 +8,7 @@ under a label that says it is data. Kernel-written text (states, hints, numbers)
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Final
 
 from channel import limits as L
@@ -516,8 +517,13 @@ def condition_words(wake_on: WakeOn) -> str:
     return f"`wake_on` {wake_on}"
 
 
-def _refs(refs: tuple[JobRef, ...]) -> str:
-    return ", ".join(f"{r.launch}[{r.task}]" for r in refs)
+def _refs(refs: tuple[JobRef, ...], states: Mapping[tuple[str, int], str] | None = None) -> str:
+    """`a[0], b[1]`, or with `states` each task's state then: `a[0] (RUNNING), b[1] (PENDING)`."""
+    return ", ".join(
+        f"{r.launch}[{r.task}]"
+        + (f" ({states[(r.launch, r.task)]})" if states and (r.launch, r.task) in states else "")
+        for r in refs
+    )
 
 
 def render_condition(w: Wake) -> str:
@@ -525,13 +531,14 @@ def render_condition(w: Wake) -> str:
     for an early wake, its rest's wake and a wake whose `rest` "cancel" stopped the others."""
     if w.trigger is None:
         return ""
+    states = {(t.launch, t.task): t.state for t in w.tasks}
     ended = next((t for t in w.tasks if (t.launch, t.task) == (w.trigger.launch, w.trigger.task)), None)
     state = f" {ended.state}" if ended is not None else ""
     why = f"Woke on {condition_words(w.wake_on)}: {w.trigger.launch}[{w.trigger.task}]{state}."
     n = len(w.rest_tasks)
     if w.part == "early":
         return (
-            f"{why} Still running, left running (`rest` run): {_refs(w.rest_tasks)}. They go on as they were, "
+            f"{why} Not ended yet, left running (`rest` run): {_refs(w.rest_tasks, states)}. They go on as they were, "
             f"holding their slots, GPUs and reservations, and this sleep stays in flight (it counts toward "
             f"max_sleeps_in_flight) until they have ended. Then their results come in the rest wake, "
             f"{CHANNEL_DIR}/{ChannelPaths.WAKES}/{ChannelPaths.rest_wake_md(w.id)}: `syscall wait {w.id}` (the "
@@ -548,8 +555,8 @@ def render_condition(w: Wake) -> str:
     if w.rest == "cancel" and n:
         return (
             f"{why} The {plural(n, 'task', 'tasks')} still running then ({_refs(w.rest_tasks)}) were cancelled "
-            "(`rest` cancel); what they had written by then is delivered, marked partial. Nothing of this "
-            "sleep runs any more.\n"
+            "(`rest` cancel); the artifacts each had written by then are delivered, marked partial (a task's "
+            "section below says what could not be). Nothing of this sleep runs any more.\n"
         )
     return why + "\n"
 
