@@ -4330,7 +4330,12 @@ def _wake_on_arg(text: str) -> Any:
     it)."""
     if text in WAKE_ON_CONDITIONS:
         return text
-    if re.fullmatch(r"-?[0-9]{1,18}", text):
+    if re.fullmatch(r"-?[0-9]+", text):
+        if len(text) > 30:  # no int() of an agent's megabyte of digits: it is above any sleep's tasks anyway
+            raise argparse.ArgumentTypeError(
+                f"{text[:20]}... ({len(text)} digits) is above the tasks any sleep can have "
+                f"(at most {DEFAULT_LIMITS['wake_on_max']}); give N at most the sleep's task count"
+            )
         return int(text)
     raise argparse.ArgumentTypeError(
         f"{text[:64]!r} is not a wake condition: use all, first-failure, first-exit, or a whole number N "
