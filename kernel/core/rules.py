@@ -98,6 +98,8 @@ def named_sleeps(sleeps: Sequence[Sleep]) -> str:
 def _named(s: SleepRow, jobs: Sequence[JobRow]) -> str:
     if s.state in SLEEP_WOKEN_EARLY:
         running = sum(1 for j in jobs if j.state in LIVE_TASK_STATES)
+        if not running:  # its rest has ended and is being gathered: the rest wake comes now
+            return f"{s.id!r} (seq {s.seq}; woke early, and its rest wake is being written)"
         return f"{s.id!r} (seq {s.seq}; woke early, {count_of(running, 'task')} of it still running)"
     return f"{s.id!r} (seq {s.seq})"
 

@@ -477,6 +477,7 @@ class Waker:
                 launches=gather.launch_summaries(fresh, tasks, ws.policy.max_concurrent_gpus),
                 error=ErrorInfo(code=error.code, message=error.message, path=None),
             )
+            wake = msgspec.structs.replace(wake, wake_on=sleep.wake_on, rest=sleep.rest)
             self.store.set_balance(key, balance)
             wake = telling.told(self.store, self.cfg, ws, wake)  # what of the contract changed, told once
             self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
