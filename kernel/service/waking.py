@@ -384,6 +384,7 @@ class Waker:
                 rest_tasks=tuple(_job_ref(_ref(j), jobs) for j in live),
             )
             self.store.set_balance(key, balance)
+            wake = telling.told(self.store, self.cfg, ws, wake)  # what of the contract changed, told once
             self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
             recorded = self.store.set_sleep_trigger(key, seq, _ref(trigger), [_ref(j) for j in live])
             assert recorded, (key, seq)  # read in this transaction
