@@ -2115,6 +2115,12 @@ def cmd_sleep(ch: Channel, args: argparse.Namespace) -> int:
             )
         else:
             _out(f"Next: {_cmd('wait')} blocks until the sleep wakes and prints the wake.")
+        if req.get("wake_on", "all") != "all" and req.get("rest", "run") == "run":
+            again = _cmd("wait", req["id"], json.dumps({"sleep_id": req["id"]}))
+            _out(
+                "It wakes early on wake_on {}: the tasks still running then go on, and {} again prints the "
+                "rest's wake when they end.".format(req["wake_on"], again)
+            )
         return EXIT_OK
     return wait_for_wake(ch, req["id"], deadline, args.every, args.json)
 
