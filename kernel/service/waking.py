@@ -43,6 +43,7 @@ from channel.paths import ChannelPaths
 from channel.render import render_wake
 from kernel.backends.base import DEFAULT_ARTIFACT_MAX_BYTES, RunnableBackend
 from kernel.core import ledger, wakeon
+from kernel.core.budget import Balance
 from kernel.core.config import Config, LiveConfig, default_task_mem_mb
 from kernel.core.records import JobRow, WorkspaceRow
 from kernel.io import log as klog
@@ -260,22 +261,8 @@ class Waker:
                     for t in _wake_decoder.decode(exec_row.wake_json).tasks
                     if (t.launch, t.task) not in rest
                 }
-            balance = ws.balance
-            refunded = 0
-            gathered: dict[tuple[str, int], TaskResult] = {}
             fresh = {(j.launch, j.task): j for j in self.store.jobs_of(key, seq)}
-            for j, tdir, elapsed, files in results:
-                cur = fresh[(j.launch, j.task)]
-                settled = ledger.settle_task(balance, cur, elapsed)
-                balance = settled.balance
-                refunded += settled.refunded_gpu_s
-                # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
-                self.store.release_job(key, seq, cur.launch, cur.task)
-                memory = (default_task_mem_mb(self.cfg, cur.gpus), ws.policy.max_mem_mb)
-                done = gather.task_result(cur, tdir, elapsed, files, self.cfg.environment.mode, memory)
-                gathered[(cur.launch, cur.task)] = done
-                # what `history --metric` reads of the task later (the wake's bytes are not kept)
-                self.store.set_job_metrics(key, seq, cur.launch, cur.task, sweep.numbers_of(done.result))
+            balance, refunded, gathered = self._settle(ws, fresh, results)
             tasks = [early.get(k) or gathered[k] for k in fresh]
             shown, verdict = self.evaluation.judge(sleep, tuple(tasks), runs)
             wake = gather.build_wake(
@@ -311,6 +298,30 @@ class Waker:
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(results), part=wake.part)
         return True
 
+    def _settle(
+        self, ws: WorkspaceRow, fresh: dict[tuple[str, int], JobRow], results: list[Collected]
+    ) -> tuple[Balance, int, dict[tuple[str, int], TaskResult]]:
+        """(store worker, in the gathering's transaction) Settle each task of `results` (`fresh`: the sleep's
+        tasks as read in that transaction): its reservation released, its measured use spent, the rest refunded,
+        the numbers of its last JSON line kept. The balance after, the GPU-seconds refunded and each task as the
+        wake shows it."""
+        balance = ws.balance
+        refunded = 0
+        gathered: dict[tuple[str, int], TaskResult] = {}
+        for j, tdir, elapsed, files in results:
+            cur = fresh[_ref(j)]
+            settled = ledger.settle_task(balance, cur, elapsed)
+            balance = settled.balance
+            refunded += settled.refunded_gpu_s
+            # updated_at stays the kernel's record of the last state change (rules.cancelled_by)
+            self.store.release_job(ws.key, cur.seq, cur.launch, cur.task)
+            memory = (default_task_mem_mb(self.cfg, cur.gpus), ws.policy.max_mem_mb)
+            done = gather.task_result(cur, tdir, elapsed, files, self.cfg.environment.mode, memory)
+            gathered[_ref(cur)] = done
+            # what `history --metric` reads of the task later (the wake's bytes are not kept)
+            self.store.set_job_metrics(ws.key, cur.seq, cur.launch, cur.task, sweep.numbers_of(done.result))
+        return balance, refunded, gathered
+
     def _record_early(self, key: str, seq: int, results: list[Collected]) -> bool | None:
         """(store worker) Record the early wake of a sleep whose `wake_on` is met while tasks still run (`rest`
         "run"): the ended tasks' refunds (`results`), the wake's bytes, the task that met the condition and the
@@ -332,20 +343,7 @@ class Waker:
             collected = {_ref(j) for j, *_ in results}
             if collected != {_ref(j) for j in jobs if j.state in TERMINAL_TASK_STATES}:
                 return None
-            fresh = {_ref(j): j for j in jobs}
-            balance = ws.balance
-            refunded = 0
-            gathered: dict[tuple[str, int], TaskResult] = {}
-            for j, tdir, elapsed, files in results:
-                cur = fresh[_ref(j)]
-                settled = ledger.settle_task(balance, cur, elapsed)
-                balance = settled.balance
-                refunded += settled.refunded_gpu_s
-                self.store.release_job(key, seq, cur.launch, cur.task)
-                memory = (default_task_mem_mb(self.cfg, cur.gpus), ws.policy.max_mem_mb)
-                done = gather.task_result(cur, tdir, elapsed, files, self.cfg.environment.mode, memory)
-                gathered[_ref(cur)] = done
-                self.store.set_job_metrics(key, seq, cur.launch, cur.task, sweep.numbers_of(done.result))
+            balance, refunded, gathered = self._settle(ws, {_ref(j): j for j in jobs}, results)
             live = wakeon.live(jobs)
             tasks = tuple(
                 gathered.get(_ref(j))

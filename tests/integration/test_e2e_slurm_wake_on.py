@@ -16,20 +16,9 @@ from pathlib import Path
 
 import pytest
 from kernelproc import Kernel, make_workspace, run_tool, wait_for
+from test_e2e_slurm_in_flight import CONFIG
 
 pytestmark = [pytest.mark.slurm, pytest.mark.bwrap]
-
-CONFIG = """backend = "slurm"
-jail = "bwrap"
-rescan_seconds = 2
-[slurm]
-poll_seconds = 1.0
-poll_max_seconds = 2.0
-setup_slack_minutes = 1
-warn_seconds = 60
-exit_grace_seconds = 2
-client_timeout_seconds = 10
-"""
 
 WORK = 'case "$SWEEP_MODE" in fail) echo boom >&2; exit 3;; *) echo slow-started; sleep 3600;; esac\n'
 

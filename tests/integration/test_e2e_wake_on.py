@@ -12,14 +12,12 @@ once (and deliver a rest at most once); a cancel racing the early wake leaves on
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from kernelproc import Kernel, make_workspace, put_request, wait_answer, wait_for
+from test_e2e_sweep import Env as SweepEnv
 
 pytestmark = pytest.mark.bwrap
 
@@ -40,24 +38,8 @@ if mode.startswith("slow"):
 """
 
 
-class Env:
-    def __init__(self, kernel: Kernel, ws: Path) -> None:
-        self.kernel = kernel
-        self.ws = ws
-
-    def tool(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, str(self.ws / ".syscall" / "syscall"), *args],
-            cwd=self.ws,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def ok(self, *args: str, timeout: float = 120) -> str:
-        done = self.tool(*args, timeout=timeout)
-        assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}\n{self.kernel.log_text()[-2000:]}"
-        return done.stdout
+class Env(SweepEnv):
+    """The sweep tests' tool runner, with this module's readers."""
 
     def wake(self, name: str) -> dict[str, Any]:
         data: dict[str, Any] = json.loads((self.ws / ".syscall" / "wakes" / name).read_bytes())
