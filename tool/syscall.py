@@ -4543,7 +4543,7 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         subs,
         common,
         "sleep",
-        "Commit the staged launches (and submit) and park until all jobs end.",
+        "Commit the staged launches (and submit) and park until all jobs end (or --wake-on says sooner).",
         "{p} sleep --note 'lr sweep, expect lr=3e-4 best' --wait",
         "Zero staged launches make a checkpoint. Without --wait it returns once the kernel accepted\n"
         "the sleep; `wait` then blocks for the wake. A rejected sleep costs nothing and keeps your\n"
@@ -4586,7 +4586,9 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "Block until a sleep wakes, reporting each task as it ends, then print the wake.",
         "{p} wait --timeout 600\n{p} wait 1764460800000-3fa9c2d1",
         "Without an id it waits for the first wake of the sleeps you committed whose wake it has not\n"
-        "shown (one already there is shown at once), reporting the oldest one's tasks as they end.\n"
+        "shown (one already there is shown at once), reporting the oldest one's tasks as they end;\n"
+        "after a sleep's early wake (sleep --wake-on) was shown, its rest wake is one of them, and\n"
+        "`wait SLEEP-ID` waits for it.\n"
         "A sleep waiting for its environment build gets a line as the build waits for a slot, begins,\n"
         "is built or fails. Interrupting or timing out stops only the waiting.",
     )
