@@ -127,3 +127,10 @@ def test_the_rest_s_wake_details_the_rest_only() -> None:
     assert "### a[0]" not in md  # the early wake detailed it
     assert "late" in md
     assert "boom" not in md
+
+
+def test_a_sleep_of_one_task_never_wakes_early() -> None:
+    """An array of 1 (or any one task): its end is the sleep's last, whatever the condition."""
+    for wake_on in ("first-failure", "first-exit", 1):
+        assert wakeon.early_trigger(wake_on, [job(0, "RUNNING")]) is None  # type: ignore[arg-type]
+        assert wakeon.early_trigger(wake_on, [job(0, "FAILED", at(1))]) is None  # type: ignore[arg-type]
