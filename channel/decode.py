@@ -337,6 +337,8 @@ def _shape_error(obj: dict[str, Any], text: str) -> RequestError:
                 f"protocol must be the integer {L.PROTOCOL_VERSION}, got a {got}",
                 path,
             )
+        if path == "$.wake_on" and verb == "sleep":
+            return RequestError("field.type", f"$.wake_on must be {WAKE_ON_WORDS}, got {_article(got)}", path)
         return RequestError("field.type", f"{path} must be {_article(expected)}, got {_article(got)}", path)
     return _constraint_error(str(verb), path, msg)
 
@@ -382,7 +384,7 @@ def _scope(verb: str, path: str) -> tuple[str, str, bool]:
 
 
 def _kind(msg: str, *, is_item: bool) -> str:
-    if "matching regex" in msg:
+    if "matching regex" in msg or msg.startswith("Invalid enum value"):
         return "invalid"
     if "of length >=" in msg:
         return "empty"
@@ -402,7 +404,34 @@ PATTERN_WORDS: Final = {
 }
 
 
+# What `wake_on` and `rest` accept, in words (their messages never echo the agent's string).
+WAKE_ON_WORDS: Final = (
+    f"one of {', '.join(repr(c) for c in L.WAKE_ON_CONDITIONS)}, or a JSON integer N (1 to the sleep's task "
+    "count): wake once N tasks have ended"
+)
+REST_WORDS: Final = (
+    "'run' (the tasks still running at an early wake go on; the rest wake delivers them) or 'cancel' (they "
+    "are cancelled, and the sleep wakes once they have stopped)"
+)
+
+
 def _constraint_message(path: str, msg: str, kind: str, limit: str) -> str:
+    if path == "$.wake_on":
+        if kind == "invalid":
+            digits = msg.removeprefix("Invalid enum value ").strip("'").isdigit()
+            return f"$.wake_on must be {WAKE_ON_WORDS}" + (
+                "; write the count as a number, without quotes" if digits else ""
+            )
+        if ">=" in msg:
+            return (
+                "$.wake_on's count must be at least 1: the sleep wakes once that many of its tasks have ended"
+            )
+        return (
+            f"$.wake_on's count is above {L.WAKE_ON_MAX}, more tasks than any sleep can have; use 1 to the "
+            "sleep's task count, or 'all'"
+        )
+    if path == "$.rest":
+        return f"$.rest must be {REST_WORDS}"
     if kind == "invalid":
         pattern = msg.split("matching regex ", 1)[1].strip("'")
         words = PATTERN_WORDS.get(pattern.replace("\\\\", "\\"))  # msgspec doubles the backslashes
@@ -422,6 +451,7 @@ def _constraint_message(path: str, msg: str, kind: str, limit: str) -> str:
 
 
 def _check_sleep(req: SleepRequest) -> None:
+    _check_wake_on(req)
     names: set[str] = set()
     for i, launch in enumerate(req.launches):
         at = f"$.launches[{i}]"
@@ -439,6 +469,33 @@ def _check_sleep(req: SleepRequest) -> None:
             )
         names.add(launch.name)
         _check_launch(launch, at)
+
+
+def _check_wake_on(req: SleepRequest) -> None:
+    """`wake_on` and `rest` against the sleep itself (stage 4): a count no larger than its tasks, no early wake in a
+    sleep that carries a submit (its verdict needs every run), `rest` "cancel" only with an early condition."""
+    tasks = sum(launch.array for launch in req.launches)
+    if isinstance(req.wake_on, int) and req.wake_on > tasks:
+        raise RequestError(
+            "sleep.wake_on.out_of_range",
+            f"$.wake_on is {req.wake_on} but the sleep has {count_of(tasks, 'task')} (its launches' arrays "
+            f"summed); use 1..{tasks}, or 'all'",
+            "$.wake_on",
+        )
+    if req.wake_on != "all" and req.submit is not None:
+        raise RequestError(
+            "sleep.wake_on.invalid",
+            "a sleep that carries a submit wakes when its verdict is reached, which needs every evaluation run; "
+            "drop wake_on, or commit the submit in a sleep of its own",
+            "$.wake_on",
+        )
+    if req.rest == "cancel" and req.wake_on == "all":
+        raise RequestError(
+            "sleep.rest.invalid",
+            "rest says what happens to the tasks still running at an early wake, and wake_on 'all' never wakes "
+            "early; drop rest, or set wake_on (first-failure, first-exit or a count)",
+            "$.rest",
+        )
 
 
 def _check_launch(launch: Launch, at: str) -> None:

@@ -44,6 +44,11 @@ CODES: Final[dict[str, Code]] = {
     # 4.4 sleep and launches
     "sleep.launches.too_many": Code("4.4", "more launches than the per-sleep limit"),
     "sleep.note.too_long": Code("4.4", "the note is longer than its limit"),
+    "sleep.wake_on.invalid": Code(
+        "4.4", "wake_on names no wake condition, or is not `all` in a sleep that carries a submit"
+    ),
+    "sleep.wake_on.out_of_range": Code("4.4", "wake_on's count is below 1 or above the sleep's task count"),
+    "sleep.rest.invalid": Code("4.4", "rest is not `run` or `cancel`, or is `cancel` with wake_on `all`"),
     "launch.name.invalid": Code("4.4", "a launch name does not match the name pattern"),
     "launch.name.duplicate": Code("4.4", "two launches of one sleep share a name"),
     "launch.command.empty": Code("4.4", "the command is empty or only whitespace"),

@@ -28,6 +28,10 @@ class SleepEvent(StrEnum):
     START = "start"  # the first task began running
     GATHER = "gather"  # every task is terminal; results collected, artifacts delivered
     WAKE = "wake"  # the wake files are written and the budget refunded
+    # The sleep's `wake_on` was met while tasks still ran (`rest` "run"): the ended tasks gathered and the early
+    # wake recorded; then its files written. The rest goes on to `gather` and `wake` as any sleep's.
+    GATHER_EARLY = "gather_early"
+    WAKE_EARLY = "wake_early"
 
 
 class TaskEvent(StrEnum):
@@ -55,6 +59,11 @@ SLEEP_TRANSITIONS: Final[dict[tuple[SleepState, SleepEvent], SleepState]] = {
     # its tasks end without being submitted
     ("snapshotted", SleepEvent.GATHER): "gathered",
     ("gathered", SleepEvent.WAKE): "woken",
+    # woken early (`wake_on`, `rest` "run"): the early wake is written before the rest is gathered
+    ("submitted", SleepEvent.GATHER_EARLY): "early_gathered",
+    ("running", SleepEvent.GATHER_EARLY): "early_gathered",
+    ("early_gathered", SleepEvent.WAKE_EARLY): "early_woken",
+    ("early_woken", SleepEvent.GATHER): "gathered",
 }
 
 SLEEP_TERMINAL: Final = frozenset({"woken", "rejected"})
@@ -62,6 +71,10 @@ SLEEP_TERMINAL: Final = frozenset({"woken", "rejected"})
 # readable before the kernel records `woken`, and they are (re)written from those bytes whatever happens, so a next
 # sleep decided in between must not be told this one "has not woken".
 SLEEP_OVER_FOR_AGENT: Final = frozenset({"gathered", *SLEEP_TERMINAL})
+# A sleep woken early whose rest still runs: its early wake is recorded (and may be read), its other tasks live. It
+# is in flight (its tasks hold their slots, GPUs and reservations, and count toward max_sleeps_in_flight) until
+# the rest is gathered.
+SLEEP_WOKEN_EARLY: Final = frozenset({"early_gathered", "early_woken"})
 
 _ENDED_ON_ITS_OWN: Final[frozenset[TaskState]] = frozenset(
     {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}

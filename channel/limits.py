@@ -38,6 +38,11 @@ WHY_MAX_CHARS: Final = 200
 NOTE_MAX_CHARS: Final = 2000
 REPORT_MAX_CHARS: Final = 8000
 CANCEL_MAX_NAMES: Final = MAX_LAUNCHES * 4
+# A sleep's `wake_on` (spec 4.4.1): when it wakes. `all` (every task ended), `first-failure`, `first-exit`, or a
+# count of ended tasks, at most every task a sleep can have; `rest` says what the early wake does with the others.
+WAKE_ON_CONDITIONS: Final = ("all", "first-failure", "first-exit")
+WAKE_ON_MAX: Final = MAX_LAUNCHES * ARRAY_MAX
+REST_CHOICES: Final = ("run", "cancel")
 HISTORY_MAX: Final = 100
 HISTORY_DEFAULT: Final = 20
 # A launch's sweep (spec 4.4.6): named axes of values whose cartesian product is the launch's array. A key names

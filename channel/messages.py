@@ -37,8 +37,23 @@ TaskState = Literal[
     "SKIPPED",
 ]
 SleepState = Literal[
-    "received", "validated", "snapshotted", "submitted", "running", "gathered", "woken", "rejected"
+    "received",
+    "validated",
+    "snapshotted",
+    "submitted",
+    "running",
+    "early_gathered",
+    "early_woken",
+    "gathered",
+    "woken",
+    "rejected",
 ]
+# When a sleep wakes (spec 4.4.1): every task ended (`all`), the first task that ended without success, the first
+# that ended however, or once N tasks ended; and what an early wake does with the tasks still running.
+WakeOn = Literal["all", "first-failure", "first-exit"] | Annotated[int, Meta(ge=1, le=L.WAKE_ON_MAX)]
+Rest = Literal["run", "cancel"]
+# Which wake a wake file is: the sleep's only one, an early one (some tasks still running), or the rest's.
+WakePart = Literal["whole", "early", "rest"]
 
 
 class _Strict(Struct, frozen=True, forbid_unknown_fields=True):
@@ -101,6 +116,11 @@ class SleepRequest(_Request, tag="sleep", frozen=True):
     launches: Annotated[tuple[Launch, ...], Meta(max_length=L.MAX_LAUNCHES)] = ()
     submit: Submit | None = None
     note: Annotated[str, Meta(max_length=L.NOTE_MAX_CHARS)] = ""
+    # When the sleep wakes: `all` its tasks ended, `first-failure`, `first-exit`, or N of them ended (at most its
+    # task count); `rest`: what an early wake does with the tasks still running ("run": they go on, and the rest
+    # wake delivers them; "cancel": they are cancelled, and the one wake comes once they have stopped).
+    wake_on: WakeOn = "all"
+    rest: Rest = "run"
 
 
 class CancelRequest(_Request, tag="cancel", frozen=True):
@@ -234,6 +254,9 @@ class SleepView(_Strict, frozen=True):
     launches: tuple[LaunchSummary, ...] = ()
     # The environment build the sleep's tasks wait for, while there is one (null otherwise).
     environment: EnvironmentBuild | None = None
+    # The sleep's wake condition and what an early wake does with the rest (spec 4.4.1).
+    wake_on: WakeOn = "all"
+    rest: Rest = "run"
 
 
 class SleepBrief(_Strict, frozen=True):
@@ -570,6 +593,17 @@ class Wake(_Strict, frozen=True):
     # What of the contract changed since the kernel's last answer or wake to this workspace (spec 7.4); absent
     # when nothing did.
     contract_changed: ContractChanged | UnsetType = UNSET
+    # The sleep's wake condition and what it does with the rest, as requested (spec 4.4.1, 8.8).
+    wake_on: WakeOn = "all"
+    rest: Rest = "run"
+    # "whole": the sleep's one wake; "early": woken by `wake_on` while `rest_tasks` still ran (their entries here
+    # show their state then; `wakes/<id>.rest.json` delivers them); "rest": that delivery, every task final.
+    part: WakePart = "whole"
+    # The task whose end met `wake_on` (null: the sleep woke because every task ended).
+    trigger: JobRef | None = None
+    # The tasks still live when `wake_on` was met: left running (`rest` "run"; delivered by the rest wake) or
+    # cancelled (`rest` "cancel"; CANCELLED in this wake).
+    rest_tasks: tuple[JobRef, ...] = ()
 
 
 # --- kernel-written channel files ------------------------------------------------------------------------
@@ -676,6 +710,9 @@ class Limits(_Strict, frozen=True):
     cancel_max_names: int = L.CANCEL_MAX_NAMES
     history_max: int = L.HISTORY_MAX
     history_default: int = L.HISTORY_DEFAULT
+    # The largest N of a sleep's `wake_on` (a sleep's own bound is its task count); its presence announces
+    # `wake_on` and `rest` (spec 1.5).
+    wake_on_max: int = L.WAKE_ON_MAX
     sweep_max_keys: int = L.SWEEP_MAX_KEYS
     sweep_key_pattern: str = L.SWEEP_KEY_PATTERN
     sweep_reserved_keys: tuple[str, ...] = L.SWEEP_RESERVED_KEYS

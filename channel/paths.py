@@ -58,6 +58,17 @@ class ChannelPaths:
     def wake_md(sleep_id: str) -> str:
         return f"{sleep_id}.md"
 
+    # The rest wake of a sleep woken early (spec 8.8): no id holds a dot, so it is never another sleep's wake.
+    REST_SUFFIX: Final = ".rest"
+
+    @staticmethod
+    def rest_wake_json(sleep_id: str) -> str:
+        return f"{sleep_id}{ChannelPaths.REST_SUFFIX}.json"
+
+    @staticmethod
+    def rest_wake_md(sleep_id: str) -> str:
+        return f"{sleep_id}{ChannelPaths.REST_SUFFIX}.md"
+
     PROGRESS: Final = "progress.json"  # results/<seq>/progress.json: no launch name holds a dot
 
     @staticmethod

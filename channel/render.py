@@ -8,14 +8,16 @@ under a label that says it is data. Kernel-written text (states, hints, numbers)
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Final
 
 from channel import limits as L
 from channel import sweep
-from channel.lifecycle import NOT_RUN_TASK_STATES
+from channel.lifecycle import LIVE_TASK_STATES, NOT_RUN_TASK_STATES
 from channel.messages import (
     Budget,
     ContractChanged,
+    JobRef,
     LaunchSummary,
     LogFile,
     RankedTask,
@@ -23,6 +25,7 @@ from channel.messages import (
     TaskResult,
     Verdict,
     Wake,
+    WakeOn,
 )
 from channel.paths import CHANNEL_DIR, ChannelPaths
 
@@ -488,10 +491,74 @@ def render_header(w: Wake) -> str:
         tally += "; " + ", ".join(f"{n} {state}" for state, n in unrun.items()) + " (not run)"
     if w.error is not None:
         tally = f"none of its {plural(len(w.tasks), 'task', 'tasks')} ran ({w.error.code})"
-    head = [f"# Wake: sleep {w.id} (#{w.seq}): {tally if w.tasks else 'a checkpoint (no launches)'}", ""]
+    if w.part == "early":
+        live = sum(counts.pop(state, 0) for state in sorted(LIVE_TASK_STATES))
+        ended = len(w.tasks) - live
+        tally = (
+            f"{ok} of the {plural(ended, 'task', 'tasks')} that ended completed"
+            + "".join(f", {n} {state}" for state, n in sorted(counts.items()))
+            + f"; {live} of {plural(len(w.tasks), 'task', 'tasks')} still running"
+        )
+        title = f"# Early wake: sleep {w.id} (#{w.seq}): {tally}"
+    elif w.part == "rest":
+        title = f"# Rest of sleep {w.id} (#{w.seq}): every task has ended: {tally}"
+    else:
+        title = f"# Wake: sleep {w.id} (#{w.seq}): {tally if w.tasks else 'a checkpoint (no launches)'}"
+    head = [title, ""]
     on = f" on snapshot {w.snapshot}" if w.snapshot else ""
     head.append(f"Slept {w.created_at} to {w.woken_at}{on}.")
     return "\n".join(head) + "\n"
+
+
+def condition_words(wake_on: WakeOn) -> str:
+    """A sleep's `wake_on` as the wake names it."""
+    if isinstance(wake_on, int):
+        return f"`wake_on` {wake_on} (once {plural(wake_on, 'task', 'tasks')} had ended)"
+    return f"`wake_on` {wake_on}"
+
+
+def _refs(refs: tuple[JobRef, ...], states: Mapping[tuple[str, int], str] | None = None) -> str:
+    """`a[0], b[1]`, or with `states` each task's state then: `a[0] (RUNNING), b[1] (PENDING)`."""
+    return ", ".join(
+        f"{r.launch}[{r.task}]"
+        + (f" ({states[(r.launch, r.task)]})" if states and (r.launch, r.task) in states else "")
+        for r in refs
+    )
+
+
+def render_condition(w: Wake) -> str:
+    """Why the sleep woke when it did, what became of the tasks that still ran then, and what happens next: said
+    for an early wake, its rest's wake and a wake whose `rest` "cancel" stopped the others."""
+    if w.trigger is None:
+        return ""
+    states = {(t.launch, t.task): t.state for t in w.tasks}
+    ended = next((t for t in w.tasks if (t.launch, t.task) == (w.trigger.launch, w.trigger.task)), None)
+    state = f" {ended.state}" if ended is not None else ""
+    why = f"Woke on {condition_words(w.wake_on)}: {w.trigger.launch}[{w.trigger.task}]{state}."
+    n = len(w.rest_tasks)
+    if w.part == "early":
+        return (
+            f"{why} Not ended yet, left running (`rest` run): {_refs(w.rest_tasks, states)}. They go on as they were, "
+            f"holding their slots, GPUs and reservations, and this sleep stays in flight (it counts toward "
+            f"max_sleeps_in_flight) until they have ended. Then their results come in the rest wake, "
+            f"{CHANNEL_DIR}/{ChannelPaths.WAKES}/{ChannelPaths.rest_wake_md(w.id)}: `syscall wait {w.id}` (the "
+            f"MCP `wait` with this sleep_id) waits for it and prints it. To stop them instead: `syscall cancel "
+            f"--sleep {w.id}` (their partial artifacts then come in the rest wake).\n"
+        )
+    if w.part == "rest":
+        return (
+            f"{why} Its early wake ({CHANNEL_DIR}/{ChannelPaths.WAKES}/{ChannelPaths.wake_md(w.id)}) delivered "
+            f"the tasks that had ended by then; this wake delivers the {plural(n, 'task', 'tasks')} it left "
+            f"running ({_refs(w.rest_tasks)}). Every task's final row is below; the details and tails here "
+            "are the rest's, those of the others are in the early wake.\n"
+        )
+    if w.rest == "cancel" and n:
+        return (
+            f"{why} The {plural(n, 'task', 'tasks')} still running then ({_refs(w.rest_tasks)}) were cancelled "
+            "(`rest` cancel); the artifacts each had written by then are delivered, marked partial (a task's "
+            "section below says what could not be). Nothing of this sleep runs any more.\n"
+        )
+    return why + "\n"
 
 
 def render_error(w: Wake) -> str:
@@ -649,6 +716,7 @@ def render_wake(w: Wake) -> str:
         w.contract_changed, ContractChanged
     ):  # kernel-written (kernel.core.contract), values escaped
         out.append(f"**Contract changed.** {visible(w.contract_changed.text)}\n")
+    out.append(render_condition(w))
     if w.error is not None:
         out.append(render_error(w))
     if w.note:
@@ -662,7 +730,7 @@ def render_wake(w: Wake) -> str:
         if listed:
             out.append(render_tables(w, listed))
         out.append(render_runs(runs, w.verdict.repeats if w.verdict is not None else 1))
-        notable = [t for t in w.tasks if not routine(t) and not routine_run(t)]
+        notable = [t for t in w.tasks if not routine(t) and not routine_run(t) and _detailed_here(w, t)]
         shown = tails_shown(notable)
         out += [render_task(t, tails=i in shown) for i, t in enumerate(notable)]
         with_tails = sum(1 for t in notable if has_tail(t))
@@ -675,6 +743,16 @@ def render_wake(w: Wake) -> str:
     refund = f" Refunded {w.refunded_gpu_hours:.2f} GPU-hours not used." if w.refunded_gpu_hours else ""
     out.append(render_budget(w.budget) + refund)
     return "\n".join(x.rstrip("\n") + "\n" for x in out if x).rstrip("\n") + "\n"
+
+
+def _detailed_here(w: Wake, t: TaskResult) -> bool:
+    """Whether this wake details the task: an early wake leaves out those still running (they are listed as
+    such), the rest's wake those the early wake detailed."""
+    if w.part == "early":
+        return t.state not in LIVE_TASK_STATES
+    if w.part == "rest":
+        return any((r.launch, r.task) == (t.launch, t.task) for r in w.rest_tasks)
+    return True
 
 
 def _side_paths(what: str, note: str, paths: tuple[SidePath, ...]) -> list[str]:

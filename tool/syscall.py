@@ -80,6 +80,7 @@ DEFAULT_LIMITS: dict[str, Any] = {
     "tail_verb_default_lines": 20,
     "tail_verb_max_lines": 200,
     "tail_verb_max_bytes": 16000,
+    "wake_on_max": 8 * 16,
 }
 # The same bounds where no kernel.json is at hand (help texts, the MCP server's own waits).
 MINUTES_MIN = DEFAULT_LIMITS["minutes_min"]
@@ -301,6 +302,53 @@ def _join(path: str, name: str) -> str:
 
 def _wrong_type(path: str, expected: str, value: Any) -> _Refuse:
     return _Refuse("field.type", f"{path} must be {expected}, got {_a(value)}", path)
+
+
+# A sleep's wake conditions besides a count, and what an early wake does with the rest (channel/limits.py).
+WAKE_ON_CONDITIONS = ("all", "first-failure", "first-exit")
+REST_CHOICES = ("run", "cancel")
+WAKE_ON_WORDS = (
+    "one of 'all', 'first-failure', 'first-exit', or a JSON integer N (1 to the sleep's task count): "
+    "wake once N tasks have ended"
+)
+REST_WORDS = (
+    "'run' (the tasks still running at an early wake go on; the rest wake delivers them) or 'cancel' (they "
+    "are cancelled, and the sleep wakes once they have stopped)"
+)
+
+
+def _wake_on(lim: dict[str, Any]) -> Check:
+    """A sleep's `wake_on`: a condition, or a count 1..wake_on_max (its own bound: _check_sleep_rules)."""
+
+    def check(v: Any, path: str) -> None:
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise _wrong_type(path, WAKE_ON_WORDS, v)
+        if isinstance(v, str):
+            if v not in WAKE_ON_CONDITIONS:
+                tail = "; write the count as a number, without quotes" if v.isdigit() else ""
+                raise _Refuse("sleep.wake_on.invalid", f"{path} must be {WAKE_ON_WORDS}{tail}", path)
+        elif v < 1:
+            raise _Refuse(
+                "sleep.wake_on.out_of_range",
+                f"{path}'s count must be at least 1: the sleep wakes once that many of its tasks have ended",
+                path,
+            )
+        elif v > lim["wake_on_max"]:
+            raise _Refuse(
+                "sleep.wake_on.out_of_range",
+                f"{path}'s count is above {lim['wake_on_max']}, more tasks than any sleep can have; use 1 to "
+                "the sleep's task count, or 'all'",
+                path,
+            )
+
+    return check
+
+
+def _rest(v: Any, path: str) -> None:
+    if not isinstance(v, str):
+        raise _wrong_type(path, "a string", v)
+    if v not in REST_CHOICES:
+        raise _Refuse("sleep.rest.invalid", f"{path} must be {REST_WORDS}", path)
 
 
 Check = Callable[[Any, str], None]
@@ -532,6 +580,8 @@ def _request_fields(verb: str, lim: dict[str, Any]) -> Fields:
         base["launches"] = (_array(lim["max_launches"], "sleep.launches.too_many", launch), False)
         base["submit"] = (submit, False)
         base["note"] = (_str(lim["note_max_chars"], "sleep.note.too_long"), False)
+        base["wake_on"] = (_wake_on(lim), False)
+        base["rest"] = (_rest, False)
     elif verb == "cancel":
         name = _str(10**9, "", pattern=lim["name_pattern"], invalid="cancel.name.invalid")
         base["launches"] = (_array(lim["cancel_max_names"], "cancel.launches.too_many", name), False)
@@ -611,7 +661,35 @@ def artifact_path_problem(path: str) -> str | None:
     return None
 
 
+def _check_wake_on(req: dict[str, Any]) -> None:
+    """`wake_on` and `rest` against the sleep itself (the kernel's stage 4, channel/decode.py)."""
+    wake_on, rest = req.get("wake_on", "all"), req.get("rest", "run")
+    tasks = sum(int(x.get("array", 1)) for x in req.get("launches", []))
+    if isinstance(wake_on, int) and wake_on > tasks:
+        raise _Refuse(
+            "sleep.wake_on.out_of_range",
+            f"$.wake_on is {wake_on} but the sleep has {_n(tasks, 'task', 'tasks')} (its launches' arrays "
+            f"summed); use 1..{tasks}, or 'all'",
+            "$.wake_on",
+        )
+    if wake_on != "all" and req.get("submit") is not None:
+        raise _Refuse(
+            "sleep.wake_on.invalid",
+            "a sleep that carries a submit wakes when its verdict is reached, which needs every evaluation "
+            "run; drop wake_on, or commit the submit in a sleep of its own",
+            "$.wake_on",
+        )
+    if rest == "cancel" and wake_on == "all":
+        raise _Refuse(
+            "sleep.rest.invalid",
+            "rest says what happens to the tasks still running at an early wake, and wake_on 'all' never "
+            "wakes early; drop rest, or set wake_on (first-failure, first-exit or a count)",
+            "$.rest",
+        )
+
+
 def _check_sleep_rules(req: dict[str, Any]) -> None:
+    _check_wake_on(req)
     names = set()
     for i, launch in enumerate(req.get("launches", [])):
         at = f"$.launches[{i}]"
@@ -1287,6 +1365,12 @@ class Staging:
             for x in data.get("unread") or []
             if isinstance(x, str) and re.search(DEFAULT_LIMITS["id_pattern"], x) is not None
         ]
+        # Sleeps whose early wake `wait` has shown and whose rest wake (wakes/<id>.rest.md) it has not.
+        self.rest_unread: list[str] = [
+            x
+            for x in data.get("rest_unread") or []
+            if isinstance(x, str) and re.search(DEFAULT_LIMITS["id_pattern"], x) is not None
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -1297,6 +1381,7 @@ class Staging:
             "current_sleep": self.current_sleep,
             "pending": self.pending,
             "unread": self.unread,
+            "rest_unread": self.rest_unread,
         }
 
     def names(self) -> list[str]:
@@ -1345,6 +1430,7 @@ def load_staging(ch: Channel) -> Staging:
         and isinstance(data.get("current_sleep"), (str, type(None)))
         and isinstance(data.get("pending"), (dict, type(None)))
         and isinstance(data.get("unread", []), list)
+        and isinstance(data.get("rest_unread", []), list)
     )
     if not ok:
         raise StagingError(f"{where} is corrupt (wrong field types)")
@@ -1500,14 +1586,34 @@ def announce_contract(ch: Channel, json_mode: bool) -> Callable[[], None]:
     return record
 
 
-def _mark_read(ch: Channel, sleep_id: str) -> None:
-    """`wait` showed this sleep's wake: a later `wait` without an id waits for another."""
+def _mark_read(ch: Channel, sleep_id: str, early: bool = False) -> None:
+    """`wait` showed this sleep's wake (`early`: its early wake, whose rest is still to come): a later `wait`
+    without an id waits for another (for an early wake: its rest, or another sleep's wake)."""
     with _STAGING_LOCK, contextlib.suppress(ToolError):
         st = load_staging(ch)
         reconcile(ch, st)
+        before = (list(st.unread), list(st.rest_unread))
         if sleep_id in st.unread:
             st.unread.remove(sleep_id)
+        if early and sleep_id not in st.rest_unread:
+            st.rest_unread.append(sleep_id)
+        if not early and sleep_id in st.rest_unread:
+            st.rest_unread.remove(sleep_id)
+        if (st.unread, st.rest_unread) != before:
             save_staging(ch, st)
+
+
+def wake_stem(sleep_id: str, rest: bool) -> str:
+    """The name under wakes/ (without .json or .md) of a sleep's wake, or of its rest's (spec 8.8)."""
+    return sleep_id + (".rest" if rest else "")
+
+
+def early_wake(ch: Channel, sleep_id: str) -> Optional[Dict[str, Any]]:
+    """The sleep's wake when it is an early one whose rest is still to come (`rest` run), else None."""
+    wake = ch.read_json("wakes", sleep_id + ".json")
+    if isinstance(wake, dict) and wake.get("part") == "early" and wake.get("rest") != "cancel":
+        return wake
+    return None
 
 
 # One read-modify-write of staged.json at a time within this process: the MCP server runs tool calls on
@@ -1532,9 +1638,26 @@ def _settled_staging(ch: Channel) -> Staging:
         return st
 
 
-def _sleep_request(ch: Channel, st: Staging, note: str) -> dict[str, Any]:
+def _sleep_request(
+    ch: Channel, st: Staging, note: str, wake_on: Any = None, rest: Any = None
+) -> dict[str, Any]:
     req = _request(ch, "sleep", launches=list(st.launches), submit=st.submit, note=note)
+    if wake_on is not None or rest is not None:
+        if "wake_on_max" not in ch.info()["limits"]:
+            raise ToolError(
+                EXIT_USAGE,
+                "syscall: this kernel does not offer --wake-on and --rest (its kernel.json limits have no "
+                "wake_on_max); sleep without them, and the sleep wakes when all its tasks have ended.",
+            )
+        if wake_on is not None:
+            req["wake_on"] = None if wake_on is _NULL else wake_on
+        if rest is not None:
+            req["rest"] = None if rest is _NULL else rest
     return req
+
+
+# An MCP argument given as JSON null (`None` is an argument not given): sent as null, for the request's rules.
+_NULL = object()
 
 
 CLI_FLAGS = {
@@ -1992,6 +2115,12 @@ def cmd_sleep(ch: Channel, args: argparse.Namespace) -> int:
             )
         else:
             _out(f"Next: {_cmd('wait')} blocks until the sleep wakes and prints the wake.")
+        if req.get("wake_on", "all") != "all" and req.get("rest", "run") == "run":
+            again = _cmd("wait", req["id"], json.dumps({"sleep_id": req["id"]}))
+            _out(
+                "It wakes early on wake_on {}: the tasks still running then go on, and {} again prints the "
+                "rest's wake when they end.".format(req["wake_on"], again)
+            )
         return EXIT_OK
     return wait_for_wake(ch, req["id"], deadline, args.every, args.json)
 
@@ -2010,7 +2139,7 @@ def _commit_sleep_locked(ch: Channel, args: argparse.Namespace) -> tuple[dict[st
             "syscall: sleep {} has not been answered yet; {} follows it (the next sleep is committed once "
             "it is answered), {} forgets it.".format(st.pending.get("id"), _cmd("wait"), _cmd("unstage")),
         )
-    req = _sleep_request(ch, st, args.note)
+    req = _sleep_request(ch, st, args.note, getattr(args, "wake_on", None), getattr(args, "rest", None))
     problem = validate_request(req, ch.limits, ch.policy, stem=req["id"])
     if problem:
         refuse(problem, args.json, refusal_hint(problem[0], problem[2], st))
@@ -2138,9 +2267,9 @@ def cmd_wait(ch: Channel, args: argparse.Namespace) -> int:
             EXIT_USAGE,
             f"syscall: {sleep_id!r} is not a sleep id (they look like 1764460800000-3fa9c2d1)",
         )
-    others: list[str] = []
+    others: list[Tuple[str, bool]] = []
     if sleep_id is None:
-        sleep_id, others = _sleeps_to_wait_for(ch, args)
+        (sleep_id, rest), others = _sleeps_to_wait_for(ch, args)
     else:
         known = [
             ch.path("answers", sleep_id + ".json"),
@@ -2154,10 +2283,12 @@ def cmd_wait(ch: Channel, args: argparse.Namespace) -> int:
                 f"syscall: no sleep {sleep_id} is known here (no request, answer or wake); "
                 f"{_cmd('history')} lists your sleeps.",
             )
-    code = wait_for_wake(ch, sleep_id, deadline, args.every, args.json, others)
+        rest = _wants_rest(ch, sleep_id)
+    code = wait_for_wake(ch, sleep_id, deadline, args.every, args.json, others, rest=rest)
     if args.sleep_id is None and not args.json:
         with contextlib.suppress(StagingError):
-            left = _settled_staging(ch).unread
+            st = _settled_staging(ch)
+            left = st.unread + ["the rest of " + x for x in st.rest_unread if x not in st.unread]
             if left:
                 _out(
                     "Not shown yet: the wake of your {} {}; {} shows the next.".format(
@@ -2167,23 +2298,43 @@ def cmd_wait(ch: Channel, args: argparse.Namespace) -> int:
     return code
 
 
-def _sleeps_to_wait_for(ch: Channel, args: argparse.Namespace) -> tuple[str, list[str]]:
-    """The sleep `wait` without an id follows (its tasks are reported as they end), and the others whose wake
-    ends the wait too: every sleep this tool committed whose wake it has not shown, oldest first, and one
-    written but not answered yet (a wake already there is shown at once); else the current sleep, as the
-    kernel says."""
+def _wants_rest(ch: Channel, sleep_id: str) -> bool:
+    """Whether `wait SLEEP-ID` waits for the sleep's rest wake: its early wake is there and was shown (or was
+    not this tool's to show), or the rest wake is."""
+    if os.path.exists(ch.path("wakes", wake_stem(sleep_id, True) + ".md")):
+        with contextlib.suppress(StagingError):
+            if sleep_id in _settled_staging(ch).unread:
+                return False  # the early wake first
+        return True
+    if early_wake(ch, sleep_id) is None:
+        return False
+    with contextlib.suppress(StagingError):
+        return sleep_id not in _settled_staging(ch).unread
+    return True
+
+
+def _sleeps_to_wait_for(
+    ch: Channel, args: argparse.Namespace
+) -> Tuple[Tuple[str, bool], List[Tuple[str, bool]]]:
+    """The wake `wait` without an id follows (its sleep's tasks are reported as they end), and the others
+    whose wake ends the wait too, each (sleep id, whether it is the sleep's rest wake): every sleep this tool
+    committed whose wake it has not shown, oldest first, then the rest wakes of those it showed woken early,
+    and one written but not answered yet (a wake already there is shown at once); else the current sleep, as
+    the kernel says."""
     try:
         st = _settled_staging(ch)
     except StagingError as exc:
         _err(exc.message)
         st = Staging({})
-    ids = list(st.unread)
-    if st.pending and isinstance(st.pending.get("id"), str) and st.pending["id"] not in ids:
-        ids.append(str(st.pending["id"]))
+    ids = [(x, False) for x in st.unread]
+    if st.pending and isinstance(st.pending.get("id"), str) and st.pending["id"] not in st.unread:
+        ids.append((str(st.pending["id"]), False))
+    ids += [(x, True) for x in st.rest_unread if x not in st.unread]
     if ids:
-        woken = [s for s in ids if os.path.exists(ch.path("wakes", s + ".md"))]
+        woken = [t for t in ids if os.path.exists(ch.path("wakes", wake_stem(*t) + ".md"))]
         return (woken[0], []) if woken else (ids[0], ids[1:])
-    return _current_sleep(ch, args), []
+    current = _current_sleep(ch, args)
+    return (current, _wants_rest(ch, current)), []
 
 
 def _current_sleep(ch: Channel, args: argparse.Namespace) -> str:
@@ -2215,10 +2366,12 @@ def wait_for_wake(
     deadline: float | None,
     every: float,
     json_mode: bool,
-    others: Sequence[str] = (),
+    others: Sequence[Tuple[str, bool]] = (),
+    rest: bool = False,
 ) -> int:
-    """Wait for `wakes/<sleep_id>`, printing one line per task as it ends; then print the wake. The wake of
-    one of `others` (sleeps in flight too) ends the wait as well: that wake is printed instead.
+    """Wait for `wakes/<sleep_id>` (`rest`: the sleep's rest wake, `wakes/<sleep_id>.rest`), printing one
+    line per task as it ends; then print the wake. The wake of one of `others` ((sleep id, rest) of sleeps in
+    flight too) ends the wait as well: that wake is printed instead.
 
     The ends come from the sleep's `results/<seq>/progress.json` (PROTOCOL.md 8.7), looked at every `every`
     seconds: a `stat`, and a read only when the kernel wrote it anew; so does a line per step of the
@@ -2244,7 +2397,8 @@ def wait_for_wake(
         if not announced:
             announced = True
             say(
-                "Waiting for sleep {} ({}, {} done; a line per task as it ends).".format(
+                "Waiting for {}sleep {} ({}, {} done; a line per task as it ends).".format(
+                    "the rest of " if rest else "",
                     sleep_id,
                     _n(len(tasks), "task", "tasks"),
                     sum(1 for t in tasks if t.get("state") in TERMINAL_STATES),
@@ -2260,10 +2414,17 @@ def wait_for_wake(
             status_id = None
 
     ext = ".json" if json_mode else ".md"
-    wake_name = sleep_id + ext
+    wake_name = wake_stem(sleep_id, rest) + ext
     can_ask = "status" in ch.enabled_verbs()
     status_every = max(every, STATUS_EVERY_S)
     reported: set[Any] = set()  # (launch, task) already printed as ended
+    if rest:  # the early wake showed the tasks that had ended by then
+        early = early_wake(ch, sleep_id) or {}
+        reported = {
+            (t.get("launch"), t.get("task"))
+            for t in early.get("tasks") or []
+            if isinstance(t, dict) and t.get("state") in TERMINAL_STATES
+        }
     status_id: str | None = None
     status_sent = 0.0
     now = time.monotonic()
@@ -2278,16 +2439,16 @@ def wait_for_wake(
     settled = False
     poll = _Poll(min(every, 0.2))
     while True:
-        first = next((o for o in others if os.path.exists(ch.path("wakes", o + ext))), None)
+        first = next((o for o in others if os.path.exists(ch.path("wakes", wake_stem(*o) + ext))), None)
         if first is not None and not os.path.exists(ch.path("wakes", wake_name)):
             drop_status()
-            return _print_wake(ch, first, json_mode, announced)
+            return _print_wake(ch, first[0], json_mode, announced, rest=first[1])
         if os.path.exists(ch.path("wakes", wake_name)):
             if announced:  # finish the progress report from the wake itself
-                wake = ch.read_json("wakes", sleep_id + ".json")
+                wake = ch.read_json("wakes", wake_stem(sleep_id, rest) + ".json")
                 report([t for t in (wake or {}).get("tasks") or [] if isinstance(t, dict)])
             drop_status()
-            return _print_wake(ch, sleep_id, json_mode, announced)
+            return _print_wake(ch, sleep_id, json_mode, announced, rest=rest)
         now = time.monotonic()
         if not settled:
             ans = ch.answer(sleep_id)
@@ -2337,10 +2498,14 @@ def wait_for_wake(
             if status_id is not None:
                 ch.withdraw(status_id)
             again = _cmd("wait", sleep_id, json.dumps({"sleep_id": sleep_id}))
+            what = (
+                f"the rest of sleep {sleep_id} has not ended yet"
+                if rest
+                else f"sleep {sleep_id} has not woken yet"
+            )
             raise ToolError(
                 EXIT_TIMEOUT,
-                f"syscall: sleep {sleep_id} has not woken yet (timed out waiting). Its jobs keep running; "
-                f"{again} waits again.",
+                f"syscall: {what} (timed out waiting). Its jobs keep running; {again} waits again.",
                 {"type": "timeout", "id": sleep_id},
             )
         try:  # woken for the next look on time: looks are `every` apart, whatever the poll has grown to
@@ -2400,24 +2565,32 @@ def _settle_staging(ch: Channel) -> None:
         _settled_staging(ch)
 
 
-def _print_wake(ch: Channel, sleep_id: str, json_mode: bool, announced: bool) -> int:
+def _print_wake(ch: Channel, sleep_id: str, json_mode: bool, announced: bool, rest: bool = False) -> int:
+    stem = wake_stem(sleep_id, rest)
+    wake: Any = None
     if json_mode or getattr(_CALL, "results", None) is not None:
         poll = _Poll()
         give_up = time.monotonic() + 5.0
-        wake = ch.read_json("wakes", sleep_id + ".json")
+        wake = ch.read_json("wakes", stem + ".json")
         while wake is None and time.monotonic() < give_up:  # present but not parseable yet
             poll(give_up)
-            wake = ch.read_json("wakes", sleep_id + ".json")
+            wake = ch.read_json("wakes", stem + ".json")
         if _result(wake, json_mode):
-            _mark_read(ch, sleep_id)
+            _mark_read(ch, sleep_id, early=not rest and _is_early(wake))
             return EXIT_OK
-    text = ch.read_text("wakes", sleep_id + ".md") or ""
+    text = ch.read_text("wakes", stem + ".md") or ""
     if announced:
         _out("")
     _out(text[:-1] if text.endswith("\n") else text)
-    _out("(The wake is kept at {}.)".format(ch.show("wakes", sleep_id + ".md")))
-    _mark_read(ch, sleep_id)
+    _out("(The wake is kept at {}.)".format(ch.show("wakes", stem + ".md")))
+    early = not rest and _is_early(wake if isinstance(wake, dict) else ch.read_json("wakes", stem + ".json"))
+    _mark_read(ch, sleep_id, early=early)
     return EXIT_OK
+
+
+def _is_early(wake: Any) -> bool:
+    """Whether `wake` is an early wake whose rest is still to come (`rest` run)."""
+    return isinstance(wake, dict) and wake.get("part") == "early" and wake.get("rest") != "cancel"
 
 
 def cmd_cancel(ch: Channel, args: argparse.Namespace) -> int:
@@ -2440,13 +2613,16 @@ def cmd_cancel(ch: Channel, args: argparse.Namespace) -> int:
     _expect(ans, "cancelled")
     if _result(ans, args.json):
         return EXIT_OK
-    for line in cancel_lines(ans, list(args.names)):
+    sleep_id = ans.get("sleep")
+    early = isinstance(sleep_id, str) and re.fullmatch(ch.limits["id_pattern"], sleep_id) is not None
+    for line in cancel_lines(ans, list(args.names), early and early_wake(ch, str(sleep_id)) is not None):
         _out(line)
     return EXIT_OK
 
 
-def cancel_lines(ans: Dict[str, Any], names: List[str]) -> List[str]:
-    """What a `cancelled` answer means: the jobs this cancel stopped, or that it stopped none."""
+def cancel_lines(ans: Dict[str, Any], names: List[str], rest_wake: bool = False) -> List[str]:
+    """What a `cancelled` answer means: the jobs this cancel stopped, or that it stopped none (`rest_wake`:
+    the sleep woke early, so its rest wake reports them)."""
     jobs = [j for j in ans.get("cancelled") or [] if isinstance(j, dict)]
     which = ", ".join(names) if names else "any launch"
     if not jobs:
@@ -2461,7 +2637,12 @@ def cancel_lines(ans: Dict[str, Any], names: List[str]) -> List[str]:
         ]
     if isinstance(ans.get("budget"), dict):
         lines.append(_budget_line(ans["budget"]))
-    if jobs:
+    if jobs and rest_wake:
+        lines.append(
+            "The sleep woke early; its rest wake (wakes/{}.rest.md) comes when these jobs have stopped and "
+            "reports them as CANCELLED.".format(ans.get("sleep"))
+        )
+    elif jobs:
         lines.append("The sleep still wakes when its jobs have stopped; the wake reports them as CANCELLED.")
     return lines
 
@@ -2645,6 +2826,15 @@ def sleep_line(sleep: Dict[str, Any], done: int, total: int) -> str:
     """One line on a sleep: woken (when), rejected, or still in progress (since when)."""
     head = "Sleep {} (#{})".format(sleep.get("id"), sleep.get("seq"))
     tally = "{}/{} done".format(done, _n(total, "task", "tasks"))
+    if sleep.get("state") in ("early_gathered", "early_woken"):  # its early wake is recorded, its rest runs
+        text = "{} woke early at {} (wake_on {}): {}; the others still run, and {} prints the rest's wake "
+        return (text + "when they end.").format(
+            head,
+            sleep.get("woken_at") or "?",
+            sleep.get("wake_on"),
+            tally,
+            _cmd("wait", str(sleep.get("id")), json.dumps({"sleep_id": sleep.get("id")})),
+        )
     if sleep.get("state") in ("gathered", "woken"):  # gathered: its wake is recorded and may be read already
         return "{} woke at {} (slept from {}): {}.".format(
             head, sleep.get("woken_at") or "?", sleep.get("created_at"), tally
@@ -3326,9 +3516,16 @@ def _run_unstage(ch: Channel, a: dict[str, Any]) -> int:
 
 
 def _run_sleep(ch: Channel, a: dict[str, Any]) -> int:
-    _only(a, ("note", "wait", "timeout_s"))
+    _only(a, ("note", "wait", "timeout_s", "wake_on", "rest"))
     wait = _arg(a, "wait", "boolean", False)
-    args = _ns(note=a.get("note", ""), wait=wait, timeout=_arg(a, "timeout_s", "seconds", MCP_WAIT_DEFAULT_S))
+    args = _ns(
+        note=a.get("note", ""),
+        wait=wait,
+        timeout=_arg(a, "timeout_s", "seconds", MCP_WAIT_DEFAULT_S),
+        # judged with the request (absent: None; null is sent as null, and refused as the kernel would)
+        wake_on=_NULL if "wake_on" in a and a["wake_on"] is None else a.get("wake_on"),
+        rest=_NULL if "rest" in a and a["rest"] is None else a.get("rest"),
+    )
     return cmd_sleep(ch, args)
 
 
@@ -3371,8 +3568,8 @@ def _last(results: list[Any]) -> Any:
 _TIMEOUT_IN = {
     "type": "number",
     "exclusiveMinimum": 0,
-    "maximum": MCP_WAIT_MAX_S,
-    "default": MCP_WAIT_DEFAULT_S,
+    "maximum": int(MCP_WAIT_MAX_S),
+    "default": int(MCP_WAIT_DEFAULT_S),
     "description": "jobs outlive it",
 }
 
@@ -3572,8 +3769,8 @@ MCP_TOOLS = [
     ),
     McpTool(
         "sleep",
-        "Run what is staged (none: a checkpoint) in a snapshot; costs one sleep (refused: nothing). "
-        'wait: true returns the wake. Example: sleep {"wait": true}',
+        "Commit what is staged (none: a checkpoint); costs a sleep (refused: nothing). wait: true returns "
+        'the wake. Example: sleep {"wait": true}',
         _run_sleep,
         _members("answer", "wake"),
         inputs=lambda lim, pol: {
@@ -3581,10 +3778,13 @@ MCP_TOOLS = [
                 "note": {"type": "string", "maxLength": lim["note_max_chars"]},  # shown in the wake
                 "wait": {"type": "boolean"},
                 "timeout_s": _TIMEOUT_IN,
+                # a string or an integer: the request's rules judge it (no type here: the listing stays small)
+                "wake_on": {"description": "first-failure|first-exit|N"},
+                "rest": {"enum": list(REST_CHOICES)},
             }
         },
         structured=_sleep_result,
-        request={"note": "note"},  # and what launch and submit staged
+        request={"note": "note", "wake_on": "wake_on", "rest": "rest"},  # and what launch and submit staged
         read_only=False,
     ),
     McpTool(
@@ -3596,7 +3796,8 @@ MCP_TOOLS = [
         inputs=lambda lim, pol: {
             "properties": {
                 "sleep_id": {"type": "string"},
-                "timeout_s": {k: v for k, v in _TIMEOUT_IN.items() if k != "description"},  # said above
+                # its default is the sleep tool's (said above); the server refuses what is out of range
+                "timeout_s": {"type": "number", "maximum": _TIMEOUT_IN["maximum"]},
                 "interval_s": {"type": "number"},  # seconds between looks (default 0.2); > 0
             }
         },
@@ -4130,6 +4331,24 @@ def _positive_seconds(text: str) -> float:
     return v
 
 
+def _wake_on_arg(text: str) -> Any:
+    """`--wake-on`: a condition, or a count of ended tasks as a whole number (the request's rules judge
+    it)."""
+    if text in WAKE_ON_CONDITIONS:
+        return text
+    if re.fullmatch(r"-?[0-9]+", text):
+        if len(text) > 30:  # no int() of an agent's megabyte of digits: it is above any sleep's tasks anyway
+            raise argparse.ArgumentTypeError(
+                f"{text[:20]}... ({len(text)} digits) is above the tasks any sleep can have "
+                f"(at most {DEFAULT_LIMITS['wake_on_max']}); give N at most the sleep's task count"
+            )
+        return int(text)
+    raise argparse.ArgumentTypeError(
+        f"{text[:64]!r} is not a wake condition: use all, first-failure, first-exit, or a whole number N "
+        "(wake once N tasks have ended, N at most the sleep's task count)"
+    )
+
+
 def _mem_mb(text: str) -> int:
     """`--mem`: megabytes, as a whole number with an optional unit M or G (Slurm's `--mem`, binary units)."""
     m = re.fullmatch(r"\s*([0-9]{1,12})\s*([MmGg]?)[Bb]?\s*", text)
@@ -4324,16 +4543,35 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         subs,
         common,
         "sleep",
-        "Commit the staged launches (and submit) and park until all jobs end.",
+        "Commit the staged launches (and submit) and park until all jobs end (or --wake-on says sooner).",
         "{p} sleep --note 'lr sweep, expect lr=3e-4 best' --wait",
         "Zero staged launches make a checkpoint. Without --wait it returns once the kernel accepted\n"
         "the sleep; `wait` then blocks for the wake. A rejected sleep costs nothing and keeps your\n"
         "staged launches. A sleep whose uv.lock has no built environment yet is accepted at once\n"
         '("building the environment for uv.lock"): its jobs start when the build is done, `status`\n'
         "and `tail` show the build, and a build that fails wakes the sleep with environment.failed,\n"
-        "refunded.",
+        "refunded.\n"
+        "--wake-on first-failure (or first-exit, or N) wakes the sleep early: the wake lists the tasks\n"
+        "still running, which (default --rest run) go on, still count toward max_sleeps_in_flight, and\n"
+        "come in a second wake, wakes/SLEEP-ID.rest.md, that `wait SLEEP-ID` prints once they end;\n"
+        "--rest cancel stops them instead, and the one wake comes once they have stopped.",
     )
     p.add_argument("--note", default="", help="a note to your future self, shown in the wake")
+    p.add_argument(
+        "--wake-on",
+        type=_wake_on_arg,
+        metavar="WHEN",
+        help="all (default: when every task has ended), first-failure (the first task that exits non-zero, "
+        "is killed or times out), first-exit (the first task that ends, however), or N (once N tasks have "
+        "ended, N <= the sleep's tasks); not with a staged submit",
+    )
+    p.add_argument(
+        "--rest",
+        choices=REST_CHOICES,
+        help="what an early wake does with the tasks still running: run (default: they go on, and "
+        "`wait SLEEP-ID` prints the rest wake when they end) or cancel (stopped at once; the one wake comes "
+        "when they have stopped, their partial artifacts delivered)",
+    )
     p.add_argument("--wait", action="store_true", help="block until the wake and print it")
     p.add_argument(
         "--timeout", type=_positive_seconds, help="give up after S seconds (exit 4; the jobs keep running)"
@@ -4348,7 +4586,9 @@ def build_parser(submit_contract: str = "") -> argparse.ArgumentParser:
         "Block until a sleep wakes, reporting each task as it ends, then print the wake.",
         "{p} wait --timeout 600\n{p} wait 1764460800000-3fa9c2d1",
         "Without an id it waits for the first wake of the sleeps you committed whose wake it has not\n"
-        "shown (one already there is shown at once), reporting the oldest one's tasks as they end.\n"
+        "shown (one already there is shown at once), reporting the oldest one's tasks as they end;\n"
+        "after a sleep's early wake (sleep --wake-on) was shown, its rest wake is one of them, and\n"
+        "`wait SLEEP-ID` waits for it.\n"
         "A sleep waiting for its environment build gets a line as the build waits for a slot, begins,\n"
         "is built or fails. Interrupting or timing out stops only the waiting.",
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from channel.messages import Policy, SleepState, TaskState
+from channel.messages import Policy, Rest, SleepState, TaskState, WakeOn
 from channel.safefs import Identity
 from kernel.core.budget import Balance
 
@@ -52,6 +52,13 @@ class SleepRow:
     created_at: str
     woken_at: str | None
     verdict: bytes | None
+    # When the sleep wakes and what an early wake does with the rest (the request's `wake_on`, `rest`); the task
+    # whose end met `wake_on` ((launch, task); None until the kernel acted on it) and the tasks still live then,
+    # which `rest` applies to.
+    wake_on: WakeOn = "all"
+    rest: Rest = "run"
+    trigger: tuple[str, int] | None = None
+    rest_tasks: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,12 @@ import msgspec
 from channel import limits as L
 from channel import sweep
 from channel.decode import RequestError, at_a_time, check_policy, clamp_note, count_of
-from channel.lifecycle import LIVE_TASK_STATES, SLEEP_OVER_FOR_AGENT, TERMINAL_TASK_STATES
+from channel.lifecycle import (
+    LIVE_TASK_STATES,
+    SLEEP_OVER_FOR_AGENT,
+    SLEEP_WOKEN_EARLY,
+    TERMINAL_TASK_STATES,
+)
 from channel.messages import (
     CancelRequest,
     EnvironmentBuild,
@@ -86,8 +91,24 @@ Sleep = tuple[SleepRow, Sequence[JobRow]]
 
 
 def named_sleeps(sleeps: Sequence[Sleep]) -> str:
-    """'a' (seq 3), 'b' (seq 4): sleeps as a message names them."""
-    return ", ".join(f"{s.id!r} (seq {s.seq})" for s, _ in sleeps)
+    """'a' (seq 3), 'b' (seq 4; woke early, 2 tasks still running): sleeps as a message names them."""
+    return ", ".join(_named(s, jobs) for s, jobs in sleeps)
+
+
+def _named(s: SleepRow, jobs: Sequence[JobRow]) -> str:
+    if s.state in SLEEP_WOKEN_EARLY:
+        running = sum(1 for j in jobs if j.state in LIVE_TASK_STATES)
+        if not running:  # its rest has ended and is being gathered: the rest wake comes now
+            return f"{s.id!r} (seq {s.seq}; woke early, and its rest wake is being written)"
+        return f"{s.id!r} (seq {s.seq}; woke early, {count_of(running, 'task')} of it still running)"
+    return f"{s.id!r} (seq {s.seq})"
+
+
+# What a refusal adds when a sleep it names woke early: it is in flight until its rest has ended.
+EARLY_IN_FLIGHT: Final = (
+    " (a sleep that woke early stays in flight until the tasks it left running have ended: its rest wake, "
+    "`wakes/<id>.rest.md`, comes then; cancel them to end it sooner)"
+)
 
 
 def width_of(job: JobRow, max_concurrent_gpus: int) -> int:
@@ -219,7 +240,8 @@ def accept_sleep(
         raise RequestError(
             "sleep.in_progress",
             f"already {count_of(len(in_flight), 'sleep')} in flight (max_sleeps_in_flight {limit}): "
-            f"{named_sleeps(in_flight)}; wait for a wake, or cancel a sleep's launches",
+            f"{named_sleeps(in_flight)}; wait for a wake, or cancel a sleep's launches"
+            + (EARLY_IN_FLIGHT if any(x.state in SLEEP_WOKEN_EARLY for x, _ in in_flight) else ""),
             None,
         )
     if req.submit is not None:
@@ -485,6 +507,8 @@ def sleep_view(s: SleepRow, jobs: Sequence[JobRow], now: float, max_concurrent_g
         created_at=s.created_at,
         woken_at=s.woken_at,
         note=s.note,
+        wake_on=s.wake_on,
+        rest=s.rest,
         tasks=tuple(
             TaskView(
                 launch=j.launch,

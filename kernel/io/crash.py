@@ -22,6 +22,11 @@ CRASH_ENV: Final = "SYSCALL_KERNEL_CRASH_AT"
 # handed to the backend, job ids not yet recorded; task_end: a task's end recorded while others still run;
 # gathered: the wake recorded, no wake file written.
 CRASH_STEPS: Final = ("recorded", "snapshot", "submit", "task_end", "gathered")
+# A sleep's early wake (`wake_on`; tests/fault/test_wake_on_crash.py: only such a sleep reaches them):
+# early_gathered: the early wake recorded, no file of it written; early_woken: its files written and the sleep
+# recorded early_woken, the rest still running; rest_cancel (`rest` "cancel"): the trigger and the tasks to stop
+# recorded, their cancel not sent.
+WAKE_ON_CRASH_STEPS: Final = ("early_gathered", "early_woken", "rest_cancel")
 # build: a locked environment's background build begun (its flock held, its builder recorded), uv not yet run
 # (tests/fault/test_environment_build_crash.py: only a sleep with a uv.lock reaches it).
 ENV_CRASH_STEPS: Final = ("build",)
@@ -31,7 +36,12 @@ SLURM_CRASH_STEPS: Final = ("sbatch",)
 
 def crash_point(step: str) -> None:
     """TEST ONLY: die here, as a SIGKILL would, when SYSCALL_KERNEL_CRASH_AT names this step."""
-    assert step in CRASH_STEPS or step in SLURM_CRASH_STEPS or step in ENV_CRASH_STEPS, step
+    assert (
+        step in CRASH_STEPS
+        or step in SLURM_CRASH_STEPS
+        or step in ENV_CRASH_STEPS
+        or step in WAKE_ON_CRASH_STEPS
+    ), step
     if os.environ.get(CRASH_ENV) == step:
         klog.event("crash_injected", logging.WARNING, step=step)
         for h in logging.getLogger().handlers:

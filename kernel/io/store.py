@@ -13,6 +13,7 @@ One `Store` is used by one thread at a time (the pipeline's worker); sqlite's ow
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sqlite3
@@ -53,8 +54,10 @@ from kernel.io.budgetorder import BudgetOrder
 # 2 is a store with all of them; 3 adds the memory and CPUs a launch asked for per task (jobs.mem_mb, jobs.cpus); 4
 # a swept task's values, its launch's rank key and the numbers of its last JSON line (jobs.params, jobs.rank,
 # jobs.metrics); 5 the contract each workspace was last told (contract_told); 6 how many tasks of a launch run at
-# once, decided at acceptance (jobs.width). A change to the schema raises it and adds a step to _MIGRATIONS.
-SCHEMA_VERSION: Final = 6
+# once, decided at acceptance (jobs.width); 7 a sleep's wake condition, what its early wake does with the rest and
+# the task that met it (sleeps.wake_on, sleeps.rest, sleeps.woke_by). A change to the schema raises it and adds a
+# step to _MIGRATIONS.
+SCHEMA_VERSION: Final = 7
 
 
 def _sql_states(states: frozenset[str]) -> str:
@@ -124,6 +127,9 @@ CREATE TABLE sleeps (
     created_at      TEXT NOT NULL,
     woken_at        TEXT,
     verdict         BLOB,
+    wake_on         TEXT,
+    rest            TEXT,
+    woke_by         TEXT,
     PRIMARY KEY (workspace, seq),
     UNIQUE (workspace, id)
 ) STRICT;
@@ -337,6 +343,15 @@ def _add_job_width(c: sqlite3.Connection) -> None:
         c.execute("ALTER TABLE jobs ADD COLUMN width INTEGER")
 
 
+def _add_sleep_wake_on(c: sqlite3.Connection) -> None:
+    """Schema 7: a sleep's wake condition, its `rest` and the task that met the condition, NULL for every older
+    sleep (it wakes when all its tasks have ended, as every sleep did)."""
+    have = {r[1] for r in c.execute("PRAGMA table_info(sleeps)")}
+    for column in ("wake_on", "rest", "woke_by"):
+        if column not in have:
+            c.execute(f"ALTER TABLE sleeps ADD COLUMN {column} TEXT")
+
+
 # version -> the step that takes a store at that version to the next one, run in the migrating transaction.
 _MIGRATIONS: Final[dict[int, Callable[[sqlite3.Connection], None]]] = {
     1: _ensure_additive,
@@ -344,6 +359,7 @@ _MIGRATIONS: Final[dict[int, Callable[[sqlite3.Connection], None]]] = {
     3: _add_job_sweeps,
     4: _add_contract_told,
     5: _add_job_width,
+    6: _add_sleep_wake_on,
 }
 assert set(_MIGRATIONS) == set(range(1, SCHEMA_VERSION)), "a step for every version below SCHEMA_VERSION"
 
@@ -1076,7 +1092,29 @@ class Store:
 
     # --- sleeps -------------------------------------------------------------------------------------------
 
-    _SLEEP_COLS: Final = "workspace, seq, id, state, note, submit, created_at, woken_at, verdict"
+    _SLEEP_COLS: Final = (
+        "workspace, seq, id, state, note, submit, created_at, woken_at, verdict, wake_on, rest, woke_by"
+    )
+
+    @staticmethod
+    def _sleep_row(row: Any) -> SleepRow:
+        workspace, seq, sid, state, note, submit, created_at, woken_at, verdict, wake_on, rest, woke_by = row
+        got = json.loads(woke_by) if woke_by else None
+        return SleepRow(
+            workspace,
+            seq,
+            sid,
+            state,
+            note,
+            submit,
+            created_at,
+            woken_at,
+            verdict,
+            wake_on=int(wake_on) if wake_on and wake_on.isdigit() else (wake_on or "all"),
+            rest=rest or "run",
+            trigger=None if got is None else (str(got["launch"]), int(got["task"])),
+            rest_tasks=() if got is None else tuple((str(x[0]), int(x[1])) for x in got["rest"]),
+        )
 
     def next_seq(self, workspace: str) -> int:
         """After every sleep of this store and the workspace's floor (the seqs its channel showed at enrollment)."""
@@ -1098,15 +1136,28 @@ class Store:
 
     def insert_sleep(self, s: SleepRow) -> None:
         self._conn.execute(
-            f"INSERT INTO sleeps ({self._SLEEP_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
-            (s.workspace, s.seq, s.id, s.state, s.note, s.submit, s.created_at, s.woken_at, s.verdict),
+            f"INSERT INTO sleeps ({self._SLEEP_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                s.workspace,
+                s.seq,
+                s.id,
+                s.state,
+                s.note,
+                s.submit,
+                s.created_at,
+                s.woken_at,
+                s.verdict,
+                None if s.wake_on == "all" else str(s.wake_on),
+                None if s.rest == "run" else s.rest,
+                None,
+            ),
         )
 
     def sleep(self, workspace: str, seq: int) -> SleepRow | None:
         row = self._one(
             f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND seq=?", (workspace, seq)
         )
-        return None if row is None else SleepRow(*row)
+        return None if row is None else self._sleep_row(row)
 
     def current_sleep(self, workspace: str) -> SleepRow | None:
         """The workspace's sleep that has not ended (woken or rejected), if any."""
@@ -1115,7 +1166,7 @@ class Store:
             "ORDER BY seq DESC LIMIT 1",
             (workspace,),
         )
-        return None if row is None else SleepRow(*row)
+        return None if row is None else self._sleep_row(row)
 
     def sleeps_in_flight(self, workspace: str) -> list[SleepRow]:
         """The workspace's sleeps in flight for the agent (not yet gathered: channel.lifecycle.SLEEP_OVER_FOR_AGENT),
@@ -1124,21 +1175,21 @@ class Store:
             f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND state NOT IN {_SLEEP_OVER} ORDER BY seq",
             (workspace,),
         )
-        return [SleepRow(*r) for r in rows]
+        return [self._sleep_row(r) for r in rows]
 
     def sleep_by_id(self, workspace: str, sleep_id: str) -> SleepRow | None:
         row = self._one(
             f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? AND id=?",
             (workspace, sleep_id),
         )
-        return None if row is None else SleepRow(*row)
+        return None if row is None else self._sleep_row(row)
 
     def sleeps(self, workspace: str, limit: int) -> list[SleepRow]:
         rows = self._all(
             f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE workspace=? ORDER BY seq DESC LIMIT ?",
             (workspace, limit),
         )
-        return [SleepRow(*r) for r in rows]
+        return [self._sleep_row(r) for r in rows]
 
     def snapshot_commits(self, workspace: str, seqs: Sequence[int]) -> dict[int, str]:
         """The commit each of these sleeps was snapshotted at, where one was taken (the executor records it in
@@ -1154,6 +1205,18 @@ class Store:
             return {}
         return {int(seq): str(commit) for seq, commit in rows if commit}
 
+    def set_sleep_trigger(
+        self, workspace: str, seq: int, trigger: tuple[str, int], rest: Sequence[tuple[str, int]]
+    ) -> bool:
+        """Record, once, the task whose end met the sleep's `wake_on` and the tasks still live then (the ones its
+        `rest` applies to): True when this call recorded them."""
+        woke_by = json.dumps({"launch": trigger[0], "task": trigger[1], "rest": [list(x) for x in rest]})
+        cur = self._conn.execute(
+            "UPDATE sleeps SET woke_by=? WHERE workspace=? AND seq=? AND woke_by IS NULL",
+            (woke_by, workspace, seq),
+        )
+        return cur.rowcount == 1
+
     def set_sleep_verdict(self, workspace: str, seq: int, verdict: bytes) -> None:
         self._one("UPDATE sleeps SET verdict=? WHERE workspace=? AND seq=?", (verdict, workspace, seq))
 
@@ -1161,7 +1224,7 @@ class Store:
         rows = self._all(
             f"SELECT {self._SLEEP_COLS} FROM sleeps WHERE state NOT IN {_SLEEP_ENDED} ORDER BY workspace, seq"
         )
-        return [SleepRow(*r) for r in rows]
+        return [self._sleep_row(r) for r in rows]
 
     def advance_sleep(
         self, workspace: str, seq: int, frm: SleepState, event: SleepEvent, *, woken_at: str | None = None

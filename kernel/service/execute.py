@@ -10,7 +10,9 @@ step in a component of its own, composed by `RealExecutor`:
    rewrites the sleep's `results/<seq>/progress.json` (kernel.service.progress), first written before the answer.
 3. gathering and waking (kernel.service.waking), when the sleep's last task has ended: artifacts delivered, ONE
    transaction for the refunds, the verdict and the wake's exact bytes (sleep `gathered`); then the wake files
-   and `budget.json`, the sleep `woken`, the snapshot ref released.
+   and `budget.json`, the sleep `woken`, the snapshot ref released. A sleep whose `wake_on` is met while tasks
+   still run wakes early (`early_gathered`, `early_woken`) and its rest is gathered and woken later, or (`rest`
+   "cancel") has its rest cancelled and wakes once they have stopped.
 4. recovery at start: `backend.recover(run_dir)` adopts what still runs; recorded ends, complete sleeps and
    gathered-but-unwritten wakes are finished from the store and the run directories. No task is submitted
    twice (the backend looks before it acts) and no wake is written with different content.
@@ -79,7 +81,15 @@ class RealExecutor:
         self.evaluation: Evaluation = evaluation if evaluation is not None else PlainSleeps()
         self.dispatcher = Dispatcher(live, worker, backend, self.heavy, self.evaluation)
         self.tracker = Tracker(worker, backend)
-        self.waker = Waker(live, worker, backend, self.heavy, self.evaluation)
+        self.waker = Waker(
+            live,
+            worker,
+            backend,
+            self.heavy,
+            self.evaluation,
+            refresh=self.tracker.sweep,
+            cancel_rest=lambda key, seq: self.dispatcher.cancel_submitted(key, seq, ()),
+        )
         self.upkeep = Upkeep(live, worker, self.heavy)
         self.progress = Progress(worker, self.heavy)
         # Sleeps of unenrolled workspaces whose cancel this process sent (`_withdraw`).
@@ -307,7 +317,10 @@ class RealExecutor:
     # --- composition ----------------------------------------------------------------------------------
 
     async def _gather(self, key: str, seq: int) -> None:
-        await self.waker.maybe_gather(key, seq)
+        if await self.waker.maybe_gather(key, seq):
+            self.progress.changed(
+                key, seq
+            )  # the sleep's state (an early wake's, say) is in its progress file
         await self.evaluation.settle()
 
     async def _tick(self) -> None:

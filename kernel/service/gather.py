@@ -414,13 +414,17 @@ def task_result(
 
 
 def launch_summaries(
-    jobs: list[JobRow], shown: tuple[TaskResult, ...], max_concurrent_gpus: int
+    jobs: list[JobRow],
+    shown: tuple[TaskResult, ...],
+    max_concurrent_gpus: int,
+    names: tuple[TaskResult, ...] | None = None,
 ) -> tuple[LaunchSummary, ...]:
-    """One summary per launch the wake shows, in the order shown (rules.launch_summaries: `status` says the
-    same); a ranked launch's with its tasks best first (channel.sweep.rank)."""
+    """One summary per launch the wake shows (`names`, default `shown`), in the order shown
+    (rules.launch_summaries: `status` says the same); a ranked launch's with its tasks of `shown` best first
+    (channel.sweep.rank)."""
     by_name = {x.name: x for x in rules.launch_summaries(jobs, max_concurrent_gpus)}
     out = []
-    for name in dict.fromkeys(t.launch for t in shown):
+    for name in dict.fromkeys(t.launch for t in (shown if names is None else names)):
         if (x := by_name.get(name)) is None:
             continue
         if x.rank is not None:

@@ -1028,6 +1028,8 @@ class Pipeline:
                         created_at=now,
                         woken_at=None,
                         verdict=None,
+                        wake_on=req.wake_on,
+                        rest=req.rest,
                     )
                 )
                 self.store.insert_jobs(acc.jobs)

@@ -185,7 +185,7 @@ class Tracker:
         return [
             (s.workspace, s.seq)
             for s in self.store.live_sleeps()
-            if s.state in ("submitted", "running", "gathered")
+            if s.state in ("submitted", "running", "early_gathered", "early_woken", "gathered")
         ]
 
     async def on_exit(self, ex: TaskExit) -> tuple[str, int, bool] | None:

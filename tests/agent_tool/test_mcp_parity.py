@@ -85,7 +85,9 @@ def tool_calls(v: dict[str, Any]) -> list[tuple[str, Any]] | None:
         calls += [("launch", launch) for launch in launches]
         if fields.get("submit") is not None:
             calls.append(("submit", fields["submit"]))
-        calls.append(("sleep", {"note": fields["note"]} if "note" in fields else {}))
+        # the sleep's own members (note, wake_on, rest) are the `sleep` tool's arguments
+        own = {members[k]: val for k, val in fields.items() if k not in ("launches", "submit")}
+        calls.append(("sleep", own))
         return calls
     return [(verb, {members[k]: val for k, val in fields.items()})]
 
@@ -127,6 +129,8 @@ def request_so_far(v: dict[str, Any], calls: list[tuple[str, Any]], upto: int) -
         elif name == "submit":
             req["submit"] = arguments
     req["note"] = obj.get("note", "") if calls[upto][0] == "sleep" else ""
+    if calls[upto][0] == "sleep":
+        req.update({k: obj[k] for k in ("wake_on", "rest") if k in obj})
     return req
 
 

@@ -475,3 +475,33 @@ def test_status_and_tail_with_several_sleeps_in_flight() -> None:
     with pytest.raises(RequestError) as e:
         tail_target([b], older, b, TailRequest(protocol=1, id="t", launch="train", sleep="s1"))
     assert (e.value.code, e.value.path) == ("tail.no_sleep", "$.sleep")
+
+
+def test_a_sleep_woken_early_is_in_flight_and_a_refusal_says_it_woke_early() -> None:
+    """A sleep whose early wake is recorded (early_gathered, early_woken) still runs tasks: it counts toward
+    max_sleeps_in_flight, and the refusal names it as woken early with its tasks still running, never as a sleep
+    that has not woken; once its rest has ended, as a sleep whose rest wake is being written."""
+    running = (job("a", 0, "FAILED", "1"), job("a", 1, "RUNNING", "2"))
+    for state in ("early_gathered", "early_woken"):
+        with pytest.raises(RequestError) as err:
+            accept_sleep(
+                ws(policy=Policy(max_sleeps_in_flight=1)),
+                (flying(4, *running, state=state),),
+                sleep_req(),
+                5,
+                NOW,
+            )
+        assert err.value.code == "sleep.in_progress"
+        assert "'s4' (seq 4; woke early, 1 task of it still running)" in err.value.message
+        assert "`wakes/<id>.rest.md`, comes then" in err.value.message
+        assert "has not woken" not in err.value.message
+    ended = (job("a", 0, "FAILED", "1"), job("a", 1, "COMPLETED", "2"))
+    with pytest.raises(RequestError) as err:
+        accept_sleep(
+            ws(policy=Policy(max_sleeps_in_flight=1)),
+            (flying(4, *ended, state="early_woken"),),
+            sleep_req(),
+            5,
+            NOW,
+        )
+    assert "'s4' (seq 4; woke early, and its rest wake is being written)" in err.value.message

@@ -338,6 +338,12 @@ def store_with_w1(path: Path) -> Path:
     return path
 
 
+def _without_sleep_wake_on(db: sqlite3.Connection) -> None:
+    """The sleeps table as schema 6 and older had it: no `wake_on`, `rest` or `woke_by`."""
+    for column in ("wake_on", "rest", "woke_by"):
+        db.execute(f"ALTER TABLE sleeps DROP COLUMN {column}")
+
+
 def _without_job_sweeps(db: sqlite3.Connection) -> None:
     """The jobs table as schema 3 and older had it: no `params`, `rank` or `metrics` (nor schema 5's table)."""
     _without_contract_told(db)
@@ -438,7 +444,8 @@ def test_a_schema_3_store_gets_the_sweep_columns_and_its_tasks_read_as_unswept(t
 
 
 def _without_job_width(db: sqlite3.Connection) -> None:
-    """The jobs table as schema 5 and older had it: no `width`."""
+    """The jobs table as schema 5 and older had it: no `width` (nor schema 7's columns)."""
+    _without_sleep_wake_on(db)
     db.execute("ALTER TABLE jobs DROP COLUMN width")
 
 
@@ -474,7 +481,7 @@ def test_a_schema_5_store_gets_the_width_column_and_its_tasks_read_as_decided_at
 
     path = _store_at(tmp_path, 5, _without_job_width)
     s = Store.open(path)
-    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 6
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION
     (old,) = s.jobs_of("w-1", 1)
     assert old.width is None
     new = JobRow("w-1", 2, "gpu", 0, 8, 0, "x", 10, 4, (), "", 0, "PENDING", updated_at=NOW, width=2)
@@ -484,7 +491,43 @@ def test_a_schema_5_store_gets_the_width_column_and_its_tasks_read_as_decided_at
     assert [j.width for j in s.jobs_of("w-1", 2)] == [2]
     s.close()
     (backup,) = backups(path, 5)
-    assert backup.name.startswith("state.sqlite.v5-before-v6.")
+    assert backup.name.startswith(f"state.sqlite.v5-before-v{SCHEMA_VERSION}.")
+
+
+def test_a_schema_6_store_gets_the_wake_on_columns_and_its_sleeps_read_as_waking_when_all_end(
+    tmp_path: Path,
+) -> None:
+    """Schema 7 added `sleeps.wake_on`, `sleeps.rest` and `sleeps.woke_by`: a store at 6 is migrated, its sleeps
+    read as waking when every task has ended (`all`, `run`, no trigger), and a new sleep's condition and the
+    trigger recorded for it are kept (the trigger once)."""
+    from kernel.core.records import SleepRow
+
+    path = _store_at(tmp_path, 6, _without_sleep_wake_on)
+    s = Store.open(path)
+    assert s._one("PRAGMA user_version")[0] == SCHEMA_VERSION == 7
+    old = s.sleep("w-1", 1)
+    assert old is not None
+    assert (old.wake_on, old.rest, old.trigger, old.rest_tasks) == ("all", "run", None, ())
+    with s.transaction():
+        s.insert_sleep(
+            SleepRow("w-1", 2, "s2", "validated", "", None, NOW, None, None, wake_on=3, rest="cancel")
+        )
+        s.insert_sleep(SleepRow("w-1", 3, "s3", "validated", "", None, NOW, None, None, wake_on="first-exit"))
+        assert s.set_sleep_trigger("w-1", 2, ("grid", 4), [("grid", 0), ("other", 1)])
+        assert not s.set_sleep_trigger("w-1", 2, ("grid", 0), [])
+    two, three = s.sleep("w-1", 2), s.sleep("w-1", 3)
+    assert two is not None
+    assert three is not None
+    assert (two.wake_on, two.rest, two.trigger, two.rest_tasks) == (
+        3,
+        "cancel",
+        ("grid", 4),
+        (("grid", 0), ("other", 1)),
+    )
+    assert (three.wake_on, three.rest, three.trigger) == ("first-exit", "run", None)
+    s.close()
+    (backup,) = backups(path, 6)
+    assert backup.name.startswith("state.sqlite.v6-before-v7.")
 
 
 def _as_schema_1(path: Path) -> None:

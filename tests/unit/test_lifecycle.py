@@ -35,6 +35,8 @@ def test_sleep_states_in_lifecycle_order() -> None:
         "running",
         "gathered",
         "woken",
+        "early_gathered",
+        "early_woken",
     ]
     happy = ["received", "validated", "snapshotted", "submitted", "running", "gathered", "woken"]
     events = [
@@ -77,11 +79,26 @@ def test_a_guard_asks_the_table() -> None:
                 next_sleep_state(state, event)
     # snapshotted: a sleep answered while its environment is built, whose build failed or whose tasks were all
     # cancelled meanwhile
+    # early_woken: a sleep woken early (`wake_on`) whose rest has ended
     assert [s for s in SLEEP_STATES if sleep_can(s, SleepEvent.GATHER)] == [
         "snapshotted",
         "submitted",
         "running",
+        "early_woken",
     ]
+
+
+def test_an_early_wake_is_written_before_its_rest_is_gathered() -> None:
+    """A sleep woken early (`wake_on`, `rest` run): early_gathered (its early wake recorded) may only move on once
+    that wake is written (early_woken), and only then is its rest gathered, so neither wake is skipped."""
+    state = "running"
+    for event in (SleepEvent.GATHER_EARLY, SleepEvent.WAKE_EARLY, SleepEvent.GATHER, SleepEvent.WAKE):
+        state = next_sleep_state(state, event)
+    assert state == "woken"
+    assert next_sleep_state("submitted", SleepEvent.GATHER_EARLY) == "early_gathered"
+    assert [e for e in SleepEvent if sleep_can("early_gathered", e)] == [SleepEvent.WAKE_EARLY]
+    assert [e for e in SleepEvent if sleep_can("early_woken", e)] == [SleepEvent.GATHER]
+    assert not sleep_can("early_woken", SleepEvent.GATHER_EARLY)  # one early wake per sleep
 
 
 def test_rejection_only_before_any_job_is_submitted() -> None:
