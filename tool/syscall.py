@@ -2288,13 +2288,10 @@ def cmd_wait(ch: Channel, args: argparse.Namespace) -> int:
     if args.sleep_id is None and not args.json:
         with contextlib.suppress(StagingError):
             st = _settled_staging(ch)
-            left = st.unread + ["the rest of " + x for x in st.rest_unread if x not in st.unread]
-            if left:
-                _out(
-                    "Not shown yet: the wake of your {} {}; {} shows the next.".format(
-                        "sleep" if len(left) == 1 else "sleeps", ", ".join(left), _cmd("wait")
-                    )
-                )
+            wakes = ["the wake of your sleep " + x for x in st.unread]
+            wakes += ["the rest wake of your sleep " + x for x in st.rest_unread if x not in st.unread]
+            if wakes:
+                _out("Not shown yet: {}; {} shows the next.".format(", ".join(wakes), _cmd("wait")))
     return code
 
 

@@ -203,6 +203,13 @@ def test_first_exit_and_a_count_wake_early(env: Env) -> None:
             f"# Rest of sleep {b}",
         ]
     )
+    # After an early wake, what is left to show is named as what it is: a rest wake.
+    after_early = [x for x in shown if x.lstrip().startswith("# Early wake")]
+    assert any(
+        f"the rest wake of your sleep {a}" in x or f"the rest wake of your sleep {b}" in x
+        for x in after_early
+    )
+    assert not any("your sleep the rest of" in x for x in shown)
     for sid in (a, b):
         rest = env.wake(f"{sid}.rest.json")
         assert all(t["state"] == "COMPLETED" for t in rest["tasks"])
