@@ -34,19 +34,21 @@ from channel.lifecycle import STOPPED_TASK_STATES
 from channel.messages import (
     Artifact,
     ErrorInfo,
+    JobRef,
     LaunchSummary,
     LogFile,
     SkippedArtifact,
     TaskResult,
     Verdict,
     Wake,
+    WakePart,
 )
 from channel.paths import ChannelPaths, RunPaths
 from kernel.backends import jobscript
 from kernel.core import exits, rules
 from kernel.core.budget import Balance, gpu_hours
 from kernel.core.exits import HINT_CANCELLED_EARLY, HINT_FAILED, Outcome, import_hint
-from kernel.core.records import JobRow
+from kernel.core.records import JobRow, SleepRow
 from kernel.node import wrapper as W
 
 # The backend's explanation of a task's end (`Backend.hint_of`), and its reading of the end (`Backend.outcome_of`).
@@ -435,34 +437,40 @@ def launch_summaries(
 
 
 def build_wake(
+    sleep: SleepRow,
     *,
-    sleep_id: str,
-    seq: int,
-    created_at: str,
     woken_at: str,
-    note: str,
     balance: Balance,
     tasks: tuple[TaskResult, ...],
     refunded_gpu_s: int,
-    verdict: Verdict | None = None,
-    snapshot: str | None = None,
+    snapshot: str | None,
     launches: tuple[LaunchSummary, ...] = (),
+    verdict: Verdict | None = None,
     error: ErrorInfo | None = None,
+    part: WakePart = "whole",
+    trigger: JobRef | None = None,
+    rest_tasks: tuple[JobRef, ...] = (),
 ) -> Wake:
+    """`sleep`'s wake (its whole one, its early one or its rest: `part`), as recorded and written."""
     return Wake(
         protocol=L.PROTOCOL_VERSION,
-        id=sleep_id,
-        seq=seq,
-        created_at=created_at,
+        id=sleep.id,
+        seq=sleep.seq,
+        created_at=sleep.created_at,
         woken_at=woken_at,
         budget=balance.to_message(),
-        note=note,
+        note=sleep.note,
         tasks=tasks,
         verdict=verdict,
         refunded_gpu_hours=gpu_hours(refunded_gpu_s),
         snapshot=snapshot or None,
         launches=launches,
         error=error,
+        wake_on=sleep.wake_on,
+        rest=sleep.rest,
+        part=part,
+        trigger=trigger,
+        rest_tasks=rest_tasks,
     )
 
 

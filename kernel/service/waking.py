@@ -265,38 +265,36 @@ class Waker:
             balance, refunded, gathered = self._settle(ws, fresh, results)
             tasks = [early.get(k) or gathered[k] for k in fresh]
             shown, verdict = self.evaluation.judge(sleep, tuple(tasks), runs)
+            jobs = list(fresh.values())
             wake = gather.build_wake(
-                sleep_id=sleep.id,
-                seq=seq,
-                created_at=sleep.created_at,
+                sleep,
                 woken_at=woken_at,
-                note=sleep.note,
                 balance=balance,
                 tasks=shown,
                 refunded_gpu_s=refunded,
                 verdict=verdict,
                 snapshot=exec_row.commit if exec_row is not None else None,
-                launches=gather.launch_summaries(list(fresh.values()), shown, ws.policy.max_concurrent_gpus),
-            )
-            jobs = list(fresh.values())
-            wake = msgspec.structs.replace(
-                wake,
-                wake_on=sleep.wake_on,
-                rest=sleep.rest,
+                launches=gather.launch_summaries(jobs, shown, ws.policy.max_concurrent_gpus),
                 part="rest" if early else "whole",
                 trigger=None if sleep.trigger is None else _job_ref(sleep.trigger, jobs),
                 rest_tasks=tuple(_job_ref(k, jobs) for k in sleep.rest_tasks),
             )
             if verdict is not None:
                 self.store.set_sleep_verdict(key, seq, encode(verdict))
-            self.store.set_balance(key, balance)
-            wake = telling.told(self.store, self.cfg, ws, wake)  # what of the contract changed, told once
-            self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
+            wake = self._record_wake(ws, seq, wake, balance)
             # woken_at is the wake's from here on: status and history show a gathered sleep as woken then
             advanced = self.store.advance_sleep(key, seq, sleep.state, SleepEvent.GATHER, woken_at=woken_at)
             assert advanced, (key, seq, sleep.state)  # read in this transaction
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(results), part=wake.part)
         return True
+
+    def _record_wake(self, ws: WorkspaceRow, seq: int, wake: Wake, balance: Balance) -> Wake:
+        """(in the step's transaction) Record the workspace's new balance and the wake, told what of the contract
+        changed since its last answer or wake (once: kernel.service.telling); the wake as recorded."""
+        self.store.set_balance(ws.key, balance)
+        wake = telling.told(self.store, self.cfg, ws, wake)
+        self.store.record_wake(ws.key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
+        return wake
 
     def _settle(
         self, ws: WorkspaceRow, fresh: dict[tuple[str, int], JobRow], results: list[Collected]
@@ -359,11 +357,8 @@ class Waker:
             )
             exec_row = self.store.exec_sleep(key, seq)
             wake = gather.build_wake(
-                sleep_id=sleep.id,
-                seq=seq,
-                created_at=sleep.created_at,
+                sleep,
                 woken_at=woken_at,
-                note=sleep.note,
                 balance=balance,
                 tasks=tasks,
                 refunded_gpu_s=refunded,
@@ -372,18 +367,11 @@ class Waker:
                 launches=gather.launch_summaries(
                     jobs, tuple(gathered.values()), ws.policy.max_concurrent_gpus, names=tasks
                 ),
-            )
-            wake = msgspec.structs.replace(
-                wake,
-                wake_on=sleep.wake_on,
-                rest=sleep.rest,
                 part="early",
                 trigger=_job_ref(_ref(trigger), jobs),
                 rest_tasks=tuple(_job_ref(_ref(j), jobs) for j in live),
             )
-            self.store.set_balance(key, balance)
-            wake = telling.told(self.store, self.cfg, ws, wake)  # what of the contract changed, told once
-            self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
+            wake = self._record_wake(ws, seq, wake, balance)
             recorded = self.store.set_sleep_trigger(key, seq, _ref(trigger), [_ref(j) for j in live])
             assert recorded, (key, seq)  # read in this transaction
             advanced = self.store.advance_sleep(
@@ -464,11 +452,8 @@ class Waker:
             )
             exec_row = self.store.exec_sleep(key, seq)
             wake = gather.build_wake(
-                sleep_id=sleep.id,
-                seq=seq,
-                created_at=sleep.created_at,
+                sleep,
                 woken_at=now,
-                note=sleep.note,
                 balance=balance,
                 tasks=tasks,
                 refunded_gpu_s=ledger.reserved_by(jobs),
@@ -476,10 +461,7 @@ class Waker:
                 launches=gather.launch_summaries(fresh, tasks, ws.policy.max_concurrent_gpus),
                 error=ErrorInfo(code=error.code, message=error.message, path=None),
             )
-            wake = msgspec.structs.replace(wake, wake_on=sleep.wake_on, rest=sleep.rest)
-            self.store.set_balance(key, balance)
-            wake = telling.told(self.store, self.cfg, ws, wake)  # what of the contract changed, told once
-            self.store.record_wake(key, seq, snapshot_ref(seq), encode(wake), render_wake(wake).encode())
+            wake = self._record_wake(ws, seq, wake, balance)
             advanced = self.store.advance_sleep(key, seq, sleep.state, SleepEvent.GATHER)
             assert advanced, (key, seq, sleep.state)  # read in this transaction
         klog.event("gathered", ws=key, seq=seq, id=sleep.id, tasks=len(tasks), error=error.code)
