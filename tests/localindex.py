@@ -94,14 +94,19 @@ def make_tls(tmp: Path) -> tuple[Path, ssl.SSLContext]:
     return ca_file, context
 
 
-def make_wheel(name: str, version: str, files: dict[str, str]) -> tuple[str, bytes]:
-    """(file name, bytes) of a pure wheel of `name` holding `files` (path -> text)."""
+def make_wheel(
+    name: str, version: str, files: dict[str, str], *, entry_points: str | None = None
+) -> tuple[str, bytes]:
+    """(file name, bytes) of a pure wheel of `name` holding `files` (path -> text), with `entry_points` as its
+    dist-info's entry_points.txt (console scripts, whose launchers uv writes at install time) if given."""
     info = f"{name}-{version}.dist-info"
     files = {
         **files,
         f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: syscall-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
+    if entry_points is not None:
+        files[f"{info}/entry_points.txt"] = entry_points
     record = []
     for path, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()

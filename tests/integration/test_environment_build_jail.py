@@ -23,10 +23,8 @@ a local HTTPS package index this test starts (127.0.0.1 only, its own CA; no int
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import http.server
-import io
 import json
 import os
 import pwd
@@ -37,11 +35,11 @@ import sys
 import tempfile
 import threading
 import tomllib
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import localindex
 import pytest
 from kernelproc import Kernel, make_workspace, run_tool
 from localindex import make_tls, uv_lock
@@ -67,26 +65,15 @@ def make_wheel(markers: list[Path]) -> bytes:
     is executed by site processing whenever an interpreter with that site-packages starts with site on); it
     ships a console script, `hostile-tool`, whose launcher uv writes at install time."""
     pth = "".join(f"import os; open({str(m)!r}, 'w').write('the .pth ran')\n" for m in markers)
-    files = {
-        "hostile/__init__.py": "VALUE = 42\n\n\ndef main():\n    import sys\n\n    print('tool', VALUE, sys.executable)\n",
-        "hostile.pth": pth,
-        "hostile-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: hostile\nVersion: 1.0\n",
-        "hostile-1.0.dist-info/entry_points.txt": "[console_scripts]\nhostile-tool = hostile:main\n",
-        "hostile-1.0.dist-info/WHEEL": (
-            "Wheel-Version: 1.0\nGenerator: syscall-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        ),
-    }
-    record = []
-    for name, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-        record.append(f"{name},sha256={digest},{len(text.encode())}")
-    record.append("hostile-1.0.dist-info/RECORD,,")
-    files["hostile-1.0.dist-info/RECORD"] = "\n".join(record) + "\n"
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for name, text in files.items():
-            z.writestr(name, text)
-    return buf.getvalue()
+    init = "VALUE = 42\n\n\ndef main():\n    import sys\n\n    print('tool', VALUE, sys.executable)\n"
+    name, data = localindex.make_wheel(
+        "hostile",
+        "1.0",
+        {"hostile/__init__.py": init, "hostile.pth": pth},
+        entry_points="[console_scripts]\nhostile-tool = hostile:main\n",
+    )
+    assert name == WHEEL
+    return data
 
 
 class Server:
