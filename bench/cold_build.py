@@ -28,54 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernelproc import Kernel  # noqa: E402
-
-from kernel.io.envcache import PASSED_VARS, uv_binary  # noqa: E402
-
-PYTHON = "/usr/bin/python3"
-
-
-def git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=b", "-c", "user.email=b@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-    )
-
-
-def lock(ws: Path, deps: list[str], version: int) -> None:
-    listed = ", ".join(f'"{d}"' for d in deps)
-    (ws / "pyproject.toml").write_text(
-        f'[project]\nname = "bench"\nversion = "0.{version}.0"\nrequires-python = ">=3.10"\n'
-        f"dependencies = [{listed}]\n"
-    )
-    subprocess.run(
-        [uv_binary(), "lock", "--no-config", "--python", PYTHON, "--quiet"],
-        cwd=ws,
-        check=True,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(ws.parent),
-            "UV_CACHE_DIR": str(ws.parent / "lock-cache"),
-            **{k: v for k, v in os.environ.items() if k in PASSED_VARS},
-        },
-    )
-    git(ws, "add", "-A")
-    git(ws, "commit", "-q", "-m", f"lock {version}")
-
-
-def tool(ws: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-        cwd=ws,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if check and done.returncode != 0:
-        raise SystemExit(f"{args}: {done.stdout}{done.stderr}")
-    return done
+from kernelproc import Kernel, git, lock, tool  # noqa: E402
 
 
 def main() -> None:
@@ -113,12 +66,12 @@ def main() -> None:
             lock(ws, deps, i)
             tool(ws, "launch", "--name", "imp", "--minutes", "30", "--", command)
             t0 = time.monotonic()
-            done = tool(ws, "sleep", "--json", "--timeout", "1800", check=False)
+            done = tool(ws, "sleep", "--json", "--timeout", "1800", timeout=1800, check=False)
             answered = time.monotonic() - t0
             ans = json.loads(done.stdout) if done.stdout.strip().startswith("{") else {}
             if ans.get("type") != "accepted":
                 raise SystemExit(f"sample {i}: {done.stdout}{done.stderr}")
-            wake = json.loads(tool(ws, "wait", "--json", "--timeout", "1800").stdout)
+            wake = json.loads(tool(ws, "wait", "--json", "--timeout", "1800", timeout=1800).stdout)
             woken = time.monotonic() - t0
             [t] = wake["tasks"]
             if t["state"] != "COMPLETED":

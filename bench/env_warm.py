@@ -33,57 +33,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel.io.envcache import PASSED_VARS, uv_binary  # noqa: E402
+from kernelproc import git, lock, tool  # noqa: E402
 
 LAUNCHES = 4
-PYTHON = "/usr/bin/python3"
 DEPS = ["requests", "jinja2", "click", "attrs", "packaging", "six"]
 IMPORTS = "import requests, jinja2, click, attrs, packaging, six"
-
-
-def pyproject(version: int) -> str:
-    deps = ", ".join(f'"{d}"' for d in DEPS)
-    return f'[project]\nname = "bench"\nversion = "0.{version}.0"\nrequires-python = ">=3.8"\ndependencies = [{deps}]\n'
-
-
-def git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=b", "-c", "user.email=b@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-    )
-
-
-def lock(ws: Path, version: int) -> None:
-    (ws / "pyproject.toml").write_text(pyproject(version))
-    subprocess.run(
-        [uv_binary(), "lock", "--no-config", "--python", PYTHON, "--quiet"],
-        cwd=ws,
-        check=True,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(ws.parent),
-            "UV_CACHE_DIR": str(ws.parent / "lock-cache"),
-            **{k: v for k, v in os.environ.items() if k in PASSED_VARS},
-        },
-    )
-    git(ws, "add", "-A")
-    git(ws, "commit", "-q", "-m", f"lock {version}")
-
-
-def tool(ws: Path, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(ws / ".syscall" / "syscall"), *args],
-        cwd=ws,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{args}: {done.stdout}{done.stderr}")
-    return done.stdout
 
 
 def one_sleep(ws: Path, command: str) -> tuple[float, list[float], float]:
@@ -92,7 +48,7 @@ def one_sleep(ws: Path, command: str) -> tuple[float, list[float], float]:
     t0 = time.monotonic()
     tool(ws, "sleep")
     accepted = time.monotonic() - t0
-    wake = json.loads(tool(ws, "wait", "--json", "--timeout", "600"))
+    wake = json.loads(tool(ws, "wait", "--json", "--timeout", "600").stdout)
     total = time.monotonic() - t0
     tasks = wake["tasks"]
     bad = [t for t in tasks if t["state"] != "COMPLETED"]
@@ -143,7 +99,7 @@ def main() -> None:
         (ws / "README").write_text("bench\n")
         git(ws, "add", "-A")
         git(ws, "commit", "-q", "-m", "init")
-    lock(env_ws, 0)
+    lock(env_ws, DEPS, 0, ">=3.8")
     exe = str(ROOT / ".venv" / "bin" / "syscall-kernel")
     total = args.samples * 2 + args.cold + 2
     for ws in (env_ws, plain_ws):
@@ -169,7 +125,7 @@ def main() -> None:
         cold = []
         for i in range(args.cold):
             if i:
-                lock(env_ws, i)
+                lock(env_ws, DEPS, i, ">=3.8")
             cold.append(one_sleep(env_ws, f'python -c "{IMPORTS}"'))
         one_sleep(plain_ws, "python3 -c pass")  # warm the page cache for the plain runs too
         warm = [one_sleep(env_ws, "python -c pass") for _ in range(args.samples)]

@@ -1,5 +1,5 @@
 """A real kernel process for the benchmarks: git workspaces copied from one template, a config, a start that
-waits for log events, a SIGTERM stop. Shared by bench/pickup.py, bench/startup.py and bench/stop.py."""
+waits for log events, a SIGTERM stop; a workspace's git, its uv.lock and its tool. Shared by the benches."""
 
 from __future__ import annotations
 
@@ -117,3 +117,54 @@ class Kernel:
         self.proc.send_signal(signal.SIGTERM)
         rc = self.proc.wait(120)
         return rc, time.perf_counter() - t0
+
+
+PYTHON = "/usr/bin/python3"
+
+
+def git(ws: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.name=b", "-c", "user.email=b@example.invalid", *args],
+        cwd=ws,
+        check=True,
+        capture_output=True,
+    )
+
+
+def lock(ws: Path, deps: list[str], version: int, requires_python: str = ">=3.10") -> None:
+    """Write `ws`'s pyproject.toml (project version 0.`version`.0, `deps`), lock it with the kernel's uv for the
+    system's python3, and commit both."""
+    from kernel.io.envcache import PASSED_VARS, uv_binary
+
+    listed = ", ".join(f'"{d}"' for d in deps)
+    (ws / "pyproject.toml").write_text(
+        f'[project]\nname = "bench"\nversion = "0.{version}.0"\nrequires-python = "{requires_python}"\n'
+        f"dependencies = [{listed}]\n"
+    )
+    subprocess.run(
+        [uv_binary(), "lock", "--no-config", "--python", PYTHON, "--quiet"],
+        cwd=ws,
+        check=True,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(ws.parent),
+            "UV_CACHE_DIR": str(ws.parent / "lock-cache"),
+            **{k: v for k, v in os.environ.items() if k in PASSED_VARS},
+        },
+    )
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", f"lock {version}")
+
+
+def tool(ws: Path, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """The workspace's installed tool with `args` (SystemExit with its output if it fails and `check`)."""
+    done = subprocess.run(
+        [sys.executable, str(ws / ".syscall" / "syscall"), *args],
+        cwd=ws,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and done.returncode != 0:
+        raise SystemExit(f"{args}: {done.stdout}{done.stderr}")
+    return done
