@@ -34,20 +34,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from kernelproc import git  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
-
-
-def git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=b", "-c", "user.email=b@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-    )
 
 
 def wait_until(cond: Callable[[], bool], timeout: float) -> None:

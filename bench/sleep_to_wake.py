@@ -38,6 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from kernelproc import git  # noqa: E402
 
 from channel.paths import workspace_key  # noqa: E402
 
@@ -62,15 +65,6 @@ def summary(name: str, jail: str, files: int, xs: list[float], backend: str = "l
         "p99_ms": round(pct(xs, 99), 2),
         "max_ms": round(max(xs), 2),
     }
-
-
-def git(ws: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.name=b", "-c", "user.email=b@example.invalid", *args],
-        cwd=ws,
-        check=True,
-        capture_output=True,
-    )
 
 
 def make_workspace(ws: Path, files: int) -> None:
