@@ -41,18 +41,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from env_warm import git, tool  # noqa: E402
-from kernelproc import Kernel, kernel_env  # noqa: E402
+from kernelproc import Kernel, git, kernel_env, lock, tool  # noqa: E402
 from sleep_to_wake import pct  # noqa: E402
 
 from channel.paths import workspace_key  # noqa: E402
-from kernel.io.envcache import PASSED_VARS, remove_entry, uv_binary  # noqa: E402
+from kernel.io.envcache import remove_entry  # noqa: E402
 
 PYTHON = "/usr/bin/python3"
 COMMAND = "date +%s%N; command -v python || echo none"
 
 
-def make_workspace(ws: Path, deps: list[str] | None, scratch: Path, files: int) -> None:
+def make_workspace(ws: Path, deps: list[str] | None, files: int) -> None:
     ws.mkdir(parents=True)
     git(ws, "init", "-q")
     (ws / "README").write_text("bench\n")
@@ -60,25 +59,10 @@ def make_workspace(ws: Path, deps: list[str] | None, scratch: Path, files: int) 
         d = ws / "data" / f"{i // 100:03d}"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"f{i:05d}.txt").write_bytes(bytes([65 + i % 26]) * 4096)
-    if deps is not None:
-        listed = ", ".join(json.dumps(d) for d in deps)
-        (ws / "pyproject.toml").write_text(
-            f'[project]\nname = "bench"\nversion = "0.1.0"\nrequires-python = ">=3.8"\n'
-            f"dependencies = [{listed}]\n"
-        )
-        subprocess.run(
-            [uv_binary(), "lock", "--no-config", "--python", PYTHON, "--quiet"],
-            cwd=ws,
-            check=True,
-            env={
-                "PATH": "/usr/bin:/bin",
-                "HOME": str(scratch),
-                "UV_CACHE_DIR": str(scratch / "lock-cache"),
-                **{k: v for k, v in os.environ.items() if k in PASSED_VARS},
-            },
-        )
     git(ws, "add", "-A")
     git(ws, "commit", "-q", "-m", "init")
+    if deps is not None:
+        lock(ws, deps, 1, ">=3.8")
 
 
 def mtime(path: Path) -> float:
@@ -103,7 +87,7 @@ def one_sleep(ws: Path, run_dir: Path, tasks: int, name: str) -> tuple[list[dict
         COMMAND,
     )
     t0 = time.monotonic()
-    wake = json.loads(tool(ws, "sleep", "--wait", "--json", "--timeout", "1200"))
+    wake = json.loads(tool(ws, "sleep", "--wait", "--json", "--timeout", "1200", timeout=1500).stdout)
     total = time.monotonic() - t0
     bad = [t for t in wake["tasks"] if t["state"] != "COMPLETED"]
     if bad:
@@ -174,8 +158,8 @@ def run_jail(args: argparse.Namespace, jail: str, tmp: Path) -> list[dict[str, o
         "[local]\nmax_parallel = 1\n"
     )
     env_ws, plain_ws = tmp / jail / "env", tmp / jail / "plain"
-    make_workspace(env_ws, args.deps.split(","), tmp, args.files)
-    make_workspace(plain_ws, None, tmp, args.files)
+    make_workspace(env_ws, args.deps.split(","), args.files)
+    make_workspace(plain_ws, None, args.files)
     sleeps = args.samples + 2
     for ws in (env_ws, plain_ws):
         subprocess.run(
