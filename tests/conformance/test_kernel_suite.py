@@ -227,7 +227,9 @@ CAUGHT = {
 def test_a_broken_kernel_is_caught_with_the_check_named(fake: object, flaw: str, tmp_path: Path) -> None:
     ws = fake(flaw)  # type: ignore[operator]
     junit = tmp_path / "junit.xml"
-    out = run_cli("kernel", "--workspace", str(ws), "--deadline", "3", "--junit", str(junit))
+    # A kernel that accepts everything writes no wake: the runner would wait out 60 s for each it expects.
+    waits = ["--wake-deadline", "20"] if flaw == "accept-all" else []
+    out = run_cli("kernel", "--workspace", str(ws), "--deadline", "3", *waits, "--junit", str(junit))
     assert out.returncode == 1, out.stdout + out.stderr
     failed = failures(junit)
     for check, words in CAUGHT[flaw].items():
