@@ -231,7 +231,10 @@ LIMIT_HINT = f"the job's tree exceeded its {TREE_MB} MiB disk limit"
         # every inode counts at least a block: 8192 empty files are 32 MiB
         (
             "empty-files",
-            "python3 -c \"[open('e%d' % i, 'w').close() for i in range(200000)]\" && echo wrote all",
+            # Creating them can outrun the watchdog's walk over them (its interval, seconds on a loaded machine), so
+            # the job then waits: stopped by the limit, not by its end (without the watchdog it would complete).
+            "python3 -c \"[open('e%d' % i, 'w').close() for i in range(200000)]\" && echo created && sleep 60 "
+            "&& echo wrote all",
             "held",
         ),
         (
