@@ -38,6 +38,19 @@ def git_workspace(path: Path) -> Path:
     return path
 
 
+def committed_workspace(path: Path) -> Path:
+    """A new git workspace at `path` with one empty commit (a base the kernel imports)."""
+    path.mkdir(parents=True)
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "init"]):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+            cwd=path,
+            check=True,
+            capture_output=True,
+        )
+    return path
+
+
 # git with no user or system config (what a test's git must not depend on), committing as the test's user.
 PLAIN_GIT = {
     "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

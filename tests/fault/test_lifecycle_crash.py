@@ -12,25 +12,15 @@ import functools
 import json
 import math
 import sqlite3
-import subprocess
 from pathlib import Path
 
 import pytest
-from kernelproc import Kernel, put_request, read_answer, wait_for
+from kernelproc import Kernel, committed_workspace, put_request, read_answer, wait_for
 
 from channel.paths import workspace_key
 from kernel.io.crash import CRASH_ENV, CRASH_STEPS
 
 GPU_S = 3600
-
-
-def make_workspace(path: Path) -> Path:
-    path.mkdir(parents=True)
-    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "init"]):
-        subprocess.run(
-            ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args], cwd=path, check=True
-        )
-    return path
 
 
 def killed_then_restarted(
@@ -53,7 +43,7 @@ def test_a_kernel_killed_at_a_step_delivers_one_wake_and_runs_no_task_twice(
     tmp_path: Path, step: str
 ) -> None:
     kernel = Kernel(tmp_path, 'jail = "none"\nrescan_seconds = 1\n[local]\nseconds_per_minute = 1.0\n')
-    ws = make_workspace(tmp_path / "ws")
+    ws = committed_workspace(tmp_path / "ws")
     marks = tmp_path / "marks"
     marks.mkdir()
     kernel.enroll(ws, "--launches", "10", "--sleeps", "5", "--gpu-hours", "1")
@@ -121,7 +111,7 @@ def test_two_sleeps_in_flight_survive_a_kill_at_each_step(tmp_path: Path, step: 
     """Two sleeps committed together (several in flight, issue 25), the kernel killed at `step` of whichever
     reaches it first: after the restart each sleep has one wake, each task ran once, and the budget is exact."""
     kernel = Kernel(tmp_path, 'jail = "none"\nrescan_seconds = 1\n[local]\nseconds_per_minute = 1.0\n')
-    ws = make_workspace(tmp_path / "ws")
+    ws = committed_workspace(tmp_path / "ws")
     marks = tmp_path / "marks"
     marks.mkdir()
     kernel.enroll(ws, "--launches", "10", "--sleeps", "5", "--gpu-hours", "1")

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kernelproc import Kernel, put_request, read_answer, wait_for
+from kernelproc import Kernel, committed_workspace, put_request, read_answer, wait_for
 
 from channel.paths import workspace_key
 from kernel.io.crash import CRASH_ENV
@@ -26,15 +25,6 @@ GPU_S = 3600
 # rest's `gathered` comes after the gate is opened.
 RUN_STEPS = ("recorded", "snapshot", "submit", "task_end", "early_gathered", "early_woken", "gathered")
 CANCEL_STEPS = ("recorded", "snapshot", "submit", "task_end", "rest_cancel", "gathered")
-
-
-def make_workspace(path: Path) -> Path:
-    path.mkdir(parents=True)
-    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "init"]):
-        subprocess.run(
-            ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args], cwd=path, check=True
-        )
-    return path
 
 
 def sleep_request(marks: Path, gate: Path, rest: str) -> dict[str, Any]:
@@ -97,7 +87,7 @@ def used_gpu_s(tasks: list[dict[str, Any]]) -> int:
 @pytest.mark.parametrize("step", RUN_STEPS)
 def test_an_early_wake_and_its_rest_survive_a_kill_at_each_step(tmp_path: Path, step: str) -> None:
     kernel = Kernel(tmp_path, 'jail = "none"\nrescan_seconds = 1\n[local]\nseconds_per_minute = 1.0\n')
-    ws = make_workspace(tmp_path / "ws")
+    ws = committed_workspace(tmp_path / "ws")
     marks, gate = tmp_path / "marks", tmp_path / "gate"
     marks.mkdir()
     kernel.enroll(ws, "--launches", "10", "--sleeps", "5", "--gpu-hours", "1")
@@ -155,7 +145,7 @@ def test_an_early_wake_and_its_rest_survive_a_kill_at_each_step(tmp_path: Path, 
 @pytest.mark.parametrize("step", CANCEL_STEPS)
 def test_a_wake_whose_rest_is_cancelled_survives_a_kill_at_each_step(tmp_path: Path, step: str) -> None:
     kernel = Kernel(tmp_path, 'jail = "none"\nrescan_seconds = 1\n[local]\nseconds_per_minute = 1.0\n')
-    ws = make_workspace(tmp_path / "ws")
+    ws = committed_workspace(tmp_path / "ws")
     marks, gate = tmp_path / "marks", tmp_path / "gate"
     marks.mkdir()
     kernel.enroll(ws, "--launches", "10", "--sleeps", "5", "--gpu-hours", "1")

@@ -15,21 +15,19 @@ import sys
 import time
 from pathlib import Path
 
-from kernelproc import ROOT, Kernel, put_request, read_answer, run_tool, status, wait_answer, wait_for
+from kernelproc import (
+    ROOT,
+    Kernel,
+    committed_workspace,
+    put_request,
+    read_answer,
+    run_tool,
+    status,
+    wait_answer,
+    wait_for,
+)
 
 from channel.paths import workspace_key
-
-
-def git_workspace(path: Path) -> Path:
-    path.mkdir(parents=True)
-    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "init"]):
-        subprocess.run(
-            ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-            cwd=path,
-            check=True,
-            capture_output=True,
-        )
-    return path
 
 
 def tool(ws: Path, *args: str) -> str:
@@ -45,7 +43,7 @@ def launch_and_wait(ws: Path, counter: Path, name: str) -> dict[str, object]:
 
 def test_a_second_serve_on_the_same_state_dir_exits_2_naming_the_holder(tmp_path: Path) -> None:
     k = Kernel(tmp_path, 'backend = "none"\nrescan_seconds = 0.5\n')
-    ws = git_workspace(tmp_path / "ws")
+    ws = committed_workspace(tmp_path / "ws")
     k.enroll(ws)
     k.start()
     try:
@@ -82,7 +80,7 @@ def test_a_second_serve_on_the_same_state_dir_exits_2_naming_the_holder(tmp_path
 
 def test_a_kernel_on_another_state_dir_never_answers_a_channel_it_does_not_own(tmp_path: Path) -> None:
     spaces = tmp_path / "spaces"
-    ws = git_workspace(spaces / "a")
+    ws = committed_workspace(spaces / "a")
     counter = tmp_path / "runs.txt"
     extra = f'workspaces = ["{spaces}/*"]\njail = "none"\nrescan_seconds = 0.5\n'
     first = Kernel(tmp_path, extra, name="first")
@@ -150,7 +148,7 @@ def test_an_agent_that_deletes_the_owner_still_gets_one_kernel(tmp_path: Path) -
     """kernel.json is the agent's to write: with its `owner` gone, a second kernel (another state dir, the same
     globs) still does not serve the channel, because the first holds the channel directory's lock."""
     spaces = tmp_path / "spaces"
-    ws = git_workspace(spaces / "a")
+    ws = committed_workspace(spaces / "a")
     counter = tmp_path / "runs.txt"
     extra = f'workspaces = ["{spaces}/*"]\njail = "none"\nrescan_seconds = 0.5\n'
     first = Kernel(tmp_path, extra, name="first")
@@ -211,8 +209,8 @@ def test_an_agent_that_locks_its_channel_loses_only_its_own_service(tmp_path: Pa
     """The agent can flock its channel directory too: then no kernel serves that channel, `status` says so
     truly, every other channel is served, and the channel is served once the lock is let go."""
     k = Kernel(tmp_path, 'jail = "none"\nrescan_seconds = 0.5\n')
-    bad = git_workspace(tmp_path / "bad")
-    good = git_workspace(tmp_path / "good")
+    bad = committed_workspace(tmp_path / "bad")
+    good = committed_workspace(tmp_path / "good")
     counter = tmp_path / "runs.txt"
     k.enroll(bad)
     k.enroll(good)
